@@ -1,0 +1,104 @@
+"""Frozen, layered configuration objects.
+
+Only plain dataclasses cross module boundaries. Derived values are properties, never stored twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """Map a dtype name (`float32`, `fp16`, `bf16`, ...) to a torch dtype, with a clear error."""
+    aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
+    key = aliases.get(name, name)
+    if key not in DTYPES:
+        from kiln.errors import ConfigError
+
+        raise ConfigError(f"unknown dtype {name!r}: expected one of {', '.join(DTYPES)}")
+    return DTYPES[key]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture hyper-parameters of a Llama-family decoder, as read from a checkpoint header."""
+
+    architecture: str  # "llama" | "qwen2" | "mistral"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # HF-style rope_scaling dict, e.g. {"rope_type": "llama3", "factor": 8.0, ...}; None = plain RoPE.
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Parameter count (embedding counted once when tied)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        layer = attn + 3 * h * i + 2 * h
+        head = 0 if self.tie_word_embeddings else v * h
+        return v * h + self.num_layers * layer + h + head
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V one token occupies across all layers."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.kv_size * itemsize
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # None: size the pool from `kv_cache_memory_gb`.
+    num_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    dtype: str = "auto"  # "auto" = model dtype
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "default"
+    dtype: str = "float32"
+    max_model_len: int | None = None  # None: min(model context, 4096)
+    seed: int = 0
+    num_threads: int | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    recipe: str | None = None
+    # graph mode (issue 4)
+    enable_piecewise_graph: bool = False

@@ -1,0 +1,179 @@
+"""The engine step: schedule -> execute -> update. Requests in, RequestOutputs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kiln.config import EngineConfig, parse_dtype
+from kiln.engine.detokenizer import IncrementalDetokenizer
+from kiln.engine.kv_cache import BlockPool
+from kiln.engine.model_runner import ModelRunner, ModelRunnerOutput
+from kiln.engine.request import Request, RequestOutput
+from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.scheduler import Scheduler, SchedulerOutput
+from kiln.errors import RequestError
+from kiln.model.loader import open_checkpoint
+from kiln.model.registry import build_model, load_tokenizer
+
+logger = logging.getLogger("kiln")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.checkpoint = open_checkpoint(config.model)
+        mc = self.checkpoint.config
+        self.model_config = mc
+        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
+        self.dtype = parse_dtype(config.dtype)
+        self.model = build_model(self.checkpoint, self.dtype, self.max_model_len)
+        self.tokenizer = load_tokenizer(self.checkpoint)
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        cc = config.cache
+        kv_dtype = self.dtype if cc.dtype == "auto" else parse_dtype(cc.dtype)
+        num_blocks = cc.num_blocks or max(
+            1, int(cc.kv_cache_memory_gb * 1e9) // (cc.block_size * mc.kv_bytes_per_token(kv_dtype))
+        )
+        self.pool = BlockPool(num_blocks, cc.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.pool)
+        self.runner = ModelRunner(self.model, num_blocks, cc.block_size, kv_dtype, self.eos_token_ids)
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GB %s), max_model_len=%d",
+            num_blocks,
+            cc.block_size,
+            num_blocks * cc.block_size,
+            self.runner.kv_cache_bytes / 1e9,
+            str(kv_dtype).removeprefix("torch."),
+            self.max_model_len,
+        )
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._seed_rng = torch.Generator().manual_seed(config.seed)
+        self.num_steps = 0
+
+    # -- requests ---------------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        """Tokenize and validate; raises RequestError (naming the request) without touching engine state."""
+        if request_id in self.requests:
+            raise RequestError(f"duplicate request id {request_id!r}", request_id)
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"prompt token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})",
+                    request_id,
+                    "prompt",
+                )
+        if not ids:
+            raise RequestError("the prompt is empty: expected at least one token", request_id, "prompt")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens exceeds "
+                f"max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens",
+                request_id,
+                "max_tokens",
+            )
+        if self.pool.blocks_for(total) > self.pool.num_blocks:
+            raise RequestError(
+                f"{total} tokens need {self.pool.blocks_for(total)} KV blocks but the cache holds "
+                f"{self.pool.num_blocks}; lower max_tokens or enlarge the KV cache",
+                request_id,
+                "max_tokens",
+            )
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
+        generator = None if params.is_greedy else torch.Generator().manual_seed(seed)
+        return Request(request_id, text, ids, params, generator)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+        req = self.make_request(request_id, prompt, params)
+        self.requests[request_id] = req
+        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, req)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self.scheduler.finish(req, "abort")
+        return self._output(req, num_new=0)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- the step -----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.runner.execute(sched)
+        self.num_steps += 1
+        return self.update(sched, result)
+
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            token = result.sampled.get(req.request_id)
+            if token is None:
+                continue  # a prefill chunk that does not reach the end of the sequence yet
+            req.output_token_ids.append(token)
+            if req.request_id in result.logprobs:
+                req.logprobs.append(result.logprobs[req.request_id])
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            self._check_stop(req, token)
+            outputs.append(self._output(req, num_new=1))
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> None:
+        p = req.params
+        detok = self.detokenizers[req.request_id]
+        detok.update()
+        if len(req.output_token_ids) < p.min_tokens:
+            return
+        if not p.ignore_eos and token in self.eos_token_ids:
+            self.scheduler.finish(req, "stop")
+        elif token in p.stop_token_ids:
+            self.scheduler.finish(req, "stop", token)
+        elif detok.stop_hit is not None:
+            self.scheduler.finish(req, "stop", detok.stop_hit)
+        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            self.scheduler.finish(req, "length")
+
+    def _output(self, req: Request, num_new: int) -> RequestOutput:
+        detok = self.detokenizers[req.request_id]
+        finished = req.is_finished
+        delta = detok.take_delta(finished)
+        if finished:
+            self.requests.pop(req.request_id, None)
+            self.detokenizers.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            text=detok.visible_text(finished),
+            token_ids=list(req.output_token_ids),
+            finished=finished,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            delta=delta,
+            num_new_tokens=num_new,
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            metrics=req.metrics,
+        )

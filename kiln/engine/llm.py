@@ -1,0 +1,121 @@
+"""The offline API: `LLM(model=...).generate(prompts, params)` and `.chat(messages, params)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from tqdm import tqdm
+
+from kiln.config import CacheConfig, EngineConfig, SchedulerConfig
+from kiln.engine.core import EngineCore
+from kiln.engine.request import RequestOutput
+from kiln.engine.sampling_params import SamplingParams
+from kiln.errors import RequestError
+from kiln.log import setup_logging
+
+Prompt = str | list[int]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """Loads a model once; runs batches of prompts to completion with continuous batching.
+
+    A request that cannot be served (too long, invalid) comes back finished with `finish_reason="error"`
+    and `.error` set; the other requests in the batch still run.
+    """
+
+    def __init__(
+        self,
+        model: str | None = "default",
+        *,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_gb: float = 1.0,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        seed: int = 0,
+        num_threads: int | None = None,
+        config: EngineConfig | None = None,
+    ) -> None:
+        setup_logging()
+        if config is None:
+            config = EngineConfig(
+                model=model or "default",
+                dtype=dtype,
+                max_model_len=max_model_len,
+                seed=seed,
+                num_threads=num_threads,
+                cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb),
+                scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+            )
+        self.engine = EngineCore(config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`. A list of ints is one tokenized prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params_list = _broadcast(params, len(prompts))
+        order: list[str] = []
+        results: dict[str, RequestOutput] = {}
+        for prompt, p in zip(prompts, params_list, strict=True):
+            rid = str(next(self._ids))
+            order.append(rid)
+            try:
+                self.engine.add_request(rid, prompt, p)
+            except RequestError as exc:
+                results[rid] = _error_output(rid, prompt, str(exc))
+        bar = tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm)
+        while self.engine.has_unfinished:
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [results[rid] for rid in order]
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of {role, content}) or many; the model's chat template makes the prompt."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.apply_chat_template(list(c)) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+
+def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [replace(params) for _ in range(n)]
+    if len(params) != n:
+        raise RequestError(f"got {len(params)} SamplingParams for {n} prompts: pass one, or one per prompt")
+    return list(params)
+
+
+def _error_output(request_id: str, prompt: Prompt, message: str) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=[] if isinstance(prompt, str) else list(prompt),
+        text="",
+        token_ids=[],
+        finished=True,
+        finish_reason="error",
+        error=message,
+    )

@@ -1,0 +1,92 @@
+"""A request's life in the engine, and the plain output objects handed to callers."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+class Request:
+    """Token state of one sequence. The scheduler moves it between queues; only the runner reads its blocks."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.generator = generator
+        self.output_token_ids: list[int] = []
+        self.logprobs: list[dict[int, float]] = []
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.error: str | None = None
+        self.metrics = RequestMetrics(arrival_time=time.monotonic())
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+
+@dataclass
+class RequestOutput:
+    """What a caller sees of a request after a step: the text so far (`delta` is this step's new text)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None
+    delta: str = ""
+    num_new_tokens: int = 0
+    logprobs: list[dict[int, float]] | None = None
+    error: str | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

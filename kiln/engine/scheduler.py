@@ -1,0 +1,133 @@
+"""Continuous batching with a token budget, chunked prefill and preemption by recompute.
+
+Each step: running requests first (decodes and unfinished prefill chunks), then waiting requests while
+the token budget, the sequence limit and free KV blocks allow. When blocks run out, the most recently
+admitted running request is preempted: its blocks are freed and it rejoins the front of the waiting
+queue to be recomputed from its prompt and the tokens it has already produced. The scheduler never
+touches tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kiln.config import SchedulerConfig
+from kiln.engine.kv_cache import BlockPool
+from kiln.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def completes_sequence(self) -> bool:
+        """After this chunk every known token is computed, so a new token is sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """Decodes (one new token) first, then prefills, as the attention op expects."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_pool: BlockPool) -> None:
+        self.config = config
+        self.pool = block_pool
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._grow(req, num_new, out):
+                continue  # `req` itself was preempted; self.running shrank
+            scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+            i += 1
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            needed = self.pool.blocks_for(req.num_computed_tokens + num_new) - len(req.block_ids)
+            if not self.pool.can_allocate(needed):
+                break
+            req.block_ids += self.pool.allocate(needed)
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+        scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
+        out.scheduled = scheduled
+        return out
+
+    def _grow(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Give `req` blocks for `num_new` more tokens, preempting from the back; False if `req` was preempted."""
+        needed = self.pool.blocks_for(req.num_computed_tokens + num_new) - len(req.block_ids)
+        while not self.pool.can_allocate(needed):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        if needed > 0:
+            req.block_ids += self.pool.allocate(needed)
+        return True
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req.request_id)
+
+    def finish(self, req: Request, reason: str, stop_reason: str | int | None = None) -> None:
+        """Free a request's blocks and drop it from whichever queue holds it."""
+        if req.is_finished:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.pool.free(req.block_ids)
+        req.block_ids = []
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        req.metrics.finished_time = time.monotonic()

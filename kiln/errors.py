@@ -1,0 +1,30 @@
+"""Errors meant for people: each says what was expected, what was found, and where."""
+
+from __future__ import annotations
+
+
+class KilnError(Exception):
+    """Base of every error kiln raises on purpose; the CLI prints these as one line, no traceback."""
+
+
+class ConfigError(KilnError):
+    """A bad option or setting."""
+
+
+class ModelLoadError(KilnError):
+    """A checkpoint that cannot be loaded: missing, truncated, corrupt or unsupported."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+class RequestError(KilnError):
+    """A request that cannot be served (too long, bad sampling parameters, ...); fails only that request."""
+
+    def __init__(self, message: str, request_id: str | None = None, param: str | None = None) -> None:
+        where = f" (request {request_id})" if request_id is not None else ""
+        super().__init__(f"{message}{where}")
+        self.request_id = request_id
+        self.param = param

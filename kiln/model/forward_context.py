@@ -1,0 +1,59 @@
+"""Per-step state the attention op reads: metadata and KV caches, set by the runner around one forward.
+
+The model's traced graph never sees these as inputs, so graph pieces stay independent of batch layout;
+only the opaque attention op (which dynamo never traces into) looks them up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Layout of one flattened batch. Sequences are ordered decodes first (one query token each), then prefills.
+
+    Tokens past `num_actual_tokens` are padding (graph capture sizes): attention ignores them and
+    never writes them to the KV cache.
+    """
+
+    num_actual_tokens: int
+    num_decodes: int  # the first `num_decodes` sequences have exactly one query token
+    slot_mapping: torch.Tensor  # [num_actual_tokens] int64: flat KV slot of each new token
+    query_start_loc: list[int]  # [num_seqs + 1] token offsets into the flattened batch
+    seq_lens: list[int]  # [num_seqs] total tokens (context + new) of each sequence
+    seq_lens_tensor: torch.Tensor  # [num_seqs] int64, same values
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, rows padded with 0
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+@dataclass
+class ForwardContext:
+    attn_metadata: AttentionMetadata
+    kv_caches: list[torch.Tensor]  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+
+
+_current: ForwardContext | None = None
+
+
+@contextmanager
+def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    global _current
+    previous, _current = _current, ctx
+    try:
+        yield ctx
+    finally:
+        _current = previous
+
+
+def get_forward_context() -> ForwardContext:
+    if _current is None:
+        raise RuntimeError("kiln.attention was called outside set_forward_context(): the runner sets it per step")
+    return _current

@@ -1,0 +1,96 @@
+"""Building blocks of the Llama family: RMSNorm, rotary embedding (with scaling), SiLU-gated MLP."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kiln.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: statistics in fp32 whatever the model dtype, as HF does; parity depends on it.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and a position scale for the config's rope scaling (none, linear, llama3, GGUF factors)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = dict(config.rope_scaling or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    position_scale = 1.0
+    if kind == "linear":
+        position_scale = 1.0 / float(scaling["factor"])
+    elif kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        is_medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(is_medium, smoothed, inv_freq)
+    elif kind == "freq_factors":
+        if freq_factors is None:
+            raise ValueError("rope_type freq_factors needs the checkpoint's rope_freqs tensor")
+        inv_freq = inv_freq / freq_factors.float()
+    elif kind != "default":
+        from kiln.errors import ConfigError
+
+        raise ConfigError(f"unsupported rope scaling {kind!r}: kiln runs linear, llama3 and GGUF rope_freqs")
+    return inv_freq, position_scale
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE over a precomputed cos/sin table indexed by position."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, freq_factors: torch.Tensor | None = None) -> None:
+        super().__init__()
+        inv_freq, scale = rope_inv_freq(config, freq_factors)
+        t = torch.arange(max_positions, dtype=torch.int64).float() * scale
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_cache", emb.cos(), persistent=False)
+        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        self.head_dim = config.head_dim
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = positions.shape[0]
+        cos = self.cos_cache[positions].unsqueeze(1)  # [n, 1, D]
+        sin = self.sin_cache[positions].unsqueeze(1)
+        qh = q.view(n, -1, self.head_dim)
+        kh = k.view(n, -1, self.head_dim)
+        q_out = (qh.float() * cos + _rotate_half(qh.float()) * sin).to(q.dtype)
+        k_out = (kh.float() * cos + _rotate_half(kh.float()) * sin).to(k.dtype)
+        return q_out.view(n, -1), k_out.view(n, -1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused in one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.intermediate_size = intermediate_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)

