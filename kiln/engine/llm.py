@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -85,6 +85,20 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [results[rid] for rid in order]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Run one prompt, yielding an output (with `.delta`, the new text) after every step that adds tokens."""
+        rid = str(next(self._ids))
+        self.engine.add_request(rid, prompt, params or SamplingParams())
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort(rid)
 
     def chat(
         self,

@@ -56,10 +56,7 @@ def _read_header(path: str, mtime_ns: int, size: int) -> CheckpointHeader:
 
 def check_weights(doc: SourceDoc, spec: RecipeSpec, header: CheckpointHeader) -> list[Diagnostic]:
     """`weights.dtype` / `source_quantization` against the tensor types the file really holds."""
-    layer_types = Counter(t for name, t in header.tensor_types.items() if _module(header, name).endswith("_proj"))
-    if not layer_types:
-        layer_types = Counter(header.tensor_types.values())
-    stored = layer_types.most_common(1)[0][0] if layer_types else "F32"
+    stored = layer_storage_type(header)
     holds = f"{os.path.basename(header.path)} holds {_summary(Counter(header.tensor_types.values()))}"
     claimed_q, dtype = spec.weights.source_quantization, spec.weights.dtype
     unsupported = sorted(set(header.tensor_types.values()) - set(QUANTIZED) - set(FLOATS))
@@ -81,6 +78,14 @@ def check_weights(doc: SourceDoc, spec: RecipeSpec, header: CheckpointHeader) ->
                    f"(inf/NaN) or lose precision: use {FLOATS[stored]} or float32")
         return [doc.diagnostic("error", message, ("weights", "dtype"))]
     return []
+
+
+def layer_storage_type(header: CheckpointHeader) -> str:
+    """The storage type of most linear-layer weights ("Q4_1", "BF16", ...): what `source_quantization` describes."""
+    layer_types = Counter(t for name, t in header.tensor_types.items() if _module(header, name).endswith("_proj"))
+    if not layer_types:
+        layer_types = Counter(header.tensor_types.values())
+    return layer_types.most_common(1)[0][0] if layer_types else "F32"
 
 
 def check_model_constraints(doc: SourceDoc, constraints: list[Constraint], values: dict[str, int],

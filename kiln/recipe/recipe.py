@@ -1,0 +1,144 @@
+"""`load_recipe`: parse, check the schema, prove the constraints consistent, check them against the checkpoint and
+across sections. The result is a frozen Recipe the engine reads its graph settings from."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kiln.recipe.analysis import analyze
+from kiln.recipe.capacity import check_capture_sizes, check_kv_capacity
+from kiln.recipe.checkpoint import check_model_constraints, check_weights, model_ops, model_symbols, open_header
+from kiln.recipe.constraints import Constraint, parse_constraints
+from kiln.recipe.diagnostics import Diagnostic, RecipeError, has_errors, sort_diagnostics
+from kiln.recipe.guards import RecipeGuards
+from kiln.recipe.schema import FusionGroup, RecipeSpec
+from kiln.recipe.schema_check import validate_schema
+from kiln.recipe.sections import check_fusion_groups, check_graph, check_group_size, check_inputs, check_memory
+from kiln.recipe.source import parse_source
+
+logger = logging.getLogger("kiln")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A validated recipe. Bounds are the largest values the constraints allow (None: unbounded)."""
+
+    path: str
+    spec: RecipeSpec
+    hash: str
+    constraints: list[Constraint]
+    model_path: str
+    model_values: dict[str, int]
+    witness: dict[str, int]
+    bounds: dict[str, int | None]
+    diagnostics: list[Diagnostic] = field(default_factory=list)
+
+    @property
+    def dtype(self) -> str:
+        return self.spec.weights.dtype
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.spec.memory_plan.kv_cache.dtype
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.memory_plan.kv_cache.block_size
+
+    @property
+    def max_pages(self) -> int:
+        return self.spec.memory_plan.kv_cache.max_pages
+
+    @property
+    def max_num_seqs(self) -> int | None:
+        return self.bounds.get("batch_size")
+
+    @property
+    def max_num_batched_tokens(self) -> int | None:
+        return self.bounds.get("num_tokens")
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.bounds.get("seq_len")
+
+    @property
+    def piecewise(self) -> bool:
+        return self.spec.graph.piecewise
+
+    @property
+    def splitting_ops(self) -> list[str]:
+        return list(self.spec.graph.splitting_ops)
+
+    @property
+    def capture_sizes(self) -> list[int]:
+        """Ascending; validation guarantees each is distinct and allowed by the num_tokens constraints."""
+        return sorted(self.spec.graph.capture_sizes)
+
+    @property
+    def compiler(self) -> str:
+        return self.spec.graph.compiler
+
+    @property
+    def debug_mode(self) -> bool:
+        return self.spec.debug.debug_mode
+
+    @property
+    def fusion_groups(self) -> list[FusionGroup]:
+        return list(self.spec.fusion_groups)
+
+    @property
+    def guards(self) -> RecipeGuards:
+        return RecipeGuards(self.path, self.constraints, self.model_values)
+
+
+def load_recipe(path: str, model: str | None = None) -> Recipe:
+    """Load and validate a recipe file; `model` overrides `model.path`. Raises RecipeError listing every error."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise RecipeError([Diagnostic(path, 0, 0, "error", f"cannot read the recipe: {reason}")]) from None
+    return load_recipe_text(text, path, model)
+
+
+def load_recipe_text(text: str, file: str = "<string>", model: str | None = None) -> Recipe:
+    """Validate recipe text; `file` names it in diagnostics (relative model paths resolve next to it)."""
+    doc = parse_source(text, file)
+    spec = validate_schema(doc)
+    constraints, diagnostics = parse_constraints(doc, spec.input_constraints.constraints)
+    header, found = open_header(doc, spec, model)
+    diagnostics += found
+    values = model_symbols(header.config) if header else None
+    diagnostics += check_graph(doc, spec) + check_inputs(doc, spec, values)
+    diagnostics += check_fusion_groups(doc, spec, model_ops(header) if header else None)
+    if header is not None:
+        diagnostics += check_weights(doc, spec, header) + check_model_constraints(doc, constraints, values, header)
+        diagnostics += check_group_size(doc, spec, header.config) + check_memory(doc, spec, header.config)
+    witness: dict[str, int] = {}
+    bounds: dict[str, int | None] = {}
+    if len(constraints) == len(spec.input_constraints.constraints):  # every constraint parsed
+        analysis = analyze(doc, constraints, values)
+        diagnostics += analysis.diagnostics
+        if analysis.satisfiable:
+            diagnostics += check_capture_sizes(doc, spec, analysis)
+            diagnostics += check_kv_capacity(doc, spec, analysis, header.config if header else None)
+            witness, bounds = analysis.witness, analysis.bounds
+    diagnostics = sort_diagnostics(diagnostics)
+    if has_errors(diagnostics) or header is None or values is None:
+        raise RecipeError(diagnostics)
+    logger.info("Recipe validated: %d constraints satisfied, 0 conflicts", len(constraints))
+    return Recipe(file, spec, recipe_hash(spec, constraints), constraints, header.path, values, witness, bounds,
+                  diagnostics)
+
+
+def recipe_hash(spec: RecipeSpec, constraints: list[Constraint]) -> str:
+    """sha256 of the normalised recipe: defaults filled in, keys sorted, constraints re-spelt canonically, so
+    formatting, comments and key order do not matter and any changed value does."""
+    data = spec.model_dump(mode="json")
+    data["input_constraints"]["constraints"] = [c.expr.normalized for c in constraints]
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
