@@ -80,6 +80,11 @@ class HFCheckpoint:
             num_heads = int(c["num_attention_heads"])
             hidden = int(c["hidden_size"])
             eos = c.get("eos_token_id")
+            # transformers >= 5 writes `rope_parameters` (theta inside); older configs `rope_theta` + `rope_scaling`
+            rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
+            rope_theta = float(rope.pop("rope_theta", c.get("rope_theta", 10000.0)))
+            if rope.get("rope_type", rope.get("type", "default")) == "default":
+                rope = {}
             return ModelConfig(
                 architecture=arch,
                 vocab_size=int(c["vocab_size"]),
@@ -90,8 +95,8 @@ class HFCheckpoint:
                 num_kv_heads=int(c.get("num_key_value_heads") or num_heads),
                 head_dim=int(c.get("head_dim") or hidden // num_heads),
                 rms_norm_eps=float(c.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(c.get("rope_theta", 10000.0)),
-                rope_scaling=c.get("rope_scaling"),
+                rope_theta=rope_theta,
+                rope_scaling=rope or None,
                 max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
                 attention_bias=bool(c.get("attention_bias", arch == "qwen2")),
