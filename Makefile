@@ -33,3 +33,7 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The main job: serve the default model (OpenAI-compatible) on 127.0.0.1:8000.
+serve: setup
+	$(BIN)/kiln serve --model default

@@ -91,6 +91,32 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class FusionGroupConfig:
+    """Ops a recipe expects in one kernel: module names (`gate_proj`) and functional ops (`silu`, `mul`)."""
+
+    name: str
+    ops: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """Graph-mode settings: from the recipe, else CLI flags (built by `kiln.compile.graph_config_from`)."""
+
+    piecewise: bool = True
+    full_graph: bool = False  # the whole forward as one graph, captured for decode-only batches
+    splitting_ops: tuple[str, ...] = ("kiln.attention",)
+    capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    compiler: str = "inductor"  # "inductor" | "eager" (run the traced graph, no codegen)
+    cache_dir: str | None = None  # None: KILN_CACHE_DIR (~/.cache/kiln)
+    dump_dir: str | None = None  # write the compile artifacts here when set
+    piece_modes: tuple[tuple[int, str], ...] = ()  # (piece index, eager|compiled|captured); unset: captured
+    recipe_hash: str = ""
+    fusion_groups: tuple[FusionGroupConfig, ...] = (
+        FusionGroupConfig("mlp_fusion", ("gate_proj", "up_proj", "silu", "mul", "down_proj")),
+    )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = "default"
     dtype: str = "float32"
@@ -102,3 +128,8 @@ class EngineConfig:
     recipe: str | None = None
     # graph mode (issue 4)
     enable_piecewise_graph: bool = False
+    graph: GraphConfig = field(default_factory=GraphConfig)
+
+    @property
+    def is_graph_mode(self) -> bool:
+        return self.enable_piecewise_graph or self.graph.full_graph

@@ -45,6 +45,10 @@ class EngineCore:
         self.pool = BlockPool(num_blocks, cc.block_size)
         self.scheduler = Scheduler(config.scheduler, self.pool)
         self.runner = ModelRunner(self.model, num_blocks, cc.block_size, kv_dtype, self.eos_token_ids)
+        if config.is_graph_mode:
+            from kiln.compile.graph_runner import enable_graph_mode
+
+            enable_graph_mode(self.runner, config.graph)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GB %s), max_model_len=%d",
             num_blocks,

@@ -54,7 +54,7 @@ class IncrementalDetokenizer:
         if finished or self.stop_hit is not None:
             return self.text
         hold = self._max_stop_len() - 1
-        return self.text[: len(self.text) - hold] if hold > 0 else self.text
+        return self.text[: max(len(self.text) - hold, 0)] if hold > 0 else self.text
 
     def take_delta(self, finished: bool) -> str:
         visible = self.visible_text(finished)

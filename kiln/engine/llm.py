@@ -41,10 +41,28 @@ class LLM:
         enable_chunked_prefill: bool = True,
         seed: int = 0,
         num_threads: int | None = None,
+        enable_piecewise_graph: bool = False,
+        full_graph: bool = False,
+        compiler: str | None = None,
+        capture_sizes: Sequence[int] | None = None,
+        piece_modes: str | dict[int, str] | None = None,
+        cache_dir: str | None = None,
+        dump_dir: str | None = None,
         config: EngineConfig | None = None,
     ) -> None:
         setup_logging()
         if config is None:
+            from kiln.compile.settings import graph_config_from
+
+            graph = graph_config_from(
+                None,
+                full_graph=full_graph or None,
+                compiler=compiler,
+                capture_sizes=capture_sizes,
+                piece_modes=piece_modes,
+                cache_dir=cache_dir,
+                dump_dir=dump_dir,
+            )
             config = EngineConfig(
                 model=model or "default",
                 dtype=dtype,
@@ -53,6 +71,8 @@ class LLM:
                 num_threads=num_threads,
                 cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb),
                 scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
+                enable_piecewise_graph=enable_piecewise_graph,
+                graph=graph,
             )
         self.engine = EngineCore(config)
         self.tokenizer = self.engine.tokenizer

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from kiln.compile.counters import CompileCounters
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kiln.engine.scheduler import SchedulerOutput
 from kiln.model.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from kiln.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from kiln.compile.graph_runner import GraphRunner
 
 ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -54,6 +59,9 @@ class ModelRunner:
         self.sampler = Sampler()
         self.forward_fn: ForwardFn = model
         self.pad_to: Callable[[int], int] = lambda n: n
+        # graph mode (kiln.compile.enable_graph_mode) replaces forward_fn and pad_to and counts here
+        self.counters = CompileCounters()
+        self.graph_runner: GraphRunner | None = None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -96,6 +104,7 @@ class ModelRunner:
             seq_lens=seq_lens,
             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long),
             block_tables=torch.tensor(tables, dtype=torch.long),
+            block_size=bs,
         )
         return ModelInputs(
             input_ids=torch.tensor(input_ids + [0] * pad, dtype=torch.long),

@@ -42,13 +42,9 @@ def paged_attention(
     qh = q[:n].view(n, num_heads, head_dim)
     nd = meta.num_decodes
     if nd:
-        max_len = max(meta.seq_lens[:nd])
-        keys = gather_kv(kv_cache[0], meta.block_tables[:nd], max_len).transpose(1, 2)  # [nd, Hkv, L, D]
-        values = gather_kv(kv_cache[1], meta.block_tables[:nd], max_len).transpose(1, 2)
-        mask = torch.arange(max_len) < meta.seq_lens_tensor[:nd, None]  # [nd, L]
-        o = F.scaled_dot_product_attention(
-            qh[:nd].unsqueeze(2), keys, values, attn_mask=mask[:, None, None, :], enable_gqa=True
-        )
+        table, mask, max_len = meta.decode_layout
+        kv = kv_cache[:, table].flatten(2, 3)[:, :, :max_len].transpose(2, 3)  # [2, nd, Hkv, L, D]
+        o = F.scaled_dot_product_attention(qh[:nd].unsqueeze(2), kv[0], kv[1], attn_mask=mask, enable_gqa=True)
         out[:nd] = o.reshape(nd, num_heads * head_dim)
     for i in range(nd, meta.num_seqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -28,10 +29,21 @@ class AttentionMetadata:
     seq_lens: list[int]  # [num_seqs] total tokens (context + new) of each sequence
     seq_lens_tensor: torch.Tensor  # [num_seqs] int64, same values
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, rows padded with 0
+    block_size: int
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    @cached_property
+    def decode_layout(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(block table, key mask [num_decodes, 1, 1, L], L) of the decode sequences, built once per step."""
+        nd = self.num_decodes
+        max_len = max(self.seq_lens[:nd])
+        block_size = self.block_size
+        table = self.block_tables[:nd, : -(-max_len // block_size)]
+        mask = torch.arange(max_len) < self.seq_lens_tensor[:nd, None]
+        return table, mask[:, None, None, :], max_len
 
 
 @dataclass

@@ -1,0 +1,296 @@
+"""The engine loop for serving: one background thread owns the EngineCore; asyncio callers get per-request queues.
+
+Rules:
+- Only the engine thread touches the EngineCore. Callers submit commands (add, abort) as closures; the thread
+  runs them between steps, so concurrent HTTP requests join the next continuous batch.
+- Outputs of a step are handed to the event loop in one `call_soon_threadsafe` and put on the queue of the
+  `RequestStream` that owns each request; model work never runs on the event loop.
+- A stream that is closed before its requests finish (a client that went away) aborts them, which frees their
+  KV blocks. A failing step fails the requests in the engine with `finish_reason="error"`; the loop keeps going.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
+
+from kiln.engine.core import EngineCore
+from kiln.engine.request import RequestOutput
+from kiln.engine.sampling_params import SamplingParams
+from kiln.errors import KilnError
+
+logger = logging.getLogger("kiln")
+
+Prompt = str | list[int]
+
+
+class QueueFullError(KilnError):
+    """More requests than the server admits (running + `max_queue` waiting); the client should retry later."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineStoppedError(KilnError):
+    """The engine is shutting down or its loop has stopped; no new requests are accepted."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot the engine thread publishes after every step (read from any thread)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks_used: int = 0
+    num_kv_blocks: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_step_failures: int = 0
+
+
+class RequestStream:
+    """Outputs of one or more engine requests (e.g. the `n` choices of one HTTP request), in the order produced.
+
+    Iterate it for RequestOutputs; iteration ends when every request has finished. `close()` (also run by
+    `async with`) aborts the requests that have not finished.
+    """
+
+    def __init__(self, engine: AsyncEngine, request_ids: Sequence[str]) -> None:
+        self.engine = engine
+        self.request_ids = list(request_ids)
+        self.unfinished = set(request_ids)
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self.unfinished:
+            raise StopAsyncIteration
+        out = await self.queue.get()
+        if out.finished:
+            self.unfinished.discard(out.request_id)
+        return out
+
+    def close(self) -> None:
+        for request_id in sorted(self.unfinished):
+            self.engine.abort(request_id)
+        self.unfinished.clear()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncEngine:
+    """Runs `EngineCore.step` in a background thread and serves requests to asyncio code.
+
+    `max_queue`: how many requests may wait for a batch slot beyond `max_num_seqs` before `add_requests`
+    raises QueueFullError (None: unbounded).
+    """
+
+    def __init__(self, core: EngineCore, max_queue: int | None = None) -> None:
+        self.core = core
+        self.max_queue = max_queue
+        self._streams: dict[str, RequestStream] = {}
+        self._commands: deque[Callable[[], None]] = deque()
+        self._wakeup = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._is_accepting = False
+        self._is_stopping = False
+        self._stats = EngineStats(num_kv_blocks=core.pool.num_blocks)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will consume the outputs."""
+        if self._thread is not None:
+            raise KilnError("AsyncEngine.start() called twice")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
+        self._is_accepting = True
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Refuse new requests, abort the ones in flight (their streams end with `finish_reason="abort"`), join."""
+        self._is_accepting = False
+        if self._thread is None:
+            return
+        if self._streams:
+            logger.info("Aborting %d unfinished request(s)", len(self._streams))
+        self._submit(self._abort_all)
+        self._is_stopping = True
+        self._wakeup.set()
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    @property
+    def is_accepting(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._is_accepting
+
+    # -- requests ---------------------------------------------------------------------------------
+    async def add_requests(self, requests: Sequence[tuple[str, Prompt, SamplingParams]]) -> RequestStream:
+        """Add requests (id, prompt, params) all-or-nothing; return the stream of their outputs.
+
+        Raises RequestError for a request the engine rejects (nothing is added then), QueueFullError when the
+        server is full, EngineStoppedError while shutting down.
+        """
+        if not self.is_accepting:
+            raise EngineStoppedError("the server is shutting down and accepts no new requests")
+        self._check_capacity(len(requests))
+        stream = RequestStream(self, [rid for rid, _, _ in requests])
+        for rid in stream.request_ids:
+            self._streams[rid] = stream
+        assert self._loop is not None
+        added: asyncio.Future[None] = self._loop.create_future()
+        self._submit(lambda: self._add_all(requests, added))
+        try:
+            await added
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as steps produce them; leaving the loop early aborts the request."""
+        async with await self.add_requests([(request_id, prompt, params)]) as stream:
+            async for out in stream:
+                yield out
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its KV blocks; no further outputs are delivered for it."""
+        self._streams.pop(request_id, None)
+        self._submit(lambda: self.core.abort(request_id))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests admitted and not finished (running, waiting, or about to be added)."""
+        return len(self._streams)
+
+    def _check_capacity(self, num_new: int) -> None:
+        if self.max_queue is None:
+            return
+        capacity = self.core.config.scheduler.max_num_seqs + self.max_queue
+        if self.num_unfinished + num_new > capacity:
+            raise QueueFullError(
+                f"the server is full: {self.num_unfinished} requests in flight, room for {capacity} "
+                f"(max_num_seqs={self.core.config.scheduler.max_num_seqs} + max_queue={self.max_queue}); "
+                f"retry later",
+                retry_after_s=1,
+            )
+
+    # -- the engine thread ------------------------------------------------------------------------
+    def _submit(self, command: Callable[[], None]) -> None:
+        self._commands.append(command)
+        self._wakeup.set()
+
+    def _run(self) -> None:
+        while not self._is_stopping:
+            self._wakeup.clear()
+            self._run_commands()
+            if self.core.has_unfinished:
+                self._step()
+            else:
+                self._publish_stats()
+                self._wakeup.wait()
+        self._run_commands()
+        self._publish_stats()
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            command = self._commands.popleft()
+            try:
+                command()
+            except Exception:
+                # NOTE: commands are engine bookkeeping (add, abort); a failure here is a kiln bug, so log it
+                # with its traceback for the operator and keep serving the other requests.
+                logger.exception("engine command failed")
+
+    def _add_all(self, requests: Sequence[tuple[str, Prompt, SamplingParams]], added: asyncio.Future[None]) -> None:
+        done: list[str] = []
+        error: BaseException | None = None
+        for rid, prompt, params in requests:
+            try:
+                self.core.add_request(rid, prompt, params)
+            except Exception as exc:  # RequestError for bad input; anything else reaches the client as a 500
+                error = exc
+                break
+            done.append(rid)
+        if error is not None:
+            for rid in done:
+                self.core.abort(rid)
+        self._call_in_loop(_resolve, added, error)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.core.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing the %d request(s) in the engine", len(self.core.requests))
+            outputs = self._fail_all(exc)
+            self._stats = replace(self._stats, num_step_failures=self._stats.num_step_failures + 1)
+        self._publish_stats()
+        if outputs:
+            self._call_in_loop(self._deliver, outputs)
+
+    def _fail_all(self, exc: Exception) -> list[RequestOutput]:
+        message = f"the engine step failed: {exc}"
+        outputs = []
+        for rid in list(self.core.requests):
+            out = self.core.abort(rid)
+            if out is not None:
+                outputs.append(replace(out, finish_reason="error", error=message))
+        return outputs
+
+    def _abort_all(self) -> None:
+        outputs = [out for rid in list(self.core.requests) if (out := self.core.abort(rid)) is not None]
+        if outputs:
+            self._call_in_loop(self._deliver, outputs)
+
+    def _publish_stats(self) -> None:
+        sched, pool = self.core.scheduler, self.core.pool
+        self._stats = replace(
+            self._stats,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_kv_blocks_used=pool.num_used_blocks,
+            num_kv_blocks=pool.num_blocks,
+            num_preemptions=sched.num_preemptions,
+            num_steps=self.core.num_steps,
+        )
+
+    def _call_in_loop(self, fn: Callable[..., None], *args: object) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            # NOTE: the event loop is closed only after the server stopped; nobody is left to receive outputs.
+            logger.debug("event loop closed; dropped %s", getattr(fn, "__name__", fn))
+
+    # -- on the event loop ------------------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted by its caller; the engine produced this output before the abort ran
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.queue.put_nowait(out)
+
+
+def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled while waiting; add_requests already aborted its requests
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

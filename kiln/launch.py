@@ -1,0 +1,38 @@
+"""`python -m kiln.launch --model-path M [--enable-piecewise-graph] [--port P]`: the seed-style server entry.
+
+Same server as `kiln serve`; `--model-path` is the seed's name for `--model`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kiln.cli import add_engine_args
+from kiln.errors import KilnError
+from kiln.server.cli import add_server_args
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m kiln.launch", description=__doc__)
+    add_engine_args(parser)
+    parser.add_argument("--model-path", dest="model", default=argparse.SUPPRESS, help="same as --model")
+    add_server_args(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from kiln.server.launcher import run_server
+
+    try:
+        return run_server(args)
+    except KilnError as exc:
+        print(f"kiln: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

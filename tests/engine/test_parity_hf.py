@@ -1,0 +1,83 @@
+"""The default model against HF transformers on the same dequantized GGUF, fp32."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from kiln import LLM, SamplingParams
+from kiln.model.loader import default_model_path
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Here is a short story about a lighthouse keeper:",
+    "List three prime numbers:",
+]
+NUM_TOKENS = 32
+# Below this top-2 logit gap, HF's own argmax is a coin toss at fp32 rounding; a mismatch there is reported.
+TIE_GAP = 1e-4
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    ).eval()
+
+
+def kiln_prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    engine = llm.engine
+    engine.add_request("parity", ids, SamplingParams(max_tokens=1, temperature=0))
+    try:
+        inputs = engine.runner.prepare(engine.scheduler.schedule())
+        inputs.sample_indices = list(range(len(ids)))
+        return engine.model.compute_logits(engine.runner.forward(inputs))
+    finally:
+        engine.abort("parity")
+
+
+@pytest.mark.slow
+def test_prompt_logits_match_hf(llm: LLM, hf_model) -> None:
+    for prompt in PROMPTS:
+        ids = llm.tokenizer.encode(prompt)
+        with torch.no_grad():
+            expected = hf_model(torch.tensor([ids])).logits[0]
+        got = kiln_prompt_logits(llm, ids)
+        assert (got - expected).abs().max().item() <= 1e-3, prompt
+    assert llm.engine.pool.num_used_blocks == 0
+
+
+@pytest.mark.slow
+def test_greedy_continuations_match_hf(llm: LLM, hf_model) -> None:
+    ids_list = [llm.tokenizer.encode(p) for p in PROMPTS]
+    outs = llm.generate(ids_list, SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True))
+    near_ties = []
+    for ids, out in zip(ids_list, outs, strict=True):
+        with torch.no_grad():
+            gen = hf_model.generate(
+                torch.tensor([ids]),
+                max_new_tokens=NUM_TOKENS,
+                min_new_tokens=NUM_TOKENS,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        hf_tokens = gen.sequences[0, len(ids) :].tolist()
+        if out.token_ids == hf_tokens:
+            continue
+        first = next(i for i, (a, b) in enumerate(zip(out.token_ids, hf_tokens, strict=True)) if a != b)
+        top2 = gen.scores[first][0].topk(2).values
+        gap = (top2[0] - top2[1]).item()
+        # a divergence is only acceptable where HF itself sits on a near-tie; say so rather than hide it
+        assert gap < TIE_GAP, f"diverged from HF at token {first} (HF top-2 gap {gap:.2e}) for {ids[:8]}..."
+        near_ties.append((first, gap))
+    if near_ties:
+        warnings.warn(f"kiln and HF differ only at near-ties (token index, gap): {near_ties}", stacklevel=1)
+    assert len(near_ties) < len(PROMPTS), "every prompt diverged: parity is not shown"
