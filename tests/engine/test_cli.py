@@ -1,0 +1,45 @@
+"""`kiln generate` end to end in a subprocess, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+KILN = [sys.executable, "-m", "kiln.cli"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*KILN, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_json_has_the_fields() -> None:
+    proc = run("generate", "--prompt", "The capital of France is", "--prompt", "2 + 2 =", "--max-tokens", "6", "--json")
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["prompt"] for r in records] == ["The capital of France is", "2 + 2 ="]
+    for r in records:
+        assert set(r) >= {"prompt", "text", "token_ids", "finish_reason", "num_prompt_tokens"}
+        assert 1 <= len(r["token_ids"]) <= 6 and r["num_prompt_tokens"] > 0
+        assert r["finish_reason"] in ("stop", "length")
+    assert "Paris" in records[0]["text"]
+
+
+def test_missing_model_is_one_line_without_traceback() -> None:
+    proc = run("generate", "--model", "/no/such/model.gguf", "--prompt", "hi")
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        "kiln: error: /no/such/model.gguf: no such file or directory (expected a .gguf file or an HF model directory)"
+    )
+
+
+def test_too_long_prompt_is_a_clear_error() -> None:
+    proc = run("generate", "--prompt", "hello " * 100, "--max-model-len", "32", "--max-tokens", "4")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "exceeds max_model_len=32" in proc.stderr
+
+
+def test_bad_sampling_flag_is_a_clear_error() -> None:
+    proc = run("generate", "--prompt", "hi", "--temperature", "-2")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "temperature=-2.0: must be >= 0" in proc.stderr
