@@ -22,11 +22,32 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--recipe", default=None, help="recipe YAML: validated, then its settings and guards apply")
+    g = p.add_argument_group("graph mode")
+    g.add_argument("--enable-piecewise-graph", action="store_true", help="split at attention, compile, capture")
+    g.add_argument("--full-graph", action="store_true", help="the whole forward as one graph (decode batches)")
+    g.add_argument("--compiler", choices=["inductor", "eager"], default=None, help="piece compiler (default inductor)")
+    g.add_argument("--capture-sizes", default=None, help="num_tokens sizes to capture, e.g. 1,2,4,8,16,32")
+    g.add_argument("--piece-modes", default=None, help="per-piece modes, e.g. 0-3:captured,4:eager,5:compiled")
+    g.add_argument("--cache-dir", default=None, help="compile cache (default ~/.cache/kiln or KILN_CACHE_DIR)")
+    g.add_argument("--dump-dir", default=None, help="write graph artifacts (pieces, graph.dot, lint, profile) here")
 
 
-def make_llm(args: argparse.Namespace):  # noqa: ANN201  (kiln.LLM; imported lazily to keep --help fast)
+def make_llm(args: argparse.Namespace, **overrides: object):  # noqa: ANN201  (kiln.LLM, imported lazily)
+    """The LLM the engine flags describe; `overrides` (LLM keyword arguments) win over the flags."""
     from kiln.engine.llm import LLM
 
+    sizes = [int(x) for x in args.capture_sizes.split(",")] if args.capture_sizes else None
+    kwargs = dict(
+        enable_piecewise_graph=args.enable_piecewise_graph,
+        full_graph=args.full_graph,
+        compiler=args.compiler,
+        capture_sizes=sizes,
+        piece_modes=args.piece_modes,
+        cache_dir=args.cache_dir,
+        dump_dir=args.dump_dir,
+    )
+    kwargs.update(overrides)
     return LLM(
         args.model,
         dtype=args.dtype,
@@ -36,6 +57,8 @@ def make_llm(args: argparse.Namespace):  # noqa: ANN201  (kiln.LLM; imported laz
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.num_threads,
+        recipe=args.recipe,
+        **kwargs,
     )
 
 
@@ -153,14 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _subcommand_registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
     """Subcommands that live with their subsystem (each module adds its own parser)."""
     from kiln.bench.cli import add_bench_subcommand
+    from kiln.recipe.cli import add_recipe_subcommand
 
-    registrars = [add_bench_subcommand]
-    try:
-        from kiln.recipe.cli import add_recipe_subcommand
-
-        registrars.append(add_recipe_subcommand)
-    except ImportError:
-        pass
+    registrars = [add_bench_subcommand, add_recipe_subcommand]
     return registrars
 
 

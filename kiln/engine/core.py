@@ -11,6 +11,7 @@ from kiln.config import EngineConfig, parse_dtype
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.kv_cache import BlockPool
 from kiln.engine.model_runner import ModelRunner, ModelRunnerOutput
+from kiln.engine.recipe_config import resolve_recipe
 from kiln.engine.request import Request, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
@@ -23,6 +24,7 @@ logger = logging.getLogger("kiln")
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
+        config, self.recipe = resolve_recipe(config)
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -82,6 +84,8 @@ class EngineCore:
         if not ids:
             raise RequestError("the prompt is empty: expected at least one token", request_id, "prompt")
         total = len(ids) + params.max_tokens
+        if self.recipe is not None:
+            self.recipe.guards.check_request(request_id, seq_len=total)
         if total > self.max_model_len:
             raise RequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens exceeds "

@@ -48,6 +48,7 @@ class LLM:
         piece_modes: str | dict[int, str] | None = None,
         cache_dir: str | None = None,
         dump_dir: str | None = None,
+        recipe: str | None = None,
         config: EngineConfig | None = None,
     ) -> None:
         setup_logging()
@@ -73,6 +74,7 @@ class LLM:
                 scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
                 enable_piecewise_graph=enable_piecewise_graph,
                 graph=graph,
+                recipe=recipe,
             )
         self.engine = EngineCore(config)
         self.tokenizer = self.engine.tokenizer

@@ -35,12 +35,17 @@ def analyze(doc: SourceDoc, constraints: list[Constraint], model_values: Mapping
     if outcome.status == "unsat":
         first = next((f.constraint for f in sorted(outcome.core, key=_line) if f.constraint), None)
         message = describe_core(outcome.core, system.model_values)
-        at = doc.at("error", message, first.line, first.col, len(first.text)) if first else doc.diagnostic(
-            "error", message, CONSTRAINTS_PATH)
+        at = (
+            doc.at("error", message, first.line, first.col, len(first.text))
+            if first
+            else doc.diagnostic("error", message, CONSTRAINTS_PATH)
+        )
         return Analysis(system, False, diagnostics=[*diagnostics, at])
     if outcome.status == "unknown":
-        message = (f"could not prove the constraints consistent within {system.timeout_ms / 1000:g} s "
-                   f"(Z3: {outcome.reason}); simplify products or divisions of two symbols")
+        message = (
+            f"could not prove the constraints consistent within {system.timeout_ms / 1000:g} s "
+            f"(Z3: {outcome.reason}); simplify products or divisions of two symbols"
+        )
         return Analysis(system, False, diagnostics=[*diagnostics, doc.diagnostic("error", message, CONSTRAINTS_PATH)])
     diagnostics += _redundant(doc, system)
     bounds = {name: system.maximum(name, outcome.witness[name]) for name in RUNTIME_SYMBOLS}

@@ -20,41 +20,58 @@ def check_capture_sizes(doc: SourceDoc, spec: RecipeSpec, analysis: Analysis) ->
         outcome = system.check(extra=[query])
         path = ("graph", "capture_sizes", i)
         if outcome.status == "unsat":
-            broken = [f.label for f in sorted(outcome.core, key=_line) if f is not query]
-            message = f"capture size {size} violates {' and '.join(broken)}"
-            out.append(doc.diagnostic("error", message, path))
+            broken = [f for f in sorted(outcome.core, key=_line) if f is not query]
+            message = f"capture size {size} violates {' and '.join(f.label for f in broken)}"
+            if path in doc.values or not broken or broken[0].constraint is None:
+                out.append(doc.diagnostic("error", message, path))
+            else:  # NOTE: default sizes are written nowhere; point at the constraint they break instead.
+                c = broken[0].constraint
+                message = f"default {message} (graph.capture_sizes is not set: {spec.graph.capture_sizes})"
+                out.append(doc.at("error", message, c.line, c.col, len(c.text)))
         elif outcome.status == "unknown":
             out.append(doc.diagnostic("warning", f"could not check capture size {size} ({outcome.reason})", path))
     return out
 
 
-def check_kv_capacity(doc: SourceDoc, spec: RecipeSpec, analysis: Analysis,
-                      config: ModelConfig | None) -> list[Diagnostic]:
+def check_kv_capacity(
+    doc: SourceDoc, spec: RecipeSpec, analysis: Analysis, config: ModelConfig | None
+) -> list[Diagnostic]:
     kv = spec.memory_plan.kv_cache
     capacity = kv.max_pages * kv.block_size
-    kv_line = doc.position(("memory_plan", "kv_cache", "max_pages"))[0]
-    where = f"max_pages {kv.max_pages} x block_size {kv.block_size}, line {kv_line}"
+    pages = ("memory_plan", "kv_cache", "max_pages")
+    written = f"line {doc.position(pages)[0]}" if pages in doc.values else "the default"
+    where = f"max_pages {kv.max_pages} x block_size {kv.block_size}, {written}"
     out = []
     seq_len = analysis.bounds.get("seq_len")
     if seq_len is None:
-        message = (f"seq_len has no upper bound, but the KV cache holds {capacity} tokens ({where}); "
-                   f"add a constraint such as seq_len <= {capacity}")
+        message = (
+            f"seq_len has no provable upper bound, but the KV cache holds {capacity} tokens ({where}); "
+            f"add a constraint such as seq_len <= {capacity}"
+        )
         out.append(doc.diagnostic("error", message, CONSTRAINTS_PATH, key=True))
     elif seq_len > capacity:
-        message = (f"seq_len can reach {seq_len} ({_bounded_by(analysis, 'seq_len')}) but the KV cache "
-                   f"holds {capacity} tokens ({where})")
+        message = (
+            f"seq_len can reach {seq_len} ({_bounded_by(analysis, 'seq_len')}) but the KV cache "
+            f"holds {capacity} tokens ({where})"
+        )
         out.append(_at_bound(doc, analysis, "seq_len", "error", message))
     elif config is not None and seq_len > config.max_position_embeddings:
-        message = (f"seq_len can reach {seq_len} but the model was trained for {config.max_position_embeddings} "
-                   "positions; quality degrades beyond that")
+        message = (
+            f"seq_len can reach {seq_len} but the model was trained for {config.max_position_embeddings} "
+            "positions; quality degrades beyond that"
+        )
         out.append(_at_bound(doc, analysis, "seq_len", "warning", message))
     batch = analysis.bounds.get("batch_size")
     if batch is not None and batch > kv.max_pages:
-        message = (f"batch_size can reach {batch} but only {kv.max_pages} sequences fit in the KV cache at once "
-                   f"(each needs at least one page; {where})")
+        message = (
+            f"batch_size can reach {batch} but only {kv.max_pages} sequences fit in the KV cache at once "
+            f"(each needs at least one page; {where})"
+        )
         out.append(_at_bound(doc, analysis, "batch_size", "warning", message))
     if analysis.bounds.get("num_tokens") is None:
-        message = "num_tokens has no upper bound; add a constraint such as num_tokens <= 2048 to size the batch"
+        message = (
+            "num_tokens has no provable upper bound; add a constraint such as num_tokens <= 2048 to size the batch"
+        )
         out.append(doc.diagnostic("warning", message, CONSTRAINTS_PATH, key=True))
     return out
 

@@ -40,13 +40,18 @@ def open_header(doc: SourceDoc, spec: RecipeSpec, override: str | None) -> tuple
     if override is None and model not in ("", "default") and not os.path.isabs(model) and doc.file != "<string>":
         model = os.path.join(os.path.dirname(doc.file), model)
     try:
-        path = resolve_model_path(model)
-        stat = os.stat(path)
-        return _read_header(path, stat.st_mtime_ns, stat.st_size), []
+        return read_header(model), []
     except (KilnError, OSError) as exc:
         where = "--model" if override is not None else "model.path"
         message = f"{where}: cannot read the checkpoint: {exc}"
         return None, [doc.diagnostic("error", message, ("model", "path"))]
+
+
+def read_header(model: str | None) -> CheckpointHeader:
+    """`read_checkpoint_header`, cached while the file's size and mtime stay the same."""
+    path = resolve_model_path(model)
+    stat = os.stat(path)
+    return _read_header(path, stat.st_mtime_ns, stat.st_size)
 
 
 @lru_cache(maxsize=8)
@@ -61,21 +66,34 @@ def check_weights(doc: SourceDoc, spec: RecipeSpec, header: CheckpointHeader) ->
     claimed_q, dtype = spec.weights.source_quantization, spec.weights.dtype
     unsupported = sorted(set(header.tensor_types.values()) - set(QUANTIZED) - set(FLOATS))
     if unsupported:
-        return [doc.diagnostic("error", f"{holds}; kiln cannot dequantize {', '.join(unsupported)} "
-                               f"(it reads {', '.join([*FLOATS, *QUANTIZED])})", ("model", "path"))]
+        return [
+            doc.diagnostic(
+                "error",
+                f"{holds}; kiln cannot dequantize {', '.join(unsupported)} "
+                f"(it reads {', '.join([*FLOATS, *QUANTIZED])})",
+                ("model", "path"),
+            )
+        ]
     if stored in QUANTIZED and claimed_q == "none":
-        path = ("weights", "source_quantization") if ("weights", "source_quantization") in doc.values else (
-            "weights", "dtype")
-        message = (f"weights.dtype: {dtype} claims the checkpoint holds {dtype} weights, but {holds}; "
-                   f"set weights.source_quantization: {QUANTIZED[stored]} (kiln dequantizes to weights.dtype)")
+        path = (
+            ("weights", "source_quantization")
+            if ("weights", "source_quantization") in doc.values
+            else ("weights", "dtype")
+        )
+        message = (
+            f"weights.dtype: {dtype} claims the checkpoint holds {dtype} weights, but {holds}; "
+            f"set weights.source_quantization: {QUANTIZED[stored]} (kiln dequantizes to weights.dtype)"
+        )
         return [doc.diagnostic("error", message, path)]
     if claimed_q != "none" and QUANTIZED.get(stored) != claimed_q:
         fix = f"set it to {QUANTIZED[stored]}" if stored in QUANTIZED else "set it to none"
         message = f"weights.source_quantization: {claimed_q}, but {holds}; {fix}"
         return [doc.diagnostic("error", message, ("weights", "source_quantization"))]
     if stored in FLOATS and dtype not in (FLOATS[stored], "float32"):
-        message = (f"weights.dtype: {dtype}, but {holds}; converting {stored} weights to {dtype} can overflow "
-                   f"(inf/NaN) or lose precision: use {FLOATS[stored]} or float32")
+        message = (
+            f"weights.dtype: {dtype}, but {holds}; converting {stored} weights to {dtype} can overflow "
+            f"(inf/NaN) or lose precision: use {FLOATS[stored]} or float32"
+        )
         return [doc.diagnostic("error", message, ("weights", "dtype"))]
     return []
 
@@ -88,8 +106,9 @@ def layer_storage_type(header: CheckpointHeader) -> str:
     return layer_types.most_common(1)[0][0] if layer_types else "F32"
 
 
-def check_model_constraints(doc: SourceDoc, constraints: list[Constraint], values: dict[str, int],
-                            header: CheckpointHeader) -> list[Diagnostic]:
+def check_model_constraints(
+    doc: SourceDoc, constraints: list[Constraint], values: dict[str, int], header: CheckpointHeader
+) -> list[Diagnostic]:
     """Constraints over model symbols only (`hidden_size == 512`) are facts about the checkpoint: check them."""
     diagnostics = []
     for c in constraints:

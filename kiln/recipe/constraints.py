@@ -65,7 +65,7 @@ def _text_start(doc: SourceDoc, index: int, text: str) -> tuple[int, int]:
     """Where the constraint's first non-blank character is: past an opening quote, on the line it starts."""
     line, col = doc.position((*CONSTRAINTS_PATH, index))
     source = doc.source_line(line) or ""
-    rest = source[col - 1:]
+    rest = source[col - 1 :]
     if rest[:1] in ("'", '"'):
         return line, col + 1 + _lead(text)
     if rest[:1] in ("|", ">"):  # block scalar: the text starts on the next line

@@ -14,7 +14,15 @@ from dataclasses import dataclass
 from kiln.errors import KilnError
 
 RUNTIME_SYMBOLS = ("num_tokens", "batch_size", "seq_len")
-MODEL_SYMBOLS = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "vocab_size", "num_layers")
+MODEL_SYMBOLS = (
+    "hidden_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "num_layers",
+)
 SYMBOLS = RUNTIME_SYMBOLS + MODEL_SYMBOLS
 MAX_LENGTH = 1000
 MAX_DEPTH = 64
@@ -22,12 +30,25 @@ MAX_DEPTH = 64
 ARITHMETIC = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.FloorDiv: "//", ast.Mod: "%"}
 COMPARISONS = (ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE)
 FUNCTIONS = ("min", "max")
-_REJECTED_OPS = {ast.Div: ("/", "'/' is true division; use '//' for integer division"),
-                 ast.Pow: ("**", "'**' is not supported; write the product out with '*'")}
-_NAMES = {ast.Attribute: "attribute access", ast.Subscript: "indexing", ast.Lambda: "lambda",
-          ast.IfExp: "conditional expressions", ast.NamedExpr: "':=' assignment", ast.List: "lists",
-          ast.Tuple: "tuples", ast.Dict: "dicts", ast.Set: "sets", ast.JoinedStr: "f-strings",
-          ast.ListComp: "comprehensions", ast.GeneratorExp: "comprehensions", ast.Starred: "'*' unpacking"}
+_REJECTED_OPS = {
+    ast.Div: ("/", "'/' is true division; use '//' for integer division"),
+    ast.Pow: ("**", "'**' is not supported; write the product out with '*'"),
+}
+_NAMES = {
+    ast.Attribute: "attribute access",
+    ast.Subscript: "indexing",
+    ast.Lambda: "lambda",
+    ast.IfExp: "conditional expressions",
+    ast.NamedExpr: "':=' assignment",
+    ast.List: "lists",
+    ast.Tuple: "tuples",
+    ast.Dict: "dicts",
+    ast.Set: "sets",
+    ast.JoinedStr: "f-strings",
+    ast.ListComp: "comprehensions",
+    ast.GeneratorExp: "comprehensions",
+    ast.Starred: "'*' unpacking",
+}
 _ASSIGNMENT = re.compile(r"(?<![<>=!:])=(?!=)")
 
 
@@ -71,8 +92,9 @@ def parse_constraint(text: str) -> Expr:
     checker = _Checker(text, lead)
     if checker.kind(tree, 0) != "bool":
         shown = ast.unparse(tree)
-        raise ExprError(f"`{shown}` is a number, not a condition; compare it, e.g. `{shown} <= 2048`", lead,
-                        len(text.strip()))
+        raise ExprError(
+            f"`{shown}` is a number, not a condition; compare it, e.g. `{shown} <= 2048`", lead, len(text.strip())
+        )
     return Expr(expr.text, tree, frozenset(checker.names))
 
 
@@ -81,7 +103,7 @@ def _syntax_error(text: str, exc: SyntaxError) -> ExprError:
     lead = len(text) - len(text.lstrip())
     match = _ASSIGNMENT.search(stripped)
     if match is not None:
-        fixed = stripped[: match.start()] + "==" + stripped[match.end():]
+        fixed = stripped[: match.start()] + "==" + stripped[match.end() :]
         return ExprError(f"'=' assigns; use '==' to compare: `{fixed}`", lead + match.start())
     if not exc.offset:  # NOTE: CPython reports offset 0 when the text ends mid-expression, e.g. `seq_len <`
         return ExprError("syntax error: the constraint ends too early", max(len(text.rstrip()) - 1, 0))
@@ -137,8 +159,11 @@ class _Checker:
         if isinstance(node, ast.Call):
             return self.call(node, depth)
         what = _NAMES.get(type(node), f"'{type(node).__name__}' syntax")
-        raise self.fail(f"{what} not allowed in a constraint; allowed: names, integers, + - * // %, "
-                        "comparisons, and/or/not, min/max, parentheses", node)
+        raise self.fail(
+            f"{what} not allowed in a constraint; allowed: names, integers, + - * // %, "
+            "comparisons, and/or/not, min/max, parentheses",
+            node,
+        )
 
     def expect(self, node: ast.AST, kind: str, depth: int, message: str) -> None:
         if self.kind(node, depth + 1) != kind:
@@ -147,8 +172,9 @@ class _Checker:
     def binop(self, node: ast.BinOp, depth: int) -> str:
         op_type = type(node.op)
         if op_type not in ARITHMETIC:
-            symbol, message = _REJECTED_OPS.get(op_type, (_op_text(node.op), f"operator '{_op_text(node.op)}' is "
-                                                          "not allowed; use + - * // %"))
+            symbol, message = _REJECTED_OPS.get(
+                op_type, (_op_text(node.op), f"operator '{_op_text(node.op)}' is not allowed; use + - * // %")
+            )
             raise self._at_operator(node, symbol, message)
         for side in (node.left, node.right):
             self.expect(side, "int", depth, f"'{ARITHMETIC[op_type]}' needs numbers, found a condition")
@@ -207,6 +233,16 @@ def _end_offset(text: str, node: ast.AST, lead: int) -> int:
 
 
 def _op_text(op: ast.AST) -> str:
-    names = {ast.In: "in", ast.NotIn: "not in", ast.Is: "is", ast.IsNot: "is not", ast.BitAnd: "&",
-             ast.BitOr: "|", ast.BitXor: "^", ast.LShift: "<<", ast.RShift: ">>", ast.MatMult: "@"}
+    names = {
+        ast.In: "in",
+        ast.NotIn: "not in",
+        ast.Is: "is",
+        ast.IsNot: "is not",
+        ast.BitAnd: "&",
+        ast.BitOr: "|",
+        ast.BitXor: "^",
+        ast.LShift: "<<",
+        ast.RShift: ">>",
+        ast.MatMult: "@",
+    }
     return names.get(type(op), type(op).__name__)

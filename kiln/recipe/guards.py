@@ -16,8 +16,9 @@ STEP_SYMBOLS = frozenset({"num_tokens", "batch_size"})
 class RecipeViolation(RequestError):
     """A request or step that breaks a recipe constraint; `file`/`line` locate the constraint."""
 
-    def __init__(self, message: str, file: str, line: int, request_id: str | None = None,
-                 param: str | None = None) -> None:
+    def __init__(
+        self, message: str, file: str, line: int, request_id: str | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message, request_id=request_id, param=param)
         self.file, self.line = file, line
 
@@ -58,8 +59,9 @@ class RecipeGuards:
         try:
             holds = evaluate(c.expr, {**self.model_values, **values})
         except ExprError as exc:
-            raise RecipeViolation(f"{where} cannot be evaluated: {exc.message} (got {got})", self.file, c.line,
-                                  request_id, _param(c)) from None
+            raise RecipeViolation(
+                f"{where} cannot be evaluated: {exc.message} (got {got})", self.file, c.line, request_id, _param(c)
+            ) from None
         if not holds:
             raise RecipeViolation(f"{where} violated: got {got}", self.file, c.line, request_id, _param(c))
 

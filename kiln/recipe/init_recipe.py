@@ -7,8 +7,8 @@ import os
 import re
 
 from kiln.config import parse_dtype
-from kiln.model.loader import read_checkpoint_header, resolve_model_path
-from kiln.recipe.checkpoint import QUANTIZED, layer_storage_type, model_ops
+from kiln.model.loader import resolve_model_path
+from kiln.recipe.checkpoint import QUANTIZED, layer_storage_type, model_ops, read_header
 from kiln.recipe.recipe import load_recipe_text
 from kiln.recipe.schema import RecipeSpec
 from kiln.recipe.sections import GB, weights_bytes
@@ -23,21 +23,21 @@ model: {{name: {name}, path: {path}, layer_type: decoder}}
 
 input_constraints:
   hidden_states: {{shape: [num_tokens, hidden_size], dtype: float32}}
-  constraints:                      # Python syntax over named symbols; proven consistent, enforced at run time
-    - num_tokens <= {max_tokens}              # tokens in one forward
-    - seq_len <= {max_len}                 # prompt + generated tokens of one sequence
-    - batch_size <= {max_seqs}                  # sequences in one step
-    - batch_size <= num_tokens        # every scheduled sequence contributes at least one token
+  constraints:  # Python syntax over named symbols; proven consistent, enforced at run time
+    - num_tokens <= {max_tokens}  # tokens in one forward
+    - seq_len <= {max_len}  # prompt + generated tokens of one sequence
+    - batch_size <= {max_seqs}  # sequences in one step
+    - batch_size <= num_tokens  # every scheduled sequence contributes at least one token
 
-weights: {{dtype: float32, source_quantization: {source}}}   # the file stores {stored}
+weights: {{dtype: float32, source_quantization: {source}}}  # the file stores {stored}
 quantization: {{weights: none, group_size: 32}}
 {fusion}
 memory_plan:
-  kv_cache: {{dtype: float32, layout: paged, block_size: {block_size}, max_pages: {max_pages}}}   # {kv_gb:.2f} GB
+  kv_cache: {{dtype: float32, layout: paged, block_size: {block_size}, max_pages: {max_pages}}}  # {kv_gb:.2f} GB
   activation_reuse: true
 
 graph: {{piecewise: true, splitting_ops: [kiln.attention], capture_sizes: [1, 2, 4, 8, 16, 32], compiler: inductor}}
-hardware: {{device: cpu, arch: null, memory_budget_gb: {budget}}}   # weights {weights_gb:.2f} GB + KV cache
+hardware: {{device: cpu, arch: null, memory_budget_gb: {budget}}}  # weights {weights_gb:.2f} GB + KV cache
 debug: {{debug_mode: false}}
 """
 
@@ -45,7 +45,7 @@ debug: {{debug_mode: false}}
 def init_recipe_text(model: str | None, out: str | None = None) -> str:
     """Recipe text for `model`, validated before it is returned; `out` is where it will be written (relative
     model paths are made relative to it)."""
-    header = read_checkpoint_header(model)
+    header = read_header(model)
     config = header.config
     stored = layer_storage_type(header)
     max_len = min(config.max_position_embeddings, MAX_TOKENS)
@@ -54,13 +54,26 @@ def init_recipe_text(model: str | None, out: str | None = None) -> str:
     spec = RecipeSpec.model_validate({"recipe_version": 1, "model": {"name": "x"}})
     weight_bytes = weights_bytes(spec, config)
     ops = model_ops(header)
-    fusion = ("\nfusion_groups:\n  - {name: mlp_fusion, ops: [gate_proj, up_proj, silu, mul, down_proj]}\n"
-              if {"gate_proj", "up_proj", "down_proj"} <= ops else "")
+    fusion = (
+        "\nfusion_groups:\n  - {name: mlp_fusion, ops: [gate_proj, up_proj, silu, mul, down_proj]}\n"
+        if {"gate_proj", "up_proj", "down_proj"} <= ops
+        else ""
+    )
     text = TEMPLATE.format(
-        title=config.name or os.path.basename(header.path), out=out or "recipe.yaml", name=_slug(config.name, header.path),
-        path=_path_for(model, out), max_tokens=MAX_TOKENS, max_len=max_len, max_seqs=MAX_SEQS,
-        source=QUANTIZED.get(stored, "none"), stored=stored, fusion=fusion, block_size=BLOCK_SIZE,
-        max_pages=max_pages, kv_gb=kv_bytes / GB, weights_gb=weight_bytes / GB,
+        title=config.name or os.path.basename(header.path),
+        out=out or "recipe.yaml",
+        name=_slug(config.name, header.path),
+        path=_path_for(model, out),
+        max_tokens=MAX_TOKENS,
+        max_len=max_len,
+        max_seqs=MAX_SEQS,
+        source=QUANTIZED.get(stored, "none"),
+        stored=stored,
+        fusion=fusion,
+        block_size=BLOCK_SIZE,
+        max_pages=max_pages,
+        kv_gb=kv_bytes / GB,
+        weights_gb=weight_bytes / GB,
         budget=max(8, math.ceil(1.25 * (kv_bytes + weight_bytes) / GB)),
     )
     load_recipe_text(text, out or "<string>")

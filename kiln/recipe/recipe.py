@@ -6,7 +6,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from kiln.recipe.analysis import analyze
@@ -31,7 +33,7 @@ class Recipe:
     spec: RecipeSpec
     hash: str
     constraints: list[Constraint]
-    model_path: str
+    model_path: str  # absolute path of the checkpoint checked against
     model_values: dict[str, int]
     witness: dict[str, int]
     bounds: dict[str, int | None]
@@ -90,8 +92,9 @@ class Recipe:
     def fusion_groups(self) -> list[FusionGroup]:
         return list(self.spec.fusion_groups)
 
-    @property
+    @cached_property
     def guards(self) -> RecipeGuards:
+        """Run-time checks of the constraints (built once; see RecipeGuards for which call checks what)."""
         return RecipeGuards(self.path, self.constraints, self.model_values)
 
 
@@ -131,8 +134,10 @@ def load_recipe_text(text: str, file: str = "<string>", model: str | None = None
     if has_errors(diagnostics) or header is None or values is None:
         raise RecipeError(diagnostics)
     logger.info("Recipe validated: %d constraints satisfied, 0 conflicts", len(constraints))
-    return Recipe(file, spec, recipe_hash(spec, constraints), constraints, header.path, values, witness, bounds,
-                  diagnostics)
+    model_path = os.path.abspath(header.path)
+    return Recipe(
+        file, spec, recipe_hash(spec, constraints), constraints, model_path, values, witness, bounds, diagnostics
+    )
 
 
 def recipe_hash(spec: RecipeSpec, constraints: list[Constraint]) -> str:

@@ -19,8 +19,11 @@ class Section(BaseModel):
 
 class ModelSection(Section):
     name: str = Field(description="A name for people and logs.")
-    path: str = Field("default", description='Checkpoint: "default" (bundled SmolLM2-135M), a .gguf file or an HF '
-                                            "directory; relative paths are relative to the recipe file.")
+    path: str = Field(
+        "default",
+        description='Checkpoint: "default" (bundled SmolLM2-135M), a .gguf file or an HF '
+        "directory; relative paths are relative to the recipe file.",
+    )
     layer_type: Literal["decoder"] = "decoder"
 
 
@@ -72,17 +75,19 @@ class MemoryPlan(Section):
 class Graph(Section):
     piecewise: bool = True
     splitting_ops: list[str] = Field(default_factory=lambda: ["kiln.attention"])
-    capture_sizes: list[PositiveInt] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32],
-                                             description="num_tokens buckets to capture; each must satisfy the "
-                                             "num_tokens constraints.")
+    capture_sizes: list[PositiveInt] = Field(
+        default_factory=lambda: [1, 2, 4, 8, 16, 32],
+        description="num_tokens buckets to capture; each must satisfy the num_tokens constraints.",
+    )
     compiler: Literal["inductor", "eager"] = "inductor"
 
 
 class Hardware(Section):
     device: Literal["cpu", "cuda"] = "cpu"
     arch: str | None = Field(None, description='GPU architecture such as "sm_90"; null for any.')
-    memory_budget_gb: float = Field(8.0, gt=0, allow_inf_nan=False,
-                                    description="Weights plus KV cache must fit (1 GB = 1e9 bytes).")
+    memory_budget_gb: float = Field(
+        8.0, gt=0, allow_inf_nan=False, description="Weights plus KV cache must fit (1 GB = 1e9 bytes)."
+    )
 
 
 class Debug(Section):
@@ -107,4 +112,4 @@ class RecipeSpec(Section):
 def recipe_json_schema() -> dict[str, Any]:
     """JSON Schema (draft 2020-12) of a recipe, for editors such as VS Code's YAML extension."""
     schema = RecipeSpec.model_json_schema()
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "kiln recipe", **schema}
+    return {**schema, "$schema": "https://json-schema.org/draft/2020-12/schema", "title": "kiln recipe"}

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ValidationError
 
 from kiln.recipe.diagnostics import Diagnostic, RecipeError
 from kiln.recipe.schema import RecipeSpec
-from kiln.recipe.source import Path, SourceDoc
+from kiln.recipe.source import KeyPath, SourceDoc
 
 
 def validate_schema(doc: SourceDoc) -> RecipeSpec:
@@ -18,12 +18,12 @@ def validate_schema(doc: SourceDoc) -> RecipeSpec:
     try:
         return RecipeSpec.model_validate(doc.data)
     except ValidationError as exc:
-        grouped: dict[tuple[Path, str], list[dict]] = {}
+        # NOTE: a union (`str | int`) fails once per branch; group those into one "expected a or b" diagnostic.
+        grouped: dict[tuple[KeyPath, str], list[dict]] = {}
         for err in exc.errors(include_url=False):
             path = _data_path(doc.data, err["loc"])
-            grouped.setdefault((path, err["type"] if err["type"] in ("extra_forbidden", "missing") else ""), []).append(
-                {**err, "loc": path}
-            )
+            kind = err["type"] if err["type"] in ("extra_forbidden", "missing") else "value"
+            grouped.setdefault((path, kind), []).append({**err, "loc": path})
         raise RecipeError([_diagnostic(doc, errs) for errs in grouped.values()]) from None
 
 
@@ -35,7 +35,7 @@ def did_you_mean(word: str, choices: typing.Iterable[str]) -> str:
 
 def _diagnostic(doc: SourceDoc, errors: list[dict]) -> Diagnostic:
     err = errors[0]
-    path: Path = err["loc"]
+    path: KeyPath = err["loc"]
     where = dotted(path)
     if err["type"] == "extra_forbidden":
         key = str(path[-1])
@@ -49,10 +49,9 @@ def _diagnostic(doc: SourceDoc, errors: list[dict]) -> Diagnostic:
         parent = dotted(path[:-1]) if path[:-1] else "the top level"
         return doc.diagnostic("error", f"missing required key {str(path[-1])!r} in {parent}", path[:-1], key=True)
     found = _short(err.get("input"))
-    if err["type"] == "literal_error" and isinstance(err.get("input"), str):
-        choices = _literals_at(path)
-        message = f"{where}: expected {err['ctx']['expected']}, got {found}{did_you_mean(err['input'], choices)}"
-        return doc.diagnostic("error", message, path)
+    if err["type"] == "literal_error":
+        hint = did_you_mean(err["input"], _literals_at(path)) if isinstance(err.get("input"), str) else ""
+        return doc.diagnostic("error", f"{where}: expected {err['ctx']['expected']}, got {found}{hint}", path)
     expected = [_EXPECTED[e["type"]] for e in errors if e["type"] in _EXPECTED]
     if len(expected) == len(errors):
         reason = "expected " + " or ".join(dict.fromkeys(expected))
@@ -72,7 +71,7 @@ _EXPECTED = {
 }
 
 
-def dotted(path: Path) -> str:
+def dotted(path: KeyPath) -> str:
     """`graph.capture_sizes[1]` for ('graph', 'capture_sizes', 1)."""
     text = ""
     for part in path:
@@ -80,16 +79,16 @@ def dotted(path: Path) -> str:
     return text or "recipe"
 
 
-def _data_path(data: Any, loc: tuple) -> Path:
+def _data_path(data: Any, loc: tuple) -> KeyPath:
     """pydantic's error location with union-branch tags ('str', 'int', ...) removed: a real path into the data."""
     path: list[str | int] = []
     node = data
     for part in loc:
-        if isinstance(node, dict) and part in node:
+        in_dict = isinstance(node, dict) and part in node
+        in_list = isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        if in_dict or in_list:
             node = node[part]
-        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
-            node = node[part]
-        elif isinstance(node, dict) and isinstance(part, str) and not path_is_tag(part):
+        elif isinstance(node, dict) and isinstance(part, str) and not _is_union_tag(part):
             node = None  # a missing key: keep it so the message can name it
         else:
             continue
@@ -97,11 +96,11 @@ def _data_path(data: Any, loc: tuple) -> Path:
     return tuple(path)
 
 
-def path_is_tag(part: str) -> bool:
+def _is_union_tag(part: str) -> bool:
     return part in {"str", "int", "float", "bool", "none", "list[...]", "dict[...]"} or part[:1].isupper()
 
 
-def _annotation_at(path: Path) -> Any:
+def _annotation_at(path: KeyPath) -> Any:
     cls: Any = RecipeSpec
     annotation: Any = None
     for part in path:
@@ -115,12 +114,12 @@ def _annotation_at(path: Path) -> Any:
     return annotation
 
 
-def _fields_at(path: Path) -> list[str]:
+def _fields_at(path: KeyPath) -> list[str]:
     model = RecipeSpec if not path else _inner_model(_annotation_at(path))
     return list(model.model_fields) if model is not None else []
 
 
-def _literals_at(path: Path) -> list[str]:
+def _literals_at(path: KeyPath) -> list[str]:
     return [str(v) for v in _flatten_args(_annotation_at(path), typing.Literal)]
 
 

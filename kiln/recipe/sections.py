@@ -24,8 +24,10 @@ def check_graph(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
     graph, out = spec.graph, []
     for i, op in enumerate(graph.splitting_ops):
         if op not in SPLITTING_OPS:
-            message = (f"unknown splitting op {op!r}{did_you_mean(op, SPLITTING_OPS)} "
-                       f"(kiln splits at {' or '.join(SPLITTING_OPS)})")
+            message = (
+                f"unknown splitting op {op!r}{did_you_mean(op, SPLITTING_OPS)} "
+                f"(kiln splits at {' or '.join(SPLITTING_OPS)})"
+            )
             out.append(doc.diagnostic("error", message, ("graph", "splitting_ops", i)))
     if graph.piecewise and not graph.splitting_ops:
         message = "graph.piecewise is true but graph.splitting_ops is empty; add kiln.attention"
@@ -62,8 +64,10 @@ def check_fusion_groups(doc: SourceDoc, spec: RecipeSpec, model_ops: set[str] | 
                 message = f"fusion group {group.name}: {op!r} is where graph pieces split; it cannot be fused"
                 out.append(doc.diagnostic("error", message, path))
             elif known is not None and op not in known:
-                message = (f"fusion group {group.name}: op {op!r} is not in the model{did_you_mean(op, known)} "
-                           f"(the model has: {', '.join(known)})")
+                message = (
+                    f"fusion group {group.name}: op {op!r} is not in the model{did_you_mean(op, known)} "
+                    f"(the model has: {', '.join(known)})"
+                )
                 out.append(doc.diagnostic("error", message, path))
             elif op in owner and op not in FUNCTIONAL_OPS and owner[op] != group.name:
                 message = f"fusion group {group.name}: op {op!r} is already in fusion group {owner[op]}"
@@ -89,7 +93,11 @@ def check_inputs(doc: SourceDoc, spec: RecipeSpec, values: dict[str, int] | None
                 out.append(doc.diagnostic("error", f"{name}.shape[{i}]: {problem}", (*base, "shape", i)))
         allowed = dtypes or (spec.weights.dtype,)
         if tensor.dtype not in allowed:
-            why = f"the model runs in weights.dtype {spec.weights.dtype}" if dtypes is None else "token ids and positions are integers"
+            why = (
+                f"the model runs in weights.dtype {spec.weights.dtype}"
+                if dtypes is None
+                else "token ids and positions are integers"
+            )
             message = f"{name}.dtype is {tensor.dtype}, expected {' or '.join(allowed)} ({why})"
             out.append(doc.diagnostic("error", message, (*base, "dtype")))
     return out
@@ -102,7 +110,7 @@ def _dimension_problem(dim: str | int, expected: str, values: dict[str, int]) ->
         return None
     if expected not in MODEL_SYMBOLS:
         return f"expected {expected}, found {dim!r}"
-    actual = values.get(dim, None) if isinstance(dim, str) else dim
+    actual = values.get(dim) if isinstance(dim, str) else dim
     if expected in values and actual is not None and actual != values[expected]:
         found = f"{dim} = {actual}" if isinstance(dim, str) else str(dim)
         return f"found {found} but the model's {expected} is {values[expected]}"
@@ -116,10 +124,16 @@ def check_group_size(doc: SourceDoc, spec: RecipeSpec, config: ModelConfig) -> l
     q = spec.quantization
     if q.weights == "none":
         return []
-    dims = {"hidden_size": config.hidden_size, "intermediate_size": config.intermediate_size,
-            "num_heads * head_dim": config.q_size}
-    bad = [f"{name} {value} ({value} % {q.group_size} = {value % q.group_size})"
-           for name, value in dims.items() if value % q.group_size]
+    dims = {
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_heads * head_dim": config.q_size,
+    }
+    bad = [
+        f"{name} {value} ({value} % {q.group_size} = {value % q.group_size})"
+        for name, value in dims.items()
+        if value % q.group_size
+    ]
     if not bad:
         return []
     message = f"quantization.group_size {q.group_size} does not divide {' or '.join(bad)}; pick a divisor such as 32"
@@ -135,11 +149,13 @@ def check_memory(doc: SourceDoc, spec: RecipeSpec, config: ModelConfig) -> list[
     budget = spec.hardware.memory_budget_gb
     if kv_bytes + weight_bytes <= budget * GB:
         return []
-    message = (f"memory_budget_gb {budget:g} is too small: the KV cache needs {kv_bytes / GB:.2f} GB "
-               f"(max_pages {kv.max_pages} x block_size {kv.block_size} x {per_token} bytes per token as {kv.dtype}) "
-               f"and the weights {weight_bytes / GB:.2f} GB ({spec.weights.dtype}, quantization "
-               f"{spec.quantization.weights}): {(kv_bytes + weight_bytes) / GB:.2f} GB in all; "
-               "lower max_pages or raise the budget")
+    message = (
+        f"memory_budget_gb {budget:g} is too small: the KV cache needs {kv_bytes / GB:.2f} GB "
+        f"(max_pages {kv.max_pages} x block_size {kv.block_size} x {per_token} bytes per token as {kv.dtype}) "
+        f"and the weights {weight_bytes / GB:.2f} GB ({spec.weights.dtype}, quantization "
+        f"{spec.quantization.weights}): {(kv_bytes + weight_bytes) / GB:.2f} GB in all; "
+        "lower max_pages or raise the budget"
+    )
     return [doc.diagnostic("error", message, ("hardware", "memory_budget_gb"))]
 
 
@@ -147,7 +163,9 @@ def weights_bytes(spec: RecipeSpec, config: ModelConfig) -> int:
     """Bytes of the weights at run time; linear layers shrink under int8/int4 (plus one scale per group)."""
     itemsize = parse_dtype(spec.weights.dtype).itemsize
     h, layers = config.hidden_size, config.num_layers
-    linear = layers * (h * config.q_size + 2 * h * config.kv_size + config.q_size * h + 3 * h * config.intermediate_size)
+    linear = layers * (
+        h * config.q_size + 2 * h * config.kv_size + config.q_size * h + 3 * h * config.intermediate_size
+    )
     other = config.num_params() - linear
     bits = {"none": 8 * itemsize, "int8": 8, "int4": 4}[spec.quantization.weights]
     scales = 0 if spec.quantization.weights == "none" else linear // spec.quantization.group_size * itemsize

@@ -39,8 +39,12 @@ class ConstraintSystem:
     """The recipe's constraints over integer symbols. Model symbols are constants when the checkpoint is known;
     the run-time symbols (and unknown model symbols) are positive integers."""
 
-    def __init__(self, constraints: Sequence[Constraint], model_values: Mapping[str, int] | None,
-                 timeout_ms: int = DEFAULT_TIMEOUT_MS) -> None:
+    def __init__(
+        self,
+        constraints: Sequence[Constraint],
+        model_values: Mapping[str, int] | None,
+        timeout_ms: int = DEFAULT_TIMEOUT_MS,
+    ) -> None:
         self.timeout_ms = timeout_ms
         self.model_values = dict(model_values or {})
         self.vars = {name: z3.Int(name) for name in SYMBOLS if name not in self.model_values}

@@ -11,7 +11,7 @@ from ruamel.yaml.error import MarkedYAMLError, YAMLError
 
 from kiln.recipe.diagnostics import Diagnostic, RecipeError, Severity
 
-Path = tuple[str | int, ...]
+KeyPath = tuple[str | int, ...]  # keys and list indices from the document root
 Position = tuple[int, int]  # 1-based (line, col)
 
 # NOTE: aliases can expand exponentially ("billion laughs"); no real recipe comes near this many nodes.
@@ -25,8 +25,8 @@ class SourceDoc:
     file: str
     text: str
     data: dict[str, Any]
-    values: dict[Path, Position] = field(default_factory=dict)
-    keys: dict[Path, Position] = field(default_factory=dict)
+    values: dict[KeyPath, Position] = field(default_factory=dict)
+    keys: dict[KeyPath, Position] = field(default_factory=dict)
 
     @property
     def lines(self) -> list[str]:
@@ -36,7 +36,7 @@ class SourceDoc:
         lines = self.lines
         return lines[line - 1] if 0 < line <= len(lines) else None
 
-    def position(self, path: Path, key: bool = False) -> Position:
+    def position(self, path: KeyPath, key: bool = False) -> Position:
         """Where `path` is written; falls back to the closest enclosing entry when it is absent (a missing key)."""
         path = tuple(path)
         while path:
@@ -50,7 +50,7 @@ class SourceDoc:
     def at(self, severity: Severity, message: str, line: int, col: int, length: int = 1) -> Diagnostic:
         return Diagnostic(self.file, line, col, severity, message, self.source_line(line), max(length, 1))
 
-    def diagnostic(self, severity: Severity, message: str, path: Path, key: bool = False) -> Diagnostic:
+    def diagnostic(self, severity: Severity, message: str, path: KeyPath, key: bool = False) -> Diagnostic:
         line, col = self.position(path, key)
         return self.at(severity, message, line, col)
 
@@ -72,8 +72,9 @@ def parse_source(text: str, file: str) -> SourceDoc:
         raise RecipeError([_diag(text, file, 1, 1, f"invalid YAML: {message}")]) from None
     if not isinstance(root, CommentedMap):
         found = "an empty file" if root is None else f"a {type(root).__name__}"
-        raise RecipeError([_diag(text, file, 1, 1, f"a recipe must be a YAML mapping (recipe_version, model, ...), "
-                                                  f"found {found}")])
+        raise RecipeError(
+            [_diag(text, file, 1, 1, f"a recipe must be a YAML mapping (recipe_version, model, ...), found {found}")]
+        )
     builder = _Builder(text, file)
     data = builder.convert(root, ())
     if builder.errors:
@@ -92,32 +93,33 @@ class _Builder:
 
     def __init__(self, text: str, file: str) -> None:
         self.text, self.file = text, file
-        self.values: dict[Path, Position] = {}
-        self.keys: dict[Path, Position] = {}
+        self.values: dict[KeyPath, Position] = {}
+        self.keys: dict[KeyPath, Position] = {}
         self.errors: list[Diagnostic] = []
         self.nodes = 0
-        self.open: set[int] = set()
 
-    def convert(self, node: Any, path: Path) -> Any:
+    def convert(self, node: Any, path: KeyPath) -> Any:
         self.nodes += 1
         if self.nodes > MAX_NODES:
             if not self.errors:
-                self.errors.append(_diag(self.text, self.file, 1, 1, f"recipe too large: more than {MAX_NODES} "
-                                                                     "YAML nodes after expanding aliases"))
+                self.errors.append(
+                    _diag(
+                        self.text,
+                        self.file,
+                        1,
+                        1,
+                        f"recipe too large: more than {MAX_NODES} YAML nodes after expanding aliases",
+                    )
+                )
             return None
-        if isinstance(node, (CommentedMap, CommentedSeq)):
-            if id(node) in self.open:
-                line, col = self.values.get(path, (1, 1))
-                self.errors.append(_diag(self.text, self.file, line, col, "a YAML alias refers to itself"))
-                return None
-            self.open.add(id(node))
-            try:
-                return self._map(node, path) if isinstance(node, CommentedMap) else self._seq(node, path)
-            finally:
-                self.open.discard(id(node))
+        # NOTE: ruamel resolves an alias to its own anchor as null, so the tree has no cycles to guard against.
+        if isinstance(node, CommentedMap):
+            return self._map(node, path)
+        if isinstance(node, CommentedSeq):
+            return self._seq(node, path)
         return _scalar(node)
 
-    def _map(self, node: CommentedMap, path: Path) -> dict[str, Any]:
+    def _map(self, node: CommentedMap, path: KeyPath) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key in node:
             pos = _lc(node.lc.key, key)
@@ -134,7 +136,7 @@ class _Builder:
             out[key] = self.convert(node[key], child)
         return out
 
-    def _seq(self, node: CommentedSeq, path: Path) -> list[Any]:
+    def _seq(self, node: CommentedSeq, path: KeyPath) -> list[Any]:
         out = []
         for i, item in enumerate(node):
             pos = _lc(node.lc.item, i)

@@ -56,7 +56,9 @@ class _Encoder:
             pairs = [self.run(arg) for arg in node.args]
             value = pairs[0][0]
             for other, _ in pairs[1:]:
-                value = z3.If(other < value, other, value) if node.func.id == "min" else z3.If(other > value, other, value)
+                value = (
+                    z3.If(other < value, other, value) if node.func.id == "min" else z3.If(other > value, other, value)
+                )
             return value, z3.And(*[d for _, d in pairs])
         raise ValueError(f"not a whitelisted node: {ast.dump(node)}")
 
@@ -72,11 +74,16 @@ class _Encoder:
         # NOTE: Python: a == b*q + r with r in [0, b) for b > 0 and in (b, 0] for b < 0 (floor division).
         n = next(_fresh)
         q, r = z3.Int(f"__q{n}"), z3.Int(f"__r{n}")
-        self.axioms.append(z3.Implies(b != 0, z3.And(
-            a == b * q + r,
-            z3.Implies(b > 0, z3.And(0 <= r, r < b)),
-            z3.Implies(b < 0, z3.And(b < r, r <= 0)),
-        )))
+        self.axioms.append(
+            z3.Implies(
+                b != 0,
+                z3.And(
+                    a == b * q + r,
+                    z3.Implies(b > 0, z3.And(r >= 0, r < b)),
+                    z3.Implies(b < 0, z3.And(b < r, r <= 0)),
+                ),
+            )
+        )
         return (q if isinstance(node.op, ast.FloorDiv) else r), z3.And(defined, b != 0)
 
     def boolop(self, node: ast.BoolOp) -> tuple[z3.ExprRef, z3.BoolRef]:
@@ -91,8 +98,14 @@ class _Encoder:
         return (z3.And(*values) if is_and else z3.Or(*values)), z3.And(*defined)
 
     def compare(self, node: ast.Compare) -> tuple[z3.ExprRef, z3.BoolRef]:
-        ops = {ast.Eq: lambda x, y: x == y, ast.NotEq: lambda x, y: x != y, ast.Lt: lambda x, y: x < y,
-               ast.LtE: lambda x, y: x <= y, ast.Gt: lambda x, y: x > y, ast.GtE: lambda x, y: x >= y}
+        ops = {
+            ast.Eq: lambda x, y: x == y,
+            ast.NotEq: lambda x, y: x != y,
+            ast.Lt: lambda x, y: x < y,
+            ast.LtE: lambda x, y: x <= y,
+            ast.Gt: lambda x, y: x > y,
+            ast.GtE: lambda x, y: x >= y,
+        }
         left, defined = self.run(node.left)
         definedness, results, reached = [defined], [], z3.BoolVal(True)
         for op, comparator in zip(node.ops, node.comparators, strict=True):
