@@ -33,7 +33,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dump-dir", default=None, help="write graph artifacts (pieces, graph.dot, lint, profile) here")
 
 
-def make_llm(args: argparse.Namespace, **overrides: object):  # noqa: ANN201  (kiln.LLM, imported lazily)
+def make_llm(args: argparse.Namespace, **overrides: object):
     """The LLM the engine flags describe; `overrides` (LLM keyword arguments) win over the flags."""
     from kiln.engine.llm import LLM
 
@@ -73,7 +73,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
-def sampling_params(args: argparse.Namespace):  # noqa: ANN201
+def sampling_params(args: argparse.Namespace):
     from kiln.engine.sampling_params import SamplingParams
 
     return SamplingParams(

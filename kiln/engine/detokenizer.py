@@ -46,7 +46,9 @@ class IncrementalDetokenizer:
                 best = (pos, stop)
         if best is not None:
             pos, stop = best
-            self.text = self.text[: pos + len(stop)] if self.request.params.include_stop_str_in_output else self.text[:pos]
+            self.text = (
+                self.text[: pos + len(stop)] if self.request.params.include_stop_str_in_output else self.text[:pos]
+            )
             self.stop_hit = stop
 
     def visible_text(self, finished: bool) -> str:

@@ -70,7 +70,7 @@ class LLM:
                 max_model_len=max_model_len,
                 seed=seed,
                 num_threads=num_threads,
-                cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks, kv_cache_memory_gb=kv_cache_memory_gb),
+                cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory_gb),
                 scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
                 enable_piecewise_graph=enable_piecewise_graph,
                 graph=graph,

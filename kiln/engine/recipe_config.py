@@ -24,7 +24,9 @@ def resolve_recipe(config: EngineConfig) -> tuple[EngineConfig, Recipe | None]:
     from kiln.compile.settings import graph_config_from
 
     recipe = load_recipe(config.recipe, model=config.model)
-    cache = replace(config.cache, dtype=recipe.kv_cache_dtype, block_size=recipe.block_size, num_blocks=recipe.max_pages)
+    cache = replace(
+        config.cache, dtype=recipe.kv_cache_dtype, block_size=recipe.block_size, num_blocks=recipe.max_pages
+    )
     sched = config.scheduler
     if recipe.max_num_seqs is not None:
         sched = replace(sched, max_num_seqs=min(sched.max_num_seqs, recipe.max_num_seqs))

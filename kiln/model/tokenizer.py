@@ -37,7 +37,9 @@ def _byte_level_pre(pre: str, path: str) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.ByteLevel(add_prefix_space=False)
     regex = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre)
     if regex is None:
-        raise ModelLoadError(path, f"unsupported GGUF pre-tokenizer {pre!r} (kiln knows smollm, gpt2, llama-bpe, qwen2)")
+        raise ModelLoadError(
+            path, f"unsupported GGUF pre-tokenizer {pre!r} (kiln knows smollm, gpt2, llama-bpe, qwen2)"
+        )
     split = pre_tokenizers.Split(Regex(regex), behavior="isolated")
     return pre_tokenizers.Sequence([split, byte_level])
 

@@ -43,3 +43,16 @@ def test_bad_sampling_flag_is_a_clear_error() -> None:
     proc = run("generate", "--prompt", "hi", "--temperature", "-2")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "temperature=-2.0: must be >= 0" in proc.stderr
+
+
+def test_chat_streams_replies_and_keeps_history() -> None:
+    proc = subprocess.run(
+        [*KILN, "chat", "--max-tokens", "8"],
+        input="What is the capital of France?\n/reset\nSay hi.\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    replies = [line for line in proc.stdout.split("> ") if line.strip()]
+    assert len(replies) == 2 and "Paris" in replies[0]

@@ -104,11 +104,14 @@ def test_filters_keep_the_top_token(llm: LLM, alone: list[list[int]]) -> None:
 
 
 def test_penalties_change_output(llm: LLM, alone: list[list[int]]) -> None:
-    penalized = llm.generate(PROMPTS[2], SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.8,
-                                                       ignore_eos=True))[0]
+    penalized = llm.generate(
+        PROMPTS[2], SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.8, ignore_eos=True)
+    )[0]
     assert penalized.token_ids != alone[2]
-    freq = llm.generate(PROMPTS[2], SamplingParams(max_tokens=12, temperature=0, frequency_penalty=2.0,
-                                                  presence_penalty=2.0, ignore_eos=True))[0]
+    freq = llm.generate(
+        PROMPTS[2],
+        SamplingParams(max_tokens=12, temperature=0, frequency_penalty=2.0, presence_penalty=2.0, ignore_eos=True),
+    )[0]
     assert len(set(freq.token_ids)) == len(freq.token_ids)  # any repeat would have been pushed down hard
 
 
@@ -119,8 +122,10 @@ def test_stop_string_cuts_text(llm: LLM) -> None:
     out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24, temperature=0, stop=[stop], ignore_eos=True))[0]
     assert out.text == full[:5]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    kept = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24, temperature=0, stop=[stop],
-                                                  include_stop_str_in_output=True, ignore_eos=True))[0]
+    kept = llm.generate(
+        PROMPTS[1],
+        SamplingParams(max_tokens=24, temperature=0, stop=[stop], include_stop_str_in_output=True, ignore_eos=True),
+    )[0]
     assert kept.text == full[:9]
 
 

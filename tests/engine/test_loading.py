@@ -12,7 +12,6 @@ from kiln import LLM, SamplingParams
 from kiln.errors import ModelLoadError
 from kiln.model.loader import open_checkpoint
 from kiln.model.registry import build_model
-
 from tests.engine.tiny_models import write_gguf_model, write_hf_model
 
 PROMPT = [5, 17, 42, 7, 99, 3, 61, 250, 11]
@@ -31,8 +30,18 @@ def kiln_prompt_logits(model_path: str, ids: list[int]) -> torch.Tensor:
     "family,overrides",
     [
         ("llama", {}),
-        ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+        (
+            "llama",
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+        ),
         ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
         ("llama", {"tie_word_embeddings": True}),
         ("qwen2", {}),
@@ -103,7 +112,7 @@ def test_unsupported_quantization_type(tmp_path: Path) -> None:
 
 
 def test_hf_directory_errors(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="config.json is missing"):
+    with pytest.raises(ModelLoadError, match=r"config\.json is missing"):
         open_checkpoint(str(tmp_path))
     write_hf_model(tmp_path, "llama")
     shard = next(tmp_path.glob("*.safetensors"))
@@ -124,6 +133,8 @@ def test_unsupported_hf_architecture(tmp_path: Path) -> None:
 def test_half_precision_dtypes_run(tmp_path: Path, dtype: str) -> None:
     write_hf_model(tmp_path, "llama")
     ref = LLM(str(tmp_path), num_kv_blocks=16).generate(PROMPT, SamplingParams(max_tokens=4, temperature=0))[0]
-    out = LLM(str(tmp_path), dtype=dtype, num_kv_blocks=16).generate(PROMPT, SamplingParams(max_tokens=4, temperature=0))
+    out = LLM(str(tmp_path), dtype=dtype, num_kv_blocks=16).generate(
+        PROMPT, SamplingParams(max_tokens=4, temperature=0)
+    )
     assert out[0].finish_reason == "length" and len(out[0].token_ids) == 4
     assert out[0].token_ids[0] == ref.token_ids[0]

@@ -129,7 +129,9 @@ class GGUFCheckpoint:
         if scaling_type == "linear":
             rope_scaling = {"rope_type": "linear", "factor": float(self.field(f"{a}.rope.scaling.factor", 1.0))}
         elif scaling_type not in (None, "none"):
-            raise ModelLoadError(self.path, f"unsupported rope scaling type {scaling_type!r} (kiln runs linear, llama3)")
+            raise ModelLoadError(
+                self.path, f"unsupported rope scaling type {scaling_type!r} (kiln runs linear, llama3)"
+            )
         if "rope_freqs.weight" in tensors:  # llama 3.1-style scaling baked into per-frequency factors
             rope_scaling = {"rope_type": "freq_factors"}
         return ModelConfig(

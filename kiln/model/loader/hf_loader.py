@@ -129,11 +129,13 @@ class HFCheckpoint:
         bad = {n: t for n, t in self.tensor_types.items() if t not in SUPPORTED_DTYPES}
         if bad:
             name, ty = next(iter(bad.items()))
-            raise ModelLoadError(self.path, f"unsupported tensor dtype {ty} (tensor {name}); kiln loads {SUPPORTED_DTYPES}")
+            raise ModelLoadError(
+                self.path, f"unsupported tensor dtype {ty} (tensor {name}); kiln loads {SUPPORTED_DTYPES}"
+            )
         for f in self.files:
             try:
                 with safe_open(str(f), framework="pt") as st:
-                    for name in st.keys():
+                    for name in st.keys():  # noqa: SIM118  (safe_open is not a dict)
                         yield name, st.get_tensor(name)
             except SafetensorError as exc:
                 raise ModelLoadError(str(f), f"corrupt safetensors file ({exc})") from None
