@@ -10,12 +10,19 @@ from kiln.env import read_env
 logger = logging.getLogger("kiln")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever `sys.stderr` is at emit time (test runners and servers swap it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
+
+
 def setup_logging(level: str | None = None) -> None:
-    if getattr(logger, "_kiln_configured", False):
+    if any(isinstance(h, _StderrHandler) for h in logger.handlers):
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StderrHandler()
     handler.setFormatter(logging.Formatter("[%(levelname)s] %(message)s"))
     logger.addHandler(handler)
     logger.setLevel(level or read_env().log_level)
     logger.propagate = False
-    logger._kiln_configured = True  # type: ignore[attr-defined]

@@ -39,6 +39,8 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int) 
     for param in model.parameters():
         param.data = param.data.to(dtype)
     model.eval().requires_grad_(False)
+    if dtype == torch.float32:
+        model.prepare_decode_head()
     size_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     logger.info(
         "Loaded %s (%s, %d layers, %.2f GB %s) in %.2f s",

@@ -1,0 +1,59 @@
+"""The side-by-side tables printed by `kiln bench`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kiln.bench.metrics import RATIO_METRICS, RunResult
+
+
+def print_report(results: list[RunResult], ratios: dict[str, dict[str, Any]], console: Console | None = None) -> None:
+    # NOTE: a piped or logged report keeps its width instead of wrapping at 80 columns.
+    console = console or Console(width=None if Console().is_terminal else 140)
+    table = Table(title="kiln bench (TTFT / TPOT in ms: mean/p50/p90)")
+    for name in ("system", "bs", "reqs", "out tok/s", "prefill tok/s", "decode tok/s/seq", "TTFT", "TPOT", "wall s"):
+        table.add_column(name, justify="left" if name == "system" else "right")
+    compared = any(r.hf_match is not None for r in results)
+    if compared:
+        table.add_column("=HF", justify="right")
+    for r in sorted(results, key=lambda r: (r.batch_size, r.system != "kiln", r.mode)):
+        row = r.to_row()
+        cells = [
+            f"kiln {r.mode}" if r.system == "kiln" else r.system,
+            str(r.batch_size),
+            str(r.num_requests),
+            f"{r.output_tok_s:.1f}",
+            f"{r.prefill_tok_s:.1f}",
+            f"{r.decode_tok_s_per_seq:.1f}",
+            _triple(row["ttft_ms"]),
+            _triple(row["tpot_ms"]),
+            f"{r.wall_s:.2f}",
+        ]
+        if compared:
+            cells.append("" if r.hf_match is None else f"{r.hf_match}/{r.num_requests}")
+        table.add_row(*cells)
+    console.print(table)
+    if ratios:
+        console.print(_ratio_table(ratios))
+
+
+def _triple(summary: dict[str, float]) -> str:
+    return "/".join(f"{summary[k]:.1f}" if summary[k] < 100 else f"{summary[k]:.0f}" for k in ("mean", "p50", "p90"))
+
+
+def _ratio_table(ratios: dict[str, dict[str, Any]]) -> Table:
+    table = Table(title="ratios (best = best batched output tok/s of each)")
+    table.add_column("ratio")
+    table.add_column("bs", justify="right")
+    for metric in RATIO_METRICS:
+        table.add_column(metric, justify="right")
+    for name, entry in ratios.items():
+        for bs, value in entry.items():
+            if bs == "best":
+                table.add_row(name, "best", f"{value:.2f}x", "", "")
+            else:
+                table.add_row(name, bs, *(f"{value[m]:.2f}x" for m in RATIO_METRICS))
+    return table

@@ -1,0 +1,119 @@
+"""`kiln bench`: rates and ratios from timings, the graph-mode hook, and small end-to-end runs on the default model."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+import kiln.cli as kiln_cli
+import kiln.engine.llm as engine_llm
+from kiln.bench.metrics import RunResult, compute_ratios, random_prompts
+from kiln.bench.modes import make_llm_for_mode
+from kiln.bench.report import print_report
+from kiln.errors import KilnError
+
+SMALL = ["--num-requests", "2", "--num-requests-bs1", "1", "--input-len", "8", "--output-len", "4"]
+SMALL += ["--batch-sizes", "1,2", "--num-kv-blocks", "64"]
+
+
+def _run(system: str, mode: str, batch_size: int, wall_s: float) -> RunResult:
+    return RunResult(system, mode, batch_size, 8, 4, wall_s, 0.5, [0.1, 0.3], [0.2, 0.2], [[1, 2, 3, 4]] * 2)
+
+
+def test_rates_follow_from_timings() -> None:
+    run = _run("kiln", "eager", 2, wall_s=2.0)
+    row = run.to_row()
+    assert row["output_tok_s"] == pytest.approx(4.0)  # 2 requests x 4 tokens / 2 s
+    assert row["prefill_tok_s"] == pytest.approx(32.0)  # 2 x 8 prompt tokens / 0.5 s
+    assert row["decode_tok_s_per_seq"] == pytest.approx(5.0)
+    assert row["ttft_ms"]["mean"] == pytest.approx(200.0)
+    assert row["ttft_ms"]["p50"] == pytest.approx(200.0)
+    assert row["ttft_ms"]["p90"] == pytest.approx(280.0)
+
+
+def test_ratios_compare_kiln_with_hf_and_modes_with_eager() -> None:
+    runs = [_run("kiln", "eager", 1, 2.0), _run("kiln", "piecewise", 1, 1.0), _run("hf", "eager", 1, 4.0)]
+    ratios = compute_ratios(runs)
+    assert ratios["eager/hf"]["1"]["output_tok_s"] == pytest.approx(2.0)
+    assert ratios["piecewise/hf"]["best"] == pytest.approx(4.0)
+    assert ratios["piecewise/eager"]["1"]["output_tok_s"] == pytest.approx(2.0)
+    assert "eager/eager" not in ratios
+
+
+def test_random_prompts_are_seeded_and_exact_length() -> None:
+    a = random_prompts(3, 5, 100, seed=7)
+    assert a == random_prompts(3, 5, 100, seed=7) != random_prompts(3, 5, 100, seed=8)
+    assert all(len(p) == 5 and all(0 <= t < 100 for t in p) for p in a)
+
+
+def test_graph_mode_without_support_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    class EagerOnlyLLM:
+        def __init__(self, model: str = "default", *, dtype: str = "float32") -> None: ...
+
+    monkeypatch.setattr(engine_llm, "LLM", EagerOnlyLLM)
+    with pytest.raises(KilnError, match="mode 'piecewise' needs graph mode support"):
+        make_llm_for_mode(argparse.Namespace(), "piecewise")
+
+
+def test_graph_mode_flag_is_passed_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    class GraphLLM:
+        def __init__(self, model: str = "default", *, full_graph: bool = False) -> None: ...
+
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(engine_llm, "LLM", GraphLLM)
+    monkeypatch.setattr(kiln_cli, "make_llm", lambda args, **kw: calls.append(kw) or "llm")
+    assert make_llm_for_mode(argparse.Namespace(), "full") == "llm"
+    assert make_llm_for_mode(argparse.Namespace(), "eager") == "llm"
+    assert calls == [{"full_graph": True}, {"full_graph": False}]
+
+
+def test_unknown_mode_is_rejected_by_the_parser() -> None:
+    with pytest.raises(SystemExit):
+        kiln_cli.build_parser().parse_args(["bench", "--modes", "eager,turbo"])
+
+
+def _check_report(path: Path, expected_rows: int) -> dict[str, Any]:
+    report = json.loads(path.read_text())
+    assert report["config"]["input_len"] == 8 and report["config"]["output_len"] == 4
+    assert len(report["results"]) == expected_rows
+    for row in report["results"]:
+        assert row["num_requests"] == (1 if row["batch_size"] == 1 else 2)
+        for key in ("output_tok_s", "prefill_tok_s", "decode_tok_s_per_seq", "wall_s"):
+            assert row[key] > 0, (key, row)
+        for key in ("ttft_ms", "tpot_ms"):
+            assert 0 < row[key]["p50"] <= row[key]["p90"], (key, row)
+        assert row["output_tok_s"] * row["wall_s"] == pytest.approx(row["num_requests"] * 4)
+    return report
+
+
+def test_report_prints_rows_and_ratios() -> None:
+    runs = [_run("kiln", "eager", 1, 2.0), _run("hf", "eager", 1, 4.0)]
+    runs[0].hf_match = 2
+    buf = io.StringIO()
+    print_report(runs, compute_ratios(runs), Console(file=buf, width=160))
+    text = buf.getvalue()
+    assert "kiln eager" in text and "2/2" in text and "eager/hf" in text and "2.00x" in text
+
+
+def test_bench_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    assert kiln_cli.main(["bench", *SMALL, "--json", str(out)]) == 0
+    report = _check_report(out, expected_rows=2)
+    assert {(r["system"], r["mode"]) for r in report["results"]} == {("kiln", "eager")}
+    assert report["ratios"] == {}
+
+
+def test_bench_compare_hf_matches_greedy_tokens(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    out = tmp_path / "bench.json"
+    assert kiln_cli.main(["bench", *SMALL, "--compare", "hf", "--json", str(out)]) == 0
+    report = _check_report(out, expected_rows=4)
+    kiln_rows = [r for r in report["results"] if r["system"] == "kiln"]
+    assert len(kiln_rows) == 2 and all(r["hf_match"] == r["num_requests"] for r in kiln_rows), report["results"]
+    assert set(report["ratios"]["eager/hf"]) == {"1", "2", "best"}
