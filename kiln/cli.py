@@ -176,9 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _subcommand_registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
     """Subcommands that live with their subsystem (each module adds its own parser)."""
     from kiln.bench.cli import add_bench_subcommand
+    from kiln.compile.cli import add_compile_subcommand
     from kiln.recipe.cli import add_recipe_subcommand
 
-    registrars = [add_bench_subcommand, add_recipe_subcommand]
+    registrars = [add_bench_subcommand, add_recipe_subcommand, add_compile_subcommand]
     return registrars
 
 

@@ -1,0 +1,126 @@
+"""Piece compilers: one base class, one registry entry each (`inductor`, `eager`).
+
+A compiler turns a piece's FX graph (dynamic `num_tokens`) into a callable with the graph's signature that
+returns a sequence of tensors (the graph's outputs; one element when the graph returns a single tensor).
+`save`/`load` move its artifact through the on-disk cache; a compiler without one (eager) has nothing to cache.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.fx import GraphModule
+
+from kiln.errors import ConfigError
+
+PieceFn = Callable[..., Sequence[torch.Tensor]]
+
+
+@dataclass
+class CompiledPiece:
+    fn: PieceFn
+    source_code: str | None  # generated wrapper code (inductor), for kernel counts and fusion reports
+    artifact: Any = None  # what `save` writes
+
+
+class PieceCompiler(ABC):
+    name: str
+    has_artifact: bool = False
+
+    def options(self) -> dict[str, Any]:
+        """Settings that change the generated code: part of the cache key."""
+        return {}
+
+    @abstractmethod
+    def compile(self, graph: GraphModule) -> CompiledPiece: ...
+
+    def save(self, compiled: CompiledPiece, path: Path) -> None:
+        raise TypeError(f"the {self.name} compiler produces no artifact to cache (has_artifact is False)")
+
+    def load(self, path: Path, graph: GraphModule) -> CompiledPiece:
+        raise TypeError(f"the {self.name} compiler produces no artifact to cache (has_artifact is False)")
+
+
+class EagerCompiler(PieceCompiler):
+    """Runs the traced graph as is: zero compile cost (SGLang's `eager` compiler)."""
+
+    name = "eager"
+
+    def compile(self, graph: GraphModule) -> CompiledPiece:
+        if not returns_tuple(graph):
+            raise ValueError("piece graphs must return a tuple (Piece rewrites single outputs before compiling)")
+        return CompiledPiece(graph.forward, None)
+
+
+class InductorCompiler(PieceCompiler):
+    """`torch._inductor.standalone_compile` for the graph's own symbolic shapes; artifacts are portable files."""
+
+    name = "inductor"
+    has_artifact = True
+
+    def options(self) -> dict[str, Any]:
+        # NOTE: no freezing / weight prepacking: parameters are graph inputs shared by identical pieces, and
+        # on CPU the extern aten mm inductor emits is the same BLAS call eager makes (prepacked mkldnn
+        # linear was slower for these small shapes). Size asserts cost a Python call per input per step.
+        return {"size_asserts": False, "freezing": False, "max_autotune": False}
+
+    def compile(self, graph: GraphModule) -> CompiledPiece:
+        example_inputs = [n.meta["example_value"] for n in graph.graph.nodes if n.op == "placeholder"]
+        with _new_generated_modules() as new_modules:
+            artifact = torch._inductor.standalone_compile(
+                graph, example_inputs, dynamic_shapes="from_graph", options={"config_patches": self.options()}
+            )
+        return CompiledPiece(artifact, _source(new_modules), artifact)
+
+    def save(self, compiled: CompiledPiece, path: Path) -> None:
+        compiled.artifact.save(path=str(path), format="binary")
+
+    def load(self, path: Path, graph: GraphModule) -> CompiledPiece:
+        from torch._inductor import CompiledArtifact
+
+        with _new_generated_modules() as new_modules:
+            artifact = CompiledArtifact.load(path=str(path), format="binary")
+        return CompiledPiece(artifact, _source(new_modules), artifact)
+
+
+COMPILERS: dict[str, type[PieceCompiler]] = {"inductor": InductorCompiler, "eager": EagerCompiler}
+
+
+def make_compiler(name: str) -> PieceCompiler:
+    if name not in COMPILERS:
+        raise ConfigError(f"unknown graph compiler {name!r}: expected one of {', '.join(COMPILERS)}")
+    return COMPILERS[name]()
+
+
+def returns_tuple(graph: GraphModule) -> bool:
+    output = next(n for n in reversed(graph.graph.nodes) if n.op == "output")
+    return isinstance(output.args[0], (tuple, list))
+
+
+class _new_generated_modules:
+    """Collects the Python modules inductor generates (or reloads) inside the block."""
+
+    def __enter__(self) -> list[Any]:
+        from torch._inductor.codecache import PyCodeCache
+
+        self._start = len(PyCodeCache.modules)
+        self.modules: list[Any] = []
+        return self.modules
+
+    def __exit__(self, *exc: object) -> None:
+        from torch._inductor.codecache import PyCodeCache
+
+        self.modules.extend(PyCodeCache.modules[self._start :])
+
+
+def _source(modules: list[Any]) -> str | None:
+    for module in reversed(modules):
+        path = getattr(module, "__file__", None)
+        if path and Path(path).is_file():
+            return Path(path).read_text()
+    return None

@@ -1,0 +1,35 @@
+"""What the graph compiler did, as numbers tests can assert (after vLLM's `compilation_counter`)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass
+class CompileCounters:
+    graphs_traced: int = 0  # dynamo traces of the forward (1 per engine: num_tokens is symbolic)
+    pieces_seen: int = 0  # pieces after the split (N+1 for N splitting ops)
+    splitting_ops_seen: int = 0
+    pieces_compiled: int = 0  # compiler runs for the dynamic shape (identical pieces compile once)
+    cache_hits: int = 0  # compiled pieces loaded from the on-disk cache
+    cache_misses: int = 0
+    cache_rejected: int = 0  # corrupt or stale entries detected and rebuilt
+    pieces_captured: int = 0  # (piece, capture size) pairs captured
+    replays: int = 0  # forwards at a captured size
+    piece_replays: int = 0  # piece executions through a capture
+    dynamic_fallbacks: int = 0  # forwards above the largest capture size (or not capturable)
+    padding_tokens: int = 0  # tokens added to reach a capture size
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    def expect(self, **expected: int) -> None:
+        """Raise AssertionError naming every counter that differs from `expected`."""
+        names = {f.name for f in fields(self)}
+        unknown = sorted(set(expected) - names)
+        if unknown:
+            raise AssertionError(f"unknown counters {unknown}; known: {sorted(names)}")
+        wrong = {k: (getattr(self, k), v) for k, v in expected.items() if getattr(self, k) != v}
+        if wrong:
+            detail = ", ".join(f"{k}={got} (expected {want})" for k, (got, want) in wrong.items())
+            raise AssertionError(f"compile counters differ: {detail}")

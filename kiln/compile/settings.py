@@ -1,0 +1,78 @@
+"""Graph settings: the recipe is the source of truth; CLI flags fill in or override, and every override is logged."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import fields, replace
+from typing import Any
+
+from kiln.config import FusionGroupConfig, GraphConfig
+from kiln.errors import ConfigError
+
+logger = logging.getLogger("kiln")
+
+COMPILERS = ("inductor", "eager")
+_RECIPE_FIELDS = ("piecewise", "splitting_ops", "capture_sizes", "compiler")
+
+
+def graph_config_from(recipe: Any | None = None, **cli_overrides: Any) -> GraphConfig:
+    """A GraphConfig from a recipe (any object with `piecewise`, `splitting_ops`, `capture_sizes`, `compiler`,
+    `hash`, `fusion_groups` of {name, ops}) or defaults, then CLI overrides (None = not given).
+
+    Keys of `cli_overrides` are GraphConfig field names; `piece_modes` may be a `0-3:captured,4:eager` string.
+    An override that changes a value the recipe set is logged, so the recipe is never silently rewritten.
+    """
+    from kiln.compile.modes import parse_piece_modes
+
+    base = GraphConfig()
+    if recipe is not None:
+        base = replace(
+            base,
+            piecewise=bool(recipe.piecewise),
+            splitting_ops=tuple(recipe.splitting_ops),
+            capture_sizes=tuple(recipe.capture_sizes),
+            compiler=str(recipe.compiler),
+            recipe_hash=str(recipe.hash),
+            fusion_groups=_fusion_groups(recipe.fusion_groups),
+        )
+    known = {f.name for f in fields(GraphConfig)}
+    unknown = sorted(set(cli_overrides) - known)
+    if unknown:
+        raise ConfigError(f"unknown graph settings {unknown}: expected some of {sorted(known)}")
+    changes: dict[str, Any] = {}
+    for name, value in cli_overrides.items():
+        if value is None:
+            continue
+        if name == "piece_modes":
+            value = tuple(sorted((i, m.value) for i, m in parse_piece_modes(value).items()))
+        elif name in ("splitting_ops", "capture_sizes"):
+            value = tuple(value)
+        elif name == "fusion_groups":
+            value = _fusion_groups(value)
+        if recipe is not None and name in _RECIPE_FIELDS and value != getattr(base, name):
+            logger.info("Graph setting %s=%s overrides the recipe's %s", name, value, getattr(base, name))
+        changes[name] = value
+    config = replace(base, **changes)
+    _validate(config)
+    return config
+
+
+def _fusion_groups(groups: Iterable[Any]) -> tuple[FusionGroupConfig, ...]:
+    out = []
+    for g in groups:
+        name, ops = (g["name"], g["ops"]) if isinstance(g, dict) else (g.name, g.ops)
+        out.append(FusionGroupConfig(str(name), tuple(str(op) for op in ops)))
+    return tuple(out)
+
+
+def _validate(config: GraphConfig) -> None:
+    if config.compiler not in COMPILERS:
+        raise ConfigError(f"graph compiler {config.compiler!r}: expected one of {', '.join(COMPILERS)}")
+    bad = [s for s in config.capture_sizes if not isinstance(s, int) or s < 1]
+    if bad:
+        raise ConfigError(f"capture sizes must be positive integers, got {bad}")
+    if len(set(config.capture_sizes)) != len(config.capture_sizes):
+        raise ConfigError(f"capture sizes {list(config.capture_sizes)} contain duplicates")
+    if not config.splitting_ops and config.piecewise and not config.full_graph:
+        raise ConfigError("piecewise graph mode needs at least one splitting op (default: kiln.attention)")

@@ -1,0 +1,89 @@
+"""Trace, split, compile, capture and replay on a tiny random Llama (eager compiler: no codegen cost)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.compile.modes import PieceMode
+from kiln.model.forward_context import ForwardContext, set_forward_context
+from tests.compile.tiny import generate, graph_runner, make_runner, prefill_metadata, random_prompts, tiny_model
+
+PROMPTS = random_prompts([5, 3, 9])  # prefill: 17 tokens (> 4: dynamic); decodes: 3 (padded to 4)
+MAX_TOKENS = 5
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return tiny_model(num_layers=3)
+
+
+@pytest.fixture(scope="module")
+def expected(model: torch.nn.Module) -> list[list[int]]:
+    return generate(make_runner(model), PROMPTS, MAX_TOKENS)
+
+
+def test_pieces_compile_once_and_capture_per_size(
+    model: torch.nn.Module, expected: list[list[int]], cache_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="kiln"):
+        runner, graph = graph_runner(model, cache_dir, compiler="eager", capture_sizes=(1, 2, 4))
+    # 3 attention calls -> 4 pieces; the two middle pieces are identical -> 3 compiles; 4 pieces x 3 sizes
+    graph.counters.expect(graphs_traced=1, pieces_seen=4, splitting_ops_seen=3, pieces_compiled=3, pieces_captured=12)
+    assert len({p.info.structure_key for p in graph.pieces}) == 3
+    assert graph.pieces[1].compiled is graph.pieces[2].compiled
+    assert caplog.text.count("Compiling a graph for dynamic shape takes") == 3
+    assert "Capturing num tokens (num_tokens=4 avail_mem=" in caplog.text
+    sizes_logged = [line.split("num_tokens=")[1].split()[0] for line in caplog.text.splitlines() if "Capturing" in line]
+    assert sizes_logged == ["4", "2", "1"]  # largest first
+
+    assert generate(runner, PROMPTS, MAX_TOKENS) == expected
+    c = graph.counters
+    # step 1: one 17-token prefill (above 4: dynamic); steps 2-5: 3 decodes padded to 4 (1 padding token each)
+    c.expect(graphs_traced=1, dynamic_fallbacks=1, replays=4, padding_tokens=4, piece_replays=16)
+    assert runner.pad_to(3) == 4 and runner.pad_to(4) == 4 and runner.pad_to(5) == 5
+
+
+def test_piece_modes_switch_without_recompiling(
+    model: torch.nn.Module, expected: list[list[int]], cache_dir: Path
+) -> None:
+    runner, graph = graph_runner(model, cache_dir, compiler="eager", piece_modes="0:eager,1-2:compiled")
+    assert graph.piece_modes == {0: PieceMode.EAGER, 1: PieceMode.COMPILED, 2: PieceMode.COMPILED, 3: "captured"}
+    # eager piece 0 is not compiled; pieces 1 and 2 share a compile; only piece 3 is captured (3 sizes)
+    graph.counters.expect(pieces_compiled=2, pieces_captured=3)
+    assert generate(runner, PROMPTS, MAX_TOKENS) == expected
+    graph.set_piece_modes({0: "captured", 1: "captured", 2: "captured"})
+    graph.counters.expect(pieces_compiled=3, pieces_captured=12)  # piece 0 compiled once, captures added
+    graph.set_piece_modes({i: PieceMode.EAGER for i in range(4)})
+    graph.set_piece_modes({i: PieceMode.CAPTURED for i in range(4)})
+    graph.counters.expect(pieces_compiled=3, pieces_captured=12)
+    assert generate(runner, PROMPTS, MAX_TOKENS) == expected
+
+
+def test_full_graph_mode(model: torch.nn.Module, expected: list[list[int]], cache_dir: Path) -> None:
+    runner, graph = graph_runner(model, cache_dir, compiler="eager", full_graph=True)
+    graph.counters.expect(graphs_traced=1, pieces_seen=1, splitting_ops_seen=0, pieces_compiled=1, pieces_captured=3)
+    assert generate(runner, PROMPTS, MAX_TOKENS) == expected
+    graph.counters.expect(dynamic_fallbacks=1, replays=4)
+
+
+def test_logits_match_eager_in_fp32(model: torch.nn.Module, cache_dir: Path) -> None:
+    runner, graph = graph_runner(model, cache_dir, compiler="eager")
+    eager_runner = make_runner(model)
+    for n in (1, 3, 4, 6):
+        ids = torch.arange(n) % 128
+        pos = torch.arange(n)
+        meta = prefill_metadata(n)
+        with torch.inference_mode():
+            with set_forward_context(ForwardContext(meta, eager_runner.kv_caches)):
+                want = model.compute_logits(model(ids, pos))
+            padded = runner.pad_to(n)
+            pad = padded - n
+            ids_p = torch.cat([ids, torch.zeros(pad, dtype=torch.long)])
+            pos_p = torch.cat([pos, torch.zeros(pad, dtype=torch.long)])
+            with set_forward_context(ForwardContext(meta, runner.kv_caches)):
+                got = model.compute_logits(graph(ids_p, pos_p)[:n])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)

@@ -1,0 +1,123 @@
+"""Graph-mode test helpers: a tiny random Llama, a runner around it, a greedy generate loop, metadata."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from kiln.compile.graph_runner import GraphRunner, enable_graph_mode
+from kiln.compile.settings import graph_config_from
+from kiln.config import ModelConfig, SchedulerConfig
+from kiln.engine.kv_cache import BlockPool
+from kiln.engine.model_runner import ModelInputs, ModelRunner
+from kiln.engine.request import Request
+from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.scheduler import Scheduler, SchedulerOutput
+from kiln.model.forward_context import AttentionMetadata
+from kiln.model.llama import LlamaForCausalLM
+
+NUM_BLOCKS = 64
+BLOCK_SIZE = 4
+
+
+def tiny_config(num_layers: int = 2) -> ModelConfig:
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        name="tiny-random",
+    )
+
+
+def tiny_model(num_layers: int = 2, seed: int = 0, device: str = "cpu") -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_config(num_layers), 256)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            torch.nn.init.uniform_(param, 0.8, 1.2)
+        else:
+            torch.nn.init.normal_(param, std=0.2)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def make_runner(model: LlamaForCausalLM) -> ModelRunner:
+    param = next(model.parameters())
+    runner = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, param.dtype, eos_token_ids=())
+    if param.device.type != "cpu":
+        runner.kv_caches = [t.to(param.device) for t in runner.kv_caches]
+        runner.prepare = _on_device(runner.prepare, param.device)  # type: ignore[method-assign]
+    return runner
+
+
+def _on_device(prepare: Callable[[SchedulerOutput], ModelInputs], device: torch.device) -> Callable[..., ModelInputs]:
+    """ModelRunner.prepare builds CPU tensors; move them to the model's device (GPU tests)."""
+
+    def run(sched: SchedulerOutput) -> ModelInputs:
+        inputs = prepare(sched)
+        meta = inputs.metadata
+        for name in ("slot_mapping", "seq_lens_tensor", "block_tables"):
+            setattr(meta, name, getattr(meta, name).to(device))
+        return replace(inputs, input_ids=inputs.input_ids.to(device), positions=inputs.positions.to(device))
+
+    return run
+
+
+def graph_runner(model: LlamaForCausalLM, cache_dir: Path, **overrides: object) -> tuple[ModelRunner, GraphRunner]:
+    runner = make_runner(model)
+    overrides.setdefault("capture_sizes", (1, 2, 4))
+    graph = enable_graph_mode(runner, graph_config_from(None, cache_dir=str(cache_dir), **overrides))
+    return runner, graph
+
+
+def generate(runner: ModelRunner, prompts: list[list[int]], max_tokens: int, max_num_seqs: int = 8) -> list[list[int]]:
+    """Greedy continuous-batching generation through `runner` (prefill and decode steps, as the engine runs)."""
+    pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256), pool)
+    requests = [
+        Request(str(i), None, p, SamplingParams(temperature=0.0, max_tokens=max_tokens), None)
+        for i, p in enumerate(prompts)
+    ]
+    for req in requests:
+        scheduler.add(req)
+    while scheduler.has_unfinished:
+        sched = scheduler.schedule()
+        result = runner.execute(sched)
+        for s in sched.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            token = result.sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            if len(req.output_token_ids) >= max_tokens:
+                scheduler.finish(req, "length")
+    return [r.output_token_ids for r in requests]
+
+
+def random_prompts(lengths: list[int], vocab: int = 128, seed: int = 1) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def prefill_metadata(num_tokens: int) -> AttentionMetadata:
+    """One sequence whose whole prompt (`num_tokens` tokens) runs in this step, in blocks 0, 1, ..."""
+    num_blocks = -(-num_tokens // BLOCK_SIZE)
+    return AttentionMetadata(
+        num_actual_tokens=num_tokens,
+        num_decodes=0,
+        slot_mapping=torch.arange(num_tokens),
+        query_start_loc=[0, num_tokens],
+        seq_lens=[num_tokens],
+        seq_lens_tensor=torch.tensor([num_tokens]),
+        block_tables=torch.arange(num_blocks)[None],
+        block_size=BLOCK_SIZE,
+    )
