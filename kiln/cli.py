@@ -16,6 +16,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Options shared by every command that loads a model."""
     p.add_argument("--model", default="default", help="a .gguf file, an HF directory, or 'default' (SmolLM2-135M)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: 1 GB worth)")
@@ -51,6 +52,7 @@ def make_llm(args: argparse.Namespace, **overrides: object):
     return LLM(
         args.model,
         dtype=args.dtype,
+        device=args.device,
         max_model_len=args.max_model_len,
         block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks,
@@ -178,9 +180,15 @@ def _subcommand_registrars() -> list[Callable[[argparse._SubParsersAction], None
     from kiln.bench.cli import add_bench_subcommand
     from kiln.compile.cli import add_compile_subcommand
     from kiln.recipe.cli import add_recipe_subcommand
+    from kiln.server.cli import add_loadtest_subcommand, add_serve_subcommand
 
-    registrars = [add_bench_subcommand, add_recipe_subcommand, add_compile_subcommand]
-    return registrars
+    return [
+        add_serve_subcommand,
+        add_bench_subcommand,
+        add_loadtest_subcommand,
+        add_recipe_subcommand,
+        add_compile_subcommand,
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

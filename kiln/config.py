@@ -120,6 +120,7 @@ class GraphConfig:
 class EngineConfig:
     model: str = "default"
     dtype: str = "float32"
+    device: str = "cpu"  # "cpu" | "cuda"
     max_model_len: int | None = None  # None: min(model context, 4096)
     seed: int = 0
     num_threads: int | None = None

@@ -15,7 +15,7 @@ from kiln.engine.recipe_config import resolve_recipe
 from kiln.engine.request import Request, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
-from kiln.errors import RequestError
+from kiln.errors import ConfigError, RequestError
 from kiln.model.loader import open_checkpoint
 from kiln.model.registry import build_model, load_tokenizer
 
@@ -26,6 +26,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         config, self.recipe = resolve_recipe(config)
         self.config = config
+        if config.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device; use --device cpu")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.checkpoint = open_checkpoint(config.model)
@@ -33,7 +35,7 @@ class EngineCore:
         self.model_config = mc
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
         self.dtype = parse_dtype(config.dtype)
-        self.model = build_model(self.checkpoint, self.dtype, self.max_model_len)
+        self.model = build_model(self.checkpoint, self.dtype, self.max_model_len, config.device)
         self.tokenizer = load_tokenizer(self.checkpoint)
         eos = set(mc.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

@@ -32,6 +32,7 @@ class LLM:
         model: str | None = "default",
         *,
         dtype: str = "float32",
+        device: str = "cpu",
         max_model_len: int | None = None,
         block_size: int = 16,
         num_kv_blocks: int | None = None,
@@ -67,6 +68,7 @@ class LLM:
             config = EngineConfig(
                 model=model or "default",
                 dtype=dtype,
+                device=device,
                 max_model_len=max_model_len,
                 seed=seed,
                 num_threads=num_threads,

@@ -50,10 +50,11 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.eos_token_ids = list(eos_token_ids)
+        self.device = next(model.parameters()).device
         c = model.config
         self.block_size = block_size
         self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=kv_dtype)
+            torch.zeros(2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=kv_dtype, device=self.device)
             for _ in range(c.num_layers)
         ]
         self.sampler = Sampler()
@@ -96,19 +97,20 @@ class ModelRunner:
         n = len(input_ids)
         padded = self.pad_to(n)
         pad = padded - n
+        dev = self.device
         meta = AttentionMetadata(
             num_actual_tokens=n,
             num_decodes=num_decodes,
-            slot_mapping=torch.tensor(slots, dtype=torch.long),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long),
-            block_tables=torch.tensor(tables, dtype=torch.long),
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
             block_size=bs,
         )
         return ModelInputs(
-            input_ids=torch.tensor(input_ids + [0] * pad, dtype=torch.long),
-            positions=torch.tensor(positions + [0] * pad, dtype=torch.long),
+            input_ids=torch.tensor(input_ids + [0] * pad, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions + [0] * pad, dtype=torch.long, device=dev),
             metadata=meta,
             sample_indices=sample_indices,
             sample_request_ids=sample_ids,
@@ -127,7 +129,8 @@ class ModelRunner:
         hidden = self.forward(inputs)
         if not inputs.sample_indices:
             return ModelRunnerOutput({}, {})
-        logits = self.model.compute_logits(hidden)
+        # NOTE: sampling runs on the host: per-request torch.Generator objects are CPU generators.
+        logits = self.model.compute_logits(hidden).cpu()
         by_id = {s.request.request_id: s.request for s in sched.scheduled}
         rows = []
         for rid in inputs.sample_request_ids:

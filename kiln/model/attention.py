@@ -58,7 +58,8 @@ def paged_attention(
             ki = gather_kv(kv_cache[0], meta.block_tables[i], seq_len).transpose(0, 1)
             vi = gather_kv(kv_cache[1], meta.block_tables[i], seq_len).transpose(0, 1)
             context = seq_len - q_len
-            mask = torch.arange(seq_len)[None, :] <= (torch.arange(q_len)[:, None] + context)
+            rows = torch.arange(q_len, device=q.device)[:, None] + context
+            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
         out[start:end] = o.transpose(0, 1).reshape(q_len, num_heads * head_dim)
     return out

@@ -42,7 +42,7 @@ class AttentionMetadata:
         max_len = max(self.seq_lens[:nd])
         block_size = self.block_size
         table = self.block_tables[:nd, : -(-max_len // block_size)]
-        mask = torch.arange(max_len) < self.seq_lens_tensor[:nd, None]
+        mask = torch.arange(max_len, device=self.seq_lens_tensor.device) < self.seq_lens_tensor[:nd, None]
         return table, mask[:, None, None, :], max_len
 
 

@@ -23,7 +23,9 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
 }
 
 
-def build_model(checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int) -> LlamaForCausalLM:
+def build_model(
+    checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int, device: str = "cpu"
+) -> LlamaForCausalLM:
     """Instantiate the model for `checkpoint` and load its weights (dequantized) in `dtype`."""
     config = checkpoint.config
     start = time.perf_counter()
@@ -38,8 +40,9 @@ def build_model(checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int) 
     # NOTE: only parameters change dtype; rotary tables stay fp32 as in HF.
     for param in model.parameters():
         param.data = param.data.to(dtype)
+    model.to(device)
     model.eval().requires_grad_(False)
-    if dtype == torch.float32:
+    if dtype == torch.float32 and model.lm_head.weight.device.type == "cpu":
         model.prepare_decode_head()
     size_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     logger.info(

@@ -1,0 +1,111 @@
+"""The two OpenAI response shapes over one serving loop: `text_completion` and `chat.completion`.
+
+A format is made per HTTP request; it builds the streamed choice for each RequestOutput, the final choice of a
+finished one, and the envelope (id, created, model) around both.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from typing import Any
+
+from kiln.engine.request import RequestOutput
+from kiln.server.responses import LogprobFormatter
+
+
+class ResponseFormat(ABC):
+    object_name: str
+    chunk_object_name: str
+
+    def __init__(self, response_id: str, model: str, logprobs: LogprobFormatter, num_logprobs: int | None) -> None:
+        self.response_id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self.logprobs = logprobs
+        self.num_logprobs = num_logprobs
+
+    def envelope(self, obj: str, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "id": self.response_id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if usage is not None:
+            body["usage"] = usage
+        return body
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+        return self.envelope(self.chunk_object_name, choices, usage)
+
+    def response(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+        return self.envelope(self.object_name, choices, usage)
+
+    def opening_choices(self, indices: list[int]) -> list[dict[str, Any]]:
+        """Choices streamed before any token (chat announces the assistant role)."""
+        return []
+
+    @abstractmethod
+    def stream_choice(
+        self, index: int, out: RequestOutput, new_ids: list[int], new_logprobs: list[dict[int, float]] | None
+    ) -> dict[str, Any] | None:
+        """The streamed choice for this step's output, or None when there is nothing to send yet."""
+
+    @abstractmethod
+    def final_choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
+        """The choice of a non-streaming response for a finished output."""
+
+
+class CompletionFormat(ResponseFormat):
+    object_name = chunk_object_name = "text_completion"
+
+    def __init__(self, response_id: str, model: str, logprobs: LogprobFormatter, num_logprobs: int | None) -> None:
+        super().__init__(response_id, model, logprobs, num_logprobs)
+        self._text_offsets: dict[int, int] = {}
+
+    def stream_choice(
+        self, index: int, out: RequestOutput, new_ids: list[int], new_logprobs: list[dict[int, float]] | None
+    ) -> dict[str, Any] | None:
+        if not (out.delta or out.finished or new_logprobs):
+            return None
+        lp = None
+        if new_logprobs is not None:
+            lp = self.logprobs.completion(new_ids, new_logprobs, self._text_offsets.get(index, 0))
+            if lp["text_offset"]:
+                self._text_offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+        finish = out.finish_reason if out.finished else None
+        return {"index": index, "text": out.delta, "logprobs": lp, "finish_reason": finish}
+
+    def final_choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
+        lp = self.logprobs.completion(out.token_ids, out.logprobs) if out.logprobs is not None else None
+        return {"index": index, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
+
+
+class ChatFormat(ResponseFormat):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def opening_choices(self, indices: list[int]) -> list[dict[str, Any]]:
+        delta = {"role": "assistant", "content": ""}
+        return [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None} for i in indices]
+
+    def stream_choice(
+        self, index: int, out: RequestOutput, new_ids: list[int], new_logprobs: list[dict[int, float]] | None
+    ) -> dict[str, Any] | None:
+        if not (out.delta or out.finished or new_logprobs):
+            return None
+        lp = None
+        if new_logprobs is not None and self.num_logprobs is not None:
+            lp = {"content": self.logprobs.chat(new_ids, new_logprobs, self.num_logprobs)}
+        delta = {"content": out.delta} if out.delta else {}
+        finish = out.finish_reason if out.finished else None
+        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+    def final_choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
+        lp = None
+        if out.logprobs is not None and self.num_logprobs is not None:
+            lp = {"content": self.logprobs.chat(out.token_ids, out.logprobs, self.num_logprobs)}
+        message = {"role": "assistant", "content": out.text}
+        return {"index": index, "message": message, "logprobs": lp, "finish_reason": out.finish_reason}

@@ -1,0 +1,163 @@
+"""OpenAI request bodies (the fields kiln serves) and their mapping onto SamplingParams.
+
+Unknown fields are ignored, as OpenAI-compatible servers do, so clients that send extra options keep working.
+Fields kiln cannot honour (`echo`, `best_of` != n, non-text message parts) are rejected with a 400 naming them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kiln.engine.sampling_params import SamplingParams
+from kiln.errors import RequestError
+
+MAX_N = 64
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Options shared by /v1/completions and /v1/chat/completions (kiln extensions as in vLLM: top_k, min_p, ...)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, choice_index: int) -> SamplingParams:
+        """Build validated SamplingParams (RequestError names the field). Choice `i` of `n` samples with seed+i."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        optional: dict[str, Any] = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "min_tokens": self.min_tokens,
+        }
+        return SamplingParams(
+            max_tokens=max_tokens,
+            seed=None if self.seed is None else self.seed + choice_index,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            **{name: value for name, value in optional.items() if value is not None},
+        )
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: one string, a list of strings, one token-id list, or a list of those."""
+        p = self.prompt
+        if isinstance(p, str):
+            prompts: list[str | list[int]] = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]  # type: ignore[arg-type]
+        else:
+            prompts = list(p)  # type: ignore[arg-type]
+        if not prompts:
+            raise RequestError(
+                "prompt is an empty list: expected a string, a list of strings or token ids", None, "prompt"
+            )
+        return prompts
+
+    def check_supported(self) -> None:
+        if self.echo:
+            raise RequestError("echo=true is not supported by kiln; send echo=false", None, "echo")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError(
+                f"best_of={self.best_of} is not supported: kiln returns all n={self.n} choices", None, "best_of"
+            )
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template expects them: {role, content: str}; text parts are concatenated."""
+        messages = []
+        for i, m in enumerate(self.messages):
+            content = m.content
+            if isinstance(content, list):
+                for j, part in enumerate(content):
+                    if part.type != "text" or part.text is None:
+                        raise RequestError(
+                            f"message content part of type {part.type!r} is not supported: kiln serves text only",
+                            None,
+                            f"messages.{i}.content.{j}.type",
+                        )
+                content = "".join(part.text or "" for part in content)
+            message: dict[str, Any] = {"role": m.role, "content": content or ""}
+            if m.name is not None:
+                message["name"] = m.name
+            messages.append(message)
+        return messages
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None unless `logprobs` is true; then `top_logprobs` alternatives (default 0)."""
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise RequestError("top_logprobs needs logprobs=true", None, "top_logprobs")
+            return None
+        return self.top_logprobs or 0

@@ -1,0 +1,234 @@
+"""/v1/completions and /v1/chat/completions: validate, tokenize off the event loop, add to the engine, answer.
+
+Each HTTP request becomes one engine request per (prompt, choice); all are added at once, so a rejected one
+adds none. Streaming answers are SSE ending in `data: [DONE]`; a client that disconnects (streaming or not)
+has its requests aborted, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import jinja2
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from kiln.engine.async_engine import AsyncEngine, RequestStream
+from kiln.engine.request import RequestOutput
+from kiln.engine.sampling_params import SamplingParams
+from kiln.errors import RequestError
+from kiln.server.errors import APIError, api_error_for, error_body
+from kiln.server.formats import ChatFormat, CompletionFormat, ResponseFormat
+from kiln.server.metrics import ServerMetrics
+from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kiln.server.responses import SSE_DONE, LogprobFormatter, sse, usage
+
+logger = logging.getLogger("kiln")
+
+T = TypeVar("T")
+# nginx's "client closed request": recorded in metrics for requests whose client went away before the answer.
+CLIENT_CLOSED = 499
+
+
+class OpenAIServing:
+    def __init__(
+        self, engine: AsyncEngine, metrics: ServerMetrics, served_model_name: str, aliases: Sequence[str] = ()
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.served_model_name = served_model_name
+        self.model_names = {served_model_name, *aliases}
+        self.tokenizer = engine.core.tokenizer
+        self.max_model_len = engine.core.max_model_len
+        self.logprobs = LogprobFormatter(self.tokenizer)
+
+    # -- endpoints --------------------------------------------------------------------------------
+    async def completions(self, request: Request, body: CompletionRequest) -> Response:
+        arrival = time.monotonic()
+        self._check_model(body.model)
+        body.check_supported()
+        prompts = body.prompts()
+        prompt_ids = await asyncio.to_thread(self._tokenize, prompts)
+        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.served_model_name, self.logprobs, body.logprobs)
+        return await self._serve(request, body, fmt, prompt_ids, body.max_tokens, body.logprobs, arrival)
+
+    async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
+        arrival = time.monotonic()
+        self._check_model(body.model)
+        messages = body.template_messages()
+        num_logprobs = body.num_logprobs
+        prompt_ids = [await asyncio.to_thread(self._chat_prompt, messages)]
+        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.served_model_name, self.logprobs, num_logprobs)
+        return await self._serve(request, body, fmt, prompt_ids, body.requested_max_tokens, num_logprobs, arrival)
+
+    def models(self) -> dict[str, Any]:
+        card = {
+            "id": self.served_model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "kiln",
+            "max_model_len": self.max_model_len,
+        }
+        return {"object": "list", "data": [card]}
+
+    # -- shared -----------------------------------------------------------------------------------
+    async def _serve(
+        self,
+        request: Request,
+        body: SamplingFields,
+        fmt: ResponseFormat,
+        prompt_ids: list[list[int]],
+        max_tokens: int | None,
+        num_logprobs: int | None,
+        arrival: float,
+    ) -> Response:
+        jobs: list[tuple[str, list[int], SamplingParams]] = []
+        for p, ids in enumerate(prompt_ids):
+            # NOTE: no max_tokens means "the rest of the context"; with no room left, 1 token makes the engine
+            # reject the request with both numbers and the limit in the message.
+            limit = max_tokens if max_tokens is not None else max(self.max_model_len - len(ids), 1)
+            for c in range(body.n):
+                jobs.append((f"{fmt.response_id}-{p * body.n + c}", ids, body.sampling_params(limit, num_logprobs, c)))
+        index = {rid: i for i, (rid, _, _) in enumerate(jobs)}
+        stream = await self.engine.add_requests(jobs)
+        prompt_tokens = sum(len(ids) for ids in prompt_ids)
+        if body.stream:
+            events = self._stream(stream, fmt, index, prompt_tokens, body.include_usage_in_stream, arrival)
+            return EngineStreamingResponse(events, on_close=lambda: self._close(stream))
+        try:
+            finals = await _unless_disconnected(request, self._collect(stream, arrival))
+        finally:
+            self._close(stream)
+        if finals is None:
+            logger.info("client went away; aborted %s", fmt.response_id)
+            return Response(status_code=CLIENT_CLOSED)
+        outputs = [finals[rid] for rid in index]
+        for out in outputs:
+            _raise_if_failed(out)
+        choices = [fmt.final_choice(index[out.request_id], out) for out in outputs]
+        body_json = fmt.response(choices, usage(prompt_tokens, sum(len(out.token_ids) for out in outputs)))
+        return JSONResponse(body_json)
+
+    async def _collect(self, stream: RequestStream, arrival: float) -> dict[str, RequestOutput]:
+        finals: dict[str, RequestOutput] = {}
+        async for out in stream:
+            if out.finished:
+                finals[out.request_id] = out
+                self.metrics.observe_finished(out, arrival)
+        return finals
+
+    def _close(self, stream: RequestStream) -> None:
+        """Abort what the stream has not finished (a client that went away, a failed sibling choice) and count it."""
+        num_unfinished = len(stream.unfinished)
+        stream.close()
+        if num_unfinished:
+            self.metrics.finished.labels(finish_reason="abort").inc(num_unfinished)
+
+    async def _stream(
+        self,
+        stream: RequestStream,
+        fmt: ResponseFormat,
+        index: dict[str, int],
+        prompt_tokens: int,
+        include_usage: bool,
+        arrival: float,
+    ) -> AsyncIterator[str]:
+        num_sent = dict.fromkeys(index, 0)
+        completion_tokens = 0
+        opening = fmt.opening_choices(sorted(index.values()))
+        try:
+            if opening:
+                yield sse(fmt.chunk(opening))
+            async for out in stream:
+                if out.finished:
+                    self.metrics.observe_finished(out, arrival)
+                    completion_tokens += len(out.token_ids)
+                _raise_if_failed(out)
+                start, num_sent[out.request_id] = num_sent[out.request_id], len(out.token_ids)
+                new_logprobs = out.logprobs[start:] if out.logprobs is not None else None
+                choice = fmt.stream_choice(index[out.request_id], out, out.token_ids[start:], new_logprobs)
+                if choice is not None:
+                    yield sse(fmt.chunk([choice]))
+        except Exception as exc:
+            # NOTE: the status line is already sent; the error travels as an SSE event (OpenAI clients raise it).
+            error = api_error_for(exc)
+            if error.status >= 500 and not isinstance(exc, APIError):
+                logger.exception("streaming %s failed", fmt.response_id)
+            yield sse(error_body(error.status, error.message, error.param, error.code))
+            yield SSE_DONE
+            return
+        finally:
+            self._close(stream)
+        if include_usage:
+            yield sse(fmt.chunk([], usage(prompt_tokens, completion_tokens)))
+        yield SSE_DONE
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise APIError(
+                404,
+                f"model {model!r} is not served here; this server serves {self.served_model_name!r} "
+                "(see GET /v1/models)",
+                "model",
+                "model_not_found",
+            )
+
+    def _tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
+    def _chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        try:
+            text = self.tokenizer.apply_chat_template(messages)
+        except jinja2.TemplateError as exc:
+            raise RequestError(f"the model's chat template rejected the messages: {exc}", None, "messages") from None
+        return self.tokenizer.encode(text)
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """SSE whose engine requests are aborted however the response ends, even if the client left before the
+    first event (then the event generator never starts, so its own cleanup never runs)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def _raise_if_failed(out: RequestOutput) -> None:
+    if out.finish_reason == "error":
+        raise APIError(500, out.error or f"request {out.request_id} failed in the engine", code="engine_error")
+    if out.finish_reason == "abort":
+        raise APIError(503, f"request {out.request_id} was aborted: the server is shutting down", code="aborted")
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Run `work`; if the client disconnects first, cancel it (which aborts its engine requests) and return None."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return task.result() if not task.cancelled() else None
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # NOTE: the body is already read, so the next ASGI message is `http.disconnect` when the client goes away.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,84 @@
+"""`kiln loadtest` limits and report, and the serve/launch argument parsers (no server, no model)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kiln.bench.loadtest import (
+    LoadTestConfig,
+    LoadTestResult,
+    RequestRecord,
+    check_loopback_url,
+    format_report,
+    parse_range,
+    run_loadtest_command,
+    summarize,
+)
+from kiln.errors import ConfigError
+from kiln.launch import build_parser as build_launch_parser
+from kiln.server.cli import add_loadtest_subcommand, add_serve_subcommand
+
+
+@pytest.mark.parametrize(
+    "url", ["http://127.0.0.1:8000", "http://localhost:1", "http://[::1]:8000", "https://127.9.9.9"]
+)
+def test_loopback_urls_are_accepted(url: str) -> None:
+    check_loopback_url(url)
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.1:8000", "http://example.com", "ftp://127.0.0.1", "127.0.0.1:8000"])
+def test_other_urls_are_refused(url: str) -> None:
+    with pytest.raises(ConfigError):
+        check_loopback_url(url)
+
+
+def test_refusal_exits_2_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
+    args = argparse.Namespace(
+        url="http://192.168.1.5:8000", model=None, api_key=None, concurrency=1, num_requests=1, input_len="1:2",
+        output_len="1:2", request_rate=None, timeout=1.0, seed=0, json=None, plot=None,
+    )  # fmt: skip
+    assert run_loadtest_command(args) == 2
+    assert "only targets loopback addresses" in capsys.readouterr().err
+
+
+def test_ranges_and_bounds() -> None:
+    assert parse_range("32:256", "--input-len") == (32, 256)
+    assert parse_range("8", "--output-len") == (8, 8)
+    for bad in ("0:4", "9:3", "a:b"):
+        with pytest.raises(ConfigError, match="--input-len"):
+            parse_range(bad, "--input-len")
+    with pytest.raises(ConfigError, match="--num-requests"):
+        LoadTestConfig("http://127.0.0.1:1", concurrency=1, num_requests=10**9, input_len=(1, 2), output_len=(1, 2))
+
+
+def test_summary_percentiles_and_errors() -> None:
+    cfg = LoadTestConfig("http://127.0.0.1:1", concurrency=2, num_requests=4, input_len=(1, 2), output_len=(1, 2))
+    records = [
+        RequestRecord(i, 0.0, 2, 2, prompt_tokens=2, output_tokens=2, ttft=0.1 * (i + 1), tpot=0.05, e2e=0.2 * (i + 1))
+        for i in range(3)
+    ]
+    records.append(RequestRecord(3, 0.0, 2, 2, error="HTTP 429: the server is full"))
+    summary = summarize(LoadTestResult(cfg, 2.0, records))
+    assert summary["num_completed"] == 3 and summary["num_errors"] == 1
+    assert summary["request_throughput"] == pytest.approx(1.5)
+    assert summary["e2e_s"]["p50"] == pytest.approx(0.4)
+    assert "api_key" not in summary["config"]
+    report = format_report(summary)
+    assert "TTFT" in report and "error x1: HTTP 429" in report
+
+
+def test_serve_and_launch_parsers() -> None:
+    parser = argparse.ArgumentParser(prog="kiln")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_subcommand(sub)
+    add_loadtest_subcommand(sub)
+    args = parser.parse_args(["serve", "--recipe", "r.yaml", "--enable-piecewise-graph", "--max-num-seqs", "4"])
+    assert args.host == "127.0.0.1" and args.port == 8000 and args.func.__name__ == "serve_command"
+    assert args.recipe == "r.yaml" and args.enable_piecewise_graph and args.max_num_seqs == 4
+    assert parser.parse_args(["loadtest"]).func.__name__ == "loadtest_command"
+
+    launch = build_launch_parser().parse_args(["--model-path", "m.gguf", "--enable-piecewise-graph", "--port", "9"])
+    assert launch.model == "m.gguf" and launch.enable_piecewise_graph and launch.port == 9
+    assert build_launch_parser().parse_args([]).model == "default"

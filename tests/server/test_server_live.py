@@ -1,0 +1,307 @@
+"""A live `python -m kiln.launch` server on the default model, driven by the official openai client.
+
+One server per module (start-up is the slow part); the offline reference `llm` loads while the server loads.
+The last test shuts the server down with SIGTERM, so it must stay last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kiln import LLM, SamplingParams
+from kiln.bench.loadtest import run_loadtest_command
+
+API_KEY = "test-key"
+MAX_MODEL_LEN = 512
+MAX_TOKENS = 10
+PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "1, 2, 3, 4,", "def fibonacci(n):"]
+CHAT = [{"role": "user", "content": "What is the tallest mountain on Earth?"}]
+
+
+@dataclass
+class LiveServer:
+    url: str
+    process: subprocess.Popen[str]
+    log: list[str] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def client(self, api_key: str = API_KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample on /metrics as `name{labels}` -> value (the text must parse with prometheus_client)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return samples
+
+    def wait_idle(self, timeout: float = 60.0) -> dict[str, float]:
+        """Wait until no request is in flight and no KV block is in use; return the metrics then."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            if m["kiln_kv_cache_used_blocks"] == 0 and m["kiln_num_requests_unfinished"] == 0:
+                return m
+            if time.monotonic() > deadline:
+                raise AssertionError(f"server not idle after {timeout} s: {m['kiln_kv_cache_used_blocks']} blocks used")
+            time.sleep(0.2)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(request: pytest.FixtureRequest) -> Iterator[LiveServer]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "kiln.launch", "--model-path", "default", "--port", str(port), "--api-key", API_KEY,
+           "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256", "--max-num-seqs", "32",
+           "--shutdown-timeout", "60"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    live = LiveServer(f"http://127.0.0.1:{port}", proc)
+    ready = threading.Event()
+
+    def read_log() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            live.log.append(line.rstrip("\n"))
+            if "Ready: " in line:
+                ready.set()
+
+    threading.Thread(target=read_log, daemon=True).start()
+    try:
+        request.getfixturevalue("llm")  # NOTE: load the offline reference while the server loads
+        deadline = time.monotonic() + 240
+        while not ready.wait(0.5):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("server did not start:\n" + "\n".join(live.log[-30:]))
+        yield live
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(server: LiveServer, llm: LLM) -> dict[str, str]:
+    """Greedy offline outputs for every prompt used below (one batch, so computed once)."""
+    chat_prompt = llm.tokenizer.apply_chat_template(CHAT)
+    outs = llm.generate([*PROMPTS, chat_prompt], SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    return {p: o.text for p, o in zip([*PROMPTS, "chat"], outs, strict=True)}
+
+
+def test_startup_logs_and_models(server: LiveServer) -> None:
+    log = "\n".join(server.log)
+    assert "[INFO] Loading model default" in log
+    assert re.search(r"\[INFO\] KV cache: 256 blocks", log)
+    assert f"[INFO] Ready: {server.url} (model SmolLM2-135M-Instruct.Q4_1)" in log
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["status"] == "ok" and health["kv_cache_total_blocks"] == 256
+
+
+def test_completions_match_offline(server: LiveServer, reference: dict[str, str]) -> None:
+    client = server.client()
+    result = client.completions.create(model="default", prompt=PROMPTS[:2], max_tokens=MAX_TOKENS, temperature=0)
+    assert [c.text for c in result.choices] == [reference[p] for p in PROMPTS[:2]]
+    assert result.usage is not None and result.usage.completion_tokens == 2 * MAX_TOKENS
+
+    stream = client.completions.create(
+        model="default",
+        prompt=PROMPTS[2],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == reference[PROMPTS[2]]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+def test_chat_matches_offline(server: LiveServer, reference: dict[str, str]) -> None:
+    client = server.client()
+    reply = client.chat.completions.create(model="default", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0)
+    assert reply.choices[0].message.content == reference["chat"]
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.usage.prompt_tokens > 0 and reply.usage.completion_tokens <= MAX_TOKENS
+
+    stream = client.chat.completions.create(
+        model="default", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == reference["chat"]
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_n_seed_stop_and_logprobs(server: LiveServer) -> None:
+    client = server.client()
+    sampled = client.completions.create(
+        model="default", prompt=PROMPTS[0], max_tokens=6, temperature=1.0, seed=123, n=2, logprobs=2
+    )
+    again = client.completions.create(
+        model="default", prompt=PROMPTS[0], max_tokens=6, temperature=1.0, seed=123, n=2, logprobs=2
+    )
+    assert [c.text for c in sampled.choices] == [c.text for c in again.choices]  # seeded: reproducible
+    lp = sampled.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert "".join(lp.tokens) == sampled.choices[0].text
+
+    chat = client.chat.completions.create(
+        model="default", messages=CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+
+    stopped = client.completions.create(model="default", prompt="1, 2, 3, 4,", max_tokens=12, temperature=0, stop=["7"])
+    assert stopped.choices[0].finish_reason == "stop" and "7" not in stopped.choices[0].text
+
+
+def test_32_concurrent_clients(server: LiveServer, reference: dict[str, str]) -> None:
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0, timeout=300)
+
+    async def one(i: int) -> str:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        if i % 2:
+            r = await client.completions.create(model="default", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
+            return r.choices[0].text
+        stream = await client.completions.create(
+            model="default", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def main() -> list[str]:
+        async with client:
+            return await asyncio.gather(*(one(i) for i in range(32)))
+
+    texts = asyncio.run(main())
+    assert texts == [reference[PROMPTS[i % len(PROMPTS)]] for i in range(32)]
+    server.wait_idle()
+
+
+def test_disconnecting_clients_free_their_kv_blocks(server: LiveServer) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    long_request = {"model": "default", "prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0}
+    before = server.metrics().get('kiln_request_finished_total{finish_reason="abort"}', 0.0)
+    for _ in range(3):  # streaming clients that read two events and hang up
+        with httpx.stream("POST", f"{server.base_url}/completions", json={**long_request, "stream": True},
+                          headers=headers, timeout=60) as response:  # fmt: skip
+            events = response.iter_lines()
+            next(line for line in events if line.startswith("data: "))
+            next(line for line in events if line.startswith("data: "))
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+        httpx.post(f"{server.base_url}/completions", json=long_request, headers=headers, timeout=2)
+    m = server.wait_idle(timeout=30)  # 400 tokens each would take far longer: the requests were aborted
+    assert m['kiln_request_finished_total{finish_reason="abort"}'] - before == 4
+
+
+def test_errors_have_openai_shape_and_status(server: LiveServer) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+
+    def post(path: str, body: str | dict) -> dict:
+        content = body if isinstance(body, str) else json.dumps(body)
+        response = httpx.post(f"{server.base_url}{path}", content=content, headers=headers, timeout=60)
+        assert "Traceback" not in response.text
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        return {"status": response.status_code, **error}
+
+    bad_json = post("/completions", '{"prompt": "hi", ')
+    assert bad_json["status"] == 400 and "not valid JSON" in bad_json["message"]
+    bad_field = post("/completions", {"prompt": "hi", "temperature": "hot"})
+    assert bad_field["status"] == 400 and bad_field["param"] == "temperature"
+    bad_n = post("/chat/completions", {"messages": CHAT, "n": 0})
+    assert bad_n["status"] == 400 and bad_n["param"] == "n"
+    too_long = post("/completions", {"prompt": "hello " * 100, "max_tokens": 500})
+    assert too_long["status"] == 400 and too_long["param"] == "max_tokens"
+    assert re.search(r"prompt \(\d+ tokens\) \+ max_tokens \(500\) = \d+ tokens exceeds max_model_len=512",
+                     too_long["message"])  # fmt: skip
+    image = post("/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})
+    assert image["status"] == 400 and image["param"] == "messages.0.content.0.type"
+
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as bad_temperature:
+        client.completions.create(model="default", prompt="hi", temperature=-1)
+    assert "temperature" in str(bad_temperature.value)
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        client.completions.create(model="gpt-4", prompt="hi")
+    with pytest.raises(openai.AuthenticationError, match="invalid API key"):
+        server.client(api_key="wrong").completions.create(model="default", prompt="hi")
+    assert httpx.get(f"{server.url}/nope").status_code == 404
+    server.wait_idle()
+
+
+def test_metrics_parse(server: LiveServer) -> None:
+    m = server.metrics()
+    for name in ("kiln_num_requests_running", "kiln_num_requests_waiting", "kiln_kv_cache_usage_ratio",
+                 "kiln_kv_cache_used_blocks", "kiln_graph_replays_total", "kiln_graph_dynamic_fallbacks_total",
+                 "kiln_time_to_first_token_seconds_count", "kiln_time_per_output_token_seconds_count",
+                 "kiln_e2e_request_latency_seconds_count"):  # fmt: skip
+        assert name in m, name
+    assert m['kiln_http_requests_total{endpoint="/v1/completions",status="200"}'] > 0
+    assert m['kiln_http_requests_total{endpoint="/v1/completions",status="400"}'] > 0
+    assert m['kiln_http_requests_total{endpoint="/v1/completions",status="401"}'] > 0
+    assert m["kiln_time_to_first_token_seconds_count"] > 0
+
+
+def test_loadtest_against_live_server(server: LiveServer, tmp_path: Path) -> None:
+    args = argparse.Namespace(
+        url=server.url, model=None, api_key=API_KEY, concurrency=4, num_requests=8, input_len="4:24",
+        output_len="2:6", request_rate=20.0, timeout=120.0, seed=0, json=str(tmp_path / "lt.json"),
+        plot=str(tmp_path / "lt.png"),
+    )  # fmt: skip
+    assert run_loadtest_command(args) == 0
+    report = json.loads((tmp_path / "lt.json").read_text())
+    assert report["num_completed"] == 8 and report["num_errors"] == 0
+    assert report["e2e_s"]["p99"] >= report["e2e_s"]["p50"] > 0
+    assert all(2 <= r["output_tokens"] <= 6 for r in report["requests"])
+    assert (tmp_path / "lt.png").stat().st_size > 10_000
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(server: LiveServer) -> None:
+    """Must run last: it stops the module's server."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/completions", json=body, headers=headers, timeout=120) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        server.process.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+    assert server.process.wait(60) == 0
+    time.sleep(0.2)  # let the log reader catch up
+    log = "\n".join(server.log)
+    assert "SIGTERM: shutting down" in log and "Server stopped" in log
+    assert "Traceback" not in log
