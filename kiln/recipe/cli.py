@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 
@@ -87,20 +86,14 @@ def _print_text(recipe: Recipe | None, diagnostics: list[Diagnostic]) -> None:
     if recipe is None:
         print(f"{errors} error{'s' * (errors != 1)}, {warnings} warning{'s' * (warnings != 1)}", file=sys.stderr)
         return
-    if not _logged_by_kiln():
-        print(f"[INFO] Recipe validated: {len(recipe.constraints)} constraints satisfied, 0 conflicts")
+    # NOTE: printed here (stdout, the command's result) whether or not kiln's logger also logged it to stderr.
+    print(f"[INFO] Recipe validated: {len(recipe.constraints)} constraints satisfied, 0 conflicts")
     print("[INFO] Witness: " + ", ".join(f"{k}={v}" for k, v in recipe.witness.items()))
     print(
         f"[INFO] Limits: max_num_batched_tokens={recipe.max_num_batched_tokens}, "
         f"max_num_seqs={recipe.max_num_seqs}, max_model_len={recipe.max_model_len}"
     )
     print(f"[INFO] Recipe hash: {recipe.hash}")
-
-
-def _logged_by_kiln() -> bool:
-    """load_recipe logs the "Recipe validated" line; print it only when kiln's logging is not set up to show it."""
-    logger = logging.getLogger("kiln")
-    return bool(logger.handlers) and logger.isEnabledFor(logging.INFO)
 
 
 def _json_result(file: str, recipe: Recipe | None, diagnostics: list[Diagnostic]) -> dict:
