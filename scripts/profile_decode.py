@@ -1,0 +1,46 @@
+"""Profile decode steps of the default model (eager or piecewise) at a given batch size and context length.
+
+Usage: .venv/bin/python scripts/profile_decode.py [--batch 1] [--context 128] [--piecewise] [--steps 20]
+Prints ms per step and the top operators by self CPU time (torch.profiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import profile
+
+from kiln import LLM, SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--piecewise", action="store_true")
+    args = ap.parse_args()
+    llm = LLM(enable_piecewise_graph=args.piecewise)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=args.steps * 3 + 10, temperature=0, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(f"p{i}", [100 + i] * args.context, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.requests.values()):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    step_ms = (time.perf_counter() - start) / args.steps * 1000
+    print(f"batch={args.batch} context~{args.context}: {step_ms:.1f} ms/step, {args.batch * 1000 / step_ms:.1f} tok/s")
+    with profile() as prof:
+        for _ in range(args.steps):
+            engine.step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+if __name__ == "__main__":
+    main()
