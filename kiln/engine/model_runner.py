@@ -15,6 +15,7 @@ import torch
 from kiln.compile.counters import CompileCounters
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kiln.engine.scheduler import SchedulerOutput
+from kiln.model.attention import kv_cache_shape
 from kiln.model.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from kiln.model.llama import LlamaForCausalLM
 
@@ -53,10 +54,8 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         c = model.config
         self.block_size = block_size
-        self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype=kv_dtype, device=self.device)
-            for _ in range(c.num_layers)
-        ]
+        shape = kv_cache_shape(num_blocks, block_size, c.num_kv_heads, c.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in range(c.num_layers)]
         self.sampler = Sampler()
         self.forward_fn: ForwardFn = model
         self.pad_to: Callable[[int], int] = lambda n: n

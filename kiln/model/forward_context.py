@@ -36,20 +36,22 @@ class AttentionMetadata:
         return len(self.seq_lens)
 
     @cached_property
-    def decode_layout(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(block table, key mask [num_decodes, 1, 1, L], L) of the decode sequences, built once per step."""
+    def decode_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat block ids [num_decodes * B], additive key mask [1, num_decodes, 1, B * block_size]) of the
+        decode sequences, where B blocks cover the longest; built once per step and shared by every layer."""
         nd = self.num_decodes
-        max_len = max(self.seq_lens[:nd])
-        block_size = self.block_size
-        table = self.block_tables[:nd, : -(-max_len // block_size)]
-        mask = torch.arange(max_len, device=self.seq_lens_tensor.device) < self.seq_lens_tensor[:nd, None]
-        return table, mask[:, None, None, :], max_len
+        num_blocks = -(-max(self.seq_lens[:nd]) // self.block_size)
+        table = self.block_tables[:nd, :num_blocks].reshape(-1)
+        positions = torch.arange(num_blocks * self.block_size, device=self.seq_lens_tensor.device)
+        hidden = positions >= self.seq_lens_tensor[:nd, None]
+        mask = torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
+        return table, mask[None, :, None, :]
 
 
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata
-    kv_caches: list[torch.Tensor]  # per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_caches: list[torch.Tensor]  # per layer: [2, num_kv_heads, num_blocks, block_size, head_dim]
 
 
 _current: ForwardContext | None = None
