@@ -191,15 +191,20 @@ def _subcommand_registrars() -> list[Callable[[argparse._SubParsersAction], None
     ]
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run_command(handler: Handler, args: argparse.Namespace) -> int:
+    """Run a command handler: a KilnError becomes one line on stderr and exit 1, never a traceback."""
     try:
-        return args.func(args)
+        return handler(args)
     except KilnError as exc:
         print(f"kiln: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return run_command(args.func, args)
 
 
 if __name__ == "__main__":

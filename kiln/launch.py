@@ -8,8 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kiln.cli import add_engine_args
-from kiln.errors import KilnError
+from kiln.cli import add_engine_args, run_command
 from kiln.server.cli import add_server_args
 
 
@@ -25,13 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from kiln.server.launcher import run_server
 
-    try:
-        return run_server(args)
-    except KilnError as exc:
-        print(f"kiln: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    return run_command(run_server, args)
 
 
 if __name__ == "__main__":
