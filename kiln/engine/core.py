@@ -11,7 +11,6 @@ from kiln.config import EngineConfig, parse_dtype
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.kv_cache import BlockPool
 from kiln.engine.model_runner import ModelRunner, ModelRunnerOutput
-from kiln.engine.recipe_config import resolve_recipe
 from kiln.engine.request import Request, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
@@ -24,6 +23,8 @@ logger = logging.getLogger("kiln")
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
+        from kiln.engine.recipe_config import resolve_recipe  # NOTE: lazy: pydantic/z3 only when a recipe is used
+
         config, self.recipe = resolve_recipe(config)
         self.config = config
         if config.device == "cuda" and not torch.cuda.is_available():
