@@ -179,6 +179,7 @@ def _subcommand_registrars() -> list[Callable[[argparse._SubParsersAction], None
     """Subcommands that live with their subsystem (each module adds its own parser)."""
     from kiln.bench.cli import add_bench_subcommand
     from kiln.compile.cli import add_compile_subcommand
+    from kiln.debug.cli import add_debug_subcommand
     from kiln.recipe.cli import add_recipe_subcommand
     from kiln.server.cli import add_loadtest_subcommand, add_serve_subcommand
 
@@ -188,6 +189,7 @@ def _subcommand_registrars() -> list[Callable[[argparse._SubParsersAction], None
         add_loadtest_subcommand,
         add_recipe_subcommand,
         add_compile_subcommand,
+        add_debug_subcommand,
     ]
 
 

@@ -111,6 +111,7 @@ class GraphConfig:
     dump_dir: str | None = None  # write the compile artifacts here when set
     piece_modes: tuple[tuple[int, str], ...] = ()  # (piece index, eager|compiled|captured); unset: captured
     recipe_hash: str = ""
+    debug: int = 0  # trace level from the recipe's debug_mode; KILN_DEBUG raises it, never lowers it
     fusion_groups: tuple[FusionGroupConfig, ...] = (
         FusionGroupConfig("mlp_fusion", ("gate_proj", "up_proj", "silu", "mul", "down_proj")),
     )

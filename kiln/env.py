@@ -10,7 +10,7 @@ from pathlib import Path
 @dataclass(frozen=True)
 class Env:
     log_level: str  # KILN_LOG_LEVEL: DEBUG | INFO | WARNING
-    debug: int  # KILN_DEBUG: 0 off, 1 log every piece launch, 2 also check replay inputs
+    debug: int  # KILN_DEBUG: 0 off, 1 trace mode: log every piece launch (mode, sizes, time), check replay inputs
     cache_dir: Path  # KILN_CACHE_DIR: compile cache root (default ~/.cache/kiln)
     num_threads: int | None  # KILN_NUM_THREADS: torch intra-op threads (default: all cores)
 

@@ -19,6 +19,8 @@ from typing import Any
 import psutil
 import torch
 
+from kiln.errors import KilnError
+
 PieceFn = Callable[..., Sequence[torch.Tensor]]
 
 
@@ -55,13 +57,26 @@ class Capture(ABC):
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def check_bound_inputs(self, where: str) -> None:
-        """Debug check (KILN_DEBUG=2): every bound tensor still lives where it did at capture time."""
+        """Trace-mode check before a replay: every tensor the capture reads (parameters and static input
+        buffers) is still at the address it had at capture time, and each input is copied into that buffer."""
         for i, ptr in self.bound_pointers:
             if self.args[i].data_ptr() != ptr:
-                raise RuntimeError(
+                raise CaptureAddressError(
                     f"{where}: input {i} moved since capture ({ptr:#x} -> {self.args[i].data_ptr():#x}); "
                     "parameters must not be reassigned after graph capture — rebuild the engine"
                 )
+        captured = dict(self.bound_pointers)
+        for i, buf in self.inputs:
+            if buf.data_ptr() != captured[i]:
+                raise CaptureAddressError(
+                    f"{where}: replay copies input {i} into {buf.data_ptr():#x} but the capture reads "
+                    f"{captured[i]:#x}, so the piece would run on stale data; static input buffers must not be "
+                    "replaced after capture — rebuild the captures (set the piece's mode again)"
+                )
+
+
+class CaptureAddressError(KilnError):
+    """A replay would read memory other than what its capture recorded (trace mode check)."""
 
 
 class CpuCapture(Capture):

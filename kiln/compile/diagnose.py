@@ -47,6 +47,16 @@ def explain_trace_failure(exc: BaseException, model: nn.Module, run_eager: Calla
     return GraphTraceError(module_path, _op_name(exc, inner.line), location, _reason(exc))
 
 
+def explain_graph_break(
+    reason: str, filename: str, lineno: int, source_line: str | None, model: nn.Module, run_eager: Callable[[], Any]
+) -> GraphTraceError:
+    """The same diagnosis for a graph break `torch._dynamo.explain` reported (a reason and a user frame)."""
+    text = RuntimeError(reason)
+    location = f"{filename}:{lineno}: {(source_line or '').strip()}"
+    module_path = _module_at_line(model, filename, lineno, run_eager)
+    return GraphTraceError(module_path, _op_name(text, source_line), location, _reason(text))
+
+
 def _reason(exc: BaseException) -> str:
     text = str(exc)
     match = re.search(r"Explanation:\s*(.+)", text)
@@ -62,6 +72,9 @@ def _op_name(exc: BaseException, source_line: str | None) -> str:
     node = re.search(r"call_function\s+([\w.:]+)\(", text)
     if node:
         return node.group(1)
+    builtin = re.search(r"trace the builtin `([\w.]+?)\.?`", text)
+    if builtin:
+        return builtin.group(1)
     no_fake = re.search(r"fake impl registered for <CustomOpDef\(([\w:]+)\)>", text)
     if no_fake:
         return no_fake.group(1).replace("::", ".")

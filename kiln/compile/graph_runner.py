@@ -87,7 +87,7 @@ class GraphRunner:
             self.splitting_submods = split.splitting_submods
         self.counters.pieces_seen = len(self.pieces)
         self.counters.splitting_ops_seen = len(self.splitting_submods)
-        debug = read_env().debug
+        debug = max(read_env().debug, self.config.debug)
         for piece in self.pieces:
             piece.debug = debug
         self._args = list(traced.bound)

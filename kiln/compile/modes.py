@@ -13,10 +13,15 @@ class PieceMode(StrEnum):
     CAPTURED = "captured"  # per capture size: a CUDA graph, or on CPU a static-buffer call
 
 
-def parse_piece_modes(spec: str | dict[int, str] | None) -> dict[int, PieceMode]:
-    """`"0-3:captured,4:eager"` (or `{4: "eager"}`) -> {piece index: mode}; unlisted pieces stay captured."""
+def parse_piece_modes(
+    spec: str | dict[int, str] | tuple[tuple[int, str], ...] | None,
+) -> dict[int, PieceMode]:
+    """`"0-3:captured,4:eager"` (or `{4: "eager"}`, or GraphConfig's `((4, "eager"),)`) -> {piece index: mode};
+    unlisted pieces stay captured."""
     if spec is None or spec == "":
         return {}
+    if isinstance(spec, tuple):  # already parsed once (a recipe re-applies the flags' GraphConfig)
+        spec = dict(spec)
     if isinstance(spec, dict):
         return {int(k): _mode(str(v), f"piece {k}") for k, v in spec.items()}
     modes: dict[int, PieceMode] = {}

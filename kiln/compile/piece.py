@@ -8,6 +8,7 @@ is an attribute write: compiled code and captures are kept, so a debugger can bi
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from kiln.compile.compiler import CompiledPiece, returns_tuple
 from kiln.compile.counters import CompileCounters
 from kiln.compile.modes import PieceMode
 from kiln.compile.split import PieceGraph
+from kiln.model.forward_context import get_forward_context
 
 logger = logging.getLogger("kiln")
 
@@ -41,16 +43,17 @@ class Piece(nn.Module):
             _return_tuple(self.graph)  # every compiler then sees (and returns) a sequence
         self.size_arg, self.size_is_int = _size_argument(self.graph)
         self.dynamic_args = _dynamic_arguments(self.graph)
-        self.debug = 0  # KILN_DEBUG: 1 logs every launch, 2 also checks that bound inputs did not move
+        self.debug = 0  # trace mode (KILN_DEBUG, recipe debug_mode): log every launch, check replay inputs
 
     def num_tokens(self, args: Sequence[Any]) -> int:
         value = args[self.size_arg]
         return value if self.size_is_int else value.shape[0]
 
     def forward(self, *args: Any) -> Any:
+        return self._traced_forward(args) if self.debug else self._launch(args)
+
+    def _launch(self, args: Sequence[Any]) -> Any:
         mode = self.mode
-        if self.debug:
-            self._debug_launch(args)
         if mode is PieceMode.CAPTURED:
             capture = self.captures.get(self.num_tokens(args))
             if capture is not None:
@@ -71,13 +74,37 @@ class Piece(nn.Module):
         out = self.graph(*args) if self.mode is PieceMode.EAGER else self._compiled_fn()(*args)
         return out if self.returns_tuple else out[0]
 
-    def _debug_launch(self, args: Sequence[Any]) -> None:
+    def _traced_forward(self, args: tuple[Any, ...]) -> Any:
+        """KILN_DEBUG (trace mode): check a replay's input buffers, run, and log the launch with its time."""
         n = self.num_tokens(args)
         capture = self.captures.get(n) if self.mode is PieceMode.CAPTURED else None
-        how = "replay" if capture is not None else "dynamic" if self.mode is not PieceMode.EAGER else "eager"
-        logger.debug("piece %d (%s) num_tokens=%d mode=%s: %s", self.index, self.describe(), n, self.mode.value, how)
-        if capture is not None and self.debug >= 2:
-            capture.check_bound_inputs(f"piece {self.index} ({self.describe()})")
+        if capture is not None:
+            launch = "replay"
+            capture.check_bound_inputs(f"piece {self.index} ({self.describe()}) num_tokens={n}")
+        elif self.mode is PieceMode.CAPTURED and self.capture_hook is not None:
+            launch = "capture"
+        else:
+            launch = "eager" if self.mode is PieceMode.EAGER else "dynamic"
+        real = get_forward_context().attn_metadata.num_actual_tokens
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        sync = device is not None and device.type == "cuda"
+        if sync:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        out = self._launch(args)
+        if sync:
+            torch.cuda.synchronize(device)
+        logger.info(
+            "piece %d (%s) mode=%s launch=%s num_tokens=%d padded=%d time=%.3f ms",
+            self.index,
+            self.describe(),
+            self.mode.value,
+            launch,
+            real,
+            n,
+            (time.perf_counter() - start) * 1e3,
+        )
+        return out
 
     def _compiled_fn(self) -> Callable[..., Sequence[torch.Tensor]]:
         if self.compiled is None:

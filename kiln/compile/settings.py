@@ -34,6 +34,7 @@ def graph_config_from(recipe: Any | None = None, **cli_overrides: Any) -> GraphC
             capture_sizes=tuple(recipe.capture_sizes),
             compiler=str(recipe.compiler),
             recipe_hash=str(recipe.hash),
+            debug=1 if getattr(recipe, "debug_mode", False) else 0,
             fusion_groups=_fusion_groups(recipe.fusion_groups),
         )
     known = {f.name for f in fields(GraphConfig)}

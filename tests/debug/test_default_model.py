@@ -1,0 +1,45 @@
+"""The debugger on the default model (SmolLM2-135M, 30 layers, 31 pieces) with its recipe, eager compiler."""
+
+from __future__ import annotations
+
+import pytest
+
+from kiln.debug.diff import Reference, build_reference, run_diff
+from kiln.debug.faults import inject, parse_fault
+from kiln.debug.session import DebugSession, SessionOptions
+
+RECIPE = "recipes/smollm2-135m.yaml"
+FAULT_LAYER = 17
+
+
+@pytest.fixture(scope="module")
+def session() -> DebugSession:
+    return DebugSession.open(SessionOptions(recipe=RECIPE, compiler="eager", capture_sizes=(1, 8)))
+
+
+@pytest.fixture(scope="module")
+def reference(session: DebugSession) -> Reference:
+    prompt = session.tokenizer.encode("The capital of France is")
+    return build_reference(session, prompt, num_decode=3)
+
+
+def test_no_fault_no_divergence(session: DebugSession, reference: Reference) -> None:
+    assert len(session.graph.pieces) == 31 and session.recipe is not None
+    report = run_diff(session, reference, "captured")
+    assert report.first_divergence is None, report.first_divergence
+    assert report.first_token_mismatch is None
+    assert len(report.boundaries) == 2 * 30 + 3
+
+
+def test_layer_fault_is_the_first_divergence(session: DebugSession, reference: Reference) -> None:
+    inject(session, parse_fault(f"layer={FAULT_LAYER}:mlp"))  # last test of the module: the session stays faulty
+    report = run_diff(session, reference, "captured")
+    first = report.first_divergence
+    assert first is not None
+    assert (first.name, first.module, first.piece) == (
+        f"layers.{FAULT_LAYER}.mlp",
+        f"model.layers.{FAULT_LAYER}.mlp",
+        FAULT_LAYER + 1,
+    )
+    earlier = [b for b in report.boundaries if b.piece is not None and b.piece <= FAULT_LAYER]
+    assert earlier and not any(b.diverged for b in earlier)

@@ -1,0 +1,90 @@
+"""diff finds the first bad boundary and bisect the piece holding it, for faults the tests inject themselves."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+
+import pytest
+
+from kiln.cli import main
+from kiln.compile.modes import PieceMode
+from kiln.debug.bisect import Bisector, BisectResult
+from kiln.debug.diff import DiffReport, Reference, run_diff
+from kiln.debug.faults import inject, parse_fault
+from kiln.debug.session import DebugSession
+from tests.debug.conftest import TINY
+from tests.debug.models import NUM_LAYERS
+
+NUM_PIECES = NUM_LAYERS + 1
+
+
+def round_budget(num_culprits: int) -> int:
+    """All captured + all eager, then per culprit a binary search and a check alone, then one compiled round."""
+    return 2 + num_culprits * (math.ceil(math.log2(NUM_PIECES)) + 1) + 1
+
+
+def diff_and_bisect(session: DebugSession, reference: Reference) -> tuple[DiffReport, BisectResult]:
+    report = run_diff(session, reference, "captured")
+
+    def fails(modes: dict[int, PieceMode]) -> bool:
+        return run_diff(session, reference, "captured", piece_modes=modes).first_divergence is not None
+
+    return report, Bisector(len(session.graph.pieces), fails, log=lambda _line: None).run()
+
+
+def test_no_fault_no_divergence_and_nothing_to_bisect(
+    open_tiny: Callable[..., DebugSession], tiny_reference: Reference
+) -> None:
+    session = open_tiny()
+    for mode in ("traced", "compiled", "captured"):
+        report = run_diff(session, tiny_reference, mode)
+        assert report.first_divergence is None, (mode, report.first_divergence)
+        assert report.first_token_mismatch is None
+    report, result = diff_and_bisect(session, tiny_reference)
+    assert result.culprits == [] and len(result.rounds) == 1
+    assert "nothing to bisect" in result.verdict
+
+
+@pytest.mark.parametrize(("layer", "part"), [(0, "mlp"), (1, "attn"), (2, "mlp"), (NUM_LAYERS - 1, "mlp")])
+def test_layer_fault_is_the_first_divergence_and_bisect_finds_its_piece(
+    layer: int, part: str, open_tiny: Callable[..., DebugSession], tiny_reference: Reference
+) -> None:
+    session = open_tiny()
+    inject(session, parse_fault(f"layer={layer}:{part}"))
+    report, result = diff_and_bisect(session, tiny_reference)
+    first = report.first_divergence
+    assert first is not None
+    assert first.name == f"layers.{layer}.{part}" and first.piece == layer + 1
+    assert result.culprits == [layer + 1]
+    assert result.fails_compiled is True  # a miscompile: it fails compiled as well as captured
+    assert len(result.rounds) <= round_budget(1), [str(r) for r in result.rounds]
+
+
+@pytest.mark.parametrize("piece", [0, 3])
+def test_stale_input_is_found_as_a_capture_fault(
+    piece: int, open_tiny: Callable[..., DebugSession], tiny_reference: Reference
+) -> None:
+    session = open_tiny()
+    inject(session, parse_fault(f"piece={piece}:stale-input"))
+    report, result = diff_and_bisect(session, tiny_reference)
+    first = report.first_divergence
+    assert first is not None and first.piece == piece
+    assert first.max_at["step"] >= 2  # the first replay at a size saw fresh input; later decodes read it again
+    assert result.culprits == [piece]
+    assert result.fails_compiled is False  # only the captured replay is wrong
+    assert len(result.rounds) <= round_budget(1)
+
+
+def test_diff_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["debug", "diff", "--model", TINY, "--compiler", "eager", "--capture-sizes", "1,2,4,8", "--json"]
+    assert main([*argv, "--prompt-ids", "5,6,7,8,9"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["first_divergence"] is None
+    assert [b["name"] for b in out["boundaries"]][:3] == ["embed", "layers.0.attn", "layers.0.mlp"]
+    assert {"max_abs", "max_rel", "rel_diff", "cosine", "max_at", "noise", "threshold"} <= set(out["boundaries"][0])
+    assert main([*argv, "--inject-fault", "layer=2:mlp"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["first_divergence"]["name"] == "layers.2.mlp"
+    assert out["first_divergence"]["module"] == "model.layers.2.mlp"
