@@ -29,10 +29,20 @@ def probe_inputs(graph: GraphModule, device: torch.device, num_tokens: int = PRO
             continue
         shape = [num_tokens if isinstance(d, torch.SymInt) else int(d) for d in value.shape]
         if value.dtype.is_floating_point:
-            args.append((torch.rand(shape, generator=gen) - 0.5).to(device=device, dtype=value.dtype))
+            arg = (torch.rand(shape, generator=gen) - 0.5).to(device=device, dtype=value.dtype)
         else:
-            args.append(torch.zeros(shape, dtype=value.dtype, device=device))
+            arg = torch.zeros(shape, dtype=value.dtype, device=device)
+        args.append(_with_traced_strides(arg, value))
     return args
+
+
+def _with_traced_strides(arg: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`arg` laid out like the traced value (e.g. column-major weights): compiled code may assume its strides."""
+    stride = value.stride()
+    if any(isinstance(s, torch.SymInt) for s in stride) or tuple(stride) == arg.stride():
+        return arg
+    out = torch.empty_strided(arg.shape, tuple(int(s) for s in stride), dtype=arg.dtype, device=arg.device)
+    return out.copy_(arg)
 
 
 def check_against_graph(compiled: CompiledPiece, graph: GraphModule, device: torch.device) -> None:

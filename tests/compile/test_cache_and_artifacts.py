@@ -37,6 +37,20 @@ def test_cold_then_warm_start(model: torch.nn.Module, shared_cache: Path, caplog
     assert generate(runner, PROMPTS, 4) == expected
 
 
+def test_warm_start_with_column_major_weights(tmp_path: Path) -> None:
+    """kiln stores CPU layer weights column-major; a cached piece must be checked with those strides, not rejected."""
+    from kiln.model.registry import use_column_major_layer_weights
+    from tests.compile.tiny import tiny_model
+
+    model = tiny_model(num_layers=3)
+    use_column_major_layer_weights(model)
+    expected = generate(make_runner(model), PROMPTS, 4)
+    graph_runner(model, tmp_path, compiler="inductor")
+    runner, graph = graph_runner(model, tmp_path, compiler="inductor")
+    graph.counters.expect(pieces_compiled=0, cache_hits=3, cache_rejected=0)
+    assert generate(runner, PROMPTS, 4) == expected
+
+
 def test_corrupt_and_stale_entries_are_rebuilt(model: torch.nn.Module, shared_cache: Path) -> None:
     graph_runner(model, shared_cache, compiler="inductor")  # make sure the entries exist
     entries = sorted((shared_cache / "compile").iterdir())

@@ -57,3 +57,8 @@ def test_piece_mode_syntax_round_trips() -> None:
     for bad, message in [("0-3", "INDEX:MODE"), ("1:fast", "expected one of"), ("3-1:eager", "FIRST <= LAST")]:
         with pytest.raises(ConfigError, match=message):
             parse_piece_modes(bad)
+
+
+def test_recipe_debug_mode_turns_on_trace_level() -> None:
+    assert graph_config_from(RECIPE).debug == 0
+    assert graph_config_from(SimpleNamespace(**{**vars(RECIPE), "debug_mode": True})).debug == 1
