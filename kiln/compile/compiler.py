@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
+from kiln.compile.passes import UnfuseResidualAddmm
 from kiln.errors import ConfigError
 
 PieceFn = Callable[..., Sequence[torch.Tensor]]
@@ -67,13 +68,20 @@ class InductorCompiler(PieceCompiler):
         # NOTE: no freezing / weight prepacking: parameters are graph inputs shared by identical pieces, and
         # on CPU the extern aten mm inductor emits is the same BLAS call eager makes (prepacked mkldnn
         # linear was slower for these small shapes). Size asserts cost a Python call per input per step.
-        return {"size_asserts": False, "freezing": False, "max_autotune": False}
+        return {
+            "size_asserts": False,
+            "freezing": False,
+            "max_autotune": False,
+            "passes": [UnfuseResidualAddmm().uuid()],
+        }
 
     def compile(self, graph: GraphModule) -> CompiledPiece:
         example_inputs = [n.meta["example_value"] for n in graph.graph.nodes if n.op == "placeholder"]
+        patches = {k: v for k, v in self.options().items() if k != "passes"}
+        patches["post_grad_custom_post_pass"] = UnfuseResidualAddmm()
         with _new_generated_modules() as new_modules:
             artifact = torch._inductor.standalone_compile(
-                graph, example_inputs, dynamic_shapes="from_graph", options={"config_patches": self.options()}
+                graph, example_inputs, dynamic_shapes="from_graph", options={"config_patches": patches}
             )
         return CompiledPiece(artifact, _source(new_modules), artifact)
 
