@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -12,10 +10,10 @@ from kiln.compile.graph_runner import GraphRunner, enable_graph_mode
 from kiln.compile.settings import graph_config_from
 from kiln.config import ModelConfig, SchedulerConfig
 from kiln.engine.kv_cache import BlockPool
-from kiln.engine.model_runner import ModelInputs, ModelRunner
+from kiln.engine.model_runner import ModelRunner
 from kiln.engine.request import Request
 from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.scheduler import Scheduler, SchedulerOutput
+from kiln.engine.scheduler import Scheduler
 from kiln.model.forward_context import AttentionMetadata
 from kiln.model.llama import LlamaForCausalLM
 
@@ -51,24 +49,8 @@ def tiny_model(num_layers: int = 2, seed: int = 0, device: str = "cpu") -> Llama
 
 def make_runner(model: LlamaForCausalLM) -> ModelRunner:
     param = next(model.parameters())
-    runner = ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, param.dtype, eos_token_ids=())
-    if param.device.type != "cpu":
-        runner.kv_caches = [t.to(param.device) for t in runner.kv_caches]
-        runner.prepare = _on_device(runner.prepare, param.device)  # type: ignore[method-assign]
-    return runner
-
-
-def _on_device(prepare: Callable[[SchedulerOutput], ModelInputs], device: torch.device) -> Callable[..., ModelInputs]:
-    """ModelRunner.prepare builds CPU tensors; move them to the model's device (GPU tests)."""
-
-    def run(sched: SchedulerOutput) -> ModelInputs:
-        inputs = prepare(sched)
-        meta = inputs.metadata
-        for name in ("slot_mapping", "seq_lens_tensor", "block_tables"):
-            setattr(meta, name, getattr(meta, name).to(device))
-        return replace(inputs, input_ids=inputs.input_ids.to(device), positions=inputs.positions.to(device))
-
-    return run
+    # NOTE: ModelRunner allocates the KV caches and builds its inputs on the model's device itself.
+    return ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, param.dtype, eos_token_ids=())
 
 
 def graph_runner(model: LlamaForCausalLM, cache_dir: Path, **overrides: object) -> tuple[ModelRunner, GraphRunner]:
