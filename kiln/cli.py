@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Callable
 
-from kiln.errors import KilnError
+from kiln.errors import ConfigError, KilnError
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -29,21 +29,38 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--full-graph", action="store_true", help="the whole forward as one graph (decode batches)")
     g.add_argument("--compiler", choices=["inductor", "eager"], default=None, help="piece compiler (default inductor)")
     g.add_argument("--capture-sizes", default=None, help="num_tokens sizes to capture, e.g. 1,2,4,8,16,32")
+    g.add_argument(
+        "--compile-sizes",
+        default=None,
+        help="capture sizes also compiled for their static shape, e.g. 1,2, or none (default: CPU 1,2; GPU none)",
+    )
     g.add_argument("--piece-modes", default=None, help="per-piece modes, e.g. 0-3:captured,4:eager,5:compiled")
     g.add_argument("--cache-dir", default=None, help="compile cache (default ~/.cache/kiln or KILN_CACHE_DIR)")
     g.add_argument("--dump-dir", default=None, help="write graph artifacts (pieces, graph.dot, lint, profile) here")
+
+
+def parse_sizes(flag: str, text: str | None) -> tuple[int, ...] | None:
+    """`1,2,4` -> (1, 2, 4); `none` -> (); not given -> None."""
+    if text is None or text == "":
+        return None
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"{flag} {text!r}: expected comma-separated integers or none") from None
 
 
 def make_llm(args: argparse.Namespace, **overrides: object):
     """The LLM the engine flags describe; `overrides` (LLM keyword arguments) win over the flags."""
     from kiln.engine.llm import LLM
 
-    sizes = [int(x) for x in args.capture_sizes.split(",")] if args.capture_sizes else None
     kwargs = dict(
         enable_piecewise_graph=args.enable_piecewise_graph,
         full_graph=args.full_graph,
         compiler=args.compiler,
-        capture_sizes=sizes,
+        capture_sizes=parse_sizes("--capture-sizes", args.capture_sizes),
+        compile_sizes=parse_sizes("--compile-sizes", args.compile_sizes),
         piece_modes=args.piece_modes,
         cache_dir=args.cache_dir,
         dump_dir=args.dump_dir,

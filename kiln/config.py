@@ -106,6 +106,9 @@ class GraphConfig:
     full_graph: bool = False  # the whole forward as one graph, captured for decode-only batches
     splitting_ops: tuple[str, ...] = ("kiln.attention",)
     capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    # capture sizes also compiled for their static num_tokens; None: automatic (CPU + inductor: sizes <= 2,
+    # whose weight products become GEMV reductions, see kiln.compile.passes.DecodeGemv)
+    compile_sizes: tuple[int, ...] | None = None
     compiler: str = "inductor"  # "inductor" | "eager" (run the traced graph, no codegen)
     cache_dir: str | None = None  # None: KILN_CACHE_DIR (~/.cache/kiln)
     dump_dir: str | None = None  # write the compile artifacts here when set

@@ -24,4 +24,5 @@ def read_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 7) -> float:
 if __name__ == "__main__":
     gbs = read_bandwidth_gbs()
     weights = 538e6
-    print(f"threads={torch.get_num_threads()} read bandwidth {gbs:.1f} GB/s -> fp32 roofline {gbs * 1e9 / weights:.1f} tok/s")
+    roofline = gbs * 1e9 / weights
+    print(f"threads={torch.get_num_threads()} read bandwidth {gbs:.1f} GB/s -> fp32 roofline {roofline:.1f} tok/s")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from kiln.compile.passes import UnfuseResidualAddmm
+from kiln.compile.passes import KilnPostGradPasses
 from kiln.errors import ConfigError
 
 PieceFn = Callable[..., Sequence[torch.Tensor]]
@@ -33,12 +33,16 @@ class PieceCompiler(ABC):
     name: str
     has_artifact: bool = False
 
-    def options(self) -> dict[str, Any]:
+    supports_static_sizes: bool = False
+
+    def options(self, static_size: int | None = None) -> dict[str, Any]:
         """Settings that change the generated code: part of the cache key."""
         return {}
 
     @abstractmethod
-    def compile(self, graph: GraphModule) -> CompiledPiece: ...
+    def compile(self, graph: GraphModule, static_size: int | None = None) -> CompiledPiece:
+        """Compile `graph` for its dynamic num_tokens, or specialised to `static_size` tokens when given
+        (only compilers with `supports_static_sizes`)."""
 
     def save(self, compiled: CompiledPiece, path: Path) -> None:
         raise TypeError(f"the {self.name} compiler produces no artifact to cache (has_artifact is False)")
@@ -52,7 +56,9 @@ class EagerCompiler(PieceCompiler):
 
     name = "eager"
 
-    def compile(self, graph: GraphModule) -> CompiledPiece:
+    def compile(self, graph: GraphModule, static_size: int | None = None) -> CompiledPiece:
+        if static_size is not None:
+            raise TypeError("the eager compiler runs the traced graph as is: it has no static-size variant")
         if not returns_tuple(graph):
             raise ValueError("piece graphs must return a tuple (Piece rewrites single outputs before compiling)")
         return CompiledPiece(graph.forward, None)
@@ -63,25 +69,36 @@ class InductorCompiler(PieceCompiler):
 
     name = "inductor"
     has_artifact = True
+    supports_static_sizes = True
 
-    def options(self) -> dict[str, Any]:
+    def options(self, static_size: int | None = None) -> dict[str, Any]:
         # NOTE: no freezing / weight prepacking: parameters are graph inputs shared by identical pieces, and
         # on CPU the extern aten mm inductor emits is the same BLAS call eager makes (prepacked mkldnn
         # linear was slower for these small shapes). Size asserts cost a Python call per input per step.
-        return {
+        options: dict[str, Any] = {
             "size_asserts": False,
             "freezing": False,
             "max_autotune": False,
-            "passes": [UnfuseResidualAddmm().uuid()],
+            "passes": KilnPostGradPasses().uuid(),
         }
+        if static_size is not None:
+            options["static_num_tokens"] = static_size
+        return options
 
-    def compile(self, graph: GraphModule) -> CompiledPiece:
-        example_inputs = [n.meta["example_value"] for n in graph.graph.nodes if n.op == "placeholder"]
+    def compile(self, graph: GraphModule, static_size: int | None = None) -> CompiledPiece:
         patches = {k: v for k, v in self.options().items() if k != "passes"}
-        patches["post_grad_custom_post_pass"] = UnfuseResidualAddmm()
+        patches["post_grad_custom_post_pass"] = KilnPostGradPasses()
+        if static_size is None:
+            example_inputs = [n.meta["example_value"] for n in graph.graph.nodes if n.op == "placeholder"]
+            dynamic_shapes = "from_graph"
+        else:
+            from kiln.compile.verify import probe_inputs
+
+            example_inputs = probe_inputs(graph, _graph_device(graph), static_size)
+            dynamic_shapes = "from_example_inputs"
         with _new_generated_modules() as new_modules:
             artifact = torch._inductor.standalone_compile(
-                graph, example_inputs, dynamic_shapes="from_graph", options={"config_patches": patches}
+                graph, example_inputs, dynamic_shapes=dynamic_shapes, options={"config_patches": patches}
             )
         return CompiledPiece(artifact, _source(new_modules), artifact)
 
@@ -103,6 +120,14 @@ def make_compiler(name: str) -> PieceCompiler:
     if name not in COMPILERS:
         raise ConfigError(f"unknown graph compiler {name!r}: expected one of {', '.join(COMPILERS)}")
     return COMPILERS[name]()
+
+
+def _graph_device(graph: GraphModule) -> torch.device:
+    for node in graph.graph.nodes:
+        value = node.meta.get("example_value") if node.op == "placeholder" else None
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
 
 
 def returns_tuple(graph: GraphModule) -> bool:

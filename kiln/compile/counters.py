@@ -12,7 +12,9 @@ class CompileCounters:
     splitting_ops_seen: int = 0
     pieces_compiled: int = 0  # compiler runs for the dynamic shape (identical pieces compile once)
     cache_hits: int = 0  # compiled pieces loaded from the on-disk cache
-    cache_misses: int = 0
+    static_compiles: int = 0  # compiler runs for one static compile size (one per distinct piece and size)
+    static_cache_hits: int = 0  # static compiles loaded from the on-disk cache
+    cache_misses: int = 0  # dynamic compiles not in the cache
     cache_rejected: int = 0  # corrupt or stale entries detected and rebuilt
     pieces_captured: int = 0  # (piece, capture size) pairs captured
     replays: int = 0  # forwards at a captured size

@@ -1,7 +1,8 @@
 """GraphRunner: the model runner's `forward_fn` in graph mode, owning padding to capture sizes.
 
 Build = trace (dynamo, num_tokens symbolic) -> split at the splitting ops -> compile each distinct piece
-once (on-disk cache) -> capture every piece per capture size, largest first. A step pads the batch to the
+once (on-disk cache), and again for each static compile size -> capture every piece per capture size,
+largest first. A step pads the batch to the
 nearest capture size (attention ignores padding) and replays; above the largest size it runs the dynamic
 compiled pieces. Every stage is counted in `counters`.
 """
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.fx import GraphModule
 from tqdm import tqdm
 
 from kiln.compile.backend import INPUT_IDS, NUM_TOKENS, POSITIONS, padding_context, trace_forward
@@ -24,6 +26,7 @@ from kiln.compile.capture import available_memory_gb, make_capture, new_pool
 from kiln.compile.compiler import CompiledPiece, make_compiler
 from kiln.compile.counters import CompileCounters
 from kiln.compile.modes import PieceMode, format_piece_modes
+from kiln.compile.passes import GEMV_MAX_ROWS
 from kiln.compile.piece import Piece
 from kiln.compile.split import PieceGraph, module_paths, split_graph, structure_key
 from kiln.compile.verify import check_against_graph
@@ -52,7 +55,8 @@ class GraphRunner:
         self.cache = CompileCache(cache_root, self.counters) if self.compiler.has_artifact else None
         self.compile_seconds: dict[str, float] = {}  # structure key -> compile (or cache load) time
         self.cache_sources: dict[str, str] = {}  # structure key -> "compiled" | "cache"
-        self._compiled: dict[str, CompiledPiece] = {}
+        self._compiled: dict[tuple[str, int | None], CompiledPiece] = {}  # (structure, static size or None)
+        self.compile_sizes = self._static_compile_sizes()
         self._static_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._padded_sizes: list[int] = []
         self._pool = new_pool(self.device)
@@ -63,8 +67,36 @@ class GraphRunner:
         self._build()
 
     # -- build ------------------------------------------------------------------------------------------
+    def _static_compile_sizes(self) -> tuple[int, ...]:
+        sizes = self.config.compile_sizes
+        if sizes is None:
+            if self.device.type != "cpu" or not self.compiler.supports_static_sizes:
+                return ()
+            return tuple(s for s in self.capture_sizes if s <= GEMV_MAX_ROWS)
+        if sizes and not self.compiler.supports_static_sizes:
+            raise ConfigError(
+                f"compile sizes {list(sizes)} need a compiler with static-size variants (inductor); "
+                f"the {self.compiler.name} compiler runs the traced graph as is"
+            )
+        missing = sorted(set(sizes) - set(self.capture_sizes))
+        if missing:
+            raise ConfigError(
+                f"compile sizes {missing} are not capture sizes {self.capture_sizes}: a static compile is "
+                "only run by the capture of its size"
+            )
+        return tuple(sorted(sizes))
+
     def _build(self) -> None:
         start = time.perf_counter()
+        if self.device.type == "cpu" and any(s <= GEMV_MAX_ROWS for s in self.compile_sizes):
+            from kiln.model.registry import set_layer_weight_layout
+
+            if set_layer_weight_layout(self.model, column_major=False):
+                logger.info(
+                    "Graph mode: decoder weights stored row-major; pieces for num_tokens in %s run GEMV "
+                    "reductions over them",
+                    [s for s in self.compile_sizes if s <= GEMV_MAX_ROWS],
+                )
         sample = max(2, min(self.max_capture_size or 8, 8))
         traced = trace_forward(self.model, self.model, self.kv_caches, self.device, sample)
         self.traced = traced
@@ -97,6 +129,7 @@ class GraphRunner:
         modes = {i: PieceMode.CAPTURED for i in range(len(self.pieces))}
         modes.update(self._checked_modes(dict(self.config.piece_modes)))
         self.set_piece_modes(modes)
+        self._build_logits_head()
         self.build_seconds = time.perf_counter() - start
         logger.info(
             "Graph mode ready in %.2f s: %d pieces (%d distinct), %d compiled, %d from cache, %d captures [%s]",
@@ -133,6 +166,10 @@ class GraphRunner:
             piece = self.pieces[idx]
             if mode is not PieceMode.EAGER and piece.compiled is None:
                 piece.compiled = self._compile(piece)
+            if mode is PieceMode.CAPTURED:
+                for size in self.compile_sizes:
+                    if size not in piece.static_compiled:
+                        piece.static_compiled[size] = self._compile(piece, size)
             piece.mode = mode
         missing = [
             self.pieces[i] for i, m in checked.items() if m is PieceMode.CAPTURED and not self.pieces[i].captures
@@ -145,45 +182,94 @@ class GraphRunner:
                 self.device.type,
             )
 
-    def _compile(self, piece: Piece) -> CompiledPiece:
-        skey = piece.info.structure_key
-        if skey in self._compiled:
-            return self._compiled[skey]
+    def _compile(self, piece: Piece, static_size: int | None = None) -> CompiledPiece:
+        label = f"piece {piece.index} ({piece.describe()})"
+        return self._compile_graph(piece.graph, piece.info.structure_key, label, static_size)
+
+    def _compile_graph(
+        self, graph: GraphModule, skey: str, label: str, static_size: int | None = None
+    ) -> CompiledPiece:
+        """`graph` compiled for the dynamic num_tokens, or for `static_size` tokens; once per distinct
+        structure (and size), from the on-disk cache when a verified entry exists."""
+        memo = (skey, static_size)
+        if memo in self._compiled:
+            return self._compiled[memo]
         start = time.perf_counter()
         compiled = None
         key = None
         if self.cache is not None:
-            key = make_key(skey, self.compiler.name, self.compiler.options(), self.config.recipe_hash, self.device)
+            options = self.compiler.options(static_size)
+            key = make_key(skey, self.compiler.name, options, self.config.recipe_hash, self.device)
             path = self.cache.lookup(key)
             if path is not None:
                 try:
-                    compiled = self.compiler.load(path, piece.graph)
+                    compiled = self.compiler.load(path, graph)
                     with set_forward_context(padding_context(0, self.kv_caches, self.device)):
-                        check_against_graph(compiled, piece.graph, self.device)
+                        probe = {} if static_size is None else {"num_tokens": static_size}
+                        check_against_graph(compiled, graph, self.device, **probe)
                 except Exception as exc:  # any failure: the entry is not to be trusted
                     self.cache.reject(key, f"{type(exc).__name__}: {exc}")
                     compiled = None
                 else:
-                    self.counters.cache_hits += 1
-                    self.cache_sources[skey] = "cache"
+                    if static_size is None:
+                        self.counters.cache_hits += 1
+                        self.cache_sources[skey] = "cache"
+                    else:
+                        self.counters.static_cache_hits += 1
+                    size = "" if static_size is None else f" for num_tokens={static_size}"
                     logger.info(
-                        "Loaded piece %d (%s) from the compile cache %s in %.2f s",
-                        piece.index,
-                        piece.describe(),
+                        "Loaded %s%s from the compile cache %s in %.2f s",
+                        label,
+                        size,
                         path.parent,
                         time.perf_counter() - start,
                     )
         if compiled is None:
-            compiled = self.compiler.compile(piece.graph)
-            self.counters.pieces_compiled += 1
-            self.cache_sources[skey] = "compiled"
-            logger.info("Compiling a graph for dynamic shape takes %.2f s", time.perf_counter() - start)
+            compiled = self.compiler.compile(graph, static_size)
+            if static_size is None:
+                self.counters.pieces_compiled += 1
+                self.cache_sources[skey] = "compiled"
+                logger.info("Compiling a graph for dynamic shape takes %.2f s", time.perf_counter() - start)
+            else:
+                self.counters.static_compiles += 1
+                logger.info(
+                    "Compiling a graph for static shape num_tokens=%d (%s) takes %.2f s",
+                    static_size,
+                    label,
+                    time.perf_counter() - start,
+                )
             if self.cache is not None and key is not None:
-                self.counters.cache_misses += 1
+                if static_size is None:
+                    self.counters.cache_misses += 1
                 self.cache.store(key, lambda p: self.compiler.save(compiled, p))
-        self.compile_seconds[skey] = time.perf_counter() - start
-        self._compiled[skey] = compiled
+        if static_size is None:
+            self.compile_seconds[skey] = time.perf_counter() - start
+        self._compiled[memo] = compiled
         return compiled
+
+    def _build_logits_head(self) -> None:
+        """One-row logits through the same GEMV reduction as the pieces (CPU, static size 1 compiled)."""
+        self._head = None
+        model = self.model
+        if 1 not in self.compile_sizes or not hasattr(model, "lm_head"):
+            return
+        weight = model.lm_head.weight
+        if not weight.is_contiguous():
+            return
+        graph = logits_head_graph(weight)
+        skey = f"logits_head:{list(weight.shape)}:{weight.dtype}"
+        self._head = self._compile_graph(graph, skey, "the logits head", static_size=1)
+        self._head_weight = weight
+        # dynamo orders a graph's inputs its own way (here the weight first): find it by its shape
+        first = next(n for n in graph.graph.nodes if n.op == "placeholder")
+        self._head_weight_first = tuple(first.meta["example_value"].shape) == tuple(weight.shape)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits for `hidden` rows: one row through the compiled GEMV head, more through the model."""
+        if self._head is not None and hidden.shape[0] == 1:
+            args = (self._head_weight, hidden) if self._head_weight_first else (hidden, self._head_weight)
+            return self._head.fn(*args)[0]
+        return self.model.compute_logits(hidden)
 
     def _capture(self, pieces: list[Piece]) -> None:
         """Capture `pieces` at every capture size, largest first, by running the forward on padding."""
@@ -201,8 +287,9 @@ class GraphRunner:
             bar = tqdm(total=len(pieces), desc=desc, leave=False, delay=1.0)
 
             def hook(piece: Piece, args: tuple[Any, ...], n: int = n, adopt: set[int] = adopt, bar: tqdm = bar) -> Any:
-                assert piece.compiled is not None
-                capture = make_capture(self.device, piece.compiled.fn, args, piece.dynamic_args, adopt, self._pool)
+                compiled = piece.static_compiled.get(n, piece.compiled)
+                assert compiled is not None
+                capture = make_capture(self.device, compiled.fn, args, piece.dynamic_args, adopt, self._pool)
                 piece.captures[n] = capture
                 adopt.update(id(o) for o in capture.outputs)
                 self.counters.pieces_captured += 1
@@ -258,11 +345,30 @@ class GraphRunner:
         return out[0]
 
 
+def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor]:
+    return (torch.mm(hidden, weight.t()).float(),)
+
+
+def logits_head_graph(weight: torch.Tensor) -> GraphModule:
+    """The one-row logits product traced by dynamo (inputs: hidden [1, hidden_size] and the head weight)."""
+    graphs: list[GraphModule] = []
+
+    def grab(gm: GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    hidden = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    with torch.inference_mode():
+        torch.compile(_logits, backend=grab, fullgraph=True, dynamic=False)(hidden, weight)
+    return graphs[0]
+
+
 def enable_graph_mode(runner: ModelRunner, config: GraphConfig) -> GraphRunner:
     """Build a GraphRunner for `runner`'s model and make it the runner's forward, padding and counters."""
     graph = GraphRunner(runner.model, runner.kv_caches, config)
     runner.forward_fn = graph
     runner.pad_to = graph.pad_to
+    runner.logits_fn = graph.compute_logits
     runner.counters = graph.counters
     runner.graph_runner = graph
     return graph

@@ -35,6 +35,7 @@ class Piece(nn.Module):
         self.counters = counters
         self.mode = PieceMode.CAPTURED
         self.compiled: CompiledPiece | None = None
+        self.static_compiled: dict[int, CompiledPiece] = {}  # num_tokens -> compiled for that static size
         self.captures: dict[int, Capture] = {}
         # set while capturing: called with the real arguments of one forward at that size
         self.capture_hook: Callable[[Piece, tuple[Any, ...]], Sequence[torch.Tensor]] | None = None

@@ -13,7 +13,7 @@ from kiln.errors import ConfigError
 logger = logging.getLogger("kiln")
 
 COMPILERS = ("inductor", "eager")
-_RECIPE_FIELDS = ("piecewise", "splitting_ops", "capture_sizes", "compiler")
+_RECIPE_FIELDS = ("piecewise", "splitting_ops", "capture_sizes", "compile_sizes", "compiler")
 
 
 def graph_config_from(recipe: Any | None = None, **cli_overrides: Any) -> GraphConfig:
@@ -32,6 +32,7 @@ def graph_config_from(recipe: Any | None = None, **cli_overrides: Any) -> GraphC
             piecewise=bool(recipe.piecewise),
             splitting_ops=tuple(recipe.splitting_ops),
             capture_sizes=tuple(recipe.capture_sizes),
+            compile_sizes=_optional_sizes(getattr(recipe, "compile_sizes", None)),
             compiler=str(recipe.compiler),
             recipe_hash=str(recipe.hash),
             debug=1 if getattr(recipe, "debug_mode", False) else 0,
@@ -49,6 +50,8 @@ def graph_config_from(recipe: Any | None = None, **cli_overrides: Any) -> GraphC
             value = tuple(sorted((i, m.value) for i, m in parse_piece_modes(value).items()))
         elif name in ("splitting_ops", "capture_sizes"):
             value = tuple(value)
+        elif name == "compile_sizes":
+            value = _optional_sizes(value)
         elif name == "fusion_groups":
             value = _fusion_groups(value)
         if recipe is not None and name in _RECIPE_FIELDS and value != getattr(base, name):
@@ -57,6 +60,10 @@ def graph_config_from(recipe: Any | None = None, **cli_overrides: Any) -> GraphC
     config = replace(base, **changes)
     _validate(config)
     return config
+
+
+def _optional_sizes(sizes: Iterable[int] | None) -> tuple[int, ...] | None:
+    return None if sizes is None else tuple(sizes)
 
 
 def _fusion_groups(groups: Iterable[Any]) -> tuple[FusionGroupConfig, ...]:
@@ -75,5 +82,17 @@ def _validate(config: GraphConfig) -> None:
         raise ConfigError(f"capture sizes must be positive integers, got {bad}")
     if len(set(config.capture_sizes)) != len(config.capture_sizes):
         raise ConfigError(f"capture sizes {list(config.capture_sizes)} contain duplicates")
+    if config.compile_sizes is not None:
+        bad = [s for s in config.compile_sizes if not isinstance(s, int) or s not in config.capture_sizes]
+        if bad:
+            raise ConfigError(
+                f"compile sizes {bad} are not capture sizes {sorted(config.capture_sizes)}: a static compile "
+                "is only run by the capture of its size"
+            )
+        if config.compile_sizes and config.compiler != "inductor":
+            raise ConfigError(
+                f"compile sizes {list(config.compile_sizes)} need the inductor compiler; the "
+                f"{config.compiler} compiler runs the traced graph as is (set compile sizes to none)"
+            )
     if not config.splitting_ops and config.piecewise and not config.full_graph:
         raise ConfigError("piecewise graph mode needs at least one splitting op (default: kiln.attention)")

@@ -1,8 +1,8 @@
 """Check a compiled piece against the traced graph it claims to implement, on synthetic inputs.
 
 Used on every compile-cache hit: an artifact that loads but computes something else (stale kernels, a
-mismatched graph) must be rebuilt, not trusted. Inputs are random with num_tokens = 3; integer inputs
-(token ids, positions) are zeros, a valid index into any table.
+mismatched graph) must be rebuilt, not trusted. Inputs are random with num_tokens = 3 (a static compile's
+own size for those); integer inputs (token ids, positions) are zeros, a valid index into any table.
 """
 
 from __future__ import annotations
@@ -45,9 +45,12 @@ def _with_traced_strides(arg: torch.Tensor, value: torch.Tensor) -> torch.Tensor
     return out.copy_(arg)
 
 
-def check_against_graph(compiled: CompiledPiece, graph: GraphModule, device: torch.device) -> None:
-    """Raise ValueError when the compiled piece's outputs differ from the graph's on a probe input."""
-    args = probe_inputs(graph, device)
+def check_against_graph(
+    compiled: CompiledPiece, graph: GraphModule, device: torch.device, num_tokens: int = PROBE_TOKENS
+) -> None:
+    """Raise ValueError when the compiled piece's outputs differ from the graph's on a probe input
+    (`num_tokens` rows: a piece compiled for a static size runs only at that size)."""
+    args = probe_inputs(graph, device, num_tokens)
     with torch.inference_mode():
         want = graph(*args)
         got = compiled.fn(*args)

@@ -79,19 +79,9 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def _capture_sizes(args: argparse.Namespace) -> tuple[int, ...] | None:
-    from kiln.errors import ConfigError
-
-    if not args.capture_sizes:
-        return None
-    try:
-        return tuple(int(x) for x in args.capture_sizes.split(","))
-    except ValueError:
-        raise ConfigError(f"--capture-sizes {args.capture_sizes!r}: expected comma-separated integers") from None
-
-
 def _options(args: argparse.Namespace, case: Case | None = None) -> SessionOptions:
     """Session options from the flags; with a case, the case's own settings where no flag overrides them."""
+    from kiln.cli import parse_sizes
     from kiln.debug.session import SessionOptions
 
     flags = {
@@ -99,7 +89,7 @@ def _options(args: argparse.Namespace, case: Case | None = None) -> SessionOptio
         "recipe": args.recipe,
         "dtype": args.dtype,
         "compiler": args.compiler,
-        "capture_sizes": _capture_sizes(args),
+        "capture_sizes": parse_sizes("--capture-sizes", args.capture_sizes),
         "cache_dir": args.cache_dir,
         "num_threads": args.num_threads,
     }

@@ -65,7 +65,9 @@ def inject(session: DebugSession, fault: Fault) -> str:
         assert boundary.piece is not None
         piece = pieces[boundary.piece]
         faulty = perturbed_graph(piece.graph, session.tap_nodes[boundary.name], LAYER_FAULT_SCALE)
-        piece.compiled = session.graph.compiler.compile(faulty)
+        compiler = session.graph.compiler
+        piece.compiled = compiler.compile(faulty)
+        piece.static_compiled = {size: compiler.compile(faulty, size) for size in session.graph.compile_sizes}
         session.recapture(piece.index)
         scale = f"x(1+{LAYER_FAULT_SCALE:g})"
         text = f"{fault}: {boundary.module_path} output {scale} in piece {piece.index}'s compiled code"

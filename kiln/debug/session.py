@@ -134,7 +134,7 @@ class DebugSession:
         self.tokenizer = tokenizer
         self.recipe = recipe
         self.recorder = TapRecorder()
-        self._compiled: dict[str, CompiledPiece] = {}
+        self._compiled: dict[tuple[str, int | None], CompiledPiece] = {}
         self._model64: nn.Module | None = None
         self.fault_descriptions: list[str] = []
         self.base_keys = [p.info.structure_key for p in graph.pieces]
@@ -154,6 +154,7 @@ class DebugSession:
             piece.graph = with_extra_outputs(piece.graph, [self.tap_nodes[name] for name in mine])
             piece.returns_tuple = True
             piece.compiled = None  # production code returns fewer outputs: compile the tapped graph on demand
+            piece.static_compiled = {}
             piece.captures = {}
             setattr(graph.outer, piece.info.submod_name, probe)
             self.probes.append(probe)
@@ -221,14 +222,18 @@ class DebugSession:
             piece = self.graph.pieces[idx]
             if m is not PieceMode.EAGER and piece.compiled is None:
                 piece.compiled = self.compile_graph(piece.graph)
+            if m is PieceMode.CAPTURED:
+                for size in self.graph.compile_sizes:  # the static compiles captures of that size run
+                    if size not in piece.static_compiled:
+                        piece.static_compiled[size] = self.compile_graph(piece.graph, size)
         self.graph.set_piece_modes(dict(modes))
         return modes
 
-    def compile_graph(self, graph: GraphModule) -> CompiledPiece:
-        """Compile a (tapped) piece graph once per structure; never through the on-disk cache."""
-        key = structure_key(graph)
+    def compile_graph(self, graph: GraphModule, static_size: int | None = None) -> CompiledPiece:
+        """Compile a (tapped) piece graph once per structure (and static size); never through the on-disk cache."""
+        key = (structure_key(graph), static_size)
         if key not in self._compiled:
-            self._compiled[key] = self.graph.compiler.compile(graph)
+            self._compiled[key] = self.graph.compiler.compile(graph, static_size)
         return self._compiled[key]
 
     def recapture(self, piece_index: int) -> None:

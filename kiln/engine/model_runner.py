@@ -59,7 +59,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.forward_fn: ForwardFn = model
         self.pad_to: Callable[[int], int] = lambda n: n
-        # graph mode (kiln.compile.enable_graph_mode) replaces forward_fn and pad_to and counts here
+        self.logits_fn: Callable[[torch.Tensor], torch.Tensor] = model.compute_logits
+        # graph mode (kiln.compile.enable_graph_mode) replaces forward_fn, pad_to and logits_fn and counts here
         self.counters = CompileCounters()
         self.graph_runner: GraphRunner | None = None
 
@@ -129,7 +130,7 @@ class ModelRunner:
         if not inputs.sample_indices:
             return ModelRunnerOutput({}, {})
         # NOTE: sampling runs on the host: per-request torch.Generator objects are CPU generators.
-        logits = self.model.compute_logits(hidden).cpu()
+        logits = self.logits_fn(hidden).cpu()
         by_id = {s.request.request_id: s.request for s in sched.scheduled}
         rows = []
         for rid in inputs.sample_request_ids:

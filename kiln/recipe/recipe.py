@@ -81,6 +81,12 @@ class Recipe:
         return sorted(self.spec.graph.capture_sizes)
 
     @property
+    def compile_sizes(self) -> list[int] | None:
+        """Capture sizes also compiled for their static shape; None: the engine decides (see GraphConfig)."""
+        sizes = self.spec.graph.compile_sizes
+        return None if sizes is None else sorted(sizes)
+
+    @property
     def compiler(self) -> str:
         return self.spec.graph.compiler
 

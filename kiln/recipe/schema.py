@@ -79,6 +79,13 @@ class Graph(Section):
         default_factory=lambda: [1, 2, 4, 8, 16, 32],
         description="num_tokens buckets to capture; each must satisfy the num_tokens constraints.",
     )
+    compile_sizes: list[PositiveInt] | None = Field(
+        None,
+        description=(
+            "Capture sizes also compiled for their static num_tokens (inductor only); on CPU one- and two-row "
+            "pieces then run weight products as GEMV reductions. null: automatic (CPU: the sizes <= 2)."
+        ),
+    )
     compiler: Literal["inductor", "eager"] = "inductor"
 
 

@@ -42,6 +42,16 @@ def check_graph(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
             message = f"capture size {size} is listed twice (also on line {line})"
             out.append(doc.diagnostic("error", message, ("graph", "capture_sizes", i)))
         seen.setdefault(size, i)
+    for i, size in enumerate(graph.compile_sizes or []):
+        if size not in seen:
+            message = (
+                f"compile size {size} is not a capture size {sorted(seen)}: a static compile is only run by "
+                "the capture of its size"
+            )
+            out.append(doc.diagnostic("error", message, ("graph", "compile_sizes", i)))
+    if graph.compile_sizes and graph.compiler != "inductor":
+        message = f"graph.compile_sizes needs compiler inductor; the {graph.compiler} compiler has no static compiles"
+        out.append(doc.diagnostic("error", message, ("graph", "compile_sizes")))
     if spec.hardware.device == "cpu" and spec.hardware.arch is not None:
         out.append(doc.diagnostic("warning", "hardware.arch is ignored on device cpu", ("hardware", "arch")))
     return out

@@ -56,6 +56,7 @@ def make_runner(model: LlamaForCausalLM) -> ModelRunner:
 def graph_runner(model: LlamaForCausalLM, cache_dir: Path, **overrides: object) -> tuple[ModelRunner, GraphRunner]:
     runner = make_runner(model)
     overrides.setdefault("capture_sizes", (1, 2, 4))
+    overrides.setdefault("compile_sizes", ())  # static compiles have their own tests (test_static_sizes.py)
     graph = enable_graph_mode(runner, graph_config_from(None, cache_dir=str(cache_dir), **overrides))
     return runner, graph
 

@@ -35,6 +35,29 @@ def test_duplicate_capture_size(header, write, only_error) -> None:
     assert (err.line, err.col, err.message) == (8, 31, "capture size 8 is listed twice (also on line 8)")
 
 
+def test_compile_size_must_be_a_capture_size(header, write, only_error) -> None:
+    err = only_error(write(header + BOUNDS + "graph: {capture_sizes: [1, 8], compile_sizes: [1, 2]}\n"))
+    assert (err.line, err.col) == (8, 51)
+    assert err.message == (
+        "compile size 2 is not a capture size [1, 8]: a static compile is only run by the capture of its size"
+    )
+
+
+def test_compile_sizes_need_inductor(header, write, only_error) -> None:
+    err = only_error(write(header + BOUNDS + "graph: {compiler: eager, compile_sizes: [1]}\n"))
+    assert err.line == 8
+    assert err.message == "graph.compile_sizes needs compiler inductor; the eager compiler has no static compiles"
+
+
+def test_compile_sizes_reach_the_graph_config(header, write) -> None:
+    from kiln.compile.settings import graph_config_from
+
+    recipe = load_recipe(write(header + BOUNDS + "graph: {capture_sizes: [1, 2, 8], compile_sizes: [2]}\n"))
+    assert recipe.compile_sizes == [2]
+    assert graph_config_from(recipe).compile_sizes == (2,)
+    assert graph_config_from(load_recipe(write(header + BOUNDS))).compile_sizes is None  # automatic
+
+
 def test_memory_budget(header, write, only_error) -> None:
     path = write(
         header + BOUNDS + "memory_plan: {kv_cache: {dtype: float32, max_pages: 8192}}\n"
