@@ -41,6 +41,9 @@ def write_artifacts(runner: GraphRunner, out: Path) -> Path:
         (pieces_dir / f"piece_{piece.index}.txt").write_text(piece_ir(piece))
         if piece.compiled is not None and piece.compiled.source_code:
             (pieces_dir / f"piece_{piece.index}.generated.py").write_text(piece.compiled.source_code)
+        for size, compiled in piece.static_compiled.items():
+            if compiled.source_code:
+                (pieces_dir / f"piece_{piece.index}.n{size}.generated.py").write_text(compiled.source_code)
     fusion = fusion_reports(runner.pieces, runner.config.fusion_groups, runner.config.compiler)
     (out / "fusion.json").write_text(json.dumps({"groups": as_json(fusion)}, indent=1))
     (out / "kernel_profile.json").write_text(json.dumps(kernel_profile(runner), indent=1))
@@ -103,12 +106,18 @@ def kernel_profile(runner: GraphRunner) -> dict[str, Any]:
                 "compiled_from": runner.cache_sources.get(piece.info.structure_key),
                 "static_buffer_bytes": sum(c.static_bytes for c in piece.captures.values()),
                 "latency_us": {str(n): round(c.latency_s * 1e6, 2) for n, c in sorted(piece.captures.items())},
+                # captures of these sizes run code compiled for that static num_tokens
+                "static_kernels": {
+                    str(n): [k.name for k in kernels_in(c.source_code)] if c.source_code else None
+                    for n, c in sorted(piece.static_compiled.items())
+                },
             }
         )
     return {
         "compiler": runner.config.compiler,
         "device": str(runner.device),
         "capture_sizes": runner.capture_sizes,
+        "compile_sizes": list(runner.compile_sizes),
         "full_graph": runner.is_full_graph,
         "counters": runner.counters.as_dict(),
         "pieces": pieces,

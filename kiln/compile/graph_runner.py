@@ -132,7 +132,7 @@ class GraphRunner:
         self._build_logits_head()
         self.build_seconds = time.perf_counter() - start
         logger.info(
-            "Graph mode ready in %.2f s: %d pieces (%d distinct), %d compiled, %d from cache, %d captures [%s]",
+            "Graph mode ready in %.2f s: %d pieces (%d distinct), %d compiled, %d from cache, %d captures [%s]%s",
             self.build_seconds,
             len(self.pieces),
             len({p.info.structure_key for p in self.pieces}),
@@ -140,11 +140,20 @@ class GraphRunner:
             self.counters.cache_hits,
             self.counters.pieces_captured,
             format_piece_modes(self.piece_modes),
+            self._static_summary(),
         )
         if self.config.dump_dir:
             from kiln.compile.artifacts import write_artifacts
 
             write_artifacts(self, Path(self.config.dump_dir))
+
+    def _static_summary(self) -> str:
+        if not self.compile_sizes:
+            return ""
+        c = self.counters
+        return (
+            f"; static sizes {list(self.compile_sizes)}: {c.static_compiles} compiled, {c.static_cache_hits} from cache"
+        )
 
     def _checked_modes(self, modes: dict[int, Any]) -> dict[int, PieceMode]:
         checked = {}

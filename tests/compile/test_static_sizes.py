@@ -3,6 +3,7 @@ counted, cached, and equal to eager."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,18 @@ def test_static_sizes_compile_cache_and_match_eager(model: torch.nn.Module, tmp_
     runner, graph = graph_runner(model, tmp_path, compiler="inductor", compile_sizes=(1, 2, 4))
     graph.counters.expect(pieces_compiled=0, cache_hits=3, static_compiles=0, static_cache_hits=10, cache_rejected=0)
     assert _generate(runner) == expected
+
+
+def test_artifacts_show_the_static_kernels(model: torch.nn.Module, tmp_path: Path) -> None:
+    out = tmp_path / "dump"
+    graph_runner(model, tmp_path, compiler="inductor", compile_sizes=(1, 4), dump_dir=str(out))
+    profile = json.loads((out / "kernel_profile.json").read_text())
+    assert profile["compile_sizes"] == [1, 4]
+    middle = profile["pieces"][1]
+    assert "extern_kernels.mm" in middle["kernels"]
+    assert "extern_kernels.mm" not in middle["static_kernels"]["1"]
+    assert "extern_kernels.mm" in middle["static_kernels"]["4"]
+    assert "def call(" in (out / "pieces" / "piece_1.n1.generated.py").read_text()
 
 
 def test_logits_head_matches_the_model(model: torch.nn.Module, tmp_path: Path) -> None:
