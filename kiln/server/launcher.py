@@ -1,7 +1,11 @@
 """Start-up and shutdown of `kiln serve`: load the engine, bind uvicorn, log `Ready: ...`, exit 0 on SIGINT/SIGTERM.
 
 Shutdown order: stop accepting connections, let in-flight requests finish for up to `--shutdown-timeout`
-seconds (then cancel them), abort whatever is left in the engine, join the engine thread, exit 0.
+seconds (then cancel them), abort whatever is left in the engine, let the engine loop return, exit 0.
+
+Threads: the engine loop runs on the main thread, where the model was loaded and compiled, and uvicorn's
+event loop in a `kiln-http` thread (see kiln/engine/async_engine.py for why: OpenMP is ~2x slower on a
+second thread). Signals arrive on the main thread and are handed to uvicorn.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ def run_server(args: argparse.Namespace) -> int:
     core = make_llm(args, seed=args.seed).engine
     model_name = args.served_model_name or _default_model_name(core.checkpoint.path)
     aliases = tuple(n for n in (args.model, core.model_config.name) if n and n != model_name)
-    engine = AsyncEngine(core, max_queue=args.max_queue)
+    engine = AsyncEngine(core, max_queue=args.max_queue, own_thread=False)
     app = create_app(engine, AppSettings(model_name, aliases, args.api_key))
     uv_config = uvicorn.Config(
         app,
@@ -97,11 +101,25 @@ def run_server(args: argparse.Namespace) -> int:
         lifespan="on",
     )
     server = KilnServer(uv_config, model_name, args.shutdown_timeout)
-    try:
-        server.run()
-    except SystemExit as exc:  # uvicorn exits this way when it cannot bind or start the app
+    failure: list[SystemExit] = []
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        except SystemExit as exc:  # uvicorn exits this way when it cannot bind or start the app
+            failure.append(exc)
+        finally:
+            engine.request_stop()  # the app's shutdown already stopped it, unless the app never started
+
+    http = threading.Thread(target=serve_http, name="kiln-http")
+    with server.capture_signals():
+        http.start()
+        engine.run_loop()
+        http.join()
+    if failure:
         logger.error("Could not serve on %s:%d (see the error above); pick another --host/--port", args.host, args.port)
-        return exc.code if isinstance(exc.code, int) and exc.code else 1
+        code = failure[0].code
+        return code if isinstance(code, int) and code else 1
     if not server.started:
         return 1
     logger.info("Server stopped")

@@ -72,6 +72,40 @@ def test_generate_streams_outputs_and_finishes() -> None:
     assert core.pool.num_used_blocks == 0
 
 
+def test_loop_on_the_callers_thread() -> None:
+    """`own_thread=False` (kiln serve): the caller's thread runs the steps; the event loop lives elsewhere."""
+    import threading
+
+    core = FakeCore()
+    engine = AsyncEngine(core, own_thread=False)  # type: ignore[arg-type]
+    steppers: set[int] = set()
+    original_step = core.step
+
+    def step() -> Any:
+        steppers.add(threading.get_ident())
+        return original_step()
+
+    core.step = step  # type: ignore[method-assign]
+    texts: list[str] = []
+
+    def http_side() -> None:
+        async def main() -> None:
+            engine.start()
+            assert engine.is_accepting
+            texts.extend([out.text async for out in engine.generate("r1", "hello", SamplingParams(max_tokens=3))])
+            await engine.stop()
+
+        asyncio.run(main())
+
+    client = threading.Thread(target=http_side)
+    client.start()
+    engine.run_loop()  # returns once the client's stop() ends it
+    client.join(10)
+    assert texts == ["x", "xx", "xxx"]
+    assert steppers == {threading.get_ident()}
+    assert not engine.is_accepting and core.pool.num_used_blocks == 0
+
+
 def test_leaving_a_stream_early_aborts_and_frees_blocks() -> None:
     core = FakeCore()
 
