@@ -258,16 +258,22 @@ def cmd_explain(args: argparse.Namespace) -> int:
     from kiln.log import setup_logging
 
     setup_logging()
+    recipe = None
+    if args.recipe:  # the recipe's dtype and splitting ops, as the engine would use them
+        from kiln.recipe import load_recipe
+
+        recipe = load_recipe(args.recipe, model=args.model)
+    dtype = parse_dtype(recipe.dtype if recipe is not None else args.dtype)
     if is_factory_spec(args.model):
-        model = load_factory(args.model).to(device=args.device, dtype=parse_dtype(args.dtype))
+        model = load_factory(args.model).to(device=args.device, dtype=dtype)
     else:
         from kiln.model.loader import open_checkpoint
         from kiln.model.registry import build_model
 
-        model = build_model(open_checkpoint(args.model), parse_dtype(args.dtype), 2048, args.device)
+        model = build_model(open_checkpoint(args.model), dtype, 2048, args.device)
     model.eval().requires_grad_(False)
-    runner = ModelRunner(model, 2, args.block_size, parse_dtype(args.dtype), ())
-    splitting_ops = graph_config_from(None).splitting_ops
+    runner = ModelRunner(model, 2, args.block_size, dtype, ())
+    splitting_ops = graph_config_from(recipe).splitting_ops
     explanation = explain_model(model, runner.kv_caches, tuple(splitting_ops))
     print(explanation.format())
     return 1 if explanation.findings else 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -92,3 +93,12 @@ def test_explain_cli(capsys: pytest.CaptureFixture[str]) -> None:
     assert "trace failure in model.layers.2.mlp (NoFakeMLP)" in out and "hint: register a fake" in out
     assert main(["debug", "explain", "--model", "tests.debug.models:tiny_llama"]) == 0
     assert f"splits into {NUM_LAYERS + 1} pieces" in capsys.readouterr().out
+
+
+def test_explain_reads_the_recipe(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--recipe is validated first (a broken recipe is reported, nothing is traced), then its settings apply."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("recipe_version: 1\nmodel: {name: m, path: default}\ngraph: {splitting_ops: [kiln.atention]}\n")
+    assert main(["debug", "explain", "--recipe", str(bad)]) != 0
+    err = capsys.readouterr().err
+    assert "bad.yaml:3" in err and "unknown splitting op 'kiln.atention'" in err and "Traceback" not in err
