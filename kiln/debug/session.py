@@ -256,15 +256,15 @@ class DebugSession:
         if path == EAGER:
             runner = self._eager_runner(self.model)
             with eager_taps(self.model, self.boundaries, self.recorder):
-                return self._generate(path, runner, self.model, prompt, num_decode, forced)
+                return self._generate(path, runner, prompt, num_decode, forced)
         if path == EAGER_FP64:
             model64 = self._fp64_model()
             with eager_taps(model64, self.boundaries, self.recorder):
-                return self._generate(path, self._eager_runner(model64), model64, prompt, num_decode, forced)
+                return self._generate(path, self._eager_runner(model64), prompt, num_decode, forced)
         if path not in PATHS:
             raise ConfigError(f"unknown path {path!r}: expected one of {', '.join(PATHS)}")
         self.set_modes(PieceMode.EAGER if path == TRACED else path, piece_modes)
-        return self._generate(path, self.runner, self.model, prompt, num_decode, forced)
+        return self._generate(path, self.runner, prompt, num_decode, forced)
 
     def _eager_runner(self, model: nn.Module) -> ModelRunner:
         dtype = next(model.parameters()).dtype
@@ -282,7 +282,6 @@ class DebugSession:
         self,
         path: str,
         runner: ModelRunner,
-        model: nn.Module,
         prompt: Sequence[int],
         num_decode: int,
         forced: Sequence[int] | None,
@@ -313,7 +312,7 @@ class DebugSession:
                 run.step_rows.append(n)
                 with self.recorder.step(), torch.inference_mode():
                     hidden = runner.forward(inputs)
-                    logits = model.compute_logits(hidden)
+                    logits = runner.logits_fn(hidden)  # graph mode: the compiled one-row head too
                     self.recorder.record(LOGITS, logits, rows=1)
                 token = int(logits[0].argmax())
                 run.tokens.append(token)

@@ -114,8 +114,11 @@ def run_server(args: argparse.Namespace) -> int:
     http = threading.Thread(target=serve_http, name="kiln-http")
     with server.capture_signals():
         http.start()
-        engine.run_loop()
-        http.join()
+        try:
+            engine.run_loop()
+        finally:
+            server.should_exit = True  # already set after a normal stop; ends uvicorn if the engine loop died
+            http.join()
     if failure:
         logger.error("Could not serve on %s:%d (see the error above); pick another --host/--port", args.host, args.port)
         code = failure[0].code
