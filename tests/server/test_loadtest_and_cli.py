@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +83,25 @@ def test_serve_and_launch_parsers() -> None:
     launch = build_launch_parser().parse_args(["--model-path", "m.gguf", "--enable-piecewise-graph", "--port", "9"])
     assert launch.model == "m.gguf" and launch.enable_piecewise_graph and launch.port == 9
     assert build_launch_parser().parse_args([]).model == "default"
+
+
+def test_serve_on_a_taken_port_fails_cleanly(tmp_path: Path) -> None:
+    """The engine loop runs on the main thread and HTTP in a thread: a bind failure must still end the process
+    with a one-line error and a non-zero exit, not hang in the engine loop."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.engine.tiny_models import write_gguf_model
+
+    model = tmp_path / "tiny.gguf"
+    write_gguf_model(model)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "kiln.launch", "--model-path", str(model), "--port", str(port)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "address already in use" in proc.stderr and f"Could not serve on 127.0.0.1:{port}" in proc.stderr
+    assert "Traceback" not in proc.stderr
