@@ -91,8 +91,8 @@ class EngineCore:
             self.recipe.guards.check_request(request_id, seq_len=total)
         if total > self.max_model_len:
             raise RequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens exceeds "
-                f"max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens",
+                f"prompt ({len(ids)} token{'s' if len(ids) != 1 else ''}) + max_tokens ({params.max_tokens}) = "
+                f"{total} tokens exceeds max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens",
                 request_id,
                 "max_tokens",
             )

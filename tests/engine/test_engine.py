@@ -153,6 +153,10 @@ def test_prompt_over_max_model_len_fails_only_that_request() -> None:
 
 
 def test_bad_requests_are_refused_with_the_field(llm: LLM) -> None:
+    limit = llm.engine.max_model_len
+    singular = rf"^prompt \(1 token\) \+ max_tokens \({limit}\) = {limit + 1} tokens exceeds"
+    with pytest.raises(RequestError, match=singular):
+        llm.engine.make_request("x", [1], SamplingParams(max_tokens=limit))
     with pytest.raises(RequestError, match="empty"):
         llm.engine.make_request("x", "", SamplingParams())
     with pytest.raises(RequestError, match="outside the vocabulary"):
