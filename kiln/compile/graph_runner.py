@@ -68,23 +68,14 @@ class GraphRunner:
 
     # -- build ------------------------------------------------------------------------------------------
     def _static_compile_sizes(self) -> tuple[int, ...]:
+        """The configured compile sizes (checked by `graph_config_from`), or the automatic choice: on CPU with
+        a compiler that has static variants, the capture sizes DecodeGemv serves."""
         sizes = self.config.compile_sizes
-        if sizes is None:
-            if self.device.type != "cpu" or not self.compiler.supports_static_sizes:
-                return ()
-            return tuple(s for s in self.capture_sizes if s <= GEMV_MAX_ROWS)
-        if sizes and not self.compiler.supports_static_sizes:
-            raise ConfigError(
-                f"compile sizes {list(sizes)} need a compiler with static-size variants (inductor); "
-                f"the {self.compiler.name} compiler runs the traced graph as is"
-            )
-        missing = sorted(set(sizes) - set(self.capture_sizes))
-        if missing:
-            raise ConfigError(
-                f"compile sizes {missing} are not capture sizes {self.capture_sizes}: a static compile is "
-                "only run by the capture of its size"
-            )
-        return tuple(sorted(sizes))
+        if sizes is not None:
+            return tuple(sorted(sizes))
+        if self.device.type != "cpu" or not self.compiler.supports_static_sizes:
+            return ()
+        return tuple(s for s in self.capture_sizes if s <= GEMV_MAX_ROWS)
 
     def _build(self) -> None:
         start = time.perf_counter()
