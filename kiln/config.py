@@ -1,30 +1,21 @@
-"""Frozen, layered configuration objects.
+"""Frozen, layered configuration objects: the model's architecture, the KV cache, the scheduler, graph mode and
+the engine that holds them all (built by `kiln.engine.args.EngineArgs.create_engine_config`).
 
-Only plain dataclasses cross module boundaries. Derived values are properties, never stored twice.
+Only plain dataclasses cross module boundaries. Derived values are properties, never stored twice. This module
+does not import torch (so `kiln --help` stays fast); `kiln.model.dtypes` maps dtype names to torch dtypes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """Map a dtype name (`float32`, `fp16`, `bf16`, ...) to a torch dtype, with a clear error."""
-    aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
-    key = aliases.get(name, name)
-    if key not in DTYPES:
-        from kiln.errors import ConfigError
-
-        raise ConfigError(f"unknown dtype {name!r}: expected one of {', '.join(DTYPES)}")
-    return DTYPES[key]
+COMPILER_NAMES = ("inductor", "eager")  # piece compilers (kiln.compile.compiler.COMPILERS holds their classes)
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
 
 
 @dataclass(frozen=True)
@@ -70,7 +61,7 @@ class ModelConfig:
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V one token occupies across all layers."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         return 2 * self.num_layers * self.kv_size * itemsize
 
 
@@ -100,7 +91,7 @@ class FusionGroupConfig:
 
 @dataclass(frozen=True)
 class GraphConfig:
-    """Graph-mode settings: from the recipe, else CLI flags (built by `kiln.compile.graph_config_from`)."""
+    """Graph-mode settings: from the recipe, else flags (built and validated by `kiln.compile.settings`)."""
 
     piecewise: bool = True
     full_graph: bool = False  # the whole forward as one graph, captured for decode-only batches
@@ -112,7 +103,8 @@ class GraphConfig:
     compiler: str = "inductor"  # "inductor" | "eager" (run the traced graph, no codegen)
     cache_dir: str | None = None  # None: KILN_CACHE_DIR (~/.cache/kiln)
     dump_dir: str | None = None  # write the compile artifacts here when set
-    piece_modes: tuple[tuple[int, str], ...] = ()  # (piece index, eager|compiled|captured); unset: captured
+    piece_modes: tuple[tuple[int, str], ...] = ()  # (piece index, eager|compiled|captured); unset: the default
+    default_piece_mode: str = "captured"  # pieces piece_modes does not name (the debugger starts them eager)
     recipe_hash: str = ""
     debug: int = 0  # trace level from the recipe's debug_mode; KILN_DEBUG raises it, never lowers it
     fusion_groups: tuple[FusionGroupConfig, ...] = (
@@ -122,19 +114,32 @@ class GraphConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """Everything an engine is built from (`kiln.engine.build.build_engine`), after the recipe's overlay.
+
+    Made by `EngineArgs.create_engine_config`, the one place flags and a recipe meet; `recipe` is the validated
+    contract itself (its guards check every request), not a path to read again.
+    """
+
     model: str = "default"
     dtype: str = "float32"
     device: str = "cpu"  # "cpu" | "cuda"
-    max_model_len: int | None = None  # None: min(model context, 4096)
+    max_model_len: int | None = None  # None: min(model context, DEFAULT_MAX_MODEL_LEN)
     seed: int = 0
     num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    recipe: str | None = None
-    # graph mode (issue 4)
+    recipe: Any = field(default=None, compare=False)  # a validated kiln.recipe.Recipe, or None
     enable_piecewise_graph: bool = False
     graph: GraphConfig = field(default_factory=GraphConfig)
 
     @property
     def is_graph_mode(self) -> bool:
         return self.enable_piecewise_graph or self.graph.full_graph
+
+    @property
+    def executor(self) -> str:
+        """The executor registry entry (kiln.engine.build.EXECUTORS) that runs this engine's forward."""
+        return "graph" if self.is_graph_mode else "eager"
+
+
+DEFAULT_MAX_MODEL_LEN = 8192  # when neither flags nor the recipe bound it: min(model context, this)

@@ -8,23 +8,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kiln.cli import add_engine_args, run_command
+from kiln.command import run_command
+from kiln.engine.args import EngineArgs
 from kiln.server.cli import add_server_args
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kiln.launch", description=__doc__)
-    add_engine_args(parser)
+    EngineArgs.add_cli_args(parser)
     parser.add_argument("--model-path", dest="model", default=argparse.SUPPRESS, help="same as --model")
     add_server_args(parser)
+    parser.set_defaults(handler="kiln.server.launcher:run_server")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from kiln.server.launcher import run_server
-
-    return run_command(run_server, args)
+    return run_command(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,101 +1,26 @@
-"""`kiln bench`: offline throughput/latency per execution mode and batch size, optionally beside HF transformers."""
+"""Parser of `kiln bench` (handler in kiln.bench.commands): offline throughput/latency per execution mode and
+batch size, optionally beside HF transformers."""
 
 from __future__ import annotations
 
 import argparse
-import gc
-import json
-import logging
-from typing import Any
 
-import torch
-
-from kiln.bench.hf_runner import load_hf_model, run_hf, warm_up_hf
-from kiln.bench.kiln_runner import run_kiln, warm_up_kiln
-from kiln.bench.metrics import RunResult, compute_ratios, random_prompts
-from kiln.bench.modes import MODE_FLAGS, make_llm_for_mode
-from kiln.bench.report import print_report
-from kiln.errors import ConfigError
-
-logger = logging.getLogger("kiln")
+from kiln.bench.modes import MODE_ARGS
+from kiln.engine.args import EngineArgs
 
 
 def add_bench_subcommand(subparsers: argparse._SubParsersAction) -> None:
-    from kiln.cli import add_engine_args
-
     b = subparsers.add_parser("bench", help="offline throughput/latency benchmark (optionally vs HF transformers)")
-    add_engine_args(b)
+    EngineArgs.add_cli_args(b)
     b.add_argument("--num-requests", type=_positive_int, default=32, help="requests per batch size")
     b.add_argument("--num-requests-bs1", type=_positive_int, default=4, help="requests at batch size 1")
     b.add_argument("--input-len", type=_positive_int, default=128, help="prompt tokens (random ids)")
     b.add_argument("--output-len", type=_positive_int, default=128, help="output tokens per request (>= 2)")
     b.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32], help="concurrency levels, e.g. 1,8,32")
-    b.add_argument("--modes", type=_mode_list, default=["eager"], help=f"comma list of {', '.join(MODE_FLAGS)}")
+    b.add_argument("--modes", type=_mode_list, default=["eager"], help=f"comma list of {', '.join(MODE_ARGS)}")
     b.add_argument("--compare", choices=["hf"], default=None, help="also run HF transformers generate")
     b.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
-    b.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    b.set_defaults(func=cmd_bench)
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    if args.output_len < 2:
-        raise ConfigError(f"--output-len {args.output_len}: need >= 2 tokens to measure time per output token")
-    results: list[RunResult] = []
-    prompts: list[list[int]] = []
-    model_path = ""
-    device = "cpu"
-    for mode in args.modes:
-        llm = make_llm_for_mode(args, mode)
-        model_path = llm.engine.checkpoint.path
-        device = str(next(llm.engine.model.parameters()).device)
-        if not prompts:
-            prompts = random_prompts(args.num_requests, args.input_len, llm.engine.model_config.vocab_size, args.seed)
-        warm_up_kiln(llm, prompts[0])
-        for bs in args.batch_sizes:
-            results.append(run_kiln(llm, mode, prompts[: _num_requests(args, bs)], args.output_len, bs))
-        del llm
-        gc.collect()
-    if args.compare == "hf":
-        # NOTE: same process, so HF runs with the thread count the engine set (or torch's default).
-        model = load_hf_model(model_path, args.dtype, device)
-        warm_up_hf(model, prompts[0])
-        for bs in args.batch_sizes:
-            hf = run_hf(model, prompts[: _num_requests(args, bs)], args.output_len, bs)
-            results.append(hf)
-            for r in results:
-                if r.system == "kiln" and r.batch_size == bs:
-                    r.hf_match = sum(a == b for a, b in zip(r.token_ids, hf.token_ids, strict=True))
-    ratios = compute_ratios(results)
-    print_report(results, ratios)
-    if args.json:
-        report = {"config": _config(args, model_path), "results": [r.to_row() for r in results], "ratios": ratios}
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        logger.info("Wrote %s", args.json)
-    return 0
-
-
-def _num_requests(args: argparse.Namespace, batch_size: int) -> int:
-    return min(args.num_requests_bs1, args.num_requests) if batch_size == 1 else args.num_requests
-
-
-def _config(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
-    return {
-        "model": model_path,
-        "dtype": args.dtype,
-        "num_requests": args.num_requests,
-        "num_requests_bs1": min(args.num_requests_bs1, args.num_requests),
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "batch_sizes": args.batch_sizes,
-        "modes": args.modes,
-        "compare": args.compare,
-        "seed": args.seed,
-        "num_threads": torch.get_num_threads(),
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "torch": torch.__version__,
-    }
+    b.set_defaults(handler="kiln.bench.commands:cmd_bench")
 
 
 def _positive_int(text: str) -> int:
@@ -111,7 +36,7 @@ def _int_list(text: str) -> list[int]:
 
 def _mode_list(text: str) -> list[str]:
     modes = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [m for m in modes if m not in MODE_FLAGS]
+    unknown = [m for m in modes if m not in MODE_ARGS]
     if unknown or not modes:
-        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}: expected a comma list of {', '.join(MODE_FLAGS)}")
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}: expected a comma list of {', '.join(MODE_ARGS)}")
     return modes

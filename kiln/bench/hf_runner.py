@@ -12,8 +12,8 @@ import torch
 from tqdm import tqdm
 
 from kiln.bench.metrics import RunResult
-from kiln.config import parse_dtype
 from kiln.errors import KilnError
+from kiln.model.dtypes import parse_dtype
 
 logger = logging.getLogger("kiln")
 

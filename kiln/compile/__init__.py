@@ -1,10 +1,13 @@
 """Graph mode: trace the forward, split it at attention, compile each piece once, capture it per size.
 
-Entry points: `graph_config_from` (recipe/CLI -> GraphConfig), `enable_graph_mode` (wire a GraphRunner
-into a ModelRunner), `GraphRunner` (the forward replacement), `CompileCounters`.
+One role per module, as vLLM's compilation package separates them:
+backend.py    trace the forward with dynamo, num_tokens symbolic      split.py     cut at the splitting ops
+build.py      trace + split -> PiecewiseGraph                         piece.py     one piece, three modes, hooks
+compiler.py   piece compilers (inductor, eager), one registry        store.py     compiled-piece store (memo,
+cache.py      the on-disk cache with manifests                                     cache, verification)
+verify.py     a compiled piece checked against its graph              capture.py   CUDA-graph / CPU captures
+capturer.py   capture every piece per size, largest first             dispatch.py  replay or run dynamically
+passes.py     inductor post-grad passes (DecodeGemv)                  logits_head.py  compiled one-row head
+executor.py   GraphExecutor: the roles behind the Executor interface  settings.py  GraphConfig from recipe/flags
+artifacts.py, lint.py, fusion.py, kernels.py, diagnose.py: what `kiln compile` writes and how failures read.
 """
-
-from kiln.compile.counters import CompileCounters
-from kiln.compile.settings import graph_config_from
-
-__all__ = ["CompileCounters", "graph_config_from"]

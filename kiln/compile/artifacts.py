@@ -16,24 +16,48 @@ import logging
 import shutil
 import subprocess
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+import torch
 
 from kiln.compile.diagnose import GraphTraceError
 from kiln.compile.fusion import FusionReport, as_json, fusion_reports
 from kiln.compile.kernels import kernels_in
 from kiln.compile.lint import lint_graph
+from kiln.compile.piece import Piece
 from kiln.compile.split import node_module_path, op_name
-
-if TYPE_CHECKING:
-    from kiln.compile.graph_runner import GraphRunner
-    from kiln.compile.piece import Piece
+from kiln.config import GraphConfig
+from kiln.executor.counters import CompileCounters
 
 logger = logging.getLogger("kiln")
+
+
+class BuiltGraph(Protocol):
+    """What the artifacts read of a built graph mode (kiln.compile.executor.GraphExecutor provides it)."""
+
+    config: GraphConfig
+    device: torch.device
+    capture_sizes: list[int]
+    compile_sizes: tuple[int, ...]
+    is_full_graph: bool
+    counters: CompileCounters
+
+    @property
+    def pieces(self) -> list[Piece]: ...
+
+    @property
+    def splitting_submods(self) -> list[str]: ...
+
+    @property
+    def compile_seconds(self) -> dict[str, float]: ...
+
+    @property
+    def cache_sources(self) -> dict[str, str]: ...
 
 MODE_COLOURS = {"captured": "#b7e4c7", "compiled": "#ffe8a3", "eager": "#d9d9d9"}
 
 
-def write_artifacts(runner: GraphRunner, out: Path) -> Path:
+def write_artifacts(runner: BuiltGraph, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     pieces_dir = out / "pieces"
     pieces_dir.mkdir(exist_ok=True)
@@ -86,7 +110,7 @@ def piece_ir(piece: Piece) -> str:
     return "\n".join(lines) + "\n"
 
 
-def kernel_profile(runner: GraphRunner) -> dict[str, Any]:
+def kernel_profile(runner: BuiltGraph) -> dict[str, Any]:
     pieces = []
     for piece in runner.pieces:
         source = piece.compiled.source_code if piece.compiled is not None else None
@@ -124,7 +148,7 @@ def kernel_profile(runner: GraphRunner) -> dict[str, Any]:
     }
 
 
-def lint_text(runner: GraphRunner) -> str:
+def lint_text(runner: BuiltGraph) -> str:
     findings = [f for piece in runner.pieces for f in lint_graph(piece.index, piece.graph)]
     lines = [f"# kiln lint: {len(findings)} needless nodes in {len(runner.pieces)} pieces", ""]
     lines += [f.line() for f in findings]
@@ -132,7 +156,7 @@ def lint_text(runner: GraphRunner) -> str:
     return "\n".join(lines) + "\n"
 
 
-def graph_dot(runner: GraphRunner, fusion: list[FusionReport]) -> str:
+def graph_dot(runner: BuiltGraph, fusion: list[FusionReport]) -> str:
     lines = ["digraph kiln {", "  rankdir=TB;", '  node [shape=box, style="filled", fontname="monospace"];']
     fused = {(r.piece, r.scope): r for r in fusion if r.piece is not None}
     order: list[str] = []

@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule
 
 from kiln.compile.diagnose import explain_trace_failure
+from kiln.model.attention import kv_cache_block_size
 from kiln.model.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 
 logger = logging.getLogger("kiln")
@@ -45,7 +46,7 @@ def padding_context(num_tokens: int, kv_caches: list[torch.Tensor], device: torc
         seq_lens=[],
         seq_lens_tensor=empty,
         block_tables=torch.zeros(0, 1, dtype=torch.long, device=device),
-        block_size=kv_caches[0].shape[2] if kv_caches else 1,  # caches are [2, blocks, block_size, heads, dim]
+        block_size=kv_cache_block_size(kv_caches[0]) if kv_caches else 1,
     )
     return ForwardContext(meta, kv_caches)
 

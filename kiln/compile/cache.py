@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.compile.counters import CompileCounters
+from kiln.executor.counters import CompileCounters
 
 logger = logging.getLogger("kiln")
 

@@ -17,6 +17,7 @@ import torch
 from torch.fx import GraphModule
 
 from kiln.compile.passes import KilnPostGradPasses
+from kiln.compile.verify import probe_inputs
 from kiln.errors import ConfigError
 
 PieceFn = Callable[..., Sequence[torch.Tensor]]
@@ -92,8 +93,6 @@ class InductorCompiler(PieceCompiler):
             example_inputs = [n.meta["example_value"] for n in graph.graph.nodes if n.op == "placeholder"]
             dynamic_shapes = "from_graph"
         else:
-            from kiln.compile.verify import probe_inputs
-
             example_inputs = probe_inputs(graph, _graph_device(graph), static_size)
             dynamic_shapes = "from_example_inputs"
         with _new_generated_modules() as new_modules:
@@ -113,7 +112,7 @@ class InductorCompiler(PieceCompiler):
         return CompiledPiece(artifact, _source(new_modules), artifact)
 
 
-COMPILERS: dict[str, type[PieceCompiler]] = {"inductor": InductorCompiler, "eager": EagerCompiler}
+COMPILERS: dict[str, type[PieceCompiler]] = {cls.name: cls for cls in (InductorCompiler, EagerCompiler)}
 
 
 def make_compiler(name: str) -> PieceCompiler:

@@ -3,6 +3,11 @@
 `eager` runs the traced FX graph, `compiled` the compiler's output for the dynamic num_tokens, `captured`
 the capture for the batch's size (falling back to `compiled` for a size without one). Changing the mode
 is an attribute write: compiled code and captures are kept, so a debugger can bisect over modes freely.
+
+Public hooks (set through `GraphExecutor.set_piece_hooks`, used by the debugger's taps and fault injection):
+`before(piece, args) -> args` rewrites a launch's arguments; `after(piece, outputs)` sees every output the
+piece's graph returns, including extra ones a rewrite added (`GraphExecutor.rebuild`). The piece then returns
+its original outputs only, so a rewritten graph with extra outputs is invisible to the rest of the forward.
 """
 
 from __future__ import annotations
@@ -18,12 +23,15 @@ from torch.fx import GraphModule
 
 from kiln.compile.capture import Capture
 from kiln.compile.compiler import CompiledPiece, returns_tuple
-from kiln.compile.counters import CompileCounters
 from kiln.compile.modes import PieceMode
 from kiln.compile.split import PieceGraph
+from kiln.executor.counters import CompileCounters
 from kiln.model.forward_context import get_forward_context
 
 logger = logging.getLogger("kiln")
+
+BeforeHook = Callable[["Piece", tuple[Any, ...]], tuple[Any, ...]]
+AfterHook = Callable[["Piece", Sequence[torch.Tensor]], None]
 
 
 class Piece(nn.Module):
@@ -31,7 +39,9 @@ class Piece(nn.Module):
         super().__init__()
         self.index = info.index
         self.info = info
-        self.graph: GraphModule = info.graph
+        self.graph: GraphModule = info.graph  # what eager mode runs
+        self.compile_source: GraphModule = info.graph  # what compiled code is built from (a fault may differ)
+        self.persistent = True  # compiled through the on-disk cache; False once a rewrite changed the graph
         self.counters = counters
         self.mode = PieceMode.CAPTURED
         self.compiled: CompiledPiece | None = None
@@ -43,15 +53,40 @@ class Piece(nn.Module):
         if not self.returns_tuple:
             _return_tuple(self.graph)  # every compiler then sees (and returns) a sequence
         self.size_arg, self.size_is_int = _size_argument(self.graph)
+        self.num_outputs = _num_outputs(self.graph)
         self.dynamic_args = _dynamic_arguments(self.graph)
         self.debug = 0  # trace mode (KILN_DEBUG, recipe debug_mode): log every launch, check replay inputs
+        self.before: BeforeHook | None = None
+        self.after: AfterHook | None = None
+
+    def rewrite(self, graph: GraphModule, compiled_only: bool = False) -> None:
+        """Run `graph` from now on (or only build compiled code from it): it must take the same inputs and return
+        the piece's outputs first. Compiled code and captures are dropped; the owner compiles them again."""
+        if not returns_tuple(graph):
+            _return_tuple(graph)
+        if _num_outputs(graph) < self.num_outputs:
+            raise ValueError(f"piece {self.index}: a rewrite must keep the piece's {self.num_outputs} outputs first")
+        if not compiled_only:
+            self.graph = graph
+        self.compile_source = graph
+        self.persistent = False
+        self.compiled = None
+        self.static_compiled = {}
+        self.captures = {}
 
     def num_tokens(self, args: Sequence[Any]) -> int:
         value = args[self.size_arg]
         return value if self.size_is_int else value.shape[0]
 
     def forward(self, *args: Any) -> Any:
-        return self._traced_forward(args) if self.debug else self._launch(args)
+        if self.before is not None:
+            args = self.before(self, args)
+        out = self._traced_forward(args) if self.debug else self._launch(args)
+        if self.after is not None:
+            self.after(self, out)
+        if len(out) != self.num_outputs:
+            out = out[: self.num_outputs]
+        return out if self.returns_tuple else out[0]
 
     def _launch(self, args: Sequence[Any]) -> Any:
         mode = self.mode
@@ -68,12 +103,12 @@ class Piece(nn.Module):
             out = self._compiled_fn()(*args)
         else:
             out = self.graph(*args)
-        return out if self.returns_tuple else out[0]
+        return out
 
     def run_dynamic(self, *args: Any) -> Any:
         """The compiled (or, in eager mode, traced) graph for whatever num_tokens, ignoring captures."""
         out = self.graph(*args) if self.mode is PieceMode.EAGER else self._compiled_fn()(*args)
-        return out if self.returns_tuple else out[0]
+        return out[: self.num_outputs] if self.returns_tuple else out[0]
 
     def _traced_forward(self, args: tuple[Any, ...]) -> Any:
         """KILN_DEBUG (trace mode): check a replay's input buffers, run, and log the launch with its time."""
@@ -111,7 +146,7 @@ class Piece(nn.Module):
         if self.compiled is None:
             raise RuntimeError(
                 f"piece {self.index} ({self.describe()}) runs mode {self.mode.value} but was never compiled: "
-                "set its mode through GraphRunner.set_piece_modes, which compiles what is missing"
+                "set its mode through GraphExecutor.set_piece_modes, which compiles what is missing"
             )
         return self.compiled.fn
 
@@ -130,6 +165,10 @@ def _return_tuple(graph: GraphModule) -> None:
     output = next(n for n in reversed(graph.graph.nodes) if n.op == "output")
     output.args = ((output.args[0],),)
     graph.recompile()
+
+
+def _num_outputs(graph: GraphModule) -> int:
+    return len(next(n for n in reversed(graph.graph.nodes) if n.op == "output").args[0])
 
 
 def _dynamic_arguments(graph: GraphModule) -> list[int]:

@@ -1,4 +1,8 @@
-"""Graph settings: the recipe is the source of truth; CLI flags fill in or override, and every override is logged."""
+"""Graph settings: the recipe is the source of truth; flags fill in or override, and every override is logged.
+
+`graph_config_from` is the one place a GraphConfig is built and validated (called once, by
+`EngineArgs.create_engine_config`).
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,11 @@ from collections.abc import Iterable
 from dataclasses import fields, replace
 from typing import Any
 
-from kiln.config import FusionGroupConfig, GraphConfig
+from kiln.compile.modes import PieceMode, parse_piece_modes
+from kiln.config import COMPILER_NAMES, FusionGroupConfig, GraphConfig
 from kiln.errors import ConfigError
 
 logger = logging.getLogger("kiln")
-
-COMPILERS = ("inductor", "eager")
 _RECIPE_FIELDS = ("piecewise", "splitting_ops", "capture_sizes", "compile_sizes", "compiler")
 
 
@@ -23,8 +26,6 @@ def graph_config_from(recipe: Any | None = None, **cli_overrides: Any) -> GraphC
     Keys of `cli_overrides` are GraphConfig field names; `piece_modes` may be a `0-3:captured,4:eager` string.
     An override that changes a value the recipe set is logged, so the recipe is never silently rewritten.
     """
-    from kiln.compile.modes import parse_piece_modes
-
     base = GraphConfig()
     if recipe is not None:
         base = replace(
@@ -75,8 +76,12 @@ def _fusion_groups(groups: Iterable[Any]) -> tuple[FusionGroupConfig, ...]:
 
 
 def _validate(config: GraphConfig) -> None:
-    if config.compiler not in COMPILERS:
-        raise ConfigError(f"graph compiler {config.compiler!r}: expected one of {', '.join(COMPILERS)}")
+    if config.compiler not in COMPILER_NAMES:
+        raise ConfigError(f"graph compiler {config.compiler!r}: expected one of {', '.join(COMPILER_NAMES)}")
+    if config.default_piece_mode not in set(PieceMode):
+        raise ConfigError(
+            f"default piece mode {config.default_piece_mode!r}: expected one of {', '.join(m.value for m in PieceMode)}"
+        )
     bad = [s for s in config.capture_sizes if not isinstance(s, int) or s < 1]
     if bad:
         raise ConfigError(f"capture sizes must be positive integers, got {bad}")

@@ -7,12 +7,11 @@ own size for those); integer inputs (token ids, positions) are zeros, a valid in
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.fx import GraphModule
-
-from kiln.compile.compiler import CompiledPiece
 
 PROBE_TOKENS = 3
 
@@ -46,14 +45,14 @@ def _with_traced_strides(arg: torch.Tensor, value: torch.Tensor) -> torch.Tensor
 
 
 def check_against_graph(
-    compiled: CompiledPiece, graph: GraphModule, device: torch.device, num_tokens: int = PROBE_TOKENS
+    fn: Callable[..., Sequence[torch.Tensor]], graph: GraphModule, device: torch.device, num_tokens: int = PROBE_TOKENS
 ) -> None:
-    """Raise ValueError when the compiled piece's outputs differ from the graph's on a probe input
+    """Raise ValueError when a compiled piece `fn`'s outputs differ from the graph's on a probe input
     (`num_tokens` rows: a piece compiled for a static size runs only at that size)."""
     args = probe_inputs(graph, device, num_tokens)
     with torch.inference_mode():
         want = graph(*args)
-        got = compiled.fn(*args)
+        got = fn(*args)
     want = list(want) if isinstance(want, (tuple, list)) else [want]
     got = list(got)
     if len(got) != len(want):

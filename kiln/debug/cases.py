@@ -27,7 +27,8 @@ from safetensors.torch import load_file, save_file
 
 import kiln
 from kiln.debug.diff import NOISE_FLOOR, NOISE_RATIO, DiffReport, Reference
-from kiln.debug.session import DebugSession, SessionOptions
+from kiln.debug.session import DebugSession
+from kiln.engine.args import EngineArgs
 from kiln.errors import ConfigError
 
 logger = logging.getLogger("kiln")
@@ -47,21 +48,19 @@ class Case:
     def test_mode(self) -> str:
         return str(self.meta["test_mode"])
 
-    def session_options(self, **overrides: Any) -> SessionOptions:
-        """The options the case was saved with; `overrides` (None = keep the case's value) win."""
+    def engine_args(self) -> EngineArgs:
+        """The engine arguments the case was saved with."""
         m = self.meta
-        values = {
-            "model": m["model"],
-            "recipe": m.get("recipe"),
-            "dtype": m["dtype"],
-            "device": m["fingerprint"]["device"],
-            "compiler": m.get("compiler"),
-            "capture_sizes": tuple(m["capture_sizes"]) if m.get("capture_sizes") else None,
-            "block_size": m.get("block_size", 16),
-            "seed": m["seed"],
-        }
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        return SessionOptions(**values)
+        return EngineArgs(
+            model=m["model"],
+            recipe=m.get("recipe"),
+            dtype=m["dtype"],
+            device=m["fingerprint"]["device"],
+            compiler=m.get("compiler"),
+            capture_sizes=tuple(m["capture_sizes"]) if m.get("capture_sizes") else None,
+            block_size=m.get("block_size", 16),
+            seed=m["seed"],
+        )
 
 
 def fingerprint(session: DebugSession) -> dict[str, Any]:
@@ -78,7 +77,7 @@ def fingerprint(session: DebugSession) -> dict[str, Any]:
 def save_case(directory: Path, session: DebugSession, reference: Reference, report: DiffReport, test_mode: str) -> Path:
     """Write `reference` (and the test path's statistics in `report`) as a case in `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
-    opts = session.options
+    opts = session.args
     tensors = {
         "input_ids": torch.tensor(reference.input_ids, dtype=torch.long),
         "positions": torch.tensor(reference.positions, dtype=torch.long),
@@ -95,7 +94,7 @@ def save_case(directory: Path, session: DebugSession, reference: Reference, repo
         "dtype": opts.dtype,
         "compiler": session.graph.config.compiler,
         "capture_sizes": list(session.graph.capture_sizes),
-        "block_size": opts.block_size,
+        "block_size": session.engine.runner.block_size,
         "seed": opts.seed,
         "test_mode": test_mode,
         "prompt_ids": reference.prompt,

@@ -1,11 +1,13 @@
 """Fault injection, so users and tests can prove the debugger finds what it claims.
 
 - `layer=K:mlp` (or `layer=K:attn`): a numerical fault in one module — its output scaled by (1 + 1e-2) — built
-  into the *compiled code* of the piece holding it, as a miscompile would be. Eager pieces and the eager
+  into the *compiled code* of the piece holding it, as a miscompile would be (`GraphExecutor.rebuild` with
+  `compiled_only=True`). Eager pieces and the eager
   reference stay correct, so `diff` sees the error start at that boundary and `bisect` finds the piece (it fails
   compiled and captured, passes eager). Identical pieces keep their own, correct compiled code.
 - `piece=K:stale-input`: a capture fault — piece K's replays read the input its capture saw on its first replay
-  at that size, as when a runner writes a new input somewhere other than the static buffer the graph reads.
+  at that size, as when a runner writes a new input somewhere other than the static buffer the graph reads
+  (a `before` hook on the piece).
   Only captured launches are affected: the piece passes compiled and eager.
 """
 
@@ -55,26 +57,27 @@ def parse_fault(spec: str) -> Fault:
 
 
 def inject(session: DebugSession, fault: Fault) -> str:
-    """Apply `fault` to the session's graph path; returns a one-line description naming the piece."""
-    pieces = session.graph.pieces
+    """Apply `fault` to the session's graph path through the executor's hooks; a one-line description."""
+    graph = session.graph
+    pieces = graph.pieces
     if fault.kind == "layer":
         num_layers = len(session.model.model.layers)
         if not 0 <= fault.index < num_layers:
             raise ConfigError(f"--inject-fault {fault}: the model has layers 0..{num_layers - 1}")
         boundary = session.boundary(f"layers.{fault.index}.{_LAYER_PARTS[fault.what]}")
         assert boundary.piece is not None
-        piece = pieces[boundary.piece]
-        faulty = perturbed_graph(piece.graph, session.tap_nodes[boundary.name], LAYER_FAULT_SCALE)
-        compiler = session.graph.compiler
-        piece.compiled = compiler.compile(faulty)
-        piece.static_compiled = {size: compiler.compile(faulty, size) for size in session.graph.compile_sizes}
-        session.recapture(piece.index)
+        node = session.tap_nodes[boundary.name]
+        target = boundary.piece
+        graph.rebuild(
+            lambda p: perturbed_graph(p.graph, node, LAYER_FAULT_SCALE) if p.index == target else None,
+            compiled_only=True,
+        )
         scale = f"x(1+{LAYER_FAULT_SCALE:g})"
-        text = f"{fault}: {boundary.module_path} output {scale} in piece {piece.index}'s compiled code"
+        text = f"{fault}: {boundary.module_path} output {scale} in piece {target}'s compiled code"
     else:
         if not 0 <= fault.index < len(pieces):
             raise ConfigError(f"--inject-fault {fault}: the graph has pieces 0..{len(pieces) - 1}")
-        session.probes[fault.index].input_fault = StaleInput()
+        graph.set_piece_hooks(fault.index, before=StaleInput(), after=session.probes[fault.index])
         text = f"{fault}: piece {fault.index} ({pieces[fault.index].describe()}) replays a stale input buffer"
     session.fault_descriptions.append(text)
     return text

@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
-from kiln.debug.cases import CASE_FILE
+from kiln.debug.cases import CASE_FILE, check_names, load_case
+from kiln.debug.diff import run_diff
+from kiln.debug.session import DebugSession
 
 
 class CaseRegression(AssertionError):
@@ -33,12 +35,8 @@ class DebugCaseFile(pytest.File):
 
 class DebugCaseItem(pytest.Item):
     def runtest(self) -> None:
-        from kiln.debug.cases import check_names, load_case
-        from kiln.debug.diff import run_diff
-        from kiln.debug.session import DebugSession
-
         case = load_case(self.path.parent)
-        session = DebugSession.open(case.session_options())
+        session = DebugSession.open(case.engine_args())
         check_names(case, session)
         report = run_diff(session, case.reference, case.test_mode)
         first = report.first_divergence

@@ -11,15 +11,18 @@ Design (the simplest that survives graph capture):
   outputs only, never an op, so the partition and every piece's structure key stay the same. Eager, compiled and
   captured pieces then all *return* the boundary values — from a capture they come back in its static output
   buffers, which is why hooks (and dump ops with side effects) never fire inside captured graphs and outputs do.
-- A `TapProbe` module takes the piece's place in the split graph: it strips the extra outputs and records them.
-- Tapped graphs are compiled by the debug session itself, never through the on-disk compile cache, so the cache
-  only ever holds production graphs.
+- The session swaps the copies in through `GraphExecutor.rebuild` and hangs a `TapProbe` on each piece as its
+  `after` hook (`GraphExecutor.set_piece_hooks`): it records the extra outputs; the piece itself returns only its
+  original ones. Rewritten graphs are compiled outside the on-disk compile cache (the compiled-piece store's
+  `persistent=False`), so the cache only ever holds production graphs.
+- The `TapRecorder` is the engine's step observer (`ModelRunner`'s `StepObserver`): it opens a record per step,
+  keeps the step's real input ids and positions, and the logits of the sampled row.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -29,8 +32,8 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from kiln.compile.piece import Piece
-from kiln.compile.split import _clean_path
-from kiln.model.forward_context import get_forward_context
+from kiln.compile.split import node_module_path
+from kiln.model.forward_context import ModelInputs, get_forward_context
 
 LOGITS = "logits"
 
@@ -53,21 +56,32 @@ def model_boundaries(model: nn.Module) -> list[Boundary]:
     return out
 
 
+@dataclass
+class StepRecord:
+    """One engine step as the taps saw it: the real tokens fed, and each boundary's rows."""
+
+    input_ids: list[int]
+    positions: list[int]
+    values: dict[str, torch.Tensor]
+
+
 class TapRecorder:
-    """Collects boundary values per forward step; records only inside `step()`, so captures record nothing."""
+    """The engine's step observer: records boundary values per step, only between `begin_step` and `end_step`,
+    so captures (which run on padding outside any step) record nothing."""
 
     def __init__(self) -> None:
-        self.steps: list[dict[str, torch.Tensor]] = []
+        self.steps: list[StepRecord] = []
         self._active = False
 
-    @contextmanager
-    def step(self) -> Iterator[dict[str, torch.Tensor]]:
-        self.steps.append({})
+    def begin_step(self, batch: ModelInputs) -> None:
+        n = batch.metadata.num_actual_tokens
+        self.steps.append(StepRecord(batch.input_ids[:n].tolist(), batch.positions[:n].tolist(), {}))
         self._active = True
-        try:
-            yield self.steps[-1]
-        finally:
-            self._active = False
+
+    def end_step(self, logits: torch.Tensor | None) -> None:
+        if logits is not None:
+            self.record(LOGITS, logits, rows=1)
+        self._active = False
 
     def record(self, name: str, value: torch.Tensor, rows: int | None = None) -> None:
         """Keep a host copy of the first `rows` rows (the real tokens; the rest is capture padding)."""
@@ -75,9 +89,9 @@ class TapRecorder:
             return
         if rows is None:
             rows = get_forward_context().attn_metadata.num_actual_tokens
-        self.steps[-1][name] = value[:rows].detach().to("cpu", copy=True)
+        self.steps[-1].values[name] = value[:rows].detach().to("cpu", copy=True)
 
-    def take(self) -> list[dict[str, torch.Tensor]]:
+    def take(self) -> list[StepRecord]:
         steps, self.steps = self.steps, []
         return steps
 
@@ -101,11 +115,6 @@ def eager_taps(model: nn.Module, boundaries: Sequence[Boundary], recorder: TapRe
             h.remove()
 
 
-def _innermost_module(node: Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    return _clean_path(list(stack.values())[-1][0]) if stack else ""
-
-
 def locate_boundaries(pieces: Sequence[Piece], boundaries: Sequence[Boundary]) -> dict[str, tuple[int, str]]:
     """Boundary name -> (piece index, node name) of the last node of the boundary module's subtree.
 
@@ -117,7 +126,7 @@ def locate_boundaries(pieces: Sequence[Piece], boundaries: Sequence[Boundary]) -
         for node in piece.graph.graph.nodes:
             if node.op not in ("call_function", "call_method", "call_module"):
                 continue
-            parts = _innermost_module(node).split(".")
+            parts = node_module_path(node).split(".")
             for i in range(1, len(parts) + 1):
                 name = by_path.get(".".join(parts[:i]))
                 if name is not None:
@@ -156,25 +165,14 @@ def without_extra_outputs(tapped: GraphModule, num_outputs: int) -> GraphModule:
     return plain
 
 
-InputFault = Callable[[Piece, tuple[Any, ...]], tuple[Any, ...]]
+class TapProbe:
+    """A piece's `after` hook: records the tap outputs a rewritten piece graph returns after its own outputs."""
 
-
-class TapProbe(nn.Module):
-    """Stands in for a piece in the split graph: runs it, records the tap outputs, returns the original outputs."""
-
-    def __init__(self, piece: Piece, names: Sequence[str], num_outputs: int, recorder: TapRecorder) -> None:
-        super().__init__()
-        self.piece = piece
+    def __init__(self, names: Sequence[str], num_outputs: int, recorder: TapRecorder) -> None:
         self.names = list(names)
         self.num_outputs = num_outputs
-        self.unwrap_single = not piece.returns_tuple  # the traced piece returned one tensor, not a tuple
         self.recorder = recorder
-        self.input_fault: InputFault | None = None  # fault injection: rewrites the arguments of a launch
 
-    def forward(self, *args: Any) -> Any:
-        if self.input_fault is not None:
-            args = self.input_fault(self.piece, args)
-        out = self.piece(*args)
-        for name, value in zip(self.names, out[self.num_outputs :], strict=True):
+    def __call__(self, piece: Piece, outputs: Sequence[torch.Tensor]) -> None:
+        for name, value in zip(self.names, outputs[self.num_outputs :], strict=True):
             self.recorder.record(name, value)
-        return out[0] if self.unwrap_single else tuple(out[: self.num_outputs])

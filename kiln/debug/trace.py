@@ -1,6 +1,7 @@
 """Trace mode: every piece launch logged (piece, mode, real and padded size, time) and replays checked.
 
-`KILN_DEBUG=1`, or a recipe with `debug: {debug_mode: true}`, turns it on. The launch log and the replay check
+`KILN_DEBUG=1`, or a recipe with `debug: {debug_mode: true}`, turns it on (the debug session applies it with
+`GraphExecutor.set_trace_level`). The launch log and the replay check
 live in `Piece` (kiln/compile/piece.py), the check itself in `Capture.check_bound_inputs`: a replay whose static
 input buffers are not the ones the capture reads (a CUDA graph reads fixed addresses) fails loudly instead of
 silently computing on stale data.
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.compile.graph_runner import GraphRunner
 from kiln.env import read_env
 
 
@@ -19,12 +19,4 @@ def trace_level(recipe: Any = None) -> int:
     level = read_env().debug
     if recipe is not None and getattr(recipe, "debug_mode", False):
         level = max(level, 1)
-    return level
-
-
-def apply_trace_level(graph: GraphRunner, recipe: Any = None, level: int | None = None) -> int:
-    """Set the trace level of every piece of `graph` (default: `trace_level(recipe)`); returns it."""
-    level = trace_level(recipe) if level is None else level
-    for piece in graph.pieces:
-        piece.debug = level
     return level

@@ -1,4 +1,8 @@
-"""The engine step: schedule -> execute -> update. Requests in, RequestOutputs out."""
+"""EngineCore: the step (schedule -> execute -> update), request admission and stop checks.
+
+It is handed a loaded model, its tokenizer and an executor (by `kiln.engine.build.build_engine`, or by the
+debugger, which runs several executors over one model); it owns the KV block pool, the scheduler and the runner.
+"""
 
 from __future__ import annotations
 
@@ -6,54 +10,54 @@ import logging
 import time
 
 import torch
+from torch import nn
 
-from kiln.config import EngineConfig, parse_dtype
+from kiln.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, ModelConfig
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.kv_cache import BlockPool
-from kiln.engine.model_runner import ModelRunner, ModelRunnerOutput
+from kiln.engine.model_runner import ModelRunner, ModelRunnerOutput, StepObserver
 from kiln.engine.request import Request, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
-from kiln.errors import ConfigError, RequestError
-from kiln.model.loader import open_checkpoint
-from kiln.model.registry import build_model, load_tokenizer
+from kiln.errors import RequestError
+from kiln.executor.base import Executor
+from kiln.model.dtypes import parse_dtype
+from kiln.model.tokenizer import KilnTokenizer
 
 logger = logging.getLogger("kiln")
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
-        from kiln.engine.recipe_config import resolve_recipe  # NOTE: lazy: pydantic/z3 only when a recipe is used
-
-        config, self.recipe = resolve_recipe(config)
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: nn.Module,
+        tokenizer: KilnTokenizer | None,
+        executor: Executor,
+        checkpoint_path: str = "",
+        observer: StepObserver | None = None,
+    ) -> None:
         self.config = config
-        if config.device == "cuda" and not torch.cuda.is_available():
-            raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device; use --device cpu")
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.checkpoint = open_checkpoint(config.model)
-        mc = self.checkpoint.config
+        self.recipe = config.recipe
+        self.checkpoint_path = checkpoint_path
+        self.model = model
+        self.tokenizer = tokenizer
+        mc: ModelConfig = model.config
         self.model_config = mc
-        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, 8192)
-        self.dtype = parse_dtype(config.dtype)
-        self.model = build_model(self.checkpoint, self.dtype, self.max_model_len, config.device)
-        self.tokenizer = load_tokenizer(self.checkpoint)
+        self.max_model_len = config.max_model_len or self.default_max_model_len(mc)
         eos = set(mc.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            eos.add(self.tokenizer.eos_token_id)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         cc = config.cache
-        kv_dtype = self.dtype if cc.dtype == "auto" else parse_dtype(cc.dtype)
+        dtype = next(model.parameters()).dtype
+        kv_dtype = dtype if cc.dtype == "auto" else parse_dtype(cc.dtype)
         num_blocks = cc.num_blocks or max(
             1, int(cc.kv_cache_memory_gb * 1e9) // (cc.block_size * mc.kv_bytes_per_token(kv_dtype))
         )
         self.pool = BlockPool(num_blocks, cc.block_size)
         self.scheduler = Scheduler(config.scheduler, self.pool)
-        self.runner = ModelRunner(self.model, num_blocks, cc.block_size, kv_dtype, self.eos_token_ids)
-        if config.is_graph_mode:
-            from kiln.compile.graph_runner import enable_graph_mode
-
-            enable_graph_mode(self.runner, config.graph)
+        self.runner = ModelRunner(model, executor, num_blocks, cc.block_size, kv_dtype, self.eos_token_ids, observer)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GB %s), max_model_len=%d",
             num_blocks,
@@ -68,12 +72,24 @@ class EngineCore:
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         self.num_steps = 0
 
+    @staticmethod
+    def default_max_model_len(model_config: ModelConfig) -> int:
+        return min(model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+
+    @property
+    def executor(self) -> Executor:
+        return self.runner.executor
+
     # -- requests ---------------------------------------------------------------------------------
-    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
+    def make_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, forced_output: list[int] | None = None
+    ) -> Request:
         """Tokenize and validate; raises RequestError (naming the request) without touching engine state."""
         if request_id in self.requests:
             raise RequestError(f"duplicate request id {request_id!r}", request_id)
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer: give the prompt as token ids", request_id, "prompt")
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
@@ -105,10 +121,13 @@ class EngineCore:
             )
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
         generator = None if params.is_greedy else torch.Generator().manual_seed(seed)
-        return Request(request_id, text, ids, params, generator)
+        return Request(request_id, text, ids, params, generator, forced_output)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Request:
-        req = self.make_request(request_id, prompt, params)
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, forced_output: list[int] | None = None
+    ) -> Request:
+        """Queue a request; `forced_output` teacher-forces its output tokens (see `Request.forced_output`)."""
+        req = self.make_request(request_id, prompt, params, forced_output)
         self.requests[request_id] = req
         self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, req)
         self.scheduler.add(req)
@@ -143,6 +162,9 @@ class EngineCore:
             token = result.sampled.get(req.request_id)
             if token is None:
                 continue  # a prefill chunk that does not reach the end of the sequence yet
+            forced = req.forced_output
+            if forced is not None and len(req.output_token_ids) < len(forced):
+                token = forced[len(req.output_token_ids)]
             req.output_token_ids.append(token)
             if req.request_id in result.logprobs:
                 req.logprobs.append(result.logprobs[req.request_id])

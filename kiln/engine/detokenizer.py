@@ -10,7 +10,8 @@ _CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: KilnTokenizer, request: Request) -> None:
+    def __init__(self, tokenizer: KilnTokenizer | None, request: Request) -> None:
+        """`tokenizer=None` (a model without one, e.g. a debugger factory model): token ids only, no text."""
         self.tokenizer = tokenizer
         self.request = request
         self.skip_special = request.params.skip_special_tokens
@@ -23,7 +24,7 @@ class IncrementalDetokenizer:
     def update(self) -> None:
         """Decode new output tokens into `self.text`; check stop strings (truncating at the first match)."""
         ids = self.request.all_token_ids
-        if self.stop_hit is not None or len(ids) <= self.read_offset:
+        if self.tokenizer is None or self.stop_hit is not None or len(ids) <= self.read_offset:
             return
         prefix = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset], self.skip_special)
         full = self.tokenizer.decode(ids[self.prefix_offset :], self.skip_special)

@@ -9,8 +9,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kiln.config import CacheConfig, EngineConfig, SchedulerConfig
-from kiln.engine.core import EngineCore
+from kiln.config import EngineConfig
+from kiln.engine.args import EngineArgs
+from kiln.engine.build import build_engine
 from kiln.engine.request import RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import RequestError
@@ -23,64 +24,18 @@ Messages = list[dict[str, Any]]
 class LLM:
     """Loads a model once; runs batches of prompts to completion with continuous batching.
 
+    `LLM(model, **options)` takes the engine options `EngineArgs` defines (the same as the CLI flags:
+    `LLM(enable_piecewise_graph=True, capture_sizes=[1, 2, 4])`), or a ready `config=EngineConfig`.
+
     A request that cannot be served (too long, invalid) comes back finished with `finish_reason="error"`
     and `.error` set; the other requests in the batch still run.
     """
 
-    def __init__(
-        self,
-        model: str | None = "default",
-        *,
-        dtype: str = "float32",
-        device: str = "cpu",
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_gb: float = 1.0,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        enable_chunked_prefill: bool = True,
-        seed: int = 0,
-        num_threads: int | None = None,
-        enable_piecewise_graph: bool = False,
-        full_graph: bool = False,
-        compiler: str | None = None,
-        capture_sizes: Sequence[int] | None = None,
-        compile_sizes: Sequence[int] | None = None,
-        piece_modes: str | dict[int, str] | None = None,
-        cache_dir: str | None = None,
-        dump_dir: str | None = None,
-        recipe: str | None = None,
-        config: EngineConfig | None = None,
-    ) -> None:
+    def __init__(self, model: str = "default", *, config: EngineConfig | None = None, **options: Any) -> None:
         setup_logging()
         if config is None:
-            from kiln.compile.settings import graph_config_from
-
-            graph = graph_config_from(
-                None,
-                full_graph=full_graph or None,
-                compiler=compiler,
-                capture_sizes=capture_sizes,
-                compile_sizes=compile_sizes,
-                piece_modes=piece_modes,
-                cache_dir=cache_dir,
-                dump_dir=dump_dir,
-            )
-            config = EngineConfig(
-                model=model or "default",
-                dtype=dtype,
-                device=device,
-                max_model_len=max_model_len,
-                seed=seed,
-                num_threads=num_threads,
-                cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory_gb),
-                scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, enable_chunked_prefill),
-                enable_piecewise_graph=enable_piecewise_graph,
-                graph=graph,
-                recipe=recipe,
-            )
-        self.engine = EngineCore(config)
+            config = EngineArgs.from_kwargs(model=model, **options).create_engine_config()
+        self.engine = build_engine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -1,37 +1,26 @@
-"""Turns a SchedulerOutput into tensors, runs the model under a forward context, samples.
+"""Turns a SchedulerOutput into tensors, runs the executor under a forward context, samples.
 
-The model callable is swappable (`forward_fn`): eager by default, a piecewise graph executor in graph
-mode. It always receives tensors padded to `pad_to(num_tokens)` and metadata for the real tokens.
+The runner owns the KV caches (their geometry is exposed as named properties) and the batch layout; the
+executor it is given owns how the forward and the logits run (kiln.executor.base). Inputs are padded to the
+executor's `pad_to(num_tokens)`; the metadata describes the real tokens only.
+
+An optional `StepObserver` sees every executed step's batch and logits (the debugger's taps record through it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
-from kiln.compile.counters import CompileCounters
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kiln.engine.scheduler import SchedulerOutput
-from kiln.model.attention import kv_cache_shape
-from kiln.model.forward_context import AttentionMetadata, ForwardContext, set_forward_context
-from kiln.model.llama import LlamaForCausalLM
-
-if TYPE_CHECKING:
-    from kiln.compile.graph_runner import GraphRunner
-
-ForwardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-@dataclass
-class ModelInputs:
-    input_ids: torch.Tensor  # [padded_num_tokens]
-    positions: torch.Tensor
-    metadata: AttentionMetadata
-    sample_indices: list[int]  # flattened index of the last token of each sequence that samples
-    sample_request_ids: list[str]
+from kiln.executor.base import Executor
+from kiln.executor.counters import CompileCounters
+from kiln.model.attention import allocate_kv_caches, kv_cache_block_size, kv_cache_num_blocks
+from kiln.model.forward_context import AttentionMetadata, ForwardContext, ModelInputs, set_forward_context
 
 
 @dataclass
@@ -40,29 +29,45 @@ class ModelRunnerOutput:
     logprobs: dict[str, dict[int, float]]
 
 
+class StepObserver(Protocol):
+    def begin_step(self, batch: ModelInputs) -> None:
+        """Called before the forward of a step."""
+
+    def end_step(self, logits: torch.Tensor | None) -> None:
+        """Called with the step's logits (one row per sampled sequence; None when no sequence samples)."""
+
+
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: nn.Module,
+        executor: Executor,
         num_blocks: int,
         block_size: int,
         kv_dtype: torch.dtype,
         eos_token_ids: tuple[int, ...],
+        observer: StepObserver | None = None,
     ) -> None:
         self.model = model
+        self.executor = executor
         self.eos_token_ids = list(eos_token_ids)
+        self.observer = observer
         self.device = next(model.parameters()).device
-        c = model.config
-        self.block_size = block_size
-        shape = kv_cache_shape(num_blocks, block_size, c.num_kv_heads, c.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=kv_dtype, device=self.device) for _ in range(c.num_layers)]
+        self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, kv_dtype, self.device)
         self.sampler = Sampler()
-        self.forward_fn: ForwardFn = model
-        self.pad_to: Callable[[int], int] = lambda n: n
-        self.logits_fn: Callable[[torch.Tensor], torch.Tensor] = model.compute_logits
-        # graph mode (kiln.compile.enable_graph_mode) replaces forward_fn, pad_to and logits_fn and counts here
-        self.counters = CompileCounters()
-        self.graph_runner: GraphRunner | None = None
+        executor.prepare(model, self.kv_caches)
+
+    @property
+    def counters(self) -> CompileCounters:
+        return self.executor.counters
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return kv_cache_num_blocks(self.kv_caches[0])
+
+    @property
+    def block_size(self) -> int:
+        return kv_cache_block_size(self.kv_caches[0])
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -95,7 +100,7 @@ class ModelRunner:
         max_blocks = max(len(s.request.block_ids) for s in sched.scheduled)
         tables = [s.request.block_ids + [0] * (max_blocks - len(s.request.block_ids)) for s in sched.scheduled]
         n = len(input_ids)
-        padded = self.pad_to(n)
+        padded = self.executor.pad_to(n)
         pad = padded - n
         dev = self.device
         meta = AttentionMetadata(
@@ -118,19 +123,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """Hidden states of the sampled tokens only: [num_samples, hidden]."""
+        """Hidden states of every fed token (padding included): [padded_num_tokens, hidden]."""
         with set_forward_context(ForwardContext(inputs.metadata, self.kv_caches)):
-            hidden = self.forward_fn(inputs.input_ids, inputs.positions)
-        return hidden[inputs.sample_indices]
+            return self.executor.forward(inputs)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         inputs = self.prepare(sched)
+        if self.observer is not None:
+            self.observer.begin_step(inputs)
         hidden = self.forward(inputs)
-        if not inputs.sample_indices:
-            return ModelRunnerOutput({}, {})
         # NOTE: sampling runs on the host: per-request torch.Generator objects are CPU generators.
-        logits = self.logits_fn(hidden).cpu()
+        logits = self.executor.compute_logits(hidden, inputs.sample_indices).cpu() if inputs.sample_indices else None
+        if self.observer is not None:
+            self.observer.end_step(logits)
+        if logits is None:
+            return ModelRunnerOutput({}, {})
         by_id = {s.request.request_id: s.request for s in sched.scheduled}
         rows = []
         for rid in inputs.sample_request_ids:

@@ -1,29 +1,23 @@
-"""Apply a validated recipe to the engine config: the one place where recipe values override flags, logged."""
+"""The recipe's overlay on the engine config: the one place where recipe values override flags, each logged.
+
+Graph settings are overlaid earlier, in `graph_config_from(recipe, **flags)`, where explicit flags still win
+(and are logged as overrides); this module overlays the rest of the contract.
+"""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import fields, replace
-from typing import Any
+from dataclasses import replace
 
-from kiln.config import EngineConfig, GraphConfig
-from kiln.recipe import Recipe, load_recipe
+from kiln.config import EngineConfig
+from kiln.recipe import Recipe
 
 logger = logging.getLogger("kiln")
 
 
-def resolve_recipe(config: EngineConfig) -> tuple[EngineConfig, Recipe | None]:
-    """Load `config.recipe` (if any) and return the config the engine must run with.
-
-    The recipe is the contract: its dtype, KV cache plan, bounds and graph settings win over flags. Each value
-    that changes is logged, so nothing is rewritten silently; explicit graph flags (capture sizes, compiler,
-    piece modes, dump/cache dirs) still apply on top, as `graph_config_from` logs.
-    """
-    if not config.recipe:
-        return config, None
-    from kiln.compile.settings import graph_config_from
-
-    recipe = load_recipe(config.recipe, model=config.model)
+def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
+    """`config` as the recipe requires: its dtype, KV cache plan and bounds win over flags, and it may switch
+    piecewise graph mode on. `config.graph` must already come from `graph_config_from(recipe, ...)`."""
     cache = replace(
         config.cache, dtype=recipe.kv_cache_dtype, block_size=recipe.block_size, num_blocks=recipe.max_pages
     )
@@ -35,23 +29,17 @@ def resolve_recipe(config: EngineConfig) -> tuple[EngineConfig, Recipe | None]:
     max_model_len = config.max_model_len
     if recipe.max_model_len is not None:
         max_model_len = min(max_model_len or recipe.max_model_len, recipe.max_model_len)
-    graph_flags = _changed_fields(config.graph, GraphConfig())
-    graph = graph_config_from(recipe, **graph_flags)
     resolved = replace(
         config,
         dtype=recipe.dtype,
         max_model_len=max_model_len,
         cache=cache,
         scheduler=sched,
-        graph=graph,
+        recipe=recipe,
         enable_piecewise_graph=config.enable_piecewise_graph or recipe.piecewise,
     )
     _log_changes(config, resolved, recipe.path)
-    return resolved, recipe
-
-
-def _changed_fields(obj: Any, default: Any) -> dict[str, Any]:
-    return {f.name: getattr(obj, f.name) for f in fields(obj) if getattr(obj, f.name) != getattr(default, f.name)}
+    return resolved
 
 
 def _log_changes(before: EngineConfig, after: EngineConfig, path: str) -> None:

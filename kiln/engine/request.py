@@ -36,8 +36,12 @@ class Request:
         prompt_token_ids: list[int],
         params: SamplingParams,
         generator: torch.Generator | None,
+        forced_output: list[int] | None = None,
     ) -> None:
         self.request_id = request_id
+        # teacher forcing (the debugger): these tokens are fed back instead of the sampled ones, so two execution
+        # paths see the same inputs; the sampled tokens are still what the step computed
+        self.forced_output = forced_output
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kiln.config import ModelConfig
 from kiln.model.forward_context import AttentionMetadata, get_forward_context
 
 SPLITTING_OP = "kiln.attention"
@@ -23,6 +24,24 @@ SPLITTING_OP = "kiln.attention"
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     return (2, num_kv_heads, num_blocks, block_size, head_dim)
+
+
+def allocate_kv_caches(
+    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+) -> list[torch.Tensor]:
+    """One zeroed cache per layer, laid out by `kv_cache_shape`."""
+    shape = kv_cache_shape(num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+
+
+def kv_cache_num_blocks(kv_cache: torch.Tensor) -> int:
+    """Blocks in one layer's cache (laid out by `kv_cache_shape`)."""
+    return kv_cache.shape[2]
+
+
+def kv_cache_block_size(kv_cache: torch.Tensor) -> int:
+    """Tokens per block in one layer's cache (laid out by `kv_cache_shape`)."""
+    return kv_cache.shape[3]
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

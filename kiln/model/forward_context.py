@@ -1,4 +1,5 @@
-"""Per-step state the attention op reads: metadata and KV caches, set by the runner around one forward.
+"""Per-step state: the flattened batch (`ModelInputs`) and what the attention op reads (metadata, KV caches),
+set by the runner around one forward.
 
 The model's traced graph never sees these as inputs, so graph pieces stay independent of batch layout;
 only the opaque attention op (which dynamo never traces into) looks them up.
@@ -46,6 +47,17 @@ class AttentionMetadata:
         hidden = positions >= self.seq_lens_tensor[:nd, None]
         mask = torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
         return table, mask[None, :, None, :]
+
+
+@dataclass
+class ModelInputs:
+    """One step's flattened batch, padded to the executor's size: what `Executor.forward` receives."""
+
+    input_ids: torch.Tensor  # [padded_num_tokens]
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+    sample_indices: list[int]  # flattened index of the last token of each sequence that samples
+    sample_request_ids: list[str]
 
 
 @dataclass

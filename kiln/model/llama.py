@@ -77,25 +77,13 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.lm_head_t: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.shape[0] == 1 and self.lm_head_t is not None:
-            return (hidden @ self.lm_head_t).float()
+        """fp32 logits for every row of `hidden` (executors may run a faster one-row head of their own)."""
         return self.lm_head(hidden).float()
-
-    def prepare_decode_head(self) -> None:
-        """Keep a [hidden, vocab] copy of the head for one-row logits.
-
-        NOTE: on CPU, MKL's fp32 GEMV over a row-major [vocab, hidden] weight streams at about half the
-        bandwidth of the same product against the transposed copy (measured: 14 ms vs 7.4 ms for SmolLM2's
-        49152x576 head), while for several rows the plain layout is faster. The head is the largest
-        single weight, so batch-1 decode pays for the extra copy; other rows use `lm_head`.
-        """
-        self.lm_head_t = self.lm_head.weight.detach().t().contiguous()
 
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], on_tensor: Callable[[str], None] | None = None

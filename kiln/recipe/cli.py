@@ -1,124 +1,42 @@
-"""`kiln recipe {validate,init,schema}`. Exit codes: 0 valid (warnings allowed), 1 invalid, 2 usage error."""
+"""Parser of `kiln recipe {validate,init,schema}` (handlers in kiln.recipe.commands); also
+`python -m kiln.recipe.cli validate recipe.yaml`, the same as `kiln recipe validate recipe.yaml`."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
-from kiln.errors import KilnError
-from kiln.recipe.diagnostics import Diagnostic, RecipeError
-from kiln.recipe.init_recipe import init_recipe_text
-from kiln.recipe.recipe import Recipe, load_recipe
-from kiln.recipe.schema import recipe_json_schema
+from kiln.command import run_command
 
-EXIT_OK, EXIT_INVALID, EXIT_USAGE = 0, 1, 2
+EXIT_USAGE = 2
 
 
 def add_recipe_subcommand(subparsers: argparse._SubParsersAction) -> None:
-    """Register `recipe {validate,init,schema}`; each handler returns an exit code (`args.func(args)`)."""
+    """Register `recipe {validate,init,schema}`; each handler returns an exit code."""
     recipe = subparsers.add_parser("recipe", help="validate, create and describe recipes")
     commands = recipe.add_subparsers(dest="recipe_command", required=True, metavar="{validate,init,schema}")
     validate = commands.add_parser("validate", help="check a recipe; print FILE:LINE:COL diagnostics")
     validate.add_argument("recipe", help="the recipe YAML file")
     validate.add_argument("--model", help="checkpoint to check against (overrides the recipe's model.path)")
     validate.add_argument("--json", action="store_true", help="print the result as JSON")
-    validate.set_defaults(func=validate_command)
+    validate.set_defaults(handler="kiln.recipe.commands:validate_command")
     init = commands.add_parser("init", help="write a valid recipe for a checkpoint")
     init.add_argument("--model", default="default", help='a .gguf file, an HF directory or "default"')
     init.add_argument("--out", help="write here instead of stdout")
-    init.set_defaults(func=init_command)
+    init.set_defaults(handler="kiln.recipe.commands:init_command")
     schema = commands.add_parser("schema", help="print the recipe JSON Schema (for editors)")
     schema.add_argument("--out", help="write here instead of stdout")
-    schema.set_defaults(func=schema_command)
-
-
-def validate_command(args: argparse.Namespace) -> int:
-    if not os.path.isfile(args.recipe):
-        print(f"kiln recipe validate: no such file: {args.recipe}", file=sys.stderr)
-        return EXIT_USAGE
-    recipe: Recipe | None = None
-    try:
-        recipe = load_recipe(args.recipe, model=args.model)
-        diagnostics = recipe.diagnostics
-    except RecipeError as exc:
-        diagnostics = exc.diagnostics
-    if args.json:
-        print(json.dumps(_json_result(args.recipe, recipe, diagnostics), indent=2))
-    else:
-        _print_text(recipe, diagnostics)
-    return EXIT_OK if recipe is not None else EXIT_INVALID
-
-
-def init_command(args: argparse.Namespace) -> int:
-    try:
-        text = init_recipe_text(args.model, args.out)
-    except KilnError as exc:
-        print(f"kiln recipe init: {exc}", file=sys.stderr)
-        return EXIT_INVALID
-    return _emit(text, args.out)
-
-
-def schema_command(args: argparse.Namespace) -> int:
-    return _emit(json.dumps(recipe_json_schema(), indent=2) + "\n", args.out)
-
-
-def _emit(text: str, out: str | None) -> int:
-    if out is None:
-        sys.stdout.write(text)
-        return EXIT_OK
-    try:
-        with open(out, "w", encoding="utf-8") as f:
-            f.write(text)
-    except OSError as exc:
-        print(f"kiln recipe: cannot write {out}: {exc.strerror}", file=sys.stderr)
-        return EXIT_USAGE
-    print(f"wrote {out}", file=sys.stderr)
-    return EXIT_OK
-
-
-def _print_text(recipe: Recipe | None, diagnostics: list[Diagnostic]) -> None:
-    for d in diagnostics:
-        print(d.format(), file=sys.stderr)
-    errors = sum(d.severity == "error" for d in diagnostics)
-    warnings = sum(d.severity == "warning" for d in diagnostics)
-    if recipe is None:
-        print(f"{errors} error{'s' * (errors != 1)}, {warnings} warning{'s' * (warnings != 1)}", file=sys.stderr)
-        return
-    # NOTE: printed here (stdout, the command's result) whether or not kiln's logger also logged it to stderr.
-    print(f"[INFO] Recipe validated: {len(recipe.constraints)} constraints satisfied, 0 conflicts")
-    print("[INFO] Witness: " + ", ".join(f"{k}={v}" for k, v in recipe.witness.items()))
-    print(
-        f"[INFO] Limits: max_num_batched_tokens={recipe.max_num_batched_tokens}, "
-        f"max_num_seqs={recipe.max_num_seqs}, max_model_len={recipe.max_model_len}"
-    )
-    print(f"[INFO] Recipe hash: {recipe.hash}")
-
-
-def _json_result(file: str, recipe: Recipe | None, diagnostics: list[Diagnostic]) -> dict:
-    result: dict = {"file": file, "valid": recipe is not None, "diagnostics": [d.to_json() for d in diagnostics]}
-    if recipe is not None:
-        result.update(
-            hash=recipe.hash,
-            witness=recipe.witness,
-            constraints=len(recipe.constraints),
-            max_num_batched_tokens=recipe.max_num_batched_tokens,
-            max_num_seqs=recipe.max_num_seqs,
-            max_model_len=recipe.max_model_len,
-        )
-    return result
+    schema.set_defaults(handler="kiln.recipe.commands:schema_command")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kiln.recipe.cli validate recipe.yaml` (the same as `kiln recipe validate recipe.yaml`)."""
     parser = argparse.ArgumentParser(prog="kiln")
     add_recipe_subcommand(parser.add_subparsers(dest="command", required=True))
     try:
         args = parser.parse_args(["recipe", *(sys.argv[1:] if argv is None else argv)])
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 for --help
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-    return args.func(args)
+    return run_command(args)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import math
 import os
 import re
 
-from kiln.config import parse_dtype
+from kiln.model.dtypes import parse_dtype
 from kiln.model.loader import resolve_model_path
 from kiln.recipe.checkpoint import QUANTIZED, layer_storage_type, model_ops, read_header
 from kiln.recipe.recipe import load_recipe_text

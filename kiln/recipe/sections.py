@@ -3,7 +3,8 @@ group size and the memory budget. Each finding is reported; nothing is ever fixe
 
 from __future__ import annotations
 
-from kiln.config import ModelConfig, parse_dtype
+from kiln.config import ModelConfig
+from kiln.model.dtypes import parse_dtype
 from kiln.recipe.diagnostics import Diagnostic
 from kiln.recipe.expr import MODEL_SYMBOLS, SYMBOLS
 from kiln.recipe.schema import SPLITTING_OPS, RecipeSpec

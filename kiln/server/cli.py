@@ -1,18 +1,17 @@
-"""`kiln serve` and `kiln loadtest`: parsers and handlers (heavy imports happen inside the handlers)."""
+"""Parsers of `kiln serve` and `kiln loadtest` (handlers: kiln.server.launcher, kiln.bench.loadtest)."""
 
 from __future__ import annotations
 
 import argparse
 
-from kiln.cli import add_engine_args
+from kiln.engine.args import EngineArgs
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     """Serving options shared by `kiln serve` and `python -m kiln.launch`.
 
-    Engine options (model, KV cache, batching, --recipe, graph mode) come from `kiln.cli.add_engine_args`.
+    Engine options (model, KV cache, batching, --recipe, graph mode, --seed) come from `EngineArgs`.
     """
-    p.add_argument("--seed", type=int, default=0, help="engine seed for requests that set no seed")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port, shown in the Ready line)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
@@ -34,15 +33,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p)
     add_server_args(p)
-    p.set_defaults(func=serve_command)
-
-
-def serve_command(args: argparse.Namespace) -> int:
-    from kiln.server.launcher import run_server
-
-    return run_server(args)
+    p.set_defaults(handler="kiln.server.launcher:run_server")
 
 
 def add_loadtest_subcommand(subparsers: argparse._SubParsersAction) -> None:
@@ -59,10 +52,4 @@ def add_loadtest_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for lengths, prompts and arrivals")
     p.add_argument("--json", default=None, help="write the report (and every request's record) here")
     p.add_argument("--plot", default=None, help="write a PNG of latency percentiles over time here")
-    p.set_defaults(func=loadtest_command)
-
-
-def loadtest_command(args: argparse.Namespace) -> int:
-    from kiln.bench.loadtest import run_loadtest_command
-
-    return run_loadtest_command(args)
+    p.set_defaults(handler="kiln.bench.loadtest:run_loadtest_command")

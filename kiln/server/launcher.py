@@ -23,8 +23,9 @@ from types import FrameType
 
 import uvicorn
 
-from kiln.cli import make_llm
+from kiln.engine.args import EngineArgs
 from kiln.engine.async_engine import AsyncEngine
+from kiln.engine.build import build_engine
 from kiln.log import setup_logging
 from kiln.server.api import AppSettings, create_app
 
@@ -86,8 +87,8 @@ def run_server(args: argparse.Namespace) -> int:
         logger.warning("Binding %s without --api-key: anyone who can reach this port can use the model", args.host)
     logger.info("Loading model %s", args.model)
     # NOTE: built exactly as `kiln generate` builds its engine, so every engine flag means the same in both.
-    core = make_llm(args, seed=args.seed).engine
-    model_name = args.served_model_name or _default_model_name(core.checkpoint.path)
+    core = build_engine(EngineArgs.from_cli_args(args).create_engine_config())
+    model_name = args.served_model_name or _default_model_name(core.checkpoint_path)
     aliases = tuple(n for n in (args.model, core.model_config.name) if n and n != model_name)
     engine = AsyncEngine(core, max_queue=args.max_queue, own_thread=False)
     app = create_app(engine, AppSettings(model_name, aliases, args.api_key))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 from pathlib import Path
@@ -12,11 +11,9 @@ import pytest
 from rich.console import Console
 
 import kiln.cli as kiln_cli
-import kiln.engine.llm as engine_llm
 from kiln.bench.metrics import RunResult, compute_ratios, random_prompts
-from kiln.bench.modes import make_llm_for_mode
+from kiln.bench.modes import engine_args_for_mode
 from kiln.bench.report import print_report
-from kiln.errors import KilnError
 
 SMALL = ["--num-requests", "2", "--num-requests-bs1", "1", "--input-len", "8", "--output-len", "4"]
 SMALL += ["--batch-sizes", "1,2", "--num-kv-blocks", "64"]
@@ -52,25 +49,16 @@ def test_random_prompts_are_seeded_and_exact_length() -> None:
     assert all(len(p) == 5 and all(0 <= t < 100 for t in p) for p in a)
 
 
-def test_graph_mode_without_support_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    class EagerOnlyLLM:
-        def __init__(self, model: str = "default", *, dtype: str = "float32") -> None: ...
-
-    monkeypatch.setattr(engine_llm, "LLM", EagerOnlyLLM)
-    with pytest.raises(KilnError, match="mode 'piecewise' needs graph mode support"):
-        make_llm_for_mode(argparse.Namespace(), "piecewise")
-
-
-def test_graph_mode_flag_is_passed_through(monkeypatch: pytest.MonkeyPatch) -> None:
-    class GraphLLM:
-        def __init__(self, model: str = "default", *, full_graph: bool = False) -> None: ...
-
-    calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(engine_llm, "LLM", GraphLLM)
-    monkeypatch.setattr(kiln_cli, "make_llm", lambda args, **kw: calls.append(kw) or "llm")
-    assert make_llm_for_mode(argparse.Namespace(), "full") == "llm"
-    assert make_llm_for_mode(argparse.Namespace(), "eager") == "llm"
-    assert calls == [{"full_graph": True}, {"full_graph": False}]
+def test_each_mode_sets_its_graph_flags_over_the_users() -> None:
+    args = kiln_cli.build_parser().parse_args(["bench", "--enable-piecewise-graph", "--compiler", "eager"])
+    eager = engine_args_for_mode(args, "eager")
+    piecewise = engine_args_for_mode(args, "piecewise")
+    full = engine_args_for_mode(args, "full")
+    assert (eager.enable_piecewise_graph, eager.full_graph) == (False, False)  # eager stays eager beside the flag
+    assert (piecewise.enable_piecewise_graph, piecewise.full_graph) == (True, False)
+    assert (full.enable_piecewise_graph, full.full_graph) == (False, True)
+    assert {eager.compiler, piecewise.compiler, full.compiler} == {"eager"}  # the other flags are kept
+    assert not eager.create_engine_config().is_graph_mode and full.create_engine_config().graph.full_graph
 
 
 def test_unknown_mode_is_rejected_by_the_parser() -> None:

@@ -39,11 +39,11 @@ def test_cold_then_warm_start(model: torch.nn.Module, shared_cache: Path, caplog
 
 def test_warm_start_with_column_major_weights(tmp_path: Path) -> None:
     """kiln stores CPU layer weights column-major; a cached piece must be checked with those strides, not rejected."""
-    from kiln.model.registry import set_layer_weight_layout
+    from kiln.executor.layout import COLUMN_MAJOR, set_layer_weight_layout
     from tests.compile.tiny import tiny_model
 
     model = tiny_model(num_layers=3)
-    assert set_layer_weight_layout(model, column_major=True)
+    assert set_layer_weight_layout(model, COLUMN_MAJOR)
     expected = generate(make_runner(model), PROMPTS, 4)
     graph_runner(model, tmp_path, compiler="inductor")
     runner, graph = graph_runner(model, tmp_path, compiler="inductor")

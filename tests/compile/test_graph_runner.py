@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kiln.compile.modes import PieceMode
-from kiln.model.forward_context import ForwardContext, set_forward_context
+from kiln.model.forward_context import ForwardContext, ModelInputs, set_forward_context
 from tests.compile.tiny import generate, graph_runner, make_runner, prefill_metadata, random_prompts, tiny_model
 
 PROMPTS = random_prompts([5, 3, 9])  # prefill: 17 tokens (> 4: dynamic); decodes: 3 (padded to 4)
@@ -44,7 +44,7 @@ def test_pieces_compile_once_and_capture_per_size(
     c = graph.counters
     # step 1: one 17-token prefill (above 4: dynamic); steps 2-5: 3 decodes padded to 4 (1 padding token each)
     c.expect(graphs_traced=1, dynamic_fallbacks=1, replays=4, padding_tokens=4, piece_replays=16)
-    assert runner.pad_to(3) == 4 and runner.pad_to(4) == 4 and runner.pad_to(5) == 5
+    assert graph.pad_to(3) == 4 and graph.pad_to(4) == 4 and graph.pad_to(5) == 5
 
 
 def test_piece_modes_switch_without_recompiling(
@@ -80,10 +80,10 @@ def test_logits_match_eager_in_fp32(model: torch.nn.Module, cache_dir: Path) -> 
         with torch.inference_mode():
             with set_forward_context(ForwardContext(meta, eager_runner.kv_caches)):
                 want = model.compute_logits(model(ids, pos))
-            padded = runner.pad_to(n)
+            padded = graph.pad_to(n)
             pad = padded - n
             ids_p = torch.cat([ids, torch.zeros(pad, dtype=torch.long)])
             pos_p = torch.cat([pos, torch.zeros(pad, dtype=torch.long)])
             with set_forward_context(ForwardContext(meta, runner.kv_caches)):
-                got = model.compute_logits(graph(ids_p, pos_p)[:n])
+                got = model.compute_logits(graph.forward(ModelInputs(ids_p, pos_p, meta, [], []))[:n])
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)

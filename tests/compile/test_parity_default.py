@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.model.forward_context import ForwardContext, set_forward_context
+from kiln.compile.executor import GraphExecutor
+from kiln.model.forward_context import ForwardContext, ModelInputs, set_forward_context
 from tests.compile.tiny import generate, make_runner, prefill_metadata
 
 PROMPTS = [
@@ -52,8 +53,8 @@ def test_counters_and_fallback(piecewise: LLM) -> None:
 
 def test_logits_within_1e4(piecewise: LLM) -> None:
     engine = piecewise.engine
-    model, graph = engine.model, engine.runner.graph_runner
-    assert graph is not None
+    model, graph = engine.model, engine.executor
+    assert isinstance(graph, GraphExecutor)
     eager_runner = make_runner(model)
     for n in (1, 5, 17):
         ids = torch.arange(100, 100 + n)
@@ -64,10 +65,9 @@ def test_logits_within_1e4(piecewise: LLM) -> None:
                 want = model.compute_logits(model(ids, pos))
             pad = graph.pad_to(n) - n
             with set_forward_context(ForwardContext(meta, eager_runner.kv_caches)):
-                hidden = graph(
-                    torch.cat([ids, torch.zeros(pad, dtype=torch.long)]), torch.cat([pos, pos.new_zeros(pad)])
-                )
-                got = graph.compute_logits(hidden[:n])  # one row: the compiled GEMV head
+                ids_p, pos_p = torch.cat([ids, ids.new_zeros(pad)]), torch.cat([pos, pos.new_zeros(pad)])
+                padded = ModelInputs(ids_p, pos_p, meta, [], [])
+                got = graph.compute_logits(graph.forward(padded), range(n))  # one row: the compiled GEMV head
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 

@@ -11,7 +11,7 @@ import torch
 
 from kiln.compile.passes import GEMV_MAX_ROWS
 from kiln.errors import ConfigError
-from kiln.model.registry import set_layer_weight_layout
+from kiln.executor.layout import COLUMN_MAJOR, set_layer_weight_layout
 from tests.compile.tiny import generate, graph_runner, make_runner, random_prompts, tiny_model
 
 PROMPTS = random_prompts([5, 3])
@@ -25,7 +25,7 @@ def _generate(runner: object) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
     model = tiny_model(num_layers=3, seed=5)
-    assert set_layer_weight_layout(model, column_major=True)  # as kiln loads CPU fp32 models for eager
+    assert set_layer_weight_layout(model, COLUMN_MAJOR)  # as kiln loads CPU fp32 models for eager
     return model
 
 
@@ -72,9 +72,9 @@ def test_logits_head_matches_the_model(model: torch.nn.Module, tmp_path: Path) -
     _, graph = graph_runner(model, tmp_path, compiler="inductor", compile_sizes=(1,))
     hidden = torch.randn(1, model.config.hidden_size)
     with torch.inference_mode():
-        torch.testing.assert_close(graph.compute_logits(hidden), model.compute_logits(hidden), rtol=0, atol=1e-5)
+        torch.testing.assert_close(graph.compute_logits(hidden, [0]), model.compute_logits(hidden), rtol=0, atol=1e-5)
         two = torch.randn(2, model.config.hidden_size)  # more rows: the model's own head
-        torch.testing.assert_close(graph.compute_logits(two), model.compute_logits(two), rtol=0, atol=0)
+        torch.testing.assert_close(graph.compute_logits(two, [0, 1]), model.compute_logits(two), rtol=0, atol=0)
 
 
 def test_automatic_sizes(model: torch.nn.Module, tmp_path: Path) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.compile.graph_runner import GraphRunner, enable_graph_mode
+from kiln.compile.executor import GraphExecutor
 from kiln.compile.settings import graph_config_from
 from kiln.config import ModelConfig, SchedulerConfig
 from kiln.engine.kv_cache import BlockPool
@@ -14,6 +14,8 @@ from kiln.engine.model_runner import ModelRunner
 from kiln.engine.request import Request
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler
+from kiln.executor.base import Executor
+from kiln.executor.eager import EagerExecutor
 from kiln.model.forward_context import AttentionMetadata
 from kiln.model.llama import LlamaForCausalLM
 
@@ -47,18 +49,19 @@ def tiny_model(num_layers: int = 2, seed: int = 0, device: str = "cpu") -> Llama
     return model.to(device).eval().requires_grad_(False)
 
 
-def make_runner(model: LlamaForCausalLM) -> ModelRunner:
+def make_runner(model: LlamaForCausalLM, executor: Executor | None = None) -> ModelRunner:
+    """A runner over `model` (default: its own forward, weights left as they are)."""
     param = next(model.parameters())
     # NOTE: ModelRunner allocates the KV caches and builds its inputs on the model's device itself.
-    return ModelRunner(model, NUM_BLOCKS, BLOCK_SIZE, param.dtype, eos_token_ids=())
+    executor = executor or EagerExecutor(keep_layout=True)
+    return ModelRunner(model, executor, NUM_BLOCKS, BLOCK_SIZE, param.dtype, eos_token_ids=())
 
 
-def graph_runner(model: LlamaForCausalLM, cache_dir: Path, **overrides: object) -> tuple[ModelRunner, GraphRunner]:
-    runner = make_runner(model)
+def graph_runner(model: LlamaForCausalLM, cache_dir: Path, **overrides: object) -> tuple[ModelRunner, GraphExecutor]:
     overrides.setdefault("capture_sizes", (1, 2, 4))
     overrides.setdefault("compile_sizes", ())  # static compiles have their own tests (test_static_sizes.py)
-    graph = enable_graph_mode(runner, graph_config_from(None, cache_dir=str(cache_dir), **overrides))
-    return runner, graph
+    graph = GraphExecutor(graph_config_from(None, cache_dir=str(cache_dir), **overrides))
+    return make_runner(model, graph), graph
 
 
 def generate(runner: ModelRunner, prompts: list[list[int]], max_tokens: int, max_num_seqs: int = 8) -> list[list[int]]:

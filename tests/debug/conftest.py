@@ -8,17 +8,18 @@ import pytest
 
 from kiln.debug.diff import Reference, build_reference
 from kiln.debug.pytest_plugin import pytest_collect_file  # noqa: F401  (debug cases under tests/ run as tests)
-from kiln.debug.session import DebugSession, SessionOptions
+from kiln.debug.session import DebugSession
+from kiln.engine.args import EngineArgs
 
 TINY = "tests.debug.models:tiny_llama"
 PROMPT = [3, 17, 42, 5, 99, 7, 11]  # 7 tokens: the prefill pads to capture size 8
 NUM_DECODE = 4
 
 
-def tiny_options(**overrides: object) -> SessionOptions:
+def tiny_options(**overrides: object) -> EngineArgs:
     values: dict = {"model": TINY, "compiler": "eager", "capture_sizes": (1, 2, 4, 8)}
     values.update(overrides)
-    return SessionOptions(**values)
+    return EngineArgs(**values)
 
 
 @pytest.fixture

@@ -6,7 +6,8 @@ import pytest
 
 from kiln.debug.diff import Reference, build_reference, run_diff
 from kiln.debug.faults import inject, parse_fault
-from kiln.debug.session import DebugSession, SessionOptions
+from kiln.debug.session import DebugSession
+from kiln.engine.args import EngineArgs
 
 RECIPE = "recipes/smollm2-135m.yaml"
 FAULT_LAYER = 17
@@ -14,7 +15,7 @@ FAULT_LAYER = 17
 
 @pytest.fixture(scope="module")
 def session() -> DebugSession:
-    return DebugSession.open(SessionOptions(recipe=RECIPE, compiler="eager", capture_sizes=(1, 8)))
+    return DebugSession.open(EngineArgs(recipe=RECIPE, compiler="eager", capture_sizes=(1, 8)))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from kiln.compile.capture import CaptureAddressError
 from kiln.debug.explain import explain_model
 from kiln.debug.session import DebugSession
 from kiln.debug.trace import trace_level
-from kiln.engine.model_runner import ModelRunner
+from kiln.model.attention import allocate_kv_caches
 from tests.debug.conftest import NUM_DECODE, PROMPT
 from tests.debug.models import NUM_LAYERS, tiny_llama_graph_break
 
@@ -74,8 +74,8 @@ def test_recipe_debug_mode_turns_trace_mode_on(monkeypatch: pytest.MonkeyPatch) 
 
 def test_explain_names_module_op_line_and_hint() -> None:
     model = tiny_llama_graph_break()
-    runner = ModelRunner(model, 2, 16, next(model.parameters()).dtype, ())
-    explanation = explain_model(model, runner.kv_caches, ("kiln.attention",))
+    kv_caches = allocate_kv_caches(model.config, 2, 16, next(model.parameters()).dtype, "cpu")
+    explanation = explain_model(model, kv_caches, ("kiln.attention",))
     kinds = [(f.kind, f.module_path.split(" ")[0], f.op) for f in explanation.findings]
     assert kinds == [
         ("graph break", "model.layers.1.mlp", "posix.getpid"),

@@ -37,8 +37,7 @@ def kiln_prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     engine.add_request("parity", ids, SamplingParams(max_tokens=1, temperature=0))
     try:
         inputs = engine.runner.prepare(engine.scheduler.schedule())
-        inputs.sample_indices = list(range(len(ids)))
-        return engine.model.compute_logits(engine.runner.forward(inputs))
+        return engine.model.compute_logits(engine.runner.forward(inputs)[: len(ids)])
     finally:
         engine.abort("parity")
 

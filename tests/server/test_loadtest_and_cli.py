@@ -17,9 +17,11 @@ from kiln.bench.loadtest import (
     run_loadtest_command,
     summarize,
 )
+from kiln.command import resolve_handler
 from kiln.errors import ConfigError
 from kiln.launch import build_parser as build_launch_parser
 from kiln.server.cli import add_loadtest_subcommand, add_serve_subcommand
+from kiln.server.launcher import run_server
 
 
 @pytest.mark.parametrize(
@@ -76,13 +78,14 @@ def test_serve_and_launch_parsers() -> None:
     add_serve_subcommand(sub)
     add_loadtest_subcommand(sub)
     args = parser.parse_args(["serve", "--recipe", "r.yaml", "--enable-piecewise-graph", "--max-num-seqs", "4"])
-    assert args.host == "127.0.0.1" and args.port == 8000 and args.func.__name__ == "serve_command"
+    assert args.host == "127.0.0.1" and args.port == 8000 and resolve_handler(args.handler) is run_server
     assert args.recipe == "r.yaml" and args.enable_piecewise_graph and args.max_num_seqs == 4
-    assert parser.parse_args(["loadtest"]).func.__name__ == "loadtest_command"
+    assert resolve_handler(parser.parse_args(["loadtest"]).handler) is run_loadtest_command
 
     launch = build_launch_parser().parse_args(["--model-path", "m.gguf", "--enable-piecewise-graph", "--port", "9"])
     assert launch.model == "m.gguf" and launch.enable_piecewise_graph and launch.port == 9
     assert build_launch_parser().parse_args([]).model == "default"
+    assert resolve_handler(launch.handler) is run_server
 
 
 def test_serve_on_a_taken_port_fails_cleanly(tmp_path: Path) -> None:

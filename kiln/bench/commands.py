@@ -1,0 +1,84 @@
+"""`kiln bench`: each mode's engine (built from the engine flags) run closed-loop per batch size, then HF
+transformers on the same prompts when asked; a report with ratios, optionally as JSON. The random prompts are
+seeded by the engine's --seed."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+from typing import Any
+
+import torch
+
+from kiln.bench.hf_runner import load_hf_model, run_hf, warm_up_hf
+from kiln.bench.kiln_runner import run_kiln, warm_up_kiln
+from kiln.bench.metrics import RunResult, compute_ratios, random_prompts
+from kiln.bench.modes import engine_args_for_mode
+from kiln.bench.report import print_report
+from kiln.engine.llm import LLM
+from kiln.errors import ConfigError
+
+logger = logging.getLogger("kiln")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if args.output_len < 2:
+        raise ConfigError(f"--output-len {args.output_len}: need >= 2 tokens to measure time per output token")
+    results: list[RunResult] = []
+    prompts: list[list[int]] = []
+    model_path = ""
+    device = "cpu"
+    for mode in args.modes:
+        llm = LLM(config=engine_args_for_mode(args, mode).create_engine_config())
+        model_path = llm.engine.checkpoint_path
+        device = str(next(llm.engine.model.parameters()).device)
+        if not prompts:
+            prompts = random_prompts(args.num_requests, args.input_len, llm.engine.model_config.vocab_size, args.seed)
+        warm_up_kiln(llm, prompts[0])
+        for bs in args.batch_sizes:
+            results.append(run_kiln(llm, mode, prompts[: _num_requests(args, bs)], args.output_len, bs))
+        del llm
+        gc.collect()
+    if args.compare == "hf":
+        # NOTE: same process, so HF runs with the thread count the engine set (or torch's default).
+        model = load_hf_model(model_path, args.dtype, device)
+        warm_up_hf(model, prompts[0])
+        for bs in args.batch_sizes:
+            hf = run_hf(model, prompts[: _num_requests(args, bs)], args.output_len, bs)
+            results.append(hf)
+            for r in results:
+                if r.system == "kiln" and r.batch_size == bs:
+                    r.hf_match = sum(a == b for a, b in zip(r.token_ids, hf.token_ids, strict=True))
+    ratios = compute_ratios(results)
+    print_report(results, ratios)
+    if args.json:
+        report = {"config": _config(args, model_path), "results": [r.to_row() for r in results], "ratios": ratios}
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        logger.info("Wrote %s", args.json)
+    return 0
+
+
+def _num_requests(args: argparse.Namespace, batch_size: int) -> int:
+    return min(args.num_requests_bs1, args.num_requests) if batch_size == 1 else args.num_requests
+
+
+def _config(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
+    return {
+        "model": model_path,
+        "dtype": args.dtype,
+        "num_requests": args.num_requests,
+        "num_requests_bs1": min(args.num_requests_bs1, args.num_requests),
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "batch_sizes": args.batch_sizes,
+        "modes": args.modes,
+        "compare": args.compare,
+        "seed": args.seed,
+        "num_threads": torch.get_num_threads(),
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "torch": torch.__version__,
+    }

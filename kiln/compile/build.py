@@ -1,0 +1,88 @@
+"""Graph build: trace the forward once (num_tokens symbolic), split it at the splitting ops into pieces.
+
+`PiecewiseGraph` is the result: the pieces, the outer graph that calls them in order with the splitting ops
+between, and the binding of a step's `input_ids`/`positions`/`num_tokens` to the traced placeholders. In full-graph
+mode there is one piece, the whole forward. The piece count comes from the split, never from the layer count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.compile.backend import INPUT_IDS, NUM_TOKENS, POSITIONS, TracedForward, trace_forward
+from kiln.compile.piece import Piece
+from kiln.compile.split import PieceGraph, module_paths, split_graph, structure_key
+from kiln.errors import ConfigError
+from kiln.executor.counters import CompileCounters
+
+
+@dataclass
+class PiecewiseGraph:
+    traced: TracedForward
+    pieces: list[Piece]
+    outer: nn.Module  # the split graph (or, in full-graph mode, the single piece)
+    splitting_submods: list[str]
+    is_full_graph: bool
+
+    def __post_init__(self) -> None:
+        self._args = list(self.traced.bound)
+        slots = self.traced.slots
+        self._slot_index = {slot: [i for i, s in enumerate(slots) if s == slot] for slot in set(slots) if slot}
+
+    def bind(self, input_ids: torch.Tensor, positions: torch.Tensor) -> list[Any]:
+        """The traced placeholders' values for one step (parameters stay bound)."""
+        args = self._args
+        for i in self._slot_index.get(INPUT_IDS, ()):
+            args[i] = input_ids
+        for i in self._slot_index.get(POSITIONS, ()):
+            args[i] = positions
+        n = input_ids.shape[0]
+        for i in self._slot_index.get(NUM_TOKENS, ()):
+            args[i] = n
+        return args
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The forward through every piece in its current mode: hidden states [num_tokens, hidden]."""
+        return self.outer(*self.bind(input_ids, positions))[0]
+
+    def run_dynamic(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The forward ignoring captures (a size without one); in full-graph mode the compiled whole graph."""
+        args = self.bind(input_ids, positions)
+        out = self.pieces[0].run_dynamic(*args) if self.is_full_graph else self.outer(*args)
+        return out[0]
+
+
+def build_graph(
+    model: nn.Module,
+    kv_caches: list[torch.Tensor],
+    device: torch.device,
+    splitting_ops: Sequence[str],
+    full_graph: bool,
+    counters: CompileCounters,
+    sample_size: int = 8,
+) -> PiecewiseGraph:
+    """Trace `model`'s forward and split it at `splitting_ops` (or keep it whole with `full_graph`)."""
+    traced = trace_forward(model, model, kv_caches, device, sample_size)
+    counters.graphs_traced += 1
+    if full_graph:
+        gm = traced.gm
+        pieces = [Piece(PieceGraph(0, "", gm, structure_key(gm), module_paths(gm)), counters)]
+        graph = PiecewiseGraph(traced, pieces, pieces[0], [], True)
+    else:
+        try:
+            split = split_graph(traced.gm, tuple(splitting_ops))
+        except ValueError as exc:
+            raise ConfigError(f"cannot split the forward for piecewise graph mode: {exc}") from None
+        pieces = [Piece(info, counters) for info in split.pieces]
+        for piece in pieces:
+            # NOTE: the split graph calls its submodules by attribute: the Piece (not the bare FX graph) runs there.
+            setattr(split.split_gm, piece.info.submod_name, piece)
+        graph = PiecewiseGraph(traced, pieces, split.split_gm, split.splitting_submods, False)
+    counters.pieces_seen = len(graph.pieces)
+    counters.splitting_ops_seen = len(graph.splitting_submods)
+    return graph

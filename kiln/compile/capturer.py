@@ -1,0 +1,69 @@
+"""Capture: record pieces at every capture size, largest first, by running the forward once per size on padding.
+
+While a size is being captured each target piece gets a capture hook: the piece's compiled code for that size
+(its static compile if it has one) is wrapped in a `Capture` over the real arguments of that forward. Outputs of
+one capture are adopted as the next piece's static inputs (no copy between captured pieces). The static
+`input_ids`/`positions` buffers of each size live here; the dispatcher copies a step's inputs into them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from kiln.compile.backend import padding_context
+from kiln.compile.build import PiecewiseGraph
+from kiln.compile.capture import available_memory_gb, make_capture, new_pool
+from kiln.compile.piece import Piece
+from kiln.executor.counters import CompileCounters
+from kiln.model.forward_context import set_forward_context
+
+logger = logging.getLogger("kiln")
+
+
+class Capturer:
+    def __init__(
+        self, graph: PiecewiseGraph, kv_caches: list[torch.Tensor], device: torch.device, counters: CompileCounters
+    ) -> None:
+        self.graph = graph
+        self.kv_caches = kv_caches
+        self.device = device
+        self.counters = counters
+        self.pool = new_pool(device)  # one memory pool shared by every CUDA graph
+        self.static_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # size -> (input_ids, positions)
+
+    def capture(self, pieces: list[Piece], sizes: list[int]) -> None:
+        """Capture `pieces` at every size in `sizes`, largest first."""
+        targets = set(map(id, pieces))
+        for n in sorted(sizes, reverse=True):
+            ids, pos = self.static_inputs.setdefault(n, (self._zeros(n), self._zeros(n)))
+            adopt = {id(ids), id(pos)}
+            desc = f"Capturing num tokens (num_tokens={n} avail_mem={available_memory_gb(self.device):.2f} GB)"
+            bar = tqdm(total=len(pieces), desc=desc, leave=False, delay=1.0)
+
+            def hook(piece: Piece, args: tuple[Any, ...], n: int = n, adopt: set[int] = adopt, bar: tqdm = bar) -> Any:
+                compiled = piece.static_compiled.get(n, piece.compiled)
+                assert compiled is not None, f"piece {piece.index} is captured before it was compiled"
+                capture = make_capture(self.device, compiled.fn, args, piece.dynamic_args, adopt, self.pool)
+                piece.captures[n] = capture
+                adopt.update(id(o) for o in capture.outputs)
+                self.counters.pieces_captured += 1
+                bar.update(1)
+                return capture.outputs
+
+            for piece in self.graph.pieces:
+                piece.capture_hook = hook if id(piece) in targets else None
+            try:
+                with torch.inference_mode(), set_forward_context(padding_context(n, self.kv_caches, self.device)):
+                    self.graph.outer(*self.graph.bind(ids, pos))
+            finally:
+                for piece in self.graph.pieces:
+                    piece.capture_hook = None
+                bar.close()
+            logger.info("%s: 100%%", desc)
+
+    def _zeros(self, n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.long, device=self.device)

@@ -1,0 +1,227 @@
+"""`GraphExecutor`: graph mode behind the `Executor` interface, composed of its roles.
+
+prepare = weight layout (row-major where DecodeGemv reductions run) -> build (kiln.compile.build: trace + split)
+-> compile every piece through the compiled-piece store (kiln.compile.store: memo, on-disk cache, verification),
+and again per static compile size -> capture per capture size (kiln.compile.capturer) -> the compiled one-row
+logits head. `forward` is the dispatcher's (kiln.compile.dispatch). Every stage is counted in `counters`.
+
+Public hooks for the debugger: `set_piece_modes`, `rebuild(transform)` (rewrite piece graphs: taps, faults),
+`set_piece_hooks` (before/after a piece's launch), `recapture`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+
+from kiln.compile.artifacts import write_artifacts
+from kiln.compile.build import PiecewiseGraph, build_graph
+from kiln.compile.capturer import Capturer
+from kiln.compile.compiler import make_compiler
+from kiln.compile.dispatch import Dispatcher
+from kiln.compile.logits_head import CompiledLogitsHead, logits_head_graph
+from kiln.compile.modes import PieceMode, format_piece_modes
+from kiln.compile.passes import GEMV_MAX_ROWS
+from kiln.compile.piece import AfterHook, BeforeHook, Piece
+from kiln.compile.store import CompiledPieceStore
+from kiln.config import GraphConfig
+from kiln.env import read_env
+from kiln.errors import ConfigError
+from kiln.executor.base import Executor
+from kiln.executor.layout import ROW_MAJOR, set_layer_weight_layout
+from kiln.model.forward_context import ModelInputs
+
+logger = logging.getLogger("kiln")
+
+PieceTransform = Callable[[Piece], GraphModule | None]
+
+
+class GraphExecutor(Executor):
+    name = "graph"
+
+    def __init__(self, config: GraphConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.capture_sizes = sorted(config.capture_sizes)
+        self.compiler = make_compiler(config.compiler)
+        self.is_full_graph = config.full_graph or not config.piecewise
+        self.build_seconds = 0.0
+
+    # -- prepare -----------------------------------------------------------------------------------------
+    def prepare(self, model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
+        start = time.perf_counter()
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.compile_sizes = self._static_compile_sizes()
+        # NOTE: attention reads Python-side metadata, so it cannot live inside a CUDA graph.
+        self.can_capture = not self.is_full_graph or self.device.type != "cuda"
+        gemv_sizes = [s for s in self.compile_sizes if s <= GEMV_MAX_ROWS]
+        if self.device.type == "cpu" and gemv_sizes and set_layer_weight_layout(model, ROW_MAJOR):
+            logger.info(
+                "Graph mode: decoder weights stored row-major; pieces for num_tokens in %s run GEMV reductions "
+                "over them",
+                gemv_sizes,
+            )
+        cache_root = Path(self.config.cache_dir) if self.config.cache_dir else read_env().cache_dir
+        self.store = CompiledPieceStore(
+            self.compiler, cache_root, self.config.recipe_hash, kv_caches, self.device, self.counters
+        )
+        sample = max(2, min(self.capture_sizes[-1] if self.capture_sizes else 8, 8))
+        self.graph: PiecewiseGraph = build_graph(
+            model, kv_caches, self.device, self.config.splitting_ops, self.is_full_graph, self.counters, sample
+        )
+        debug = max(read_env().debug, self.config.debug)
+        for piece in self.pieces:
+            piece.debug = debug
+        self.capturer = Capturer(self.graph, kv_caches, self.device, self.counters)
+        self.dispatcher = Dispatcher(self.graph, self.capturer.static_inputs, self.counters)
+        default = PieceMode(self.config.default_piece_mode)
+        modes = {i: default for i in range(len(self.pieces))}
+        modes.update(self._checked_modes(dict(self.config.piece_modes)))
+        self.set_piece_modes(modes)
+        self.head = self._compile_logits_head(model)
+        self.build_seconds = time.perf_counter() - start
+        logger.info(
+            "Graph mode ready in %.2f s: %d pieces (%d distinct), %d compiled, %d from cache, %d captures [%s]%s",
+            self.build_seconds,
+            len(self.pieces),
+            len({p.info.structure_key for p in self.pieces}),
+            self.counters.pieces_compiled,
+            self.counters.cache_hits,
+            self.counters.pieces_captured,
+            format_piece_modes(self.piece_modes),
+            self._static_summary(),
+        )
+        if self.config.dump_dir:
+            write_artifacts(self, Path(self.config.dump_dir))
+
+    def _static_compile_sizes(self) -> tuple[int, ...]:
+        """The configured compile sizes (checked by `graph_config_from`), or the automatic choice: on CPU with
+        a compiler that has static variants, the capture sizes DecodeGemv serves."""
+        if self.config.compile_sizes is not None:
+            return tuple(sorted(self.config.compile_sizes))
+        if self.device.type != "cpu" or not self.compiler.supports_static_sizes:
+            return ()
+        return tuple(s for s in self.capture_sizes if s <= GEMV_MAX_ROWS)
+
+    def _static_summary(self) -> str:
+        if not self.compile_sizes:
+            return ""
+        c = self.counters
+        sizes = list(self.compile_sizes)
+        return f"; static sizes {sizes}: {c.static_compiles} compiled, {c.static_cache_hits} from cache"
+
+    def _compile_logits_head(self, model: nn.Module) -> CompiledLogitsHead | None:
+        weight = model.lm_head.weight
+        if 1 not in self.compile_sizes or not weight.is_contiguous():
+            return None
+        graph = logits_head_graph(weight)
+        key = f"logits_head:{list(weight.shape)}:{weight.dtype}"
+        return CompiledLogitsHead(self.store.get(graph, "the logits head", 1, key=key), graph, weight)
+
+    # -- pieces and their modes --------------------------------------------------------------------------
+    @property
+    def pieces(self) -> list[Piece]:
+        return self.graph.pieces
+
+    @property
+    def splitting_submods(self) -> list[str]:
+        return self.graph.splitting_submods
+
+    @property
+    def piece_modes(self) -> dict[int, PieceMode]:
+        return {p.index: p.mode for p in self.pieces}
+
+    def _checked_modes(self, modes: dict[int, Any]) -> dict[int, PieceMode]:
+        checked = {}
+        for idx, mode in modes.items():
+            if not 0 <= idx < len(self.pieces):
+                raise ConfigError(f"piece mode for piece {idx}: the graph has pieces 0..{len(self.pieces) - 1}")
+            checked[idx] = PieceMode(mode)
+        return checked
+
+    def set_piece_modes(self, modes: dict[int, PieceMode | str]) -> None:
+        """Switch pieces between eager, compiled and captured. Cheap once a piece has been compiled and captured:
+        nothing is recompiled; what a piece never had is compiled (or loaded) and captured here."""
+        checked = self._checked_modes(modes)
+        for idx, mode in checked.items():
+            piece = self.pieces[idx]
+            if mode is not PieceMode.EAGER and piece.compiled is None:
+                piece.compiled = self._compile(piece)
+            if mode is PieceMode.CAPTURED:
+                for size in self.compile_sizes:
+                    if size not in piece.static_compiled:
+                        piece.static_compiled[size] = self._compile(piece, size)
+            piece.mode = mode
+        missing = [p for i, m in checked.items() if m is PieceMode.CAPTURED and not (p := self.pieces[i]).captures]
+        if missing and self.capture_sizes and self.can_capture:
+            self.capturer.capture(missing, self.capture_sizes)
+        elif missing and self.is_full_graph:
+            logger.warning(
+                "Full-graph mode on %s runs the compiled graph uncaptured: attention is not capturable",
+                self.device.type,
+            )
+
+    def _compile(self, piece: Piece, static_size: int | None = None) -> Any:
+        label = f"piece {piece.index} ({piece.describe()})"
+        key = piece.info.structure_key if piece.persistent else None
+        return self.store.get(piece.compile_source, label, static_size, persistent=piece.persistent, key=key)
+
+    def rebuild(self, transform: PieceTransform, compiled_only: bool = False) -> list[int]:
+        """Rewrite piece graphs: `transform(piece)` returns a new graph (same inputs, the piece's outputs first,
+        extra outputs allowed) or None to keep it. With `compiled_only`, eager mode keeps the traced graph and
+        only compiled code comes from the new one (a miscompile). Rewritten pieces are compiled again outside
+        the on-disk cache and captured again in their current modes; returns their indices."""
+        changed = []
+        for piece in self.pieces:
+            new = transform(piece)
+            if new is not None:
+                piece.rewrite(new, compiled_only)
+                changed.append(piece.index)
+        self.set_piece_modes({i: self.pieces[i].mode for i in changed})
+        return changed
+
+    def recapture(self, index: int) -> None:
+        """Drop a piece's captures and capture it again if it runs captured."""
+        piece = self.pieces[index]
+        piece.captures = {}
+        self.set_piece_modes({index: piece.mode})
+
+    def set_piece_hooks(self, index: int, before: BeforeHook | None = None, after: AfterHook | None = None) -> None:
+        """Hooks around piece `index`'s launches (see kiln.compile.piece); None removes one."""
+        piece = self.pieces[index]
+        piece.before, piece.after = before, after
+
+    def set_trace_level(self, level: int) -> None:
+        """Trace mode (kiln.debug.trace): log every piece launch and check replay inputs when level >= 1."""
+        for piece in self.pieces:
+            piece.debug = level
+
+    # -- run ---------------------------------------------------------------------------------------------
+    @property
+    def compile_seconds(self) -> dict[str, float]:
+        return self.store.compile_seconds
+
+    @property
+    def cache_sources(self) -> dict[str, str]:
+        return self.store.sources
+
+    def pad_to(self, num_tokens: int) -> int:
+        return self.dispatcher.pad_to(num_tokens)
+
+    def forward(self, batch: ModelInputs) -> torch.Tensor:
+        return self.dispatcher.run(batch.input_ids, batch.positions, batch.metadata)
+
+    def compute_logits(self, hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
+        """fp32 logits for `hidden[rows]`: one row through the compiled GEMV head, more through the model's."""
+        hidden = hidden[list(rows)]
+        if self.head is not None and hidden.shape[0] == 1:
+            return self.head(hidden)
+        return self.model.compute_logits(hidden)

@@ -1,0 +1,170 @@
+"""Handlers of `kiln debug ...` (parsers in kiln.debug.cli): open a session from the engine flags, run, report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import fields, replace
+from pathlib import Path
+
+import torch
+
+from kiln.compile.modes import PieceMode, parse_piece_modes
+from kiln.compile.split import op_name
+from kiln.debug.bisect import Bisector, command_check
+from kiln.debug.cases import Case, check_names, fingerprint_changes, load_case, save_case
+from kiln.debug.cli import DEFAULT_PROMPT
+from kiln.debug.diff import Reference, build_reference, format_report, run_diff
+from kiln.debug.explain import explain_model
+from kiln.debug.faults import inject, parse_fault
+from kiln.debug.session import DebugSession, is_factory_spec, load_factory
+from kiln.engine.args import EngineArgs
+from kiln.errors import ConfigError
+from kiln.log import setup_logging
+from kiln.model.attention import allocate_kv_caches
+from kiln.model.dtypes import parse_dtype
+from kiln.model.loader import open_checkpoint
+from kiln.model.registry import build_model
+
+
+def engine_args(args: argparse.Namespace, case: Case | None = None) -> EngineArgs:
+    """The engine flags; with a case, the case's own settings where a flag is left at its default."""
+    given = EngineArgs.from_cli_args(args)
+    if case is None:
+        return given
+    defaults = EngineArgs()
+    names = [f.name for f in fields(EngineArgs)]
+    explicit = {n: getattr(given, n) for n in names if getattr(given, n) != getattr(defaults, n)}
+    return replace(case.engine_args(), **explicit)
+
+
+def _open(args: argparse.Namespace, case: Case | None = None) -> DebugSession:
+    setup_logging()
+    faults = [parse_fault(spec) for spec in args.inject_fault]
+    session = DebugSession.open(engine_args(args, case))
+    if case is not None:
+        check_names(case, session)
+        for change in fingerprint_changes(case, session):
+            print(f"Note: environment differs from when the case was saved: {change}", file=sys.stderr)
+    for fault in faults:
+        print(f"Injected fault {inject(session, fault)}", file=sys.stderr)
+    return session
+
+
+def _prompt(session: DebugSession, args: argparse.Namespace) -> list[int]:
+    if args.prompt_ids:
+        try:
+            return [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"--prompt-ids {args.prompt_ids!r}: expected comma-separated integers") from None
+    if session.tokenizer is not None:
+        return session.tokenizer.encode(args.prompt or DEFAULT_PROMPT)
+    if args.prompt:
+        raise ConfigError(f"--model {args.model} has no tokenizer: give the prompt as --prompt-ids")
+    vocab = session.model.config.vocab_size
+    return torch.randint(0, vocab, (7,), generator=torch.Generator().manual_seed(args.seed)).tolist()
+
+
+def _reference(session: DebugSession, args: argparse.Namespace, ref_mode: str = "eager") -> Reference:
+    return build_reference(session, _prompt(session, args), args.num_decode, ref_mode)
+
+
+def _piece_modes(args: argparse.Namespace) -> dict[int, PieceMode]:
+    return parse_piece_modes(args.piece_modes) if args.piece_modes else {}
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    modes = [m.strip() for m in args.modes.split(",")]
+    if len(modes) != 2:
+        raise ConfigError(f"--modes {args.modes!r}: expected REFERENCE,TEST, e.g. eager,captured")
+    if args.case:
+        case = load_case(args.case)
+        session = _open(args, case)
+        reference = case.reference
+    else:
+        session = _open(args)
+        reference = _reference(session, args, modes[0])
+    ref_label = f"case {args.case}" if args.case else modes[0]
+    report = run_diff(session, reference, modes[1], ref_label, _piece_modes(args))
+    print(json.dumps(report.as_dict(), indent=1) if args.json else format_report(report))
+    return 1 if report.first_divergence is not None else 0
+
+
+def cmd_bisect(args: argparse.Namespace) -> int:
+    case = load_case(args.case) if args.case else None
+    log = (lambda line: print(line, file=sys.stderr)) if args.json else print
+    session = _open(args, case)
+    if args.check:
+        fails = command_check(args.check, log)
+    else:
+        reference = case.reference if case is not None else _reference(session, args)
+
+        def fails(modes: dict) -> bool:
+            return run_diff(session, reference, "captured", "eager", modes).first_divergence is not None
+
+    result = Bisector(len(session.graph.pieces), fails, log).run()
+    culprits = []
+    for idx in result.culprits:
+        piece = session.graph.pieces[idx]
+        nodes = piece.graph.graph.nodes
+        ops = sorted({op_name(n.target) for n in nodes if n.op in ("call_function", "call_method")})
+        culprits.append({"piece": idx, "describe": piece.describe(), "modules": piece.info.module_paths, "ops": ops})
+    if args.json:
+        rounds = [{"round": r.number, "pieces": r.suspects, "mode": r.mode, "failed": r.failed} for r in result.rounds]
+        out = {"culprits": culprits, "rounds": rounds, "verdict": result.verdict}
+        print(json.dumps({**out, "fails_compiled": result.fails_compiled}, indent=1))
+        return 0
+    for c in culprits:
+        print(f"Culprit: piece {c['piece']} ({c['describe']})")
+        print(f"  modules: {', '.join(c['modules'])}")
+        print(f"  ops: {', '.join(c['ops'])}")
+    print(f"Bisect done in {len(result.rounds)} rounds: {result.verdict}")
+    return 0
+
+
+def cmd_save_case(args: argparse.Namespace) -> int:
+    session = _open(args)
+    reference = _reference(session, args)
+    report = run_diff(session, reference, args.mode, "eager", _piece_modes(args))
+    directory = save_case(Path(args.out), session, reference, report, args.mode)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=1))
+    else:
+        print(format_report(report))
+        print(f"Saved debug case to {directory} ({len(session.boundaries)} boundaries, {args.num_decode + 1} steps)")
+    return 0
+
+
+def cmd_check_case(args: argparse.Namespace) -> int:
+    case = load_case(args.case_dir)
+    session = _open(args, case)
+    mode = args.mode or case.test_mode
+    report = run_diff(session, case.reference, mode, "eager", _piece_modes(args))
+    print(json.dumps(report.as_dict(), indent=1) if args.json else format_report(report))
+    first = report.first_divergence
+    if first is None:
+        print(f"check-case {args.case_dir}: pass ({len(report.boundaries)} boundaries within their thresholds)")
+        return 0
+    print(
+        f"check-case {args.case_dir}: REGRESSION at boundary {first.name} ({first.module}, piece {first.piece}): "
+        f"rel_diff {first.rel_diff:.3g} > threshold {first.threshold:.3g}",
+        file=sys.stderr,
+    )
+    return 1
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    setup_logging()
+    # NOTE: the config (not the flags) decides: a recipe's dtype and splitting ops, as the engine would use them
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    dtype = parse_dtype(config.dtype)
+    if is_factory_spec(config.model):
+        model = load_factory(config.model).to(device=config.device, dtype=dtype)
+    else:
+        model = build_model(open_checkpoint(config.model), dtype, 2048, config.device)
+    model.eval().requires_grad_(False)
+    kv_caches = allocate_kv_caches(model.config, 2, config.cache.block_size, dtype, config.device)
+    explanation = explain_model(model, kv_caches, tuple(config.graph.splitting_ops))
+    print(explanation.format())
+    return 1 if explanation.findings else 0

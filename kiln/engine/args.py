@@ -1,0 +1,172 @@
+"""`EngineArgs`: every engine option in one dataclass, which generates the CLI flags and the `EngineConfig`.
+
+Every entry point builds its engine the same way: flags (or `LLM(**kwargs)`) -> `EngineArgs` ->
+`create_engine_config()` (the recipe, when given, is validated and overlaid here, once, each change logged) ->
+`kiln.engine.build.build_engine(config)`. A subcommand that loads a model calls `EngineArgs.add_cli_args`, so
+every such subcommand accepts exactly these flags with the same meaning.
+
+This module must stay light (no torch): `kiln --help` builds every subcommand's parser from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any
+
+from kiln.compile.settings import graph_config_from
+from kiln.config import COMPILER_NAMES, DTYPE_NAMES, CacheConfig, EngineConfig, SchedulerConfig
+from kiln.errors import ConfigError
+
+
+def parse_sizes(text: str) -> tuple[int, ...]:
+    """`1,2,4` -> (1, 2, 4); `none` -> () (an argparse `type`: a bad value is a usage error naming the flag)."""
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, or none") from None
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
+    return value
+
+
+def _arg(default: Any, help: str, group: str = "engine", **argparse_kwargs: Any) -> Any:
+    return field(default=default, metadata={"help": help, "group": group, "argparse": argparse_kwargs})
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str = _arg("default", "a .gguf file, an HF directory, or 'default' (SmolLM2-135M)")
+    dtype: str = _arg("float32", "weight and activation dtype", choices=DTYPE_NAMES)
+    device: str = _arg("cpu", "where the model runs", choices=("cpu", "cuda"))
+    max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: min(model context, 8192))")
+    seed: int = _arg(0, "engine seed: unseeded sampling requests draw their seeds from it")
+    num_threads: int | None = _arg(None, "torch intra-op threads (default: all cores, or KILN_NUM_THREADS)")
+    recipe: str | None = _arg(None, "recipe YAML: validated, then its settings and guards apply")
+    block_size: int = _arg(16, "KV cache block size in tokens", group="KV cache", type=_positive_int)
+    num_kv_blocks: int | None = _arg(None, "KV cache blocks (default: --kv-cache-memory-gb worth)", group="KV cache")
+    kv_cache_memory_gb: float = _arg(1.0, "KV cache size when --num-kv-blocks is not given", group="KV cache")
+    max_num_seqs: int = _arg(64, "most sequences in one step", group="scheduler", type=_positive_int)
+    max_num_batched_tokens: int = _arg(2048, "most tokens in one step", group="scheduler", type=_positive_int)
+    enable_chunked_prefill: bool = _arg(
+        True, "split long prompts over steps", group="scheduler", action=argparse.BooleanOptionalAction
+    )
+    enable_piecewise_graph: bool = _arg(False, "split at attention, compile, capture", group="graph mode")
+    full_graph: bool = _arg(False, "the whole forward as one graph (decode batches)", group="graph mode")
+    compiler: str | None = _arg(None, "piece compiler (default inductor)", group="graph mode", choices=COMPILER_NAMES)
+    capture_sizes: Sequence[int] | None = _arg(
+        None, "num_tokens sizes to capture, e.g. 1,2,4,8,16,32", group="graph mode", type=parse_sizes
+    )
+    compile_sizes: Sequence[int] | None = _arg(
+        None,
+        "capture sizes also compiled for their static shape, e.g. 1,2, or none (default: CPU 1,2; GPU none)",
+        group="graph mode",
+        type=parse_sizes,
+    )
+    piece_modes: str | dict[int, str] | None = _arg(
+        None, "per-piece modes, e.g. 0-3:captured,4:eager,5:compiled", group="graph mode"
+    )
+    cache_dir: str | None = _arg(None, "compile cache (default ~/.cache/kiln or KILN_CACHE_DIR)", group="graph mode")
+    dump_dir: str | None = _arg(
+        None, "write graph artifacts (pieces, graph.dot, lint, profile) here", group="graph mode"
+    )
+    default_piece_mode: str | None = _arg(
+        None, "mode of the pieces --piece-modes does not name (default captured)", group="graph mode"
+    )
+
+    # -- the CLI ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add one flag per field (`--max-model-len` for `max_model_len`), grouped, with help and defaults."""
+        groups: dict[str, Any] = {}
+        for f in fields(EngineArgs):
+            group = f.metadata["group"]
+            if group not in groups:
+                groups[group] = parser if group == "engine" else parser.add_argument_group(group)
+            groups[group].add_argument(cli_flag(f), dest=f.name, **_argparse_kwargs(f))
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineArgs:
+        """The engine arguments the parsed flags give; `overrides` (field names) win over the flags."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls)}
+        return cls(**{**values, **overrides})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """`LLM(**kwargs)`'s arguments, with a clear error for a name that is not an engine option."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"unknown engine options {unknown}: expected some of {sorted(names)}")
+        return cls(**kwargs)
+
+    # -- the config --------------------------------------------------------------------------------------------
+    def create_engine_config(self) -> EngineConfig:
+        """The EngineConfig these arguments describe, with the recipe (if any) validated and overlaid once."""
+        recipe = None
+        if self.recipe:
+            # NOTE: lazy: pydantic and z3 load only when a recipe is used (and never for `kiln --help`).
+            from kiln.recipe import load_recipe
+
+            recipe = load_recipe(self.recipe, model=self.model)
+        graph = graph_config_from(
+            recipe,
+            full_graph=self.full_graph or None,
+            compiler=self.compiler,
+            capture_sizes=self.capture_sizes,
+            compile_sizes=self.compile_sizes,
+            piece_modes=self.piece_modes,
+            cache_dir=self.cache_dir,
+            dump_dir=self.dump_dir,
+            default_piece_mode=self.default_piece_mode,
+        )
+        config = EngineConfig(
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            num_threads=self.num_threads,
+            cache=CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_gb),
+            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill),
+            enable_piecewise_graph=self.enable_piecewise_graph,
+            graph=graph,
+        )
+        if recipe is None:
+            return config
+        from kiln.engine.recipe_config import overlay_recipe
+
+        return overlay_recipe(config, recipe)
+
+
+def cli_flag(f: Field) -> str:
+    return "--" + f.name.replace("_", "-")
+
+
+def _argparse_kwargs(f: Field) -> dict[str, Any]:
+    kwargs = dict(f.metadata["argparse"])
+    default = f.default if f.default is not MISSING else None
+    kwargs.setdefault("help", f.metadata["help"])
+    kwargs["default"] = default
+    if "action" not in kwargs:
+        if isinstance(default, bool):
+            kwargs["action"] = "store_true"
+        elif "type" not in kwargs:
+            kwargs["type"] = _field_type(f)
+    return kwargs
+
+
+def _field_type(f: Field) -> Any:
+    kind = str(f.type)
+    if kind.startswith("int"):
+        return int
+    if kind.startswith("float"):
+        return float
+    return str

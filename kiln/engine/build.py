@@ -1,0 +1,46 @@
+"""`build_engine(config)`: the one way an engine is made, for the CLI, `LLM`, the server, `kiln compile`, the
+debugger and the bench alike. It loads the checkpoint, the model and the tokenizer, picks the executor from the
+registry below and hands everything to `EngineCore`.
+
+`EXECUTORS` is the executor registry: a new way to run the forward is a subclass of `kiln.executor.base.Executor`
+and one entry here, chosen by `EngineConfig.executor`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kiln.compile.executor import GraphExecutor
+from kiln.config import EngineConfig
+from kiln.engine.core import EngineCore
+from kiln.engine.model_runner import StepObserver
+from kiln.errors import ConfigError
+from kiln.executor.base import Executor
+from kiln.executor.eager import EagerExecutor
+from kiln.model.dtypes import parse_dtype
+from kiln.model.loader import open_checkpoint
+from kiln.model.registry import build_model, load_tokenizer
+
+EXECUTORS: dict[str, Callable[[EngineConfig], Executor]] = {
+    "eager": lambda config: EagerExecutor(),
+    "graph": lambda config: GraphExecutor(config.graph),
+}
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    return EXECUTORS[config.executor](config)
+
+
+def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> EngineCore:
+    """Load `config.model` and build an engine around it; `observer` sees every step (the debugger's taps)."""
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device; use --device cpu")
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    checkpoint = open_checkpoint(config.model)
+    max_model_len = config.max_model_len or EngineCore.default_max_model_len(checkpoint.config)
+    model = build_model(checkpoint, parse_dtype(config.dtype), max_model_len, config.device)
+    tokenizer = load_tokenizer(checkpoint)
+    return EngineCore(config, model, tokenizer, make_executor(config), checkpoint.path, observer)

@@ -1,0 +1,91 @@
+"""Handlers of `kiln generate` and `kiln chat`: an `LLM` built from the engine flags, prompts in, text out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kiln.engine.args import EngineArgs
+from kiln.engine.llm import LLM
+from kiln.engine.sampling_params import SamplingParams
+from kiln.errors import KilnError
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """The flags of `add_sampling_args`; requests draw their seeds from the engine's `--seed`."""
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        stop=args.stop,
+    )
+
+
+def make_llm(args: argparse.Namespace) -> LLM:
+    return LLM(config=EngineArgs.from_cli_args(args).create_engine_config())
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    llm = make_llm(args)
+    prompts = args.prompt
+    if args.chat:
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    outputs = llm.generate(prompts, params)
+    failed = 0
+    for user_prompt, out in zip(args.prompt, outputs, strict=True):
+        if args.json:
+            record = {
+                "prompt": user_prompt,
+                "text": out.text,
+                "token_ids": out.token_ids,
+                "finish_reason": out.finish_reason,
+                "num_prompt_tokens": out.num_prompt_tokens,
+                "num_output_tokens": len(out.token_ids),
+            }
+            if out.error:
+                record["error"] = out.error
+            print(json.dumps(record), flush=True)
+        elif out.error:
+            print(f"kiln: error: {out.error}", file=sys.stderr)
+        else:
+            print(out.text, flush=True)
+        failed += out.error is not None
+    return 1 if failed else 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    llm = make_llm(args)
+    history: list[dict[str, str]] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("kiln chat: type a message, /reset to clear the history, Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = llm.tokenizer.apply_chat_template(history)
+        reply = ""
+        try:
+            for out in llm.stream(prompt, params):
+                print(out.delta, end="", flush=True)
+                reply = out.text
+        except KilnError as exc:
+            history.pop()
+            print(f"kiln: error: {exc}", file=sys.stderr)
+            continue
+        print(flush=True)
+        history.append({"role": "assistant", "content": reply})
