@@ -283,6 +283,7 @@ def format_report(summary: dict[str, Any]) -> str:
 
 def plot_latency_over_time(result: LoadTestResult, path: str) -> None:
     """P50/P90/P99 of TTFT, TPOT and E2E per time window (by completion time), one panel each."""
+    # NOTE: matplotlib is an optional dependency (the dev extra), needed only with --plot.
     import matplotlib
 
     matplotlib.use("Agg")

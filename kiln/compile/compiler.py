@@ -105,6 +105,7 @@ class InductorCompiler(PieceCompiler):
         compiled.artifact.save(path=str(path), format="binary")
 
     def load(self, path: Path, graph: GraphModule) -> CompiledPiece:
+        # NOTE: inductor loads on first use (importing it takes ~1 s): an eager engine never pays for it.
         from torch._inductor import CompiledArtifact
 
         with _new_generated_modules() as new_modules:
@@ -138,16 +139,16 @@ class _new_generated_modules:
     """Collects the Python modules inductor generates (or reloads) inside the block."""
 
     def __enter__(self) -> list[Any]:
+        # NOTE: inductor loads on first use (importing it takes ~1 s): an eager engine never pays for it.
         from torch._inductor.codecache import PyCodeCache
 
+        self._code_cache = PyCodeCache
         self._start = len(PyCodeCache.modules)
         self.modules: list[Any] = []
         return self.modules
 
     def __exit__(self, *exc: object) -> None:
-        from torch._inductor.codecache import PyCodeCache
-
-        self.modules.extend(PyCodeCache.modules[self._start :])
+        self.modules.extend(self._code_cache.modules[self._start :])
 
 
 def _source(modules: list[Any]) -> str | None:

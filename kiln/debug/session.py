@@ -45,7 +45,7 @@ from kiln.debug.taps import (
 )
 from kiln.debug.trace import trace_level
 from kiln.engine.args import EngineArgs
-from kiln.engine.build import build_engine
+from kiln.engine.build import apply_device_settings, build_engine
 from kiln.engine.core import EngineCore
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import ConfigError
@@ -156,8 +156,7 @@ class DebugSession:
             return cls(build_engine(config, observer=recorder), args, recorder)
         if args.recipe:
             raise ConfigError("--recipe needs a checkpoint model: a recipe is validated against checkpoint headers")
-        if args.num_threads:
-            torch.set_num_threads(args.num_threads)
+        apply_device_settings(config)
         torch.manual_seed(args.seed)
         model = load_factory(args.model).to(device=args.device, dtype=parse_dtype(args.dtype))
         model.eval().requires_grad_(False)

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
+from kiln.compile.modes import PieceMode
 from kiln.compile.settings import graph_config_from
 from kiln.config import COMPILER_NAMES, DTYPE_NAMES, CacheConfig, EngineConfig, SchedulerConfig
 from kiln.errors import ConfigError
@@ -78,7 +79,10 @@ class EngineArgs:
         None, "write graph artifacts (pieces, graph.dot, lint, profile) here", group="graph mode"
     )
     default_piece_mode: str | None = _arg(
-        None, "mode of the pieces --piece-modes does not name (default captured)", group="graph mode"
+        None,
+        "mode of the pieces --piece-modes does not name (default captured)",
+        group="graph mode",
+        choices=tuple(m.value for m in PieceMode),
     )
 
     # -- the CLI ---------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from kiln.compile.executor import GraphExecutor
 from kiln.config import EngineConfig
 from kiln.engine.core import EngineCore
 from kiln.engine.model_runner import StepObserver
+from kiln.env import read_env
 from kiln.errors import ConfigError
 from kiln.executor.base import Executor
 from kiln.executor.eager import EagerExecutor
@@ -33,12 +34,18 @@ def make_executor(config: EngineConfig) -> Executor:
     return EXECUTORS[config.executor](config)
 
 
-def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> EngineCore:
-    """Load `config.model` and build an engine around it; `observer` sees every step (the debugger's taps)."""
+def apply_device_settings(config: EngineConfig) -> None:
+    """Check the device exists and set torch's thread count (--num-threads, else KILN_NUM_THREADS)."""
     if config.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device; use --device cpu")
-    if config.num_threads:
-        torch.set_num_threads(config.num_threads)
+    threads = config.num_threads or read_env().num_threads
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> EngineCore:
+    """Load `config.model` and build an engine around it; `observer` sees every step (the debugger's taps)."""
+    apply_device_settings(config)
     checkpoint = open_checkpoint(config.model)
     max_model_len = config.max_model_len or EngineCore.default_max_model_len(checkpoint.config)
     model = build_model(checkpoint, parse_dtype(config.dtype), max_model_len, config.device)

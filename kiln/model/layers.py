@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from kiln.config import ModelConfig
+from kiln.errors import ConfigError
 
 
 class RMSNorm(nn.Module):
@@ -47,8 +48,6 @@ def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None)
             raise ValueError("rope_type freq_factors needs the checkpoint's rope_freqs tensor")
         inv_freq = inv_freq / freq_factors.float()
     elif kind != "default":
-        from kiln.errors import ConfigError
-
         raise ConfigError(f"unsupported rope scaling {kind!r}: kiln runs linear, llama3 and GGUF rope_freqs")
     return inv_freq, position_scale
 

@@ -10,9 +10,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from kiln.errors import ModelLoadError
+from kiln.errors import ModelLoadError, RequestError
 
 # token_type values in GGUF (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
 _CONTROL, _USER_DEFINED = 3, 4
@@ -115,11 +116,7 @@ class KilnTokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
-            from kiln.errors import RequestError
-
             raise RequestError("this model has no chat template; use a plain completion instead", param="messages")
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         template = env.from_string(self.chat_template)
         return template.render(

@@ -8,6 +8,8 @@ from functools import cached_property
 
 import numpy as np
 import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
 
 from kiln.config import ModelConfig
 from kiln.errors import ModelLoadError
@@ -59,8 +61,6 @@ class GGUFCheckpoint:
     """One GGUF file. Construction reads only the header; `weights()` dequantizes lazily, one tensor at a time."""
 
     def __init__(self, path: str) -> None:
-        from gguf import GGUFReader
-
         self.path = path
         try:
             self.reader = GGUFReader(path)
@@ -171,8 +171,6 @@ class GGUFCheckpoint:
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, float32 tensor) pairs, dequantized one at a time."""
-        from gguf.quants import dequantize
-
         self._check_types()
         cfg = self.config
         for t in self.reader.tensors:

@@ -10,6 +10,7 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from kiln.config import ModelConfig
 from kiln.errors import ModelLoadError
@@ -124,8 +125,6 @@ class HFCheckpoint:
         return len(self.tensor_types)
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from safetensors import SafetensorError, safe_open
-
         bad = {n: t for n, t in self.tensor_types.items() if t not in SUPPORTED_DTYPES}
         if bad:
             name, ty = next(iter(bad.items()))
