@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from kiln.compile.modes import PieceMode
+from kiln.compile.piece import Piece
 from kiln.model.forward_context import ForwardContext, ModelInputs, set_forward_context
 from tests.compile.tiny import generate, graph_runner, make_runner, prefill_metadata, random_prompts, tiny_model
 
@@ -87,3 +89,45 @@ def test_logits_match_eager_in_fp32(model: torch.nn.Module, cache_dir: Path) -> 
             with set_forward_context(ForwardContext(meta, runner.kv_caches)):
                 got = model.compute_logits(graph.forward(ModelInputs(ids_p, pos_p, meta, [], []))[:n])
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_rebuild_and_hooks_are_the_public_seams(
+    model: torch.nn.Module, expected: list[list[int]], tmp_path: Path
+) -> None:
+    """What the debugger builds on: rewritten graphs (extra outputs, compiled-only changes) and launch hooks."""
+    runner, graph = graph_runner(model, tmp_path, compiler="inductor", capture_sizes=(1, 2, 4))
+    entries = set((tmp_path / "compile").iterdir())
+    seen: list[int] = []
+
+    def with_copy_of_first_output(piece: Piece) -> torch.fx.GraphModule:
+        gm = copy.deepcopy(piece.graph)
+        out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        out.args = ((*out.args[0], out.args[0][0]),)
+        gm.recompile()
+        return gm
+
+    changed = graph.rebuild(lambda p: with_copy_of_first_output(p) if p.index == 1 else None)
+    assert changed == [1] and not graph.pieces[1].persistent and graph.pieces[0].persistent
+    graph.set_piece_hooks(1, after=lambda piece, outs: seen.append(len(outs)))
+    assert generate(runner, PROMPTS, MAX_TOKENS) == expected  # the extra output never leaves the piece
+    assert seen and set(seen) == {graph.pieces[1].num_outputs + 1}
+    assert set((tmp_path / "compile").iterdir()) == entries  # rewritten graphs stay out of the on-disk cache
+
+    def scaled(piece: Piece) -> torch.fx.GraphModule | None:
+        gm = copy.deepcopy(piece.graph)
+        out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+        with gm.graph.inserting_before(out):
+            doubled = gm.graph.call_function(torch.mul, (out.args[0][0], 2.0))
+        out.args = ((doubled, *out.args[0][1:]),)
+        gm.recompile()
+        return gm if piece.index == 2 else None
+
+    graph.rebuild(scaled, compiled_only=True)
+    assert generate(runner, PROMPTS, MAX_TOKENS) != expected  # compiled and captured code changed
+    graph.set_piece_modes({2: PieceMode.EAGER})
+    assert generate(runner, PROMPTS, MAX_TOKENS) == expected  # eager still runs the traced graph
+
+    calls: list[int] = []
+    graph.set_piece_hooks(0, before=lambda piece, args: calls.append(piece.num_tokens(args)) or args)
+    generate(runner, PROMPTS[:1], 2)
+    assert calls and calls[0] >= len(PROMPTS[0])

@@ -1,0 +1,85 @@
+"""Executors own how the forward runs: the eager executor's timed layouts, the runner's KV geometry, teacher
+forcing through EngineCore."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kiln.executor.eager as eager_module
+from kiln.config import CacheConfig, EngineConfig
+from kiln.engine.core import EngineCore
+from kiln.engine.sampling_params import SamplingParams
+from kiln.errors import RequestError
+from kiln.executor.eager import EagerExecutor
+from kiln.executor.layout import COLUMN_MAJOR, ROW_MAJOR, is_column_major
+from kiln.model.forward_context import ModelInputs
+from tests.compile.tiny import make_runner, prefill_metadata, tiny_model
+
+
+def _layer_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [m.weight for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+
+
+@pytest.mark.parametrize("winner", [ROW_MAJOR, COLUMN_MAJOR])
+def test_eager_keeps_the_layout_its_timing_chose(monkeypatch: pytest.MonkeyPatch, winner: str) -> None:
+    """Whichever layout the timing says is faster is the one the weights end up in; the numbers do not change."""
+    monkeypatch.setattr(eager_module, "fastest_one_row_layout", lambda w: (winner, {ROW_MAJOR: 1.0, COLUMN_MAJOR: 1.0}))
+    model = tiny_model(num_layers=2)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    hidden = torch.randn(3, model.config.hidden_size)
+    want = model.compute_logits(hidden)
+    executor = EagerExecutor()
+    make_runner(model, executor)
+    assert all(is_column_major(w) == (winner == COLUMN_MAJOR) for w in _layer_weights(model))
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+    torch.testing.assert_close(executor.compute_logits(hidden, [1]), want[1:2], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(executor.compute_logits(hidden, [0, 2]), want[0::2], rtol=0, atol=0)
+    assert set(executor.layout_times) == {"decoder", "lm_head"}
+
+
+def test_eager_timing_runs_on_this_machine() -> None:
+    executor = EagerExecutor()
+    make_runner(tiny_model(num_layers=1), executor)
+    for times in executor.layout_times.values():
+        assert set(times) == {ROW_MAJOR, COLUMN_MAJOR} and all(t > 0 for t in times.values())
+
+
+def test_keep_layout_changes_nothing() -> None:
+    model = tiny_model(num_layers=1)
+    strides = [w.stride() for w in _layer_weights(model)]
+    executor = EagerExecutor(keep_layout=True)
+    make_runner(model, executor)
+    assert [w.stride() for w in _layer_weights(model)] == strides and executor.layout_times == {}
+
+
+def test_runner_kv_geometry_is_named() -> None:
+    model = tiny_model(num_layers=2)  # 2 KV heads: the head-major cache's dim 1, never the block count
+    runner = make_runner(model)
+    assert runner.num_kv_blocks == 64 and runner.block_size == 4
+    assert runner.kv_caches[0].shape[1] == model.config.num_kv_heads == 2
+
+
+def test_runner_forward_returns_every_fed_row() -> None:
+    model = tiny_model(num_layers=2)
+    runner = make_runner(model)
+    meta = prefill_metadata(5)
+    hidden = runner.forward(ModelInputs(torch.arange(5), torch.arange(5), meta, [4], ["r"]))
+    assert hidden.shape == (5, model.config.hidden_size)
+
+
+def test_teacher_forcing_feeds_the_forced_tokens() -> None:
+    model = tiny_model(num_layers=2)
+    config = EngineConfig(cache=CacheConfig(block_size=4, num_blocks=32))
+    engine = EngineCore(config, model, None, EagerExecutor(keep_layout=True))
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    engine.add_request("free", [1, 2, 3], greedy)
+    while engine.has_unfinished:
+        free = engine.step()[-1]
+    forced = [(t + 1) % model.config.vocab_size for t in free.token_ids]  # never the greedy choice
+    engine.add_request("forced", [1, 2, 3], greedy, forced_output=forced)
+    while engine.has_unfinished:
+        out = engine.step()[-1]
+    assert out.finished and out.token_ids == forced != free.token_ids
+    with pytest.raises(RequestError, match="no tokenizer"):
+        engine.add_request("text", "hello", greedy)

@@ -1,0 +1,121 @@
+"""The package's shape: no import circles, imports at module top (except the listed lazy ones), a fast `--help`."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+KILN = Path(__file__).resolve().parents[2] / "kiln"
+
+# Imports inside functions, each for a measured reason; a new one must be added here with its reason.
+LAZY_IMPORTS = {
+    ("kiln/__init__.py", "importlib"): "public API loads on first use: `import kiln` stays light",
+    ("kiln/engine/args.py", "kiln.recipe"): "pydantic + z3 only when --recipe is given (kiln --help builds EngineArgs)",
+    ("kiln/engine/args.py", "kiln.engine.recipe_config"): "same: the recipe overlay imports kiln.recipe",
+    ("kiln/compile/compiler.py", "torch._inductor"): "importing inductor takes ~1 s; eager engines never need it",
+    ("kiln/compile/compiler.py", "torch._inductor.codecache"): "same",
+    ("kiln/bench/hf_runner.py", "transformers"): "optional dependency (the hf extra), for --compare hf",
+    ("kiln/bench/loadtest.py", "matplotlib"): "optional dependency (the dev extra), for --plot",
+    ("kiln/bench/loadtest.py", "matplotlib.pyplot"): "same",
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in KILN.rglob("*.py"):
+        parts = list(path.relative_to(KILN.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _imported(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        return [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return []
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
+def test_no_import_circles() -> None:
+    modules = _modules()
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            for target in _imported(node):
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name and not name.startswith(target + "."):
+                    edges[name].add(target)
+    # Tarjan's strongly connected components: any component of more than one module is a circle
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    sys.setrecursionlimit(10000)
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    assert circles == []
+
+
+def test_imports_sit_at_module_top() -> None:
+    found = {}
+    for path in _modules().values():
+        tree = ast.parse(path.read_text())
+        top_level = {id(n) for n in tree.body}
+        guarded = {
+            id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node) for n in node.body
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in top_level | guarded:
+                rel = str(path.relative_to(KILN.parent))
+                module = node.names[0].name if isinstance(node, ast.Import) else node.module
+                found[(rel, module)] = node.lineno
+    unexplained = sorted(set(found) - set(LAZY_IMPORTS))
+    assert unexplained == [], "imports inside functions need a reason in LAZY_IMPORTS"
+    stale = sorted(set(LAZY_IMPORTS) - set(found))
+    assert stale == [], "LAZY_IMPORTS lists imports that no longer exist"
+
+
+def test_every_module_says_what_it_owns() -> None:
+    missing = [name for name, path in _modules().items() if not ast.get_docstring(ast.parse(path.read_text()))]
+    assert missing == []
+
+
+def test_help_builds_every_parser_without_torch() -> None:
+    code = (
+        "import sys, kiln.cli, kiln.launch; kiln.cli.build_parser(); kiln.launch.build_parser(); "
+        "print(sorted(m for m in ('torch', 'pydantic', 'z3', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "[]"
+    proc = subprocess.run([sys.executable, "-m", "kiln.cli", "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "generate" in proc.stdout and "debug" in proc.stdout
