@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from kiln.cli import main
 from kiln.debug.diff import Reference, build_reference, run_diff
 from kiln.debug.faults import inject, parse_fault
 from kiln.debug.session import DebugSession
@@ -44,3 +47,14 @@ def test_layer_fault_is_the_first_divergence(session: DebugSession, reference: R
     )
     earlier = [b for b in report.boundaries if b.piece is not None and b.piece <= FAULT_LAYER]
     assert earlier and not any(b.diverged for b in earlier)
+
+
+def test_diff_over_a_200_token_prompt(capsys: pytest.CaptureFixture[str]) -> None:
+    """The debug engine's KV pool comes from the runner's named geometry (it once read the head count: 48 tokens)."""
+    prompt = ",".join(str(t) for t in range(1000, 1200))
+    argv = ["debug", "diff", "--recipe", RECIPE, "--compiler", "eager", "--capture-sizes", "1,8"]
+    code = main([*argv, "--prompt-ids", prompt, "--num-decode", "2", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["first_divergence"] is None
+    assert len(report["reference_tokens"]) == len(report["test_tokens"]) == 3 and report["first_token_mismatch"] is None
+    assert len(report["boundaries"]) == 2 * 30 + 3
