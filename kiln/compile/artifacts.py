@@ -41,6 +41,7 @@ class BuiltGraph(Protocol):
     compile_sizes: tuple[int, ...]
     is_full_graph: bool
     counters: CompileCounters
+    kernel_choices: dict[str, dict[str, object]]
 
     @property
     def pieces(self) -> list[Piece]: ...
@@ -142,6 +143,7 @@ def kernel_profile(runner: BuiltGraph) -> dict[str, Any]:
         "device": str(runner.device),
         "capture_sizes": runner.capture_sizes,
         "compile_sizes": list(runner.compile_sizes),
+        "kernel_choices": runner.kernel_choices,
         "full_graph": runner.is_full_graph,
         "counters": runner.counters.as_dict(),
         "pieces": pieces,

@@ -1,6 +1,7 @@
 """`GraphExecutor`: graph mode behind the `Executor` interface, composed of its roles.
 
-prepare = weight layout (row-major where DecodeGemv reductions run) -> build (kiln.compile.build: trace + split)
+prepare = kernel choice (static compile sizes, weight layout and one-row head, timed on this machine and cached:
+kiln.compile.kernel_choice) -> build (kiln.compile.build: trace + split)
 -> compile every piece through the compiled-piece store (kiln.compile.store: memo, on-disk cache, verification),
 and again per static compile size -> capture per capture size (kiln.compile.capturer) -> the compiled one-row
 logits head. `forward` is the dispatcher's (kiln.compile.dispatch). Every stage is counted in `counters`.
@@ -26,16 +27,15 @@ from kiln.compile.build import PiecewiseGraph, build_graph
 from kiln.compile.capturer import Capturer
 from kiln.compile.compiler import make_compiler
 from kiln.compile.dispatch import Dispatcher
-from kiln.compile.logits_head import CompiledLogitsHead, logits_head_graph
+from kiln.compile.kernel_choice import choose_kernels
+from kiln.compile.logits_head import CompiledProduct, product_graph
 from kiln.compile.modes import PieceMode, format_piece_modes
-from kiln.compile.passes import GEMV_MAX_ROWS
 from kiln.compile.piece import AfterHook, BeforeHook, Piece
 from kiln.compile.store import CompiledPieceStore
 from kiln.config import GraphConfig
 from kiln.env import read_env
 from kiln.errors import ConfigError
 from kiln.executor.base import Executor
-from kiln.executor.layout import ROW_MAJOR, set_layer_weight_layout
 from kiln.model.forward_context import ModelInputs
 
 logger = logging.getLogger("kiln")
@@ -59,17 +59,11 @@ class GraphExecutor(Executor):
         start = time.perf_counter()
         self.model = model
         self.device = next(model.parameters()).device
-        self.compile_sizes = self._static_compile_sizes()
+        cache_root = Path(self.config.cache_dir) if self.config.cache_dir else read_env().cache_dir
         # NOTE: attention reads Python-side metadata, so it cannot live inside a CUDA graph.
         self.can_capture = not self.is_full_graph or self.device.type != "cuda"
-        gemv_sizes = [s for s in self.compile_sizes if s <= GEMV_MAX_ROWS]
-        if self.device.type == "cpu" and gemv_sizes and set_layer_weight_layout(model, ROW_MAJOR):
-            logger.info(
-                "Graph mode: decoder weights stored row-major; pieces for num_tokens in %s run GEMV reductions "
-                "over them",
-                gemv_sizes,
-            )
-        cache_root = Path(self.config.cache_dir) if self.config.cache_dir else read_env().cache_dir
+        kernels = choose_kernels(model, self.config.compile_sizes, self.capture_sizes, self.compiler, cache_root)
+        self.compile_sizes, self.kernel_choices, self._head_t = kernels.static_sizes, kernels.choices, kernels.head_t
         self.store = CompiledPieceStore(
             self.compiler, cache_root, self.config.recipe_hash, kv_caches, self.device, self.counters
         )
@@ -102,15 +96,6 @@ class GraphExecutor(Executor):
         if self.config.dump_dir:
             write_artifacts(self, Path(self.config.dump_dir))
 
-    def _static_compile_sizes(self) -> tuple[int, ...]:
-        """The configured compile sizes (checked by `graph_config_from`), or the automatic choice: on CPU with
-        a compiler that has static variants, the capture sizes DecodeGemv serves."""
-        if self.config.compile_sizes is not None:
-            return tuple(sorted(self.config.compile_sizes))
-        if self.device.type != "cpu" or not self.compiler.supports_static_sizes:
-            return ()
-        return tuple(s for s in self.capture_sizes if s <= GEMV_MAX_ROWS)
-
     def _static_summary(self) -> str:
         if not self.compile_sizes:
             return ""
@@ -118,13 +103,13 @@ class GraphExecutor(Executor):
         sizes = list(self.compile_sizes)
         return f"; static sizes {sizes}: {c.static_compiles} compiled, {c.static_cache_hits} from cache"
 
-    def _compile_logits_head(self, model: nn.Module) -> CompiledLogitsHead | None:
+    def _compile_logits_head(self, model: nn.Module) -> CompiledProduct | None:
         weight = model.lm_head.weight
         if 1 not in self.compile_sizes or not weight.is_contiguous():
             return None
-        graph = logits_head_graph(weight)
+        graph = product_graph(weight)
         key = f"logits_head:{list(weight.shape)}:{weight.dtype}"
-        return CompiledLogitsHead(self.store.get(graph, "the logits head", 1, key=key), graph, weight)
+        return CompiledProduct(self.store.get(graph, "the logits head", 1, key=key), graph, weight)
 
     # -- pieces and their modes --------------------------------------------------------------------------
     @property
@@ -220,8 +205,12 @@ class GraphExecutor(Executor):
         return self.dispatcher.run(batch.input_ids, batch.positions, batch.metadata)
 
     def compute_logits(self, hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
-        """fp32 logits for `hidden[rows]`: one row through the compiled GEMV head, more through the model's."""
+        """fp32 logits for `hidden[rows]`: one row through the compiled GEMV head (or the transposed head copy,
+        whichever the kernel choice kept), more through the model's own head."""
         hidden = hidden[list(rows)]
-        if self.head is not None and hidden.shape[0] == 1:
-            return self.head(hidden)
+        if hidden.shape[0] == 1:
+            if self.head is not None:
+                return self.head(hidden)
+            if self._head_t is not None:
+                return (hidden @ self._head_t).float()
         return self.model.compute_logits(hidden)

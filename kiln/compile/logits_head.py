@@ -1,7 +1,9 @@
-"""The one-row logits head compiled like the pieces (CPU, static size 1): one GEMV reduction over the head.
+"""One weight product compiled for a static row count: the compiled one-row logits head, and the candidate the
+kernel choice times against BLAS (kiln.compile.kernel_choice).
 
-Batch-1 decode streams the logits head (the largest single weight) once per token; compiled for one static row,
-the DecodeGemv pass (kiln.compile.passes) turns it into the same vectorized reduction the pieces use.
+Compiled for one or two static rows, the DecodeGemv pass (kiln.compile.passes) turns `x @ W.T` into a
+vectorized reduction over W; the logits head (the largest single weight, streamed once per decoded token) runs
+that way when the kernel choice picked static size 1.
 """
 
 from __future__ import annotations
@@ -14,26 +16,26 @@ from torch.fx import GraphModule
 from kiln.compile.compiler import CompiledPiece
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor]:
+def _product(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor]:
     return (torch.mm(hidden, weight.t()).float(),)
 
 
-def logits_head_graph(weight: torch.Tensor) -> GraphModule:
-    """The one-row logits product traced by dynamo (inputs: hidden [1, hidden_size] and the head weight)."""
+def product_graph(weight: torch.Tensor, rows: int = 1) -> GraphModule:
+    """`hidden [rows, in] @ weight.T` (fp32 out) traced by dynamo for static shapes."""
     graphs: list[GraphModule] = []
 
     def grab(gm: GraphModule, example_inputs: list[Any]) -> Any:
         graphs.append(gm)
         return gm.forward
 
-    hidden = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    hidden = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
     with torch.inference_mode():
-        torch.compile(_logits, backend=grab, fullgraph=True, dynamic=False)(hidden, weight)
+        torch.compile(_product, backend=grab, fullgraph=True, dynamic=False)(hidden, weight)
     return graphs[0]
 
 
-class CompiledLogitsHead:
-    """Calls the compiled one-row head with its arguments in the order dynamo traced them."""
+class CompiledProduct:
+    """Calls a compiled product with its arguments in the order dynamo traced them."""
 
     def __init__(self, compiled: CompiledPiece, graph: GraphModule, weight: torch.Tensor) -> None:
         self.compiled = compiled
@@ -42,6 +44,8 @@ class CompiledLogitsHead:
         # NOTE: dynamo orders a graph's inputs its own way (here the weight first): find it by its shape.
         self.weight_first = tuple(first.meta["example_value"].shape) == tuple(weight.shape)
 
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        args = (self.weight, hidden) if self.weight_first else (hidden, self.weight)
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        """`hidden @ weight.T` (default: the weight it was built with; another must have the same strides)."""
+        w = self.weight if weight is None else weight
+        args = (w, hidden) if self.weight_first else (hidden, w)
         return self.compiled.fn(*args)[0]

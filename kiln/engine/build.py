@@ -25,7 +25,7 @@ from kiln.model.loader import open_checkpoint
 from kiln.model.registry import build_model, load_tokenizer
 
 EXECUTORS: dict[str, Callable[[EngineConfig], Executor]] = {
-    "eager": lambda config: EagerExecutor(),
+    "eager": lambda config: EagerExecutor(config.graph.cache_dir),
     "graph": lambda config: GraphExecutor(config.graph),
 }
 

@@ -2,21 +2,25 @@
 
 On CPU, batch-1 decode is bound by how fast one-row products stream the weights, and BLAS streams a row-major
 and a column-major weight at different speeds depending on the machine. At `prepare` the executor times both
-layouts for the largest decoder weight and for the logits head, keeps the faster for the decoder layers, and,
-when the column-major head wins, keeps a transposed copy of the head for one-row logits (more rows use the
-plain head, which is faster for them). `keep_layout=True` (the debugger's eager reference) changes nothing.
+layouts (kiln.executor.layout; cached per machine) for the largest decoder weight and for the logits head, keeps
+the faster for the decoder layers, and, when the column-major head wins, keeps a transposed copy of the head for
+one-row logits (more rows use the plain head). `keep_layout=True` (the debugger's eager reference) changes
+nothing.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from kiln.env import read_env
 from kiln.executor.base import Executor
-from kiln.executor.layout import COLUMN_MAJOR, fastest_one_row_layout, set_layer_weight_layout, with_layout
+from kiln.executor.kernel_choice import KernelChoiceCache
+from kiln.executor.layout import fastest_one_row_layout, largest_layer_weight, one_row_head, set_layer_weight_layout
 from kiln.model.forward_context import ModelInputs
 
 logger = logging.getLogger("kiln")
@@ -25,10 +29,11 @@ logger = logging.getLogger("kiln")
 class EagerExecutor(Executor):
     name = "eager"
 
-    def __init__(self, keep_layout: bool = False) -> None:
+    def __init__(self, cache_dir: str | None = None, keep_layout: bool = False) -> None:
         super().__init__()
         self.keep_layout = keep_layout
-        self.layout_times: dict[str, dict[str, float]] = {}  # weight -> layout -> µs, as timed at prepare
+        self.cache_root = Path(cache_dir) if cache_dir else read_env().cache_dir
+        self.kernel_choices: dict[str, dict[str, object]] = {}  # what was timed (or read from the cache) at prepare
         self._model: nn.Module | None = None
         self._head_t: torch.Tensor | None = None  # [hidden, vocab] copy of the head, when one-row logits gain
 
@@ -36,16 +41,16 @@ class EagerExecutor(Executor):
         self._model = model
         if self.keep_layout or next(model.parameters()).device.type != "cpu":
             return
-        largest = max((m.weight for m in model.model.layers[0].modules() if isinstance(m, nn.Linear)), key=torch.numel)
-        layer_layout, self.layout_times["decoder"] = fastest_one_row_layout(largest)
-        head_layout, self.layout_times["lm_head"] = fastest_one_row_layout(model.lm_head.weight)
-        set_layer_weight_layout(model, layer_layout)
-        if head_layout == COLUMN_MAJOR:
-            self._head_t = with_layout(model.lm_head.weight.detach(), COLUMN_MAJOR).t()
+        cache = KernelChoiceCache(self.cache_root)
+        decoder = fastest_one_row_layout(largest_layer_weight(model), cache)
+        set_layer_weight_layout(model, str(decoder["winner"]))
+        self._head_t, head = one_row_head(model.lm_head.weight, cache)
+        self.kernel_choices = {"decoder": decoder, "lm_head": head}
         logger.info(
-            "Eager CPU layouts (timed for one row): decoder weights %s, logits head %s",
-            layer_layout,
-            head_layout,
+            "Eager CPU layouts for one row (%s): decoder weights %s, logits head %s",
+            "timed" if decoder["source"] == "timed" else "timed earlier on this machine",
+            decoder["winner"],
+            head["winner"],
         )
 
     def forward(self, batch: ModelInputs) -> torch.Tensor:

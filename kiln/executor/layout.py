@@ -1,24 +1,22 @@
-"""Weight layouts for one-row products, chosen by timing on this machine.
+"""Weight layouts for one-row products, chosen by timing on this machine (and cached, kiln.executor.kernel_choice).
 
 A decoder weight W [out, in] can be stored row-major (the plain layout) or column-major (a transposed view of a
 contiguous [in, out] copy): shapes, names and values are the same, only strides differ, so every consumer of the
-model still works. Which layout streams faster through BLAS for one row differs from CPU to CPU (MKL's fp32 GEMV
-ran ~1.7x faster column-major on one 2-core AVX-512 box and not on another), so `fastest_one_row_layout` times
-both at start-up and the eager executor keeps the winner. The embedding stays row-major (lookups gather rows).
+model still works. Which layout BLAS streams faster for one row differs from CPU to CPU (MKL's fp32 GEMV ran
+~1.7x faster column-major on one 2-core AVX-512 box and not on another), so the executors time both. The same
+holds for the logits head, where the column-major form is a [hidden, vocab] copy used for one-row logits only.
+The embedding stays row-major (lookups gather rows).
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-logger = logging.getLogger("kiln")
+from kiln.executor.kernel_choice import KernelChoiceCache, streamed_copies, time_per_call_us
 
 ROW_MAJOR, COLUMN_MAJOR = "row-major", "column-major"
+LAYOUTS = (ROW_MAJOR, COLUMN_MAJOR)
 
 
 def is_column_major(weight: torch.Tensor) -> bool:
@@ -45,21 +43,33 @@ def set_layer_weight_layout(model: nn.Module, layout: str) -> bool:
     return changed
 
 
-def fastest_one_row_layout(weight: torch.Tensor, repeats: int = 5) -> tuple[str, dict[str, float]]:
-    """Time `x @ W.T` for one row with W row-major and column-major; the faster layout and the times (µs)."""
-    x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    times = {}
-    for layout in (ROW_MAJOR, COLUMN_MAJOR):
-        w = with_layout(weight, layout)
-        times[layout] = _best_us(lambda w=w: torch.nn.functional.linear(x, w), repeats)
-    return min(times, key=times.__getitem__), times
+def largest_layer_weight(model: nn.Module) -> torch.Tensor:
+    """The decoder's largest linear weight: the one that dominates a one-row decode step."""
+    return max((m.weight for m in model.model.layers[0].modules() if isinstance(m, nn.Linear)), key=torch.numel)
 
 
-def _best_us(fn: Callable[[], torch.Tensor], repeats: int) -> float:
-    fn()  # warm-up: first-call allocations
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e6
+def weight_key(weight: torch.Tensor) -> dict[str, object]:
+    return {"shape": list(weight.shape), "dtype": str(weight.dtype).removeprefix("torch.")}
+
+
+def fastest_one_row_layout(weight: torch.Tensor, cache: KernelChoiceCache, rows: int = 1) -> dict[str, object]:
+    """Which layout streams `weight` faster through `F.linear` for `rows` rows: {"winner", "times_us", "source"}."""
+
+    def measure() -> dict[str, object]:
+        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        times = {}
+        for layout in LAYOUTS:
+            copies = streamed_copies(weight, lambda w, layout=layout: with_layout(w, layout))
+            times[layout] = round(time_per_call_us(lambda w: torch.nn.functional.linear(x, w), copies), 2)
+        return {"winner": min(times, key=times.__getitem__), "times_us": times}
+
+    return cache.choose(f"linear_layout_rows{rows}", weight_key(weight), measure)
+
+
+def one_row_head(head_weight: torch.Tensor, cache: KernelChoiceCache) -> tuple[torch.Tensor | None, dict[str, object]]:
+    """A [hidden, vocab] copy of the logits head when one-row logits stream it faster that way (else None),
+    and the timed choice."""
+    choice = fastest_one_row_layout(head_weight, cache)
+    if choice["winner"] != COLUMN_MAJOR:
+        return None, choice
+    return with_layout(head_weight.detach(), COLUMN_MAJOR).t(), choice

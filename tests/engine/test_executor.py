@@ -3,6 +3,8 @@ forcing through EngineCore."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -24,7 +26,10 @@ def _layer_weights(model: torch.nn.Module) -> list[torch.Tensor]:
 @pytest.mark.parametrize("winner", [ROW_MAJOR, COLUMN_MAJOR])
 def test_eager_keeps_the_layout_its_timing_chose(monkeypatch: pytest.MonkeyPatch, winner: str) -> None:
     """Whichever layout the timing says is faster is the one the weights end up in; the numbers do not change."""
-    monkeypatch.setattr(eager_module, "fastest_one_row_layout", lambda w: (winner, {ROW_MAJOR: 1.0, COLUMN_MAJOR: 1.0}))
+    record = {"winner": winner, "times_us": {ROW_MAJOR: 1.0, COLUMN_MAJOR: 1.0}, "source": "timed"}
+    monkeypatch.setattr(eager_module, "fastest_one_row_layout", lambda w, cache: record)
+    head = (lambda w, cache: (w.detach().t().contiguous(), record)) if winner == COLUMN_MAJOR else None
+    monkeypatch.setattr(eager_module, "one_row_head", head or (lambda w, cache: (None, record)))
     model = tiny_model(num_layers=2)
     before = {n: p.clone() for n, p in model.named_parameters()}
     hidden = torch.randn(3, model.config.hidden_size)
@@ -35,14 +40,19 @@ def test_eager_keeps_the_layout_its_timing_chose(monkeypatch: pytest.MonkeyPatch
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
     torch.testing.assert_close(executor.compute_logits(hidden, [1]), want[1:2], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(executor.compute_logits(hidden, [0, 2]), want[0::2], rtol=0, atol=0)
-    assert set(executor.layout_times) == {"decoder", "lm_head"}
+    assert set(executor.kernel_choices) == {"decoder", "lm_head"}
 
 
-def test_eager_timing_runs_on_this_machine() -> None:
-    executor = EagerExecutor()
-    make_runner(tiny_model(num_layers=1), executor)
-    for times in executor.layout_times.values():
-        assert set(times) == {ROW_MAJOR, COLUMN_MAJOR} and all(t > 0 for t in times.values())
+def test_eager_timing_runs_on_this_machine(tmp_path: Path) -> None:
+    model = tiny_model(num_layers=1)
+    executor = EagerExecutor(cache_dir=str(tmp_path))
+    make_runner(model, executor)
+    for record in executor.kernel_choices.values():
+        times = record["times_us"]
+        assert record["source"] == "timed" and set(times) == {ROW_MAJOR, COLUMN_MAJOR}
+        assert all(t > 0 for t in times.values()) and record["winner"] == min(times, key=times.__getitem__)
+    layers = _layer_weights(model)
+    assert all(is_column_major(w) == (executor.kernel_choices["decoder"]["winner"] == COLUMN_MAJOR) for w in layers)
 
 
 def test_keep_layout_changes_nothing() -> None:
@@ -50,7 +60,7 @@ def test_keep_layout_changes_nothing() -> None:
     strides = [w.stride() for w in _layer_weights(model)]
     executor = EagerExecutor(keep_layout=True)
     make_runner(model, executor)
-    assert [w.stride() for w in _layer_weights(model)] == strides and executor.layout_times == {}
+    assert [w.stride() for w in _layer_weights(model)] == strides and executor.kernel_choices == {}
 
 
 def test_runner_kv_geometry_is_named() -> None:

@@ -1,0 +1,103 @@
+"""Kernel choices are timed on the machine that runs them, once, and cached per machine.
+
+A choice is a small JSON record (the candidates' times and the winner) stored in `<cache_dir>/kernel_choices.json`
+under a key made of what was chosen for (a name and the shape/dtype it applies to) and the machine: CPU model,
+its ISA flags, torch version and thread count. Another CPU, another torch or another thread count times the
+candidates again; nothing is assumed from the box the code was written on.
+
+Timings stream the weights the way a decode step does: each candidate runs over copies of the weight that add up
+to more than the last-level cache, so a product reads DRAM instead of a warm cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("kiln")
+
+CHOICES_FILE = "kernel_choices.json"
+STREAM_BYTES = 256 << 20  # more than any last-level cache kiln runs on: timed products read DRAM
+
+
+def machine_fingerprint() -> dict[str, Any]:
+    """CPU model, a hash of its ISA flags, torch version and intra-op threads."""
+    info: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            info.setdefault(key.strip(), value.strip())
+    except OSError:  # not Linux: the platform's own name for the processor
+        pass
+    model = info.get("model name") or platform.processor() or platform.machine()
+    flags = info.get("flags", "")
+    return {
+        "cpu": model,
+        "isa": hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16],
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+
+
+class KernelChoiceCache:
+    """Timed choices by key, in one JSON file (read once; rewritten whole, atomically, on a new choice)."""
+
+    def __init__(self, root: Path) -> None:
+        self.path = Path(root) / CHOICES_FILE
+        self.machine = machine_fingerprint()
+
+    def choose(self, name: str, applies_to: dict[str, Any], measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """The cached record for (`name`, `applies_to`, this machine), or `measure()`'s, stored. The record
+        gains `"source": "cache" | "timed"`."""
+        key = hashlib.sha256(json.dumps([name, applies_to, self.machine], sort_keys=True).encode()).hexdigest()[:24]
+        records = self._read()
+        if key in records:
+            return {**records[key], "source": "cache"}
+        record = measure()
+        records[key] = {**record, "name": name, "applies_to": applies_to, "machine": self.machine}
+        self._write(records)
+        return {**record, "source": "timed"}
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _write(self, records: dict[str, Any]) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(records, indent=1, sort_keys=True))
+            tmp.replace(self.path)
+        except OSError as exc:  # a read-only cache costs a re-measure next start, nothing else
+            logger.warning("Could not save kernel choices to %s (%s): they are timed again next start", self.path, exc)
+
+
+def streamed_copies(weight: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """`make(weight)` copies adding up to at least STREAM_BYTES (each a separate allocation)."""
+    count = max(2, -(-STREAM_BYTES // (weight.numel() * weight.element_size())))
+    return [make(weight.detach().clone()) for _ in range(count)]
+
+
+def time_per_call_us(call: Callable[[torch.Tensor], object], weights: list[torch.Tensor], sweeps: int = 3) -> float:
+    """Best over `sweeps` of the mean time of `call(w)` across `weights` (one warm-up sweep first), in µs."""
+    for w in weights:
+        call(w)
+    best = float("inf")
+    for _ in range(sweeps):
+        start = time.perf_counter()
+        for w in weights:
+            call(w)
+        best = min(best, (time.perf_counter() - start) / len(weights))
+    return best * 1e6

@@ -1,0 +1,98 @@
+"""CPU kernel choices are timed where they run, cached per machine, and decide graph mode's static sizes,
+weight layout and one-row head."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import kiln.compile.kernel_choice as graph_choice
+import kiln.executor.kernel_choice as choice_module
+from kiln.compile.kernel_choice import REDUCTION, decide
+from kiln.executor.kernel_choice import KernelChoiceCache
+from kiln.executor.layout import COLUMN_MAJOR, ROW_MAJOR, is_column_major
+from tests.compile.tiny import generate, graph_runner, make_runner, random_prompts, tiny_model
+
+PROMPTS = random_prompts([4, 6])
+
+
+def _times(red: float, row: float, col: float) -> dict[str, float]:
+    return {REDUCTION: red, ROW_MAJOR: row, COLUMN_MAJOR: col}
+
+
+def test_the_rule_follows_the_times() -> None:
+    assert decide({"1": _times(5, 9, 8), "2": _times(6, 9, 9)}) == {"static_sizes": [1, 2], "layout": ROW_MAJOR}
+    assert decide({"1": _times(5, 9, 8), "2": _times(9, 6, 9)}) == {"static_sizes": [1], "layout": ROW_MAJOR}
+    assert decide({"1": _times(9, 8, 6), "2": _times(1, 9, 9)}) == {"static_sizes": [], "layout": COLUMN_MAJOR}
+    assert decide({"1": _times(9, 6, 8)}) == {"static_sizes": [], "layout": ROW_MAJOR}
+    assert decide({}) == {"static_sizes": [], "layout": ROW_MAJOR}  # no one-row capture size: nothing to time
+
+
+def test_a_choice_is_timed_once_per_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    measure = lambda: calls.append(1) or {"winner": "a"}  # noqa: E731
+    first = KernelChoiceCache(tmp_path).choose("k", {"shape": [2, 2]}, measure)
+    again = KernelChoiceCache(tmp_path).choose("k", {"shape": [2, 2]}, measure)
+    assert (first["source"], again["source"], calls) == ("timed", "cache", [1])
+    assert KernelChoiceCache(tmp_path).choose("k", {"shape": [4, 2]}, measure)["source"] == "timed"  # another shape
+    other = {**choice_module.machine_fingerprint(), "cpu": "another CPU"}
+    monkeypatch.setattr(choice_module, "machine_fingerprint", lambda: other)
+    assert KernelChoiceCache(tmp_path).choose("k", {"shape": [2, 2]}, measure)["source"] == "timed"
+    (tmp_path / choice_module.CHOICES_FILE).write_text("{not json")  # a corrupt file is timed again, not trusted
+    assert KernelChoiceCache(tmp_path).choose("k", {"shape": [2, 2]}, measure)["source"] == "timed"
+    assert len(calls) == 4
+
+
+@pytest.mark.parametrize(
+    "times,sizes,column_major",
+    [
+        ({"1": _times(1, 9, 9), "2": _times(1, 9, 9)}, (1, 2), False),  # reductions win: row-major, static 1 and 2
+        ({"1": _times(9, 9, 1), "2": _times(9, 9, 1)}, (), True),  # BLAS column-major wins: no static sizes
+    ],
+)
+def test_graph_mode_follows_the_choice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, times: dict, sizes: tuple, column_major: bool
+) -> None:
+    monkeypatch.setattr(graph_choice, "_time_candidates", lambda weight, rows, compiler: times[str(rows)])
+    monkeypatch.setattr(
+        graph_choice, "fastest_one_row_layout", _fixed_layout(COLUMN_MAJOR if column_major else ROW_MAJOR)
+    )
+    monkeypatch.setattr(graph_choice, "one_row_head", _fixed_head(column_major))
+    model = tiny_model(num_layers=2, seed=3)
+    expected = generate(make_runner(model), PROMPTS, 4)
+    runner, graph = graph_runner(model, tmp_path, compiler="inductor", compile_sizes=None)
+    assert graph.compile_sizes == sizes
+    assert graph.kernel_choices["static_sizes"]["static_sizes"] == list(sizes)
+    layers = [m.weight for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(is_column_major(w) == column_major for w in layers)
+    assert (graph.head is not None) == (1 in sizes)
+    assert generate(runner, PROMPTS, 4) == expected
+    hidden = torch.randn(1, model.config.hidden_size)
+    torch.testing.assert_close(graph.compute_logits(hidden, [0]), model.compute_logits(hidden), rtol=1e-5, atol=1e-5)
+
+
+def _fixed_layout(layout: str):
+    return lambda weight, cache: {"winner": layout, "times_us": {}, "source": "timed"}
+
+
+def _fixed_head(column_major: bool):
+    def head(weight: torch.Tensor, cache: KernelChoiceCache) -> tuple[torch.Tensor | None, dict]:
+        copy = weight.detach().t().contiguous() if column_major else None
+        return copy, {"winner": COLUMN_MAJOR if column_major else ROW_MAJOR, "source": "timed"}
+
+    return head
+
+
+def test_automatic_choice_is_timed_on_this_machine(tmp_path: Path) -> None:
+    """No monkeypatching: the candidates run here; the sizes are what the recorded times say."""
+    model = tiny_model(num_layers=2, seed=4)
+    _, graph = graph_runner(model, tmp_path, compiler="inductor", compile_sizes=None, capture_sizes=(1, 2, 4))
+    record = graph.kernel_choices["static_sizes"]
+    assert record["source"] == "timed" and set(record["times_us"]) == {"1", "2"}
+    for candidates in record["times_us"].values():
+        assert set(candidates) == {REDUCTION, ROW_MAJOR, COLUMN_MAJOR} and all(t > 0 for t in candidates.values())
+    assert list(graph.compile_sizes) == decide(record["times_us"])["static_sizes"] == record["static_sizes"]
+    _, again = graph_runner(model, tmp_path, compiler="inductor", compile_sizes=None, capture_sizes=(1, 2, 4))
+    assert again.kernel_choices["static_sizes"]["source"] == "cache" and again.compile_sizes == graph.compile_sizes
