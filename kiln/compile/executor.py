@@ -71,9 +71,7 @@ class GraphExecutor(Executor):
         self.graph: PiecewiseGraph = build_graph(
             model, kv_caches, self.device, self.config.splitting_ops, self.is_full_graph, self.counters, sample
         )
-        debug = max(read_env().debug, self.config.debug)
-        for piece in self.pieces:
-            piece.debug = debug
+        self.set_trace_level(max(read_env().debug, self.config.debug))
         self.capturer = Capturer(self.graph, kv_caches, self.device, self.counters)
         self.dispatcher = Dispatcher(self.graph, self.capturer.static_inputs, self.counters)
         default = PieceMode(self.config.default_piece_mode)
