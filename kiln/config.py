@@ -124,7 +124,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"  # "cpu" | "cuda"
     max_model_len: int | None = None  # None: min(model context, DEFAULT_MAX_MODEL_LEN)
-    seed: int = 0
+    seed: int | None = None  # None: unseeded requests get fresh OS randomness
     num_threads: int | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -35,7 +35,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         model_path = llm.engine.checkpoint_path
         device = str(next(llm.engine.model.parameters()).device)
         if not prompts:
-            prompts = random_prompts(args.num_requests, args.input_len, llm.engine.model_config.vocab_size, args.seed)
+            vocab = llm.engine.model_config.vocab_size
+            prompts = random_prompts(args.num_requests, args.input_len, vocab, _prompt_seed(args))
         warm_up_kiln(llm, prompts[0])
         for bs in args.batch_sizes:
             results.append(run_kiln(llm, mode, prompts[: _num_requests(args, bs)], args.output_len, bs))
@@ -61,6 +62,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _prompt_seed(args: argparse.Namespace) -> int:
+    """The random prompts are the same from run to run unless --seed picks others."""
+    return args.seed if args.seed is not None else 0
+
+
 def _num_requests(args: argparse.Namespace, batch_size: int) -> int:
     return min(args.num_requests_bs1, args.num_requests) if batch_size == 1 else args.num_requests
 
@@ -76,7 +82,7 @@ def _config(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
         "batch_sizes": args.batch_sizes,
         "modes": args.modes,
         "compare": args.compare,
-        "seed": args.seed,
+        "seed": _prompt_seed(args),
         "num_threads": torch.get_num_threads(),
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,

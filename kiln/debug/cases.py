@@ -95,7 +95,7 @@ def save_case(directory: Path, session: DebugSession, reference: Reference, repo
         "compiler": session.graph.config.compiler,
         "capture_sizes": list(session.graph.capture_sizes),
         "block_size": session.engine.runner.block_size,
-        "seed": opts.seed,
+        "seed": session.engine.config.seed,
         "test_mode": test_mode,
         "prompt_ids": reference.prompt,
         "num_decode": reference.num_decode,

@@ -63,7 +63,8 @@ def _prompt(session: DebugSession, args: argparse.Namespace) -> list[int]:
     if args.prompt:
         raise ConfigError(f"--model {args.model} has no tokenizer: give the prompt as --prompt-ids")
     vocab = session.model.config.vocab_size
-    return torch.randint(0, vocab, (7,), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    seed = session.engine.config.seed
+    return torch.randint(0, vocab, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _reference(session: DebugSession, args: argparse.Namespace, ref_mode: str = "eager") -> Reference:

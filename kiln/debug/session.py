@@ -57,6 +57,7 @@ logger = logging.getLogger("kiln")
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 EAGER, EAGER_FP64, TRACED = "eager", "eager-fp64", "traced"
 PATHS = (EAGER, EAGER_FP64, TRACED, "compiled", "captured")
+DEBUG_SEED = 0  # a debug run is reproducible: a synthetic model's weights and a random prompt come from it
 DEBUG_KV_CACHE_GB = 0.05  # each of the session's engines: ~1000 tokens of the default model
 
 
@@ -104,9 +105,10 @@ def load_factory(spec: str) -> nn.Module:
 
 def debug_engine_args(args: EngineArgs) -> EngineArgs:
     """The session's engine arguments: piecewise graph mode with every piece eager until a path asks for more,
-    one sequence at a time, and a small KV cache (unless the blocks are given)."""
+    one sequence at a time, a small KV cache (unless the blocks are given) and a fixed seed by default."""
     return replace(
         args,
+        seed=args.seed if args.seed is not None else DEBUG_SEED,
         enable_piecewise_graph=True,
         default_piece_mode=PieceMode.EAGER.value,
         max_num_seqs=1,
@@ -157,7 +159,7 @@ class DebugSession:
         if args.recipe:
             raise ConfigError("--recipe needs a checkpoint model: a recipe is validated against checkpoint headers")
         apply_device_settings(config)
-        torch.manual_seed(args.seed)
+        torch.manual_seed(config.seed)
         model = load_factory(args.model).to(device=args.device, dtype=parse_dtype(args.dtype))
         model.eval().requires_grad_(False)
         engine = EngineCore(config, model, None, GraphExecutor(config.graph), args.model, recorder)

@@ -48,7 +48,9 @@ class EngineArgs:
     dtype: str = _arg("float32", "weight and activation dtype", choices=DTYPE_NAMES)
     device: str = _arg("cpu", "where the model runs", choices=("cpu", "cuda"))
     max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: min(model context, 8192))")
-    seed: int = _arg(0, "engine seed: unseeded sampling requests draw their seeds from it")
+    seed: int | None = _arg(
+        None, "engine seed: requests without a seed draw theirs from it (default: fresh randomness every start)"
+    )
     num_threads: int | None = _arg(None, "torch intra-op threads (default: all cores, or KILN_NUM_THREADS)")
     recipe: str | None = _arg(None, "recipe YAML: validated, then its settings and guards apply")
     block_size: int = _arg(16, "KV cache block size in tokens", group="KV cache", type=_positive_int)

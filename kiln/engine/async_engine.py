@@ -14,7 +14,9 @@ Rules:
 - Outputs of a step are handed to the event loop in one `call_soon_threadsafe` and put on the queue of the
   `RequestStream` that owns each request; model work never runs on the event loop.
 - A stream that is closed before its requests finish (a client that went away) aborts them, which frees their
-  KV blocks. A failing step fails the requests in the engine with `finish_reason="error"`; the loop keeps going.
+  KV blocks. A failing step fails only the requests it can be traced to (EngineCore isolates them) with
+  `finish_reason="error"` and a message written for clients; the loop keeps going. If the loop itself dies,
+  `is_healthy` turns False (/health answers 503).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 
-from kiln.engine.core import EngineCore
+from kiln.engine.core import INTERNAL_ERROR, EngineCore
 from kiln.engine.request import RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import KilnError
@@ -101,12 +103,22 @@ class AsyncEngine:
     """Runs `EngineCore.step` in a background thread and serves requests to asyncio code.
 
     `max_queue`: how many requests may wait for a batch slot beyond `max_num_seqs` before `add_requests`
-    raises QueueFullError (None: unbounded).
+    raises QueueFullError (None: unbounded). `max_buffered_outputs`: how many outputs a stream may hold that
+    its reader has not taken; a reader that falls further behind (a slow or stalled client) has its requests
+    aborted, which frees their KV blocks, and its stream ends with an error output (None: unbounded).
     """
 
-    def __init__(self, core: EngineCore, max_queue: int | None = None, *, own_thread: bool = True) -> None:
+    def __init__(
+        self,
+        core: EngineCore,
+        max_queue: int | None = None,
+        *,
+        own_thread: bool = True,
+        max_buffered_outputs: int | None = None,
+    ) -> None:
         self.core = core
         self.max_queue = max_queue
+        self.max_buffered_outputs = max_buffered_outputs
         self.own_thread = own_thread  # False: the caller runs `run_loop()` on a thread of its own
         self._streams: dict[str, RequestStream] = {}
         self._commands: deque[Callable[[], None]] = deque()
@@ -116,6 +128,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._is_accepting = False
         self._is_stopping = False
+        self._loop_error: BaseException | None = None  # what ended the engine loop, if it died
         self._stats = EngineStats(num_kv_blocks=core.pool.num_blocks)
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -134,6 +147,11 @@ class AsyncEngine:
         """The engine loop: steps while requests are unfinished, sleeps otherwise; returns once stopped."""
         try:
             self._run()
+        except BaseException as exc:
+            self._loop_error = exc
+            self._is_accepting = False
+            logger.exception("the engine loop died: the server accepts no more requests (/health answers 503)")
+            raise
         finally:
             self._loop_done.set()
 
@@ -156,6 +174,11 @@ class AsyncEngine:
         self._wakeup.set()
         await asyncio.to_thread(self._loop_done.wait)
         self._thread = None
+
+    @property
+    def is_healthy(self) -> bool:
+        """The engine loop is running (or about to) and has not died: what /health reports."""
+        return self._loop_error is None and self.is_accepting
 
     @property
     def is_accepting(self) -> bool:
@@ -264,22 +287,20 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.core.step()
-        except Exception as exc:
-            logger.exception("engine step failed; failing the %d request(s) in the engine", len(self.core.requests))
-            outputs = self._fail_all(exc)
+        except Exception:
+            # NOTE: EngineCore.step already isolates failures of a batch to the requests that fail alone; what
+            # reaches here could not be traced to a request (the scheduler, or a lone request's step)
+            ids = sorted(self.core.requests)
+            logger.exception("engine step failed; failing the %d request(s) in the engine: %s", len(ids), ids)
+            outputs = self._fail_all()
             self._stats = replace(self._stats, num_step_failures=self._stats.num_step_failures + 1)
         self._publish_stats()
         if outputs:
             self._call_in_loop(self._deliver, outputs)
 
-    def _fail_all(self, exc: Exception) -> list[RequestOutput]:
-        message = f"the engine step failed: {exc}"
-        outputs = []
-        for rid in list(self.core.requests):
-            out = self.core.abort(rid)
-            if out is not None:
-                outputs.append(replace(out, finish_reason="error", error=message))
-        return outputs
+    def _fail_all(self) -> list[RequestOutput]:
+        outputs = [out for rid in list(self.core.requests) if (out := self.core.abort(rid)) is not None]
+        return [replace(out, finish_reason="error", error=INTERNAL_ERROR) for out in outputs]
 
     def _abort_all(self) -> None:
         outputs = [out for rid in list(self.core.requests) if (out := self.core.abort(rid)) is not None]
@@ -312,9 +333,29 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted by its caller; the engine produced this output before the abort ran
+            limit = self.max_buffered_outputs
+            if limit is not None and not out.finished and stream.queue.qsize() >= limit:
+                out = self._cut_off(stream, out, limit)
             if out.finished:
-                del self._streams[out.request_id]
+                self._streams.pop(out.request_id, None)
             stream.queue.put_nowait(out)
+
+    def _cut_off(self, stream: RequestStream, out: RequestOutput, limit: int) -> RequestOutput:
+        """A reader `limit` outputs behind: abort all of its stream's requests (freeing their KV blocks)."""
+        logger.warning("request %s: its reader is %d outputs behind; aborting it", out.request_id, limit)
+        message = (
+            f"the client read the stream too slowly: {limit} outputs were waiting to be sent "
+            "(--max-stream-buffer); the request was stopped"
+        )
+        for rid in list(stream.unfinished):
+            if rid != out.request_id and self._streams.pop(rid, None) is not None:
+                self._submit(lambda rid=rid: self.core.abort(rid))
+                stream.queue.put_nowait(
+                    RequestOutput(rid, None, [], "", [], finished=True, finish_reason="error", error=message)
+                )
+        self._streams.pop(out.request_id, None)
+        self._submit(lambda: self.core.abort(out.request_id))
+        return replace(out, finished=True, finish_reason="error", error=message, delta="", num_new_tokens=0)
 
 
 def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:

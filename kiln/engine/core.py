@@ -7,6 +7,7 @@ debugger, which runs several executors over one model); it owns the KV block poo
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 
 import torch
@@ -25,6 +26,8 @@ from kiln.model.dtypes import parse_dtype
 from kiln.model.tokenizer import KilnTokenizer
 
 logger = logging.getLogger("kiln")
+
+INTERNAL_ERROR = "internal error while running this request; the server log has the details"
 
 
 class EngineCore:
@@ -69,7 +72,9 @@ class EngineCore:
         )
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._seed_rng = torch.Generator().manual_seed(config.seed)
+        self._seed_rng = torch.Generator().manual_seed(
+            config.seed if config.seed is not None else secrets.randbits(63)
+        )
         self.num_steps = 0
 
     @staticmethod
@@ -102,6 +107,12 @@ class EngineCore:
                 )
         if not ids:
             raise RequestError("the prompt is empty: expected at least one token", request_id, "prompt")
+        vocab = self.model_config.vocab_size
+        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad_stops:
+            raise RequestError(
+                f"stop token id {bad_stops[0]} is outside the vocabulary [0, {vocab})", request_id, "stop_token_ids"
+            )
         total = len(ids) + params.max_tokens
         if self.recipe is not None:
             self.recipe.guards.check_request(request_id, seq_len=total)
@@ -119,6 +130,8 @@ class EngineCore:
                 request_id,
                 "max_tokens",
             )
+        # NOTE: an unseeded request draws its seed from the engine's generator: fresh OS entropy unless the
+        # engine was given --seed (then a run of the same requests repeats).
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
         generator = None if params.is_greedy else torch.Generator().manual_seed(seed)
         return Request(request_id, text, ids, params, generator, forced_output)
@@ -149,9 +162,41 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        result = self.runner.execute(sched)
+        try:
+            result = self.runner.execute(sched)
+        except Exception:
+            if len(sched.scheduled) == 1:
+                raise
+            return self._isolate_failure(sched)
         self.num_steps += 1
         return self.update(sched, result)
+
+    def _isolate_failure(self, sched: SchedulerOutput) -> list[RequestOutput]:
+        """A batched step raised: run its requests one at a time (their KV writes repeat at the same slots, and
+        nothing was updated yet), so only the requests that fail on their own are failed."""
+        ids = [s.request.request_id for s in sched.scheduled]
+        logger.exception("engine step failed for requests %s; running them one by one to isolate the cause", ids)
+        outputs = []
+        for s in sched.scheduled:
+            single = SchedulerOutput([s])
+            try:
+                result = self.runner.execute(single)
+            except Exception:
+                logger.exception("request %s fails on its own: failing it", s.request.request_id)
+                outputs.append(self.fail(s.request.request_id, INTERNAL_ERROR))
+                continue
+            outputs += self.update(single, result)
+        self.num_steps += 1
+        return outputs
+
+    def fail(self, request_id: str, message: str) -> RequestOutput | None:
+        """Finish a request with `finish_reason="error"` and `message` (written for the client) as its error."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        req.error = message
+        self.scheduler.finish(req, "error")
+        return self._output(req, num_new=0)
 
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
         outputs = []
@@ -159,6 +204,9 @@ class EngineCore:
         for s in sched.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
+            if req.request_id in result.errors:
+                outputs.append(self.fail(req.request_id, result.errors[req.request_id]))
+                continue
             token = result.sampled.get(req.request_id)
             if token is None:
                 continue  # a prefill chunk that does not reach the end of the sequence yet
@@ -170,15 +218,20 @@ class EngineCore:
                 req.logprobs.append(result.logprobs[req.request_id])
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
-            self._check_stop(req, token)
-            outputs.append(self._output(req, num_new=1))
+            try:
+                self._check_stop(req, token)
+                outputs.append(self._output(req, num_new=1))
+            except Exception:  # detokenizing this request's tokens failed: only this request is affected
+                logger.exception("request %s: finishing the step's update failed; failing the request", req.request_id)
+                outputs.append(self.fail(req.request_id, INTERNAL_ERROR))
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.params
         detok = self.detokenizers[req.request_id]
-        detok.update()
-        if len(req.output_token_ids) < p.min_tokens:
+        held_off = len(req.output_token_ids) < p.min_tokens  # min_tokens holds off every stop condition
+        detok.update(check_stops=not held_off)
+        if held_off:
             return
         if not p.ignore_eos and token in self.eos_token_ids:
             self.scheduler.finish(req, "stop")
@@ -208,5 +261,6 @@ class EngineCore:
             delta=delta,
             num_new_tokens=num_new,
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            error=req.error,
             metrics=req.metrics,
         )

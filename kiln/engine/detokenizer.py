@@ -20,9 +20,11 @@ class IncrementalDetokenizer:
         self.text = ""
         self.num_emitted_chars = 0
         self.stop_hit: str | None = None
+        self.stops_from = 0  # text before this offset was produced before min_tokens: no stop string starts there
 
-    def update(self) -> None:
-        """Decode new output tokens into `self.text`; check stop strings (truncating at the first match)."""
+    def update(self, check_stops: bool = True) -> None:
+        """Decode new output tokens into `self.text`; check stop strings in the new text (truncating at the
+        first match) unless `check_stops` is False (before min_tokens: text produced then is never a stop)."""
         ids = self.request.all_token_ids
         if self.tokenizer is None or self.stop_hit is not None or len(ids) <= self.read_offset:
             return
@@ -34,7 +36,10 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)
         start = max(len(self.text) - self._max_stop_len() + 1, 0)
         self.text += delta
-        self._check_stop(start)
+        if check_stops:
+            self._check_stop(max(start, self.stops_from))
+        else:
+            self.stops_from = len(self.text)
 
     def _max_stop_len(self) -> int:
         return max((len(s) for s in self.request.params.stop), default=0)

@@ -9,7 +9,7 @@ An optional `StepObserver` sees every executed step's batch and logits (the debu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -27,6 +27,7 @@ from kiln.model.forward_context import AttentionMetadata, ForwardContext, ModelI
 class ModelRunnerOutput:
     sampled: dict[str, int]
     logprobs: dict[str, dict[int, float]]
+    errors: dict[str, str] = field(default_factory=dict)  # request id -> why its row could not be sampled
 
 
 class StepObserver(Protocol):
@@ -148,6 +149,8 @@ class ModelRunner:
             block_eos = self.eos_token_ids + p.stop_token_ids if too_early else []
             rows.append(SamplingRow(p, req.prompt_token_ids, req.output_token_ids, req.generator, block_eos))
         out: SamplerOutput = self.sampler(logits, rows)
-        sampled = dict(zip(inputs.sample_request_ids, out.token_ids, strict=True))
-        logprobs = {rid: lp for rid, lp in zip(inputs.sample_request_ids, out.logprobs, strict=True) if lp}
-        return ModelRunnerOutput(sampled, logprobs)
+        ids = inputs.sample_request_ids
+        errors = {rid: e for rid, e in zip(ids, out.errors, strict=True) if e is not None}
+        sampled = {rid: t for rid, t in zip(ids, out.token_ids, strict=True) if rid not in errors}
+        logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs, strict=True) if lp and rid not in errors}
+        return ModelRunnerOutput(sampled, logprobs, errors)

@@ -1,4 +1,9 @@
-"""Batched sampling: penalties, temperature, top-k, top-p, min-p, per-request seeded generators, logprobs."""
+"""Batched sampling: penalties, temperature, top-k, top-p, min-p, per-request seeded generators, logprobs.
+
+A row whose logits or probabilities are not finite (the model produced NaN/inf for it, or its filters left
+nothing to sample) fails alone: its entry in `SamplerOutput.errors` says why and its token is meaningless;
+the other rows are sampled as usual.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ class SamplingRow:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
+    errors: list[str | None]  # per row: why it could not be sampled (None: sampled)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -73,9 +79,19 @@ class Sampler:
                 logits[i, row.block_eos] = float("-inf")
         logits = apply_penalties(logits, rows)
         token_ids = logits.argmax(dim=-1).tolist()
+        errors: list[str | None] = [None] * len(rows)
+        for i in torch.nonzero(~torch.isfinite(raw).all(dim=-1)).flatten().tolist():
+            errors[i] = "the model produced non-finite logits (NaN or inf) for this sequence"
         for i, row in enumerate(rows):
-            if not row.params.is_greedy:
+            if errors[i] is not None:
+                continue
+            if not torch.isfinite(logits[i].max()):
+                errors[i] = "no token is left to sample: every candidate was masked out or penalised to -inf"
+            elif not row.params.is_greedy:
                 probs = filter_logits(logits[i], row.params).softmax(-1)
+                if not torch.isfinite(probs).all():
+                    errors[i] = "the sampling probabilities are not finite; check temperature and penalties"
+                    continue
                 token_ids[i] = int(torch.multinomial(probs, 1, generator=row.generator).item())
         logprobs: list[dict[int, float] | None] = [None] * len(rows)
         if any(r.params.logprobs is not None for r in rows):
@@ -89,4 +105,4 @@ class Sampler:
                     top = all_logprobs[i].topk(k)
                     entry.update(zip(top.indices.tolist(), top.values.tolist(), strict=True))
                 logprobs[i] = entry
-        return SamplerOutput(token_ids, logprobs)
+        return SamplerOutput(token_ids, logprobs, errors)

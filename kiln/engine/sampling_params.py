@@ -1,16 +1,25 @@
-"""Per-request sampling parameters, validated on construction with errors naming the field."""
+"""Per-request sampling parameters, validated on construction with errors naming the field.
+
+Bounds are OpenAI's where it has them (temperature [0, 2], penalties [-2, 2], logprobs <= 20) and otherwise
+keep every row's arithmetic finite: a temperature below TEMPERATURE_EPS samples greedily (dividing logits by
+1e-45 overflows to inf), and the repetition penalty is bounded so that penalised logits stay finite.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kiln.errors import RequestError
+
+TEMPERATURE_EPS = 1e-5  # below this a temperature is greedy (vLLM's rule too)
+INT64 = (-(2**63), 2**63 - 1)
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 (or below TEMPERATURE_EPS) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1 = disabled
     min_p: float = 0.0
@@ -31,18 +40,26 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise RequestError(f"invalid sampling parameter {name}={value!r}: must be a finite number", param=name)
+        if 0.0 < self.temperature < TEMPERATURE_EPS:
+            self.temperature = 0.0
         checks = [
             ("max_tokens", self.max_tokens >= 1, "must be >= 1"),
-            ("temperature", self.temperature >= 0.0, "must be >= 0"),
+            ("temperature", 0.0 <= self.temperature <= 2.0, "must be in [0, 2]"),
             ("top_p", 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
             ("top_k", self.top_k >= -1, "must be -1, 0 (disabled) or a positive count"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
-            ("repetition_penalty", self.repetition_penalty > 0.0, "must be > 0"),
+            ("repetition_penalty", 0.01 <= self.repetition_penalty <= 100.0, "must be in [0.01, 100]"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "must be token ids"),
+            ("seed", self.seed is None or INT64[0] <= self.seed <= INT64[1], "must fit in a signed 64-bit integer"),
         ]
         for name, ok, rule in checks:
             if not ok:

@@ -7,6 +7,7 @@ batch; attention metadata comes from the forward context. Module paths match HF 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -15,14 +16,13 @@ import kiln.model.attention  # noqa: F401  (registers torch.ops.kiln.attention)
 from kiln.config import ModelConfig
 from kiln.model.layers import MLP, RMSNorm, RotaryEmbedding
 
-# HF checkpoint name fragment -> (kiln parameter fragment, shard index) for fused projections
-_STACKED = {
-    ".q_proj.": (".qkv_proj.", 0),
-    ".k_proj.": (".qkv_proj.", 1),
-    ".v_proj.": (".qkv_proj.", 2),
-    ".gate_proj.": (".gate_up_proj.", 0),
-    ".up_proj.": (".gate_up_proj.", 1),
+# kiln's fused parameter (name fragment) -> the HF projections stacked in it, in row order
+_FUSED = {
+    ".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."),
+    ".gate_up_proj.": (".gate_proj.", ".up_proj."),
 }
+# checkpoint tensors kiln accepts and ignores: it recomputes rotary tables (old HF checkpoints store inv_freq)
+_DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 class Attention(nn.Module):
@@ -88,42 +88,96 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], on_tensor: Callable[[str], None] | None = None
     ) -> None:
-        """Copy HF-named tensors into kiln's (fused) parameters; every parameter must be covered."""
+        """Copy HF-named tensors into kiln's (fused) parameters.
+
+        Every part of every parameter must arrive exactly once with its exact shape: a fused qkv_proj needs q, k
+        and v. Anything else raises WeightMismatch naming the tensor at fault, so no parameter keeps its random
+        initial values and no checkpoint tensor is silently dropped.
+        """
+        slots = self.checkpoint_slots()
         params = dict(self.named_parameters())
-        filled: dict[str, int] = {}
+        seen: set[str] = set()
         for name, tensor in weights:
             if on_tensor is not None:
                 on_tensor(name)
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+            if self._is_ignored(name):
                 continue
-            target, shard = name, None
-            for frag, (fused, idx) in _STACKED.items():
-                if frag in name:
-                    target, shard = name.replace(frag, fused), idx
-                    break
-            if target not in params:
-                raise KeyError(f"checkpoint tensor {name} has no matching parameter in {type(self).__name__}")
-            param = params[target]
+            _check_tensor(slots, seen, name, tuple(tensor.shape))
+            slot = slots[name]
             with torch.no_grad():
-                if shard is None:
-                    _copy_checked(param, tensor, name)
-                else:
-                    sizes = self._shard_sizes(target)
-                    offset = sum(sizes[:shard])
-                    _copy_checked(param.narrow(0, offset, sizes[shard]), tensor, name)
-            filled[target] = filled.get(target, 0) + 1
-        missing = [n for n in params if n not in filled]
-        if missing:
-            raise KeyError(f"checkpoint has no tensor for {len(missing)} parameters, e.g. {missing[0]}")
+                params[slot.param].narrow(0, slot.offset, slot.shape[0]).copy_(tensor)
+            seen.add(name)
+        _check_all_seen(slots, seen)
 
-    def _shard_sizes(self, fused_name: str) -> list[int]:
+    def check_tensors(self, shapes: dict[str, tuple[int, ...]]) -> None:
+        """The checks of `load_weights` on a checkpoint's tensor names and shapes alone (read from its headers),
+        so a bad checkpoint fails before any weight is read."""
+        slots = self.checkpoint_slots()
+        seen: set[str] = set()
+        for name, shape in shapes.items():
+            if not self._is_ignored(name):
+                _check_tensor(slots, seen, name, shape)
+                seen.add(name)
+        _check_all_seen(slots, seen)
+
+    def checkpoint_slots(self) -> dict[str, WeightSlot]:
+        """HF tensor name -> where it goes: each fused parameter split into its HF parts."""
+        slots: dict[str, WeightSlot] = {}
+        for param_name, param in self.named_parameters():  # a tied lm_head is not listed: it is embed_tokens
+            fused = next((frag for frag in _FUSED if frag in param_name), None)
+            if fused is None:
+                slots[param_name] = WeightSlot(param_name, 0, tuple(param.shape))
+                continue
+            offset = 0
+            for part, rows in zip(_FUSED[fused], self._part_rows(fused), strict=True):
+                shape = (rows, *param.shape[1:])
+                slots[param_name.replace(fused, part)] = WeightSlot(param_name, offset, shape)
+                offset += rows
+        return slots
+
+    def _part_rows(self, fused: str) -> tuple[int, ...]:
         c = self.config
-        if ".qkv_proj." in fused_name:
-            return [c.q_size, c.kv_size, c.kv_size]
-        return [c.intermediate_size, c.intermediate_size]
+        if fused == ".qkv_proj.":
+            return (c.q_size, c.kv_size, c.kv_size)
+        return (c.intermediate_size, c.intermediate_size)
+
+    def _is_ignored(self, name: str) -> bool:
+        # NOTE: tied checkpoints may still carry lm_head.weight (a copy of embed_tokens); the embedding wins.
+        tied_head = name == "lm_head.weight" and self.config.tie_word_embeddings
+        return tied_head or name.endswith(_DERIVED_SUFFIXES)
 
 
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"tensor {name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
-    dst.copy_(src)
+@dataclass(frozen=True)
+class WeightSlot:
+    """Where one checkpoint tensor goes: rows [offset, offset + shape[0]) of parameter `param`."""
+
+    param: str
+    offset: int
+    shape: tuple[int, ...]
+
+
+class WeightMismatch(ValueError):
+    """Checkpoint tensors that do not fit the model; `tensor` is the HF name at fault, `problem` says how."""
+
+    def __init__(self, tensor: str, problem: str) -> None:
+        super().__init__(f"tensor {tensor}: {problem}")
+        self.tensor = tensor
+        self.problem = problem
+
+
+def _check_tensor(slots: dict[str, WeightSlot], seen: set[str], name: str, shape: tuple[int, ...]) -> None:
+    if name not in slots:
+        raise WeightMismatch(name, "unexpected: the model built from the config has no parameter for it")
+    if name in seen:
+        raise WeightMismatch(name, "stored twice")
+    if shape != slots[name].shape:
+        raise WeightMismatch(name, f"shape {shape}, but the config implies {slots[name].shape}")
+
+
+def _check_all_seen(slots: dict[str, WeightSlot], seen: set[str]) -> None:
+    missing = [name for name in slots if name not in seen]
+    if missing:
+        name, param = missing[0], slots[missing[0]].param
+        part = f" (one part of kiln's fused {param})" if name != param else ""
+        more = f"; {len(missing) - 1} more tensors are missing" if len(missing) > 1 else ""
+        raise WeightMismatch(name, f"missing from the checkpoint{part}{more}")

@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from kiln.errors import ModelLoadError
-from kiln.model.llama import LlamaForCausalLM
+from kiln.model.llama import LlamaForCausalLM, WeightMismatch
 from kiln.model.loader import Checkpoint, GGUFCheckpoint
 from kiln.model.tokenizer import KilnTokenizer
 
@@ -29,15 +29,21 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
 def build_model(
     checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int, device: str = "cpu"
 ) -> LlamaForCausalLM:
-    """Instantiate the model for `checkpoint` and load its weights (dequantized) in `dtype`."""
+    """Instantiate the model for `checkpoint` and load its weights (dequantized) in `dtype`.
+
+    Tensor names and shapes are checked against the model from the headers first, so a checkpoint with missing,
+    extra or misshapen tensors fails before any weight is read; every failure is a ModelLoadError naming the file.
+    """
     config = checkpoint.config
     start = time.perf_counter()
     model = MODEL_CLASSES[config.architecture](config, max_positions, checkpoint.rope_freq_factors())
     bar = tqdm(total=checkpoint.num_tensors, desc="Loading weights", unit="tensor", leave=False, delay=0.5)
     try:
+        model.check_tensors(checkpoint.weight_shapes())
         model.load_weights(checkpoint.weights(), on_tensor=lambda _name: bar.update(1))
-    except (KeyError, ValueError) as exc:
-        raise ModelLoadError(checkpoint.path, str(exc)) from None
+    except WeightMismatch as exc:
+        label = checkpoint.tensor_label(exc.tensor)
+        raise ModelLoadError(checkpoint.file_of(exc.tensor), f"tensor {label}: {exc.problem}") from None
     finally:
         bar.close()
     # NOTE: only parameters change dtype; rotary tables stay fp32 as in HF.

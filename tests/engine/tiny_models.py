@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,23 +44,65 @@ def write_hf_model(directory: Path, family: str, vocab_size: int = 256, **overri
     return model
 
 
-def write_gguf_model(path: Path, tensor_type: str = "F32", arch: str = "llama", vocab_size: int = 256) -> None:
-    """A tiny random llama GGUF with every weight matrix stored as `tensor_type` (norms stay F32)."""
+def rewrite_safetensors(directory: Path, edit: Callable[[dict[str, torch.Tensor]], object]) -> Path:
+    """Load the directory's one shard, let `edit` change its tensors in place, save it back; returns the shard."""
+    from safetensors.torch import load_file, save_file
+
+    (shard,) = directory.glob("*.safetensors")
+    tensors = load_file(str(shard))
+    edit(tensors)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    return shard
+
+
+def rewrite_config(directory: Path, changes: dict[str, Any], remove: tuple[str, ...] = ()) -> Path:
+    """Change (and drop) config.json fields of an HF directory; returns config.json's path."""
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    for key in remove:
+        config.pop(key)
+    path.write_text(json.dumps(config))
+    return path
+
+
+def write_gguf_model(
+    path: Path,
+    tensor_type: str = "F32",
+    arch: str = "llama",
+    vocab_size: int = 256,
+    tensor_shapes: dict[str, tuple[int, ...] | None] | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> None:
+    """A tiny random llama GGUF with every weight matrix stored as `tensor_type` (norms stay F32).
+
+    `tensor_shapes` changes a tensor's shape, adds a tensor (a new name) or drops one (None); `metadata` changes or
+    adds `{arch}.*` keys (int -> uint32, float -> float32, str -> string). Both exist to write malformed files.
+    """
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
     rng = np.random.default_rng(0)
     h, inter, layers, heads, kv = 64, 128, 2, 4, 2
     w = GGUFWriter(str(path), arch)
-    w.add_block_count(layers)
-    w.add_context_length(512)
-    w.add_embedding_length(h)
-    w.add_feed_forward_length(inter)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(vocab_size)
+    settings: dict[str, Any] = {
+        "block_count": layers,
+        "context_length": 512,
+        "embedding_length": h,
+        "feed_forward_length": inter,
+        "attention.head_count": heads,
+        "attention.head_count_kv": kv,
+        "rope.freq_base": 10000.0,
+        "attention.layer_norm_rms_epsilon": 1e-5,
+        "vocab_size": vocab_size,
+    }
+    for key, value in {**settings, **(metadata or {})}.items():
+        if isinstance(value, str):
+            w.add_string(f"{arch}.{key}", value)
+        elif isinstance(value, float):
+            w.add_float32(f"{arch}.{key}", value)
+        else:
+            w.add_uint32(f"{arch}.{key}", value)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list([f"t{i}" for i in range(vocab_size - 2)] + ["<s>", "</s>"])
@@ -67,27 +111,30 @@ def write_gguf_model(path: Path, tensor_type: str = "F32", arch: str = "llama", 
     w.add_eos_token_id(vocab_size - 1)
     qtype = GGMLQuantizationType[tensor_type]
 
-    def add(name: str, shape: tuple[int, ...], quantized: bool = True) -> None:
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (vocab_size, h)}
+    for i in range(layers):
+        shapes |= {
+            f"blk.{i}.attn_norm.weight": (h,),
+            f"blk.{i}.ffn_norm.weight": (h,),
+            f"blk.{i}.attn_q.weight": (h, h),
+            f"blk.{i}.attn_k.weight": (kv * h // heads, h),
+            f"blk.{i}.attn_v.weight": (kv * h // heads, h),
+            f"blk.{i}.attn_output.weight": (h, h),
+            f"blk.{i}.ffn_gate.weight": (inter, h),
+            f"blk.{i}.ffn_up.weight": (inter, h),
+            f"blk.{i}.ffn_down.weight": (h, inter),
+        }
+    shapes["output_norm.weight"] = (h,)
+    for name, shape in {**shapes, **(tensor_shapes or {})}.items():
+        if shape is None:
+            continue
         data = (rng.standard_normal(shape) * 0.05).astype(np.float32)
-        if not quantized or qtype == GGMLQuantizationType.F32:
+        if len(shape) == 1 or qtype == GGMLQuantizationType.F32:  # norms stay F32
             w.add_tensor(name, data)
         elif qtype == GGMLQuantizationType.F16:
             w.add_tensor(name, data.astype(np.float16))
         else:
             w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
-
-    add("token_embd.weight", (vocab_size, h))
-    for i in range(layers):
-        add(f"blk.{i}.attn_norm.weight", (h,), quantized=False)
-        add(f"blk.{i}.ffn_norm.weight", (h,), quantized=False)
-        add(f"blk.{i}.attn_q.weight", (h, h))
-        add(f"blk.{i}.attn_k.weight", (kv * h // heads, h))
-        add(f"blk.{i}.attn_v.weight", (kv * h // heads, h))
-        add(f"blk.{i}.attn_output.weight", (h, h))
-        add(f"blk.{i}.ffn_gate.weight", (inter, h))
-        add(f"blk.{i}.ffn_up.weight", (inter, h))
-        add(f"blk.{i}.ffn_down.weight", (h, inter))
-    add("output_norm.weight", (h,), quantized=False)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,4 +1,9 @@
-"""Checkpoint loading: `open_checkpoint(path)` picks the format; headers never read weights."""
+"""Checkpoint loading: `open_checkpoint(path)` picks the format; headers never read weights.
+
+A checkpoint (either class below) offers `config`, `header()`, `weight_shapes()` (HF names, from headers),
+`weights()` (HF-named tensors, read lazily one at a time), `rope_freq_factors()`, `num_tensors`, and for messages
+`file_of(name)` and `tensor_label(name)`. Anything malformed it finds is a `ModelLoadError` naming the file.
+"""
 
 from __future__ import annotations
 
@@ -19,8 +24,11 @@ def open_checkpoint(model: str | None) -> Checkpoint:
         return HFCheckpoint(path)
     if path.endswith(".gguf"):
         return GGUFCheckpoint(path)
-    with open(path, "rb") as f:
-        magic = f.read(4)
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as exc:
+        raise ModelLoadError(path, f"cannot read the file ({exc.strerror or exc})") from None
     if magic == b"GGUF":
         return GGUFCheckpoint(path)
     raise ModelLoadError(path, "unknown model file: expected a .gguf file or an HF model directory")

@@ -1,9 +1,11 @@
-"""What every checkpoint loader returns, and how a model name becomes a path."""
+"""What every checkpoint loader returns, how a model name becomes a path, and typed reads of config fields."""
 
 from __future__ import annotations
 
 import importlib.util
+import numbers
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,3 +56,96 @@ class CheckpointHeader:
     @property
     def weights_bytes_fp32(self) -> int:
         return 4 * self.config.num_params()
+
+
+class ConfigFields:
+    """Typed reads of a checkpoint's hyper-parameters (config.json keys, GGUF metadata keys).
+
+    `lookup(key)` gives the stored value, None when the key is absent (a JSON null counts as absent). A missing
+    required field or a value of the wrong type is a ModelLoadError that names the file, the field, what was
+    expected and what was found. `label` prefixes field names in messages (e.g. "rope_scaling.").
+    """
+
+    def __init__(self, path: str, lookup: Callable[[str], object], label: str = "") -> None:
+        self.path = path
+        self.lookup = lookup
+        self.label = label
+
+    def error(self, key: str, problem: str) -> ModelLoadError:
+        return ModelLoadError(self.path, f"field {self.label}{key} {problem}")
+
+    def _read(self, key: str, default: object, expected: str) -> object:
+        value = self.lookup(key)
+        if value is not None:
+            return value
+        if default is None:
+            raise self.error(key, f"is missing (expected {expected})")
+        return default
+
+    def positive_int(self, key: str, default: int | None = None) -> int:
+        value = self._read(key, default, "a positive integer")
+        if not _is_int(value) or value < 1:
+            raise self.error(key, f"must be a positive integer, found {value!r}")
+        return int(value)
+
+    def token_id(self, key: str) -> int | None:
+        """An optional token id (absent: None)."""
+        value = self.lookup(key)
+        if value is not None and (not _is_int(value) or value < 0):
+            raise self.error(key, f"must be a token id (an integer >= 0) or absent, found {value!r}")
+        return None if value is None else int(value)
+
+    def token_ids(self, key: str) -> tuple[int, ...]:
+        """Token ids given as one id, a list of ids, or absent (no ids)."""
+        value = self.lookup(key)
+        ids = value if isinstance(value, list) else [] if value is None else [value]
+        if not all(_is_int(i) and i >= 0 for i in ids):
+            raise self.error(key, f"must be a token id, a list of token ids or absent, found {value!r}")
+        return tuple(int(i) for i in ids)
+
+    def positive_float(self, key: str, default: float | None = None) -> float:
+        value = self._read(key, default, "a positive number")
+        if not isinstance(value, numbers.Real) or isinstance(value, bool) or not value > 0:
+            raise self.error(key, f"must be a positive number, found {value!r}")
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self._read(key, default, "true or false")
+        if not isinstance(value, bool):
+            raise self.error(key, f"must be true or false, found {value!r}")
+        return value
+
+    def text(self, key: str, default: str | None = None) -> str:
+        value = self._read(key, default, "a string")
+        if not isinstance(value, str):
+            raise self.error(key, f"must be a string, found {value!r}")
+        return value
+
+    def head_dim(self, hidden_key: str, hidden: int, heads_key: str, heads: int, head_dim_key: str) -> int:
+        """`head_dim_key` when present, else hidden / heads, which must then divide evenly."""
+        if self.lookup(head_dim_key) is not None:
+            return self.positive_int(head_dim_key)
+        if hidden % heads:
+            raise ModelLoadError(
+                self.path,
+                f"field {self.label}{hidden_key} ({hidden}) is not divisible by {self.label}{heads_key} ({heads}): "
+                f"the head size is {hidden_key} / {heads_key} when {head_dim_key} is absent; "
+                f"fix one of them or set {head_dim_key}",
+            )
+        return hidden // heads
+
+    def kv_heads(self, heads_key: str, heads: int, kv_key: str) -> int:
+        """Key/value heads (default: one per query head); each must serve a whole group of query heads."""
+        kv = self.positive_int(kv_key, default=heads)
+        if heads % kv:
+            raise ModelLoadError(
+                self.path,
+                f"field {self.label}{heads_key} ({heads}) is not divisible by {self.label}{kv_key} ({kv}): "
+                "every key/value head must serve the same number of query heads",
+            )
+        return kv
+
+
+def _is_int(value: object) -> bool:
+    # NOTE: bool is an int subclass in Python; `true` is never a valid head count.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

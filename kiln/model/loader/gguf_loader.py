@@ -1,19 +1,24 @@
-"""GGUF checkpoints: header, dequantized weights (via the `gguf` package) and tokenizer metadata."""
+"""GGUF checkpoints: header, dequantized weights (via the `gguf` package) and tokenizer metadata.
+
+Construction checks that every tensor's data lies inside the file; metadata is read through typed `ConfigFields`;
+tensor types and names are checked before any weight is dequantized.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
 from functools import cached_property
+from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderField, ReaderTensor
 from gguf.quants import dequantize
 
 from kiln.config import ModelConfig
 from kiln.errors import ModelLoadError
-from kiln.model.loader.base import CheckpointHeader
+from kiln.model.loader.base import CheckpointHeader, ConfigFields
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
@@ -38,17 +43,29 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+_LAYER_NAMES_TO_GGUF = {hf: gguf for gguf, hf in _LAYER_NAMES.items()}
+_GLOBAL_NAMES_TO_GGUF = {hf: gguf for gguf, hf in _GLOBAL_NAMES.items()}
+ROPE_FREQS = "rope_freqs.weight"  # llama 3.1-style per-frequency rope factors; kiln folds them into its rotary tables
 
 
 def gguf_to_hf_name(name: str) -> str | None:
-    """HF parameter name of a GGUF tensor, or None for tensors kiln derives itself (rope_freqs)."""
+    """HF parameter name of a GGUF tensor, or None for tensors with no HF counterpart (rope_freqs, unknown ones)."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
-    if name.startswith("blk."):
-        _, idx, rest = name.split(".", 2)
-        if rest in _LAYER_NAMES:
-            return f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
     return None
+
+
+def hf_to_gguf_name(name: str) -> str:
+    """GGUF name of an HF parameter name (the name itself when GGUF has no counterpart)."""
+    if name in _GLOBAL_NAMES_TO_GGUF:
+        return _GLOBAL_NAMES_TO_GGUF[name]
+    parts = name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER_NAMES_TO_GGUF:
+        return f"blk.{parts[2]}.{_LAYER_NAMES_TO_GGUF[parts[3]]}"
+    return name
 
 
 def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -57,28 +74,42 @@ def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+class _ExtentCheckedReader(GGUFReader):
+    """A GGUFReader that names the first tensor whose data runs past the end of the file.
+
+    NOTE: GGUFReader maps every tensor's data while it parses the header, and on a cut file fails with a bare numpy
+    reshape error. `_build_tensors` is a private hook of the pinned gguf version; the extents are checked first.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        super().__init__(path)
+
+    def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
+        size = len(self.data)
+        for f in fields:
+            _, name, _, dims, raw_type, offset = f.parts
+            block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+            end = int(start_offs + offset[0]) + int(np.prod(dims)) * type_size // block_size
+            if end > size:
+                tensor = bytes(name).decode("utf-8", errors="replace")
+                raise ModelLoadError(
+                    self.path, f"truncated: tensor {tensor} ends at byte {end} but the file has {size} bytes"
+                )
+        super()._build_tensors(start_offs, fields)
+
+
 class GGUFCheckpoint:
     """One GGUF file. Construction reads only the header; `weights()` dequantizes lazily, one tensor at a time."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         try:
-            self.reader = GGUFReader(path)
+            self.reader = _ExtentCheckedReader(path)
         except (ValueError, IndexError, OSError, KeyError) as exc:
-            raise ModelLoadError(path, f"not a readable GGUF file ({exc})") from None
-        self._check_complete()
+            raise ModelLoadError(path, f"not a readable GGUF file: cut short or corrupt ({exc})") from None
 
-    def _check_complete(self) -> None:
-        size = os.path.getsize(self.path)
-        for t in self.reader.tensors:
-            end = int(t.data_offset) + int(t.n_bytes)
-            if end > size:
-                raise ModelLoadError(
-                    self.path,
-                    f"truncated: tensor {t.name} ends at byte {end} but the file has {size} bytes",
-                )
-
-    def field(self, key: str, default=None):
+    def field(self, key: str, default: Any = None) -> Any:
         f = self.reader.fields.get(key)
         if f is None:
             return default
@@ -98,61 +129,70 @@ class GGUFCheckpoint:
         return {t.name: t.tensor_type.name for t in self.reader.tensors}
 
     def _check_types(self) -> None:
-        bad = {n: ty for n, ty in self.tensor_types.items() if ty not in SUPPORTED_TYPES}
+        bad = [(n, ty) for n, ty in self.tensor_types.items() if ty not in SUPPORTED_TYPES]
         if bad:
-            name, ty = next(iter(bad.items()))
+            (name, ty), more = bad[0], f" and {len(bad) - 1} more" if len(bad) > 1 else ""
             raise ModelLoadError(
                 self.path,
-                f"unsupported quantization type {ty} (tensor {name} and {len(bad) - 1} more); "
+                f"unsupported quantization type {ty} (tensor {name}{more}); "
                 f"kiln dequantizes {', '.join(SUPPORTED_TYPES)}",
+            )
+
+    def _check_names(self) -> None:
+        unknown = [t.name for t in self.reader.tensors if t.name != ROPE_FREQS and gguf_to_hf_name(t.name) is None]
+        if unknown:
+            more = f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""
+            raise ModelLoadError(
+                self.path,
+                f"unknown tensor {unknown[0]}{more}: kiln reads {', '.join(_GLOBAL_NAMES)}, "
+                f"{ROPE_FREQS} and blk.N.{{{', '.join(_LAYER_NAMES)}}}",
             )
 
     @cached_property
     def config(self) -> ModelConfig:
         a = self.architecture
+        fields = ConfigFields(self.path, self.field)
         tensors = {t.name for t in self.reader.tensors}
-
-        def need(key: str):
-            value = self.field(f"{a}.{key}")
-            if value is None:
-                raise ModelLoadError(self.path, f"GGUF metadata key {a}.{key} is missing")
-            return value
-
-        hidden = int(need("embedding_length"))
-        num_heads = int(need("attention.head_count"))
-        vocab = self.field(f"{a}.vocab_size")
-        if vocab is None:
-            vocab = len(self.reader.fields["tokenizer.ggml.tokens"].data)
-        eos = self.field("tokenizer.ggml.eos_token_id")
-        rope_scaling = None
-        scaling_type = self.field(f"{a}.rope.scaling.type")
-        if scaling_type == "linear":
-            rope_scaling = {"rope_type": "linear", "factor": float(self.field(f"{a}.rope.scaling.factor", 1.0))}
-        elif scaling_type not in (None, "none"):
-            raise ModelLoadError(
-                self.path, f"unsupported rope scaling type {scaling_type!r} (kiln runs linear, llama3)"
-            )
-        if "rope_freqs.weight" in tensors:  # llama 3.1-style scaling baked into per-frequency factors
-            rope_scaling = {"rope_type": "freq_factors"}
+        hidden = fields.positive_int(f"{a}.embedding_length")
+        heads_key = f"{a}.attention.head_count"
+        num_heads = fields.positive_int(heads_key)
         return ModelConfig(
             architecture=a,
-            vocab_size=int(vocab),
+            vocab_size=fields.positive_int(f"{a}.vocab_size", self._vocab_from_tokens()),
             hidden_size=hidden,
-            intermediate_size=int(need("feed_forward_length")),
-            num_layers=int(need("block_count")),
+            intermediate_size=fields.positive_int(f"{a}.feed_forward_length"),
+            num_layers=fields.positive_int(f"{a}.block_count"),
             num_heads=num_heads,
-            num_kv_heads=int(self.field(f"{a}.attention.head_count_kv", num_heads)),
-            head_dim=int(self.field(f"{a}.attention.key_length", hidden // num_heads)),
-            rms_norm_eps=float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(self.field(f"{a}.rope.freq_base", 10000.0)),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=int(self.field(f"{a}.context_length", 2048)),
+            num_kv_heads=fields.kv_heads(heads_key, num_heads, f"{a}.attention.head_count_kv"),
+            head_dim=fields.head_dim(
+                f"{a}.embedding_length", hidden, heads_key, num_heads, f"{a}.attention.key_length"
+            ),
+            rms_norm_eps=fields.positive_float(f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta=fields.positive_float(f"{a}.rope.freq_base", 10000.0),
+            rope_scaling=self._rope_scaling(fields, tensors),
+            max_position_embeddings=fields.positive_int(f"{a}.context_length", 2048),
             tie_word_embeddings="output.weight" not in tensors,
             attention_bias="blk.0.attn_q.bias" in tensors,
-            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=(int(eos),) if eos is not None else (),
-            name=str(self.field("general.name", os.path.basename(self.path))),
+            bos_token_id=fields.token_id("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=fields.token_ids("tokenizer.ggml.eos_token_id"),
+            name=fields.text("general.name", os.path.basename(self.path)),
         )
+
+    def _vocab_from_tokens(self) -> int | None:
+        """The token list's length: the vocabulary size when `{arch}.vocab_size` is absent."""
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        return None if tokens is None else len(tokens.data)
+
+    def _rope_scaling(self, fields: ConfigFields, tensors: set[str]) -> dict | None:
+        if ROPE_FREQS in tensors:  # llama 3.1-style scaling baked into per-frequency factors
+            return {"rope_type": "freq_factors"}
+        a = self.architecture
+        scaling_type = self.field(f"{a}.rope.scaling.type")
+        if scaling_type == "linear":
+            return {"rope_type": "linear", "factor": fields.positive_float(f"{a}.rope.scaling.factor", 1.0)}
+        if scaling_type not in (None, "none"):
+            raise fields.error(f"{a}.rope.scaling.type", f"is {scaling_type!r}; kiln runs linear (or rope_freqs)")
+        return None
 
     def header(self) -> CheckpointHeader:
         return CheckpointHeader(
@@ -160,18 +200,38 @@ class GGUFCheckpoint:
             format="gguf",
             config=self.config,
             tensor_types=dict(self.tensor_types),
-            tensor_shapes={t.name: tuple(int(x) for x in reversed(t.shape)) for t in self.reader.tensors},
+            tensor_shapes={t.name: _shape(t) for t in self.reader.tensors},
         )
 
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name -> shape of every tensor `weights()` yields, from the header (after the same type and name
+        checks as `weights()`)."""
+        self._check_types()
+        self._check_names()
+        return {name: _shape(t) for t in self.reader.tensors if (name := gguf_to_hf_name(t.name)) is not None}
+
+    def file_of(self, name: str) -> str:
+        return self.path
+
+    def tensor_label(self, name: str) -> str:
+        """How messages name an HF-named tensor: by its name in this file."""
+        return hf_to_gguf_name(name)
+
     def rope_freq_factors(self) -> torch.Tensor | None:
-        for t in self.reader.tensors:
-            if t.name == "rope_freqs.weight":
-                return torch.from_numpy(np.array(t.data, dtype=np.float32))
-        return None
+        """The rope_freqs tensor (one factor per rotary frequency), or None when the file has none."""
+        t = next((t for t in self.reader.tensors if t.name == ROPE_FREQS), None)
+        if t is None:
+            return None
+        self._check_types()
+        expected = (self.config.head_dim // 2,)
+        if _shape(t) != expected:
+            raise ModelLoadError(self.path, f"tensor {ROPE_FREQS} has shape {_shape(t)}, expected {expected}")
+        return torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(expected))
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, float32 tensor) pairs, dequantized one at a time."""
         self._check_types()
+        self._check_names()
         cfg = self.config
         for t in self.reader.tensors:
             name = gguf_to_hf_name(t.name)
@@ -181,15 +241,28 @@ class GGUFCheckpoint:
                 array = dequantize(t.data, t.tensor_type)
             except (ValueError, TypeError) as exc:
                 raise ModelLoadError(self.path, f"cannot dequantize tensor {t.name} ({exc})") from None
-            array = np.asarray(array, dtype=np.float32).reshape(tuple(int(x) for x in reversed(t.shape)))
+            array = np.asarray(array, dtype=np.float32).reshape(_shape(t))
             if t.name.endswith(("attn_q.weight", "attn_q.bias")):
-                array = _unpermute_rope(array, cfg.num_heads)
+                array = self._unpermute(t.name, array, cfg.num_heads)
             elif t.name.endswith(("attn_k.weight", "attn_k.bias")):
-                array = _unpermute_rope(array, cfg.num_kv_heads)
+                array = self._unpermute(t.name, array, cfg.num_kv_heads)
             if not array.flags.writeable or not array.flags.c_contiguous:
                 array = np.array(array, copy=True, order="C")
             yield name, torch.from_numpy(array)
 
+    def _unpermute(self, name: str, array: np.ndarray, num_heads: int) -> np.ndarray:
+        if array.shape[0] % (2 * num_heads):
+            raise ModelLoadError(
+                self.path,
+                f"tensor {name} has {array.shape[0]} rows, which do not split into {num_heads} heads of rotary pairs",
+            )
+        return _unpermute_rope(array, num_heads)
+
     @property
     def num_tensors(self) -> int:
         return len(self.reader.tensors)
+
+
+def _shape(t: ReaderTensor) -> tuple[int, ...]:
+    """A tensor's logical shape, outermost first (GGUF stores dimensions innermost first)."""
+    return tuple(int(x) for x in reversed(t.shape))

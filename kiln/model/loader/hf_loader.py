@@ -1,11 +1,16 @@
-"""HF model directories: config.json + *.safetensors + tokenizer.json."""
+"""HF model directories: config.json + *.safetensors + tokenizer.json.
+
+Construction reads config.json and every safetensors header, checking each header against its file (types,
+offsets, size) so a cut or corrupt shard fails before any weight is read; `weights()` then reads one tensor at a time.
+"""
 
 from __future__ import annotations
 
 import json
-import os
+import math
 import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -14,35 +19,104 @@ from safetensors import SafetensorError, safe_open
 
 from kiln.config import ModelConfig
 from kiln.errors import ModelLoadError
-from kiln.model.loader.base import CheckpointHeader
+from kiln.model.loader.base import CheckpointHeader, ConfigFields
 
 HF_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
 }
-SUPPORTED_DTYPES = ("F32", "F16", "BF16")
+SUPPORTED_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}  # safetensors dtype -> bytes per element
+ROPE_TYPES = ("default", "linear", "llama3")
+LLAMA3_OPTIONAL = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
-def read_safetensors_header(path: Path) -> dict:
-    """The JSON header of a .safetensors file, checked against the file size (no tensor data is read)."""
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise ModelLoadError(str(path), "truncated: shorter than a safetensors header")
-        (n,) = struct.unpack("<Q", raw)
-        if n > size - 8:
-            raise ModelLoadError(str(path), f"truncated or corrupt: header claims {n} bytes, file has {size}")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ModelLoadError(str(path), f"corrupt safetensors header ({exc})") from None
+@dataclass(frozen=True)
+class SafetensorsEntry:
+    """One tensor of a safetensors header; offsets count from the end of the header."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def read_safetensors_header(path: Path) -> dict[str, SafetensorsEntry]:
+    """The tensors a .safetensors file declares, checked against the file size (no tensor data is read)."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise ModelLoadError(str(path), f"truncated: {len(raw)} bytes, shorter than a safetensors header")
+            (n,) = struct.unpack("<Q", raw)
+            if n > size - 8:
+                raise ModelLoadError(
+                    str(path), f"truncated or corrupt: the header claims {n} bytes, the whole file has {size}"
+                )
+            text = f.read(n)
+    except OSError as exc:
+        raise ModelLoadError(str(path), f"cannot read the file ({exc.strerror or exc})") from None
+    try:
+        header = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(str(path), f"corrupt safetensors header: not UTF-8 JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ModelLoadError(str(path), f"corrupt safetensors header: expected a JSON object, found {header!r:.60}")
     header.pop("__metadata__", None)
-    end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
-    if 8 + n + end > size:
-        raise ModelLoadError(str(path), f"truncated: tensor data ends at byte {8 + n + end}, file has {size}")
-    return header
+    entries = {name: _parse_entry(path, name, info) for name, info in header.items()}
+    data_size = size - 8 - n
+    for name, e in entries.items():
+        if e.end > data_size:
+            raise ModelLoadError(
+                str(path),
+                f"truncated: tensor {name} ends at data byte {e.end} but the file holds {data_size} bytes of data",
+            )
+    return entries
+
+
+def _parse_entry(path: Path, name: str, info: object) -> SafetensorsEntry:
+    """One header entry, checked: a dtype, a shape of sizes, offsets whose span fits the shape."""
+
+    def corrupt(found: str) -> ModelLoadError:
+        return ModelLoadError(str(path), f"corrupt safetensors header: tensor {name} {found}")
+
+    if not isinstance(info, dict):
+        raise corrupt(f"is {info!r:.60}, expected an object with dtype, shape and data_offsets")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str):
+        raise corrupt(f"has dtype {dtype!r}, expected a type name such as F32")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise corrupt(f"has shape {shape!r}, expected a list of sizes")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise corrupt(f"has data_offsets {offsets!r}, expected [start, end] with 0 <= start <= end")
+    start, end = offsets
+    if dtype in SUPPORTED_DTYPES and end - start != math.prod(shape) * SUPPORTED_DTYPES[dtype]:
+        raise corrupt(
+            f"spans {end - start} bytes, but {dtype} of shape {tuple(shape)} needs "
+            f"{math.prod(shape) * SUPPORTED_DTYPES[dtype]}"
+        )
+    return SafetensorsEntry(dtype, tuple(shape), start, end)
+
+
+def read_config_json(path: Path) -> dict:
+    """config.json as a dict; unreadable, non-UTF-8 or non-JSON text is a ModelLoadError."""
+    try:
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise ModelLoadError(str(path), f"cannot read the file ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise ModelLoadError(str(path), f"not UTF-8 text ({exc}); config.json must be a UTF-8 JSON object") from None
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(str(path), f"invalid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(str(path), f"expected a JSON object of model settings, found {type(config).__name__}")
+    return config
 
 
 class HFCheckpoint:
@@ -51,62 +125,85 @@ class HFCheckpoint:
     def __init__(self, path: str) -> None:
         self.path = path
         self.dir = Path(path)
-        cfg_path = self.dir / "config.json"
-        if not cfg_path.is_file():
+        self.config_path = self.dir / "config.json"
+        if not self.config_path.is_file():
             raise ModelLoadError(path, "not a model directory: config.json is missing")
-        try:
-            self.hf_config = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelLoadError(str(cfg_path), f"invalid JSON ({exc})") from None
+        self.hf_config = read_config_json(self.config_path)
         self.files = sorted(self.dir.glob("*.safetensors"))
         if not self.files:
             raise ModelLoadError(path, "no *.safetensors weight files in the directory")
         self.headers = {f: read_safetensors_header(f) for f in self.files}
+        self.file_by_tensor: dict[str, Path] = {}
+        for f, header in self.headers.items():
+            for name in header:
+                if name in self.file_by_tensor:
+                    other = self.file_by_tensor[name].name
+                    raise ModelLoadError(str(f), f"tensor {name} is also in {other}; each tensor must be stored once")
+                self.file_by_tensor[name] = f
 
     @cached_property
     def tensor_types(self) -> dict[str, str]:
-        return {name: info["dtype"] for h in self.headers.values() for name, info in h.items()}
+        return {name: e.dtype for h in self.headers.values() for name, e in h.items()}
 
     @cached_property
     def config(self) -> ModelConfig:
         c = self.hf_config
+        fields = ConfigFields(str(self.config_path), c.get)
         archs = c.get("architectures") or []
-        arch = next((HF_ARCHITECTURES[a] for a in archs if a in HF_ARCHITECTURES), None)
+        if not isinstance(archs, list):
+            raise fields.error("architectures", f"must be a list of model class names, found {archs!r}")
+        arch = next((HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
         if arch is None:
             raise ModelLoadError(
-                str(self.dir / "config.json"),
+                str(self.config_path),
                 f"unsupported architecture {archs}: kiln runs {', '.join(HF_ARCHITECTURES)}",
             )
-        try:
-            num_heads = int(c["num_attention_heads"])
-            hidden = int(c["hidden_size"])
-            eos = c.get("eos_token_id")
-            # transformers >= 5 writes `rope_parameters` (theta inside); older configs `rope_theta` + `rope_scaling`
-            rope = dict(c.get("rope_parameters") or c.get("rope_scaling") or {})
-            rope_theta = float(rope.pop("rope_theta", c.get("rope_theta", 10000.0)))
-            if rope.get("rope_type", rope.get("type", "default")) == "default":
-                rope = {}
-            return ModelConfig(
-                architecture=arch,
-                vocab_size=int(c["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(c["intermediate_size"]),
-                num_layers=int(c["num_hidden_layers"]),
-                num_heads=num_heads,
-                num_kv_heads=int(c.get("num_key_value_heads") or num_heads),
-                head_dim=int(c.get("head_dim") or hidden // num_heads),
-                rms_norm_eps=float(c.get("rms_norm_eps", 1e-5)),
-                rope_theta=rope_theta,
-                rope_scaling=rope or None,
-                max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-                attention_bias=bool(c.get("attention_bias", arch == "qwen2")),
-                bos_token_id=c.get("bos_token_id"),
-                eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
-                name=str(c.get("_name_or_path") or self.dir.name),
-            )
-        except KeyError as exc:
-            raise ModelLoadError(str(self.dir / "config.json"), f"missing key {exc.args[0]!r}") from None
+        hidden = fields.positive_int("hidden_size")
+        num_heads = fields.positive_int("num_attention_heads")
+        rope_theta, rope_scaling = self._rope(fields)
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=fields.positive_int("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=fields.positive_int("intermediate_size"),
+            num_layers=fields.positive_int("num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=fields.kv_heads("num_attention_heads", num_heads, "num_key_value_heads"),
+            head_dim=fields.head_dim("hidden_size", hidden, "num_attention_heads", num_heads, "head_dim"),
+            rms_norm_eps=fields.positive_float("rms_norm_eps", 1e-5),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=fields.positive_int("max_position_embeddings", 2048),
+            tie_word_embeddings=fields.flag("tie_word_embeddings", False),
+            attention_bias=fields.flag("attention_bias", arch == "qwen2"),
+            bos_token_id=fields.token_id("bos_token_id"),
+            eos_token_ids=fields.token_ids("eos_token_id"),
+            name=fields.text("_name_or_path", "") or self.dir.name,
+        )
+
+    def _rope(self, fields: ConfigFields) -> tuple[float, dict | None]:
+        """(rope_theta, scaling dict or None) from `rope_parameters` (transformers >= 5, theta inside) or from the
+        older `rope_theta` + `rope_scaling`."""
+        key = "rope_parameters" if fields.lookup("rope_parameters") is not None else "rope_scaling"
+        rope = fields.lookup(key) or {}
+        if not isinstance(rope, dict):
+            example = "{'rope_type': 'linear', 'factor': 2.0}"
+            raise fields.error(key, f"must be an object such as {example}, found {rope!r}")
+        scaling = ConfigFields(fields.path, rope.get, f"{key}.")
+        if "rope_theta" in rope:
+            rope_theta = scaling.positive_float("rope_theta")
+        else:
+            rope_theta = fields.positive_float("rope_theta", 10000.0)
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind == "default":
+            return rope_theta, None
+        if kind not in ROPE_TYPES:
+            raise scaling.error("rope_type", f"is {kind!r}; kiln runs {', '.join(ROPE_TYPES)}")
+        scaling.positive_float("factor")
+        for optional in LLAMA3_OPTIONAL if kind == "llama3" else ():
+            if rope.get(optional) is not None:
+                scaling.positive_float(optional)
+        return rope_theta, {k: v for k, v in rope.items() if k != "rope_theta"}
 
     def header(self) -> CheckpointHeader:
         return CheckpointHeader(
@@ -114,8 +211,24 @@ class HFCheckpoint:
             format="hf",
             config=self.config,
             tensor_types=dict(self.tensor_types),
-            tensor_shapes={n: tuple(i["shape"]) for h in self.headers.values() for n, i in h.items()},
+            tensor_shapes=self._shapes(),
         )
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of every tensor `weights()` yields (HF names), from the headers (after the same dtype
+        check as `weights()`)."""
+        self._check_dtypes()
+        return self._shapes()
+
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: e.shape for h in self.headers.values() for name, e in h.items()}
+
+    def file_of(self, name: str) -> str:
+        """The shard that stores tensor `name`; the directory for a tensor no shard has."""
+        return str(self.file_by_tensor.get(name, self.dir))
+
+    def tensor_label(self, name: str) -> str:
+        return name
 
     def rope_freq_factors(self) -> torch.Tensor | None:
         return None
@@ -125,12 +238,8 @@ class HFCheckpoint:
         return len(self.tensor_types)
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        bad = {n: t for n, t in self.tensor_types.items() if t not in SUPPORTED_DTYPES}
-        if bad:
-            name, ty = next(iter(bad.items()))
-            raise ModelLoadError(
-                self.path, f"unsupported tensor dtype {ty} (tensor {name}); kiln loads {SUPPORTED_DTYPES}"
-            )
+        """Yield (HF name, tensor) pairs, one shard and one tensor at a time."""
+        self._check_dtypes()
         for f in self.files:
             try:
                 with safe_open(str(f), framework="pt") as st:
@@ -139,6 +248,12 @@ class HFCheckpoint:
             except SafetensorError as exc:
                 raise ModelLoadError(str(f), f"corrupt safetensors file ({exc})") from None
 
-
-def is_hf_dir(path: str) -> bool:
-    return os.path.isdir(path)
+    def _check_dtypes(self) -> None:
+        for f, header in self.headers.items():
+            bad = [(n, e.dtype) for n, e in header.items() if e.dtype not in SUPPORTED_DTYPES]
+            if bad:
+                (name, dtype), more = bad[0], f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+                raise ModelLoadError(
+                    str(f),
+                    f"unsupported tensor dtype {dtype} (tensor {name}{more}); kiln loads {', '.join(SUPPORTED_DTYPES)}",
+                )
