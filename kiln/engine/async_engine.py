@@ -151,6 +151,7 @@ class AsyncEngine:
             self._loop_error = exc
             self._is_accepting = False
             logger.exception("the engine loop died: the server accepts no more requests (/health answers 503)")
+            self._call_in_loop(self._fail_streams)
             raise
         finally:
             self._loop_done.set()
@@ -339,6 +340,14 @@ class AsyncEngine:
             if out.finished:
                 self._streams.pop(out.request_id, None)
             stream.queue.put_nowait(out)
+
+    def _fail_streams(self) -> None:
+        """The loop died: end every open stream with an error output, so no client waits forever."""
+        for rid, stream in list(self._streams.items()):
+            stream.queue.put_nowait(
+                RequestOutput(rid, None, [], "", [], finished=True, finish_reason="error", error=INTERNAL_ERROR)
+            )
+        self._streams.clear()
 
     def _cut_off(self, stream: RequestStream, out: RequestOutput, limit: int) -> RequestOutput:
         """A reader `limit` outputs behind: abort all of its stream's requests (freeing their KV blocks)."""

@@ -101,9 +101,11 @@ class KilnTokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        # NOTE: `encode_batch` releases the GIL while it works and `encode` does not (1M characters: the server's
+        # event loop stalled 1.12 s with `encode`, 0.06 s with `encode_batch`); the ids are the same.
         if self.add_bos is None:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids

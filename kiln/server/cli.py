@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from kiln.engine.args import EngineArgs
+from kiln.server.limits import (
+    MAX_BODY_BYTES,
+    MAX_QUEUE,
+    MAX_SEQS_PER_REQUEST,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STREAM_BUFFER,
+    MIB,
+    PROMPT_CHARS_PER_TOKEN,
+)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -14,13 +25,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     """
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port, shown in the Ready line)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/* routes")
-    p.add_argument(
-        "--max-queue",
-        type=int,
-        default=None,
-        help="requests allowed to wait beyond --max-num-seqs; more are answered 429 (default: unbounded)",
-    )
     p.add_argument("--served-model-name", default=None, help="model id clients see (default: checkpoint file name)")
     p.add_argument(
         "--shutdown-timeout",
@@ -29,6 +33,96 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted",
     )
     p.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
+
+    auth = p.add_argument_group(
+        "authentication",
+        "With an API key, /v1/* answers 401 unless the request has 'Authorization: Bearer KEY'; the key is checked "
+        "before the body is read. The key comes from --api-key-file, --api-key or the KILN_API_KEY environment "
+        "variable (a flag wins over the variable).",
+    )
+    auth.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="the API key; other users can read it in the process list (ps), so prefer --api-key-file or KILN_API_KEY",
+    )
+    auth.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from this file (stripped)")
+    auth.add_argument(
+        "--metrics-auth", action="store_true", help="/metrics requires the API key too (default: open, like /health)"
+    )
+
+    limits = p.add_argument_group(
+        "request limits",
+        "Bounds on what one client can make the server do; a request over one is refused with the limit's name "
+        "and value before the work starts.",
+    )
+    limits.add_argument(
+        "--max-body-bytes",
+        metavar="BYTES",
+        type=_int_at_least(1),
+        default=MAX_BODY_BYTES,
+        help=f"largest request body, checked before it is parsed; larger ones get 413 (default: {MAX_BODY_BYTES}, "
+        f"{MAX_BODY_BYTES // MIB} MiB)",
+    )
+    limits.add_argument(
+        "--max-prompt-chars",
+        metavar="N",
+        type=_int_at_least(1),
+        default=None,
+        help="most characters in one prompt (a chat's messages together), checked before tokenizing, which holds "
+        f"the GIL for ~1 s per million characters (default: {PROMPT_CHARS_PER_TOKEN} x --max-model-len, more than "
+        "any prompt that fits needs)",
+    )
+    limits.add_argument(
+        "--max-seqs-per-request",
+        metavar="N",
+        type=_int_at_least(1),
+        default=MAX_SEQS_PER_REQUEST,
+        help=f"most completions one request may ask for: prompts x n (default: {MAX_SEQS_PER_REQUEST})",
+    )
+    limits.add_argument(
+        "--max-stop-strings",
+        metavar="N",
+        type=_int_at_least(0),
+        default=MAX_STOP_STRINGS,
+        help=f"most stop strings in one request; each is matched after every token (default: {MAX_STOP_STRINGS})",
+    )
+    limits.add_argument(
+        "--max-stop-chars",
+        metavar="N",
+        type=_int_at_least(1),
+        default=MAX_STOP_CHARS,
+        help=f"longest stop string, in characters (default: {MAX_STOP_CHARS})",
+    )
+    limits.add_argument(
+        "--max-queue",
+        metavar="N",
+        type=_int_at_least(0),
+        default=MAX_QUEUE,
+        help="completions (prompts x n) allowed to wait beyond --max-num-seqs; more are answered 429 with "
+        f"Retry-After (default: {MAX_QUEUE})",
+    )
+    limits.add_argument(
+        "--max-stream-buffer",
+        metavar="N",
+        type=_int_at_least(1),
+        default=MAX_STREAM_BUFFER,
+        help="outputs (one per token per choice) a streaming response may hold that its client has not read; a "
+        f"client further behind is cut off and its requests aborted (default: {MAX_STREAM_BUFFER})",
+    )
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    return parse
 
 
 def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> None:

@@ -1,7 +1,8 @@
 """Every failure as OpenAI's error body `{"error": {"message", "type", "param", "code"}}` with its HTTP status.
 
-Rules: the message says what was expected, what was found and what to do; a client never sees a traceback
-(unexpected exceptions are logged with theirs on the server and answered with a 500 that says so).
+Rules: the message says what was expected, what was found and what to do. A client never sees a traceback or
+the text of an exception the server did not raise on purpose: those are answered with a 500 that carries the
+HTTP request's id, under which the server log has the traceback (see kiln/server/middleware.py).
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kiln.engine.async_engine import EngineStoppedError, QueueFullError
-from kiln.errors import KilnError, RequestError
+from kiln.errors import RequestError
 from kiln.recipe.guards import RecipeViolation
+from kiln.server.limits import LimitExceeded
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     503: "server_error",
 }
@@ -53,10 +56,16 @@ def error_response(
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
-def api_error_for(exc: Exception) -> APIError:
-    """Map an exception raised while serving a request to the error the client gets (callers log unexpected ones)."""
+# Exceptions the server raises on purpose; anything else is a kiln bug, answered by `internal_error`.
+EXPECTED_ERRORS: tuple[type[Exception], ...] = (APIError, RequestError, QueueFullError, EngineStoppedError)
+
+
+def expected_error(exc: Exception) -> APIError | None:
+    """The error a client gets for an exception the server raises on purpose; None for any other exception."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, LimitExceeded):
+        return APIError(400, str(exc), exc.param, exc.code)
     if isinstance(exc, RecipeViolation):
         return APIError(400, str(exc), exc.param, "recipe_violation")
     if isinstance(exc, RequestError):
@@ -65,7 +74,17 @@ def api_error_for(exc: Exception) -> APIError:
         return APIError(429, str(exc), None, "queue_full", {"Retry-After": str(exc.retry_after_s)})
     if isinstance(exc, EngineStoppedError):
         return APIError(503, str(exc), None, "shutting_down")
-    return APIError(500, f"internal server error ({type(exc).__name__}); the server log has the details")
+    return None
+
+
+def internal_error(request_id: str) -> APIError:
+    """The answer to an unexpected exception: never its text, only the id the server logged its traceback under."""
+    return APIError(
+        500,
+        f"internal server error in request {request_id}: this is a bug in kiln, not in the request; the server "
+        "log has the details under that id (quote it when reporting)",
+        code="internal_error",
+    )
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -121,22 +140,16 @@ def install_error_handlers(app: FastAPI) -> None:
             message = f"method {request.method} is not allowed on {request.url.path}"
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(APIError)
-    async def on_api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_json(exc)
+    async def on_expected_error(_: Request, exc: Exception) -> JSONResponse:
+        error = expected_error(exc)
+        assert error is not None, f"{type(exc).__name__} is in EXPECTED_ERRORS but expected_error does not map it"
+        return api_error_response(error)
 
-    @app.exception_handler(KilnError)
-    async def on_kiln_error(_: Request, exc: KilnError) -> JSONResponse:
-        return error_json(exc)
-
-    # NOTE: Starlette answers this one from its outermost middleware and then re-raises, so uvicorn logs the
-    # traceback for the operator while the client gets the JSON body.
-    @app.exception_handler(Exception)
-    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-        return error_json(exc)
+    # NOTE: other exceptions have no handler here on purpose: they reach RequestIdMiddleware, which logs the
+    # traceback under the request id and answers with `internal_error`.
+    for error_class in EXPECTED_ERRORS:
+        app.add_exception_handler(error_class, on_expected_error)
 
 
-def error_json(exc: Exception) -> JSONResponse:
-    """The JSON response for an exception raised while serving a request (see `api_error_for`)."""
-    error = api_error_for(exc)
+def api_error_response(error: APIError) -> JSONResponse:
     return error_response(error.status, error.message, error.param, error.code, error.headers)

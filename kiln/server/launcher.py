@@ -1,7 +1,10 @@
 """Start-up and shutdown of `kiln serve`: load the engine, bind uvicorn, log `Ready: ...`, exit 0 on SIGINT/SIGTERM.
 
 Shutdown order: stop accepting connections, let in-flight requests finish for up to `--shutdown-timeout`
-seconds (then cancel them), abort whatever is left in the engine, let the engine loop return, exit 0.
+seconds (then cancel them), abort whatever is left in the engine, let the engine loop return, exit 0. If the
+engine loop dies instead, the server stops and exits 1.
+
+The serve flags are checked before the model loads (a bad API-key source fails in a second, not after the load).
 
 Threads: the engine loop runs on the main thread, where the model was loaded and compiled, and uvicorn's
 event loop in a `kiln-http` thread (see kiln/engine/async_engine.py for why: OpenMP is ~2x slower on a
@@ -22,16 +25,22 @@ from pathlib import Path
 from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
 from kiln.engine.args import EngineArgs
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.build import build_engine
+from kiln.engine.core import EngineCore
+from kiln.env import read_env
+from kiln.errors import ConfigError
 from kiln.log import setup_logging
 from kiln.server.api import AppSettings, create_app
+from kiln.server.limits import ServerLimits
 
 logger = logging.getLogger("kiln")
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+API_KEY_ENV = "KILN_API_KEY"
 
 
 class KilnServer(uvicorn.Server):
@@ -83,15 +92,16 @@ def run_server(args: argparse.Namespace) -> int:
     """Load the model, serve until SIGINT/SIGTERM, return the exit code."""
     setup_logging()
     _configure_uvicorn_logging(args.access_log)
-    if not _is_loopback(args.host) and args.api_key is None:
-        logger.warning("Binding %s without --api-key: anyone who can reach this port can use the model", args.host)
+    api_key = resolve_api_key(args, read_env().api_key)
+    check_server_args(args, api_key)
+    if not _is_loopback(args.host) and api_key is None:
+        logger.warning("Binding %s without an API key: anyone who can reach this port can use the model", args.host)
     logger.info("Loading model %s", args.model)
     # NOTE: built exactly as `kiln generate` builds its engine, so every engine flag means the same in both.
     core = build_engine(EngineArgs.from_cli_args(args).create_engine_config())
-    model_name = args.served_model_name or _default_model_name(core.checkpoint_path)
-    aliases = tuple(n for n in (args.model, core.model_config.name) if n and n != model_name)
-    engine = AsyncEngine(core, max_queue=args.max_queue, own_thread=False)
-    app = create_app(engine, AppSettings(model_name, aliases, args.api_key))
+    app = build_app(core, args, api_key)
+    engine: AsyncEngine = app.state.engine
+    model_name = app.state.settings.served_model_name
     uv_config = uvicorn.Config(
         app,
         host=args.host,
@@ -113,13 +123,19 @@ def run_server(args: argparse.Namespace) -> int:
             engine.request_stop()  # the app's shutdown already stopped it, unless the app never started
 
     http = threading.Thread(target=serve_http, name="kiln-http")
+    has_loop_died = False
     with server.capture_signals():
         http.start()
         try:
             engine.run_loop()
+        except Exception:
+            has_loop_died = True  # run_loop logged the traceback
         finally:
             server.should_exit = True  # already set after a normal stop; ends uvicorn if the engine loop died
             http.join()
+    if has_loop_died:
+        logger.error("Server stopped: its engine loop died (the traceback is above)")
+        return 1
     if failure:
         logger.error("Could not serve on %s:%d (see the error above); pick another --host/--port", args.host, args.port)
         code = failure[0].code
@@ -128,6 +144,63 @@ def run_server(args: argparse.Namespace) -> int:
         return 1
     logger.info("Server stopped")
     return 0
+
+
+def build_app(core: EngineCore, args: argparse.Namespace, api_key: str | None) -> FastAPI:
+    """The app `kiln serve` runs over `core`, set up by the serve flags. Its engine (`app.state.engine`) does not
+    own a thread: the caller runs `engine.run_loop()`."""
+    model_name = args.served_model_name or _default_model_name(core.checkpoint_path)
+    aliases = tuple(n for n in (args.model, core.model_config.name) if n and n != model_name)
+    engine = AsyncEngine(core, max_queue=args.max_queue, own_thread=False, max_buffered_outputs=args.max_stream_buffer)
+    limits = ServerLimits.for_model(
+        core.max_model_len,
+        args.max_prompt_chars,
+        max_body_bytes=args.max_body_bytes,
+        max_seqs_per_request=args.max_seqs_per_request,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_chars=args.max_stop_chars,
+    )
+    return create_app(engine, AppSettings(model_name, aliases, api_key, args.metrics_auth, limits))
+
+
+def resolve_api_key(args: argparse.Namespace, env_api_key: str | None) -> str | None:
+    """The API key from --api-key-file, --api-key or KILN_API_KEY (a flag wins over the variable); None: no key.
+
+    ConfigError for both flags at once, a file that cannot be read, or a flag that gives an empty key.
+    """
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ConfigError("both --api-key and --api-key-file are given; pass one (--api-key-file keeps it out of ps)")
+    if args.api_key_file is not None:
+        path = Path(args.api_key_file).expanduser()
+        try:
+            key = path.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ConfigError(
+                f"--api-key-file {path}: cannot read the API key ({reason}); give a readable UTF-8 text file"
+            ) from None
+        source = f"--api-key-file {path}"
+    elif args.api_key is not None:
+        logger.warning("--api-key can be read by other users in ps; prefer --api-key-file or %s", API_KEY_ENV)
+        key, source = args.api_key.strip(), "--api-key"
+    else:
+        return env_api_key
+    if not key:
+        raise ConfigError(f"{source} gives an empty API key; give a key, or leave the flag out to serve without one")
+    return key
+
+
+def check_server_args(args: argparse.Namespace, api_key: str | None) -> None:
+    """ConfigError for serve flags that contradict each other."""
+    if args.metrics_auth and api_key is None:
+        raise ConfigError(f"--metrics-auth needs an API key to check; give --api-key-file, --api-key or {API_KEY_ENV}")
+    capacity = args.max_num_seqs + args.max_queue
+    if args.max_seqs_per_request > capacity:
+        raise ConfigError(
+            f"--max-seqs-per-request={args.max_seqs_per_request} is more than the server ever admits "
+            f"(--max-num-seqs={args.max_num_seqs} + --max-queue={args.max_queue} = {capacity}), so such requests "
+            "would be refused with 429 forever; lower it or raise --max-queue"
+        )
 
 
 def _default_model_name(checkpoint_path: str) -> str:

@@ -44,6 +44,11 @@ class EngineCollector(Collector):
             ("kiln_kv_cache_used_blocks", "KV cache blocks in use", s.num_kv_blocks_used),
             ("kiln_kv_cache_total_blocks", "KV cache blocks in the pool", s.num_kv_blocks),
             (
+                "kiln_kv_cache_free_blocks",
+                "KV cache blocks free (a leak shows as fewer when idle)",
+                s.num_kv_blocks - s.num_kv_blocks_used,
+            ),
+            (
                 "kiln_kv_cache_usage_ratio",
                 "Fraction of KV cache blocks in use (0-1)",
                 s.num_kv_blocks_used / max(s.num_kv_blocks, 1),

@@ -1,11 +1,13 @@
 """OpenAI request bodies (the fields kiln serves) and their mapping onto SamplingParams.
 
 Unknown fields are ignored, as OpenAI-compatible servers do, so clients that send extra options keep working.
-Fields kiln cannot honour (`echo`, `best_of` != n, non-text message parts) are rejected with a 400 naming them.
+Fields kiln cannot honour (`echo`, `best_of` != n, non-text message parts) are rejected with a 400 naming them,
+and so is text the tokenizer cannot take (a lone UTF-16 surrogate, which JSON's "\\ud800" escape can carry).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -14,6 +16,20 @@ from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import RequestError
 
 MAX_N = 64
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_text(text: str, param: str) -> None:
+    """RequestError naming `param` unless `text` is valid Unicode (no lone surrogate, so it encodes as UTF-8)."""
+    found = _SURROGATE.search(text)
+    if found is not None:
+        raise RequestError(
+            f"{param} contains a lone UTF-16 surrogate ({found.group()!r} at character {found.start()}), which is "
+            "not valid Unicode; send the character's full surrogate pair or its UTF-8 text",
+            None,
+            param,
+        )
 
 
 class StreamOptions(BaseModel):
@@ -34,7 +50,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # the sampler's generators take a signed 64-bit seed
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     top_k: int | None = None
@@ -50,9 +66,15 @@ class SamplingFields(BaseModel):
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def stop_strings(self) -> list[str]:
+        """`stop` as a list, each checked to be valid Unicode."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        for i, text in enumerate(stop):
+            check_text(text, f"stop.{i}")
+        return stop
+
     def sampling_params(self, max_tokens: int, logprobs: int | None, choice_index: int) -> SamplingParams:
         """Build validated SamplingParams (RequestError names the field). Choice `i` of `n` samples with seed+i."""
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         optional: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -66,7 +88,7 @@ class SamplingFields(BaseModel):
         return SamplingParams(
             max_tokens=max_tokens,
             seed=None if self.seed is None else self.seed + choice_index,
-            stop=stop,
+            stop=self.stop_strings(),
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
@@ -84,7 +106,8 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
     def prompts(self) -> list[str | list[int]]:
-        """The prompts as a list: one string, a list of strings, one token-id list, or a list of those."""
+        """The prompts as a list: one string, a list of strings, one token-id list, or a list of those; text prompts
+        are checked to be valid Unicode."""
         p = self.prompt
         if isinstance(p, str):
             prompts: list[str | list[int]] = [p]
@@ -96,6 +119,9 @@ class CompletionRequest(SamplingFields):
             raise RequestError(
                 "prompt is an empty list: expected a string, a list of strings or token ids", None, "prompt"
             )
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                check_text(prompt, prompt_param(p, i))
         return prompts
 
     def check_supported(self) -> None:
@@ -105,6 +131,11 @@ class CompletionRequest(SamplingFields):
             raise RequestError(
                 f"best_of={self.best_of} is not supported: kiln returns all n={self.n} choices", None, "best_of"
             )
+
+
+def prompt_param(prompt: Any, index: int) -> str:
+    """How errors name prompt `index`: `prompt` when the request sent one string, else `prompt.<index>`."""
+    return "prompt" if isinstance(prompt, str) else f"prompt.{index}"
 
 
 class TextPart(BaseModel):
@@ -130,7 +161,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as the chat template expects them: {role, content: str}; text parts are concatenated."""
+        """Messages as the chat template expects them: {role, content: str}; text parts are concatenated, and
+        every text is checked to be valid Unicode."""
         messages = []
         for i, m in enumerate(self.messages):
             content = m.content
@@ -146,6 +178,8 @@ class ChatCompletionRequest(SamplingFields):
             message: dict[str, Any] = {"role": m.role, "content": content or ""}
             if m.name is not None:
                 message["name"] = m.name
+            for key, text in message.items():
+                check_text(text, f"messages.{i}.{key}")
             messages.append(message)
         return messages
 

@@ -1,18 +1,22 @@
 """/v1/completions and /v1/chat/completions: validate, tokenize off the event loop, add to the engine, answer.
 
 Each HTTP request becomes one engine request per (prompt, choice); all are added at once, so a rejected one
-adds none. Streaming answers are SSE ending in `data: [DONE]`; a client that disconnects (streaming or not)
-has its requests aborted, which frees their KV blocks.
+adds none. The request's size (prompt characters, prompts x n, stop strings) is checked against the server's
+limits, and room in the engine's queue is held for it, before anything is tokenized. Streaming answers are SSE
+ending in `data: [DONE]`, also when they fail (an error event comes first); a client that disconnects
+(streaming or not) has its requests aborted, which frees their KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import jinja2
@@ -20,14 +24,16 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kiln.engine.async_engine import AsyncEngine, RequestStream
+from kiln.engine.async_engine import AsyncEngine, QueueFullError, RequestStream
 from kiln.engine.request import RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import RequestError
-from kiln.server.errors import APIError, api_error_for, error_body
+from kiln.server.errors import APIError, error_body, expected_error, internal_error
 from kiln.server.formats import ChatFormat, CompletionFormat, ResponseFormat
+from kiln.server.limits import ServerLimits
 from kiln.server.metrics import ServerMetrics
-from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kiln.server.middleware import request_id_of
+from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, prompt_param
 from kiln.server.responses import SSE_DONE, LogprobFormatter, sse, usage
 
 logger = logging.getLogger("kiln")
@@ -39,34 +45,59 @@ CLIENT_CLOSED = 499
 
 class OpenAIServing:
     def __init__(
-        self, engine: AsyncEngine, metrics: ServerMetrics, served_model_name: str, aliases: Sequence[str] = ()
+        self,
+        engine: AsyncEngine,
+        metrics: ServerMetrics,
+        limits: ServerLimits,
+        served_model_name: str,
+        aliases: Sequence[str] = (),
     ) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.limits = limits
         self.served_model_name = served_model_name
         self.model_names = {served_model_name, *aliases}
         self.tokenizer = engine.core.tokenizer
         self.max_model_len = engine.core.max_model_len
         self.logprobs = LogprobFormatter(self.tokenizer)
+        self.max_num_seqs = engine.core.config.scheduler.max_num_seqs
+        self._num_preparing = 0  # completions of HTTP requests that hold room (see `_room_for`)
+        # NOTE: one thread, not asyncio's pool: the tokenizer holds the GIL for a whole encode (~1 s per million
+        # characters), so the event loop waits for at most one encode at a time instead of one per pool thread;
+        # encodes cannot run in parallel under the GIL anyway.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kiln-tokenize")
+
+    def close(self) -> None:
+        """Let the tokenizer thread exit once its queued work is done (the app's shutdown calls this)."""
+        self._tokenizer_thread.shutdown(wait=False)
 
     # -- endpoints --------------------------------------------------------------------------------
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
         arrival = time.monotonic()
         self._check_model(body.model)
         body.check_supported()
+        self.limits.check_stop(body.stop_strings())
         prompts = body.prompts()
-        prompt_ids = await asyncio.to_thread(self._tokenize, prompts)
+        self.limits.check_num_seqs(len(prompts), body.n)
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                self.limits.check_prompt_chars(len(prompt), prompt_param(body.prompt, i))
         fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.served_model_name, self.logprobs, body.logprobs)
-        return await self._serve(request, body, fmt, prompt_ids, body.max_tokens, body.logprobs, arrival)
+        tokenize = functools.partial(self._tokenize, prompts)
+        return await self._serve(request, body, fmt, tokenize, len(prompts), body.max_tokens, body.logprobs, arrival)
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         arrival = time.monotonic()
         self._check_model(body.model)
+        self.limits.check_stop(body.stop_strings())
+        self.limits.check_num_seqs(1, body.n)
         messages = body.template_messages()
+        # NOTE: the messages become one prompt, so their texts share one limit.
+        self.limits.check_prompt_chars(sum(len(text) for m in messages for text in m.values()), "messages")
         num_logprobs = body.num_logprobs
-        prompt_ids = [await asyncio.to_thread(self._chat_prompt, messages)]
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.served_model_name, self.logprobs, num_logprobs)
-        return await self._serve(request, body, fmt, prompt_ids, body.requested_max_tokens, num_logprobs, arrival)
+        tokenize = functools.partial(self._chat_prompt, messages)
+        return await self._serve(request, body, fmt, tokenize, 1, body.requested_max_tokens, num_logprobs, arrival)
 
     def models(self) -> dict[str, Any]:
         card = {
@@ -84,23 +115,28 @@ class OpenAIServing:
         request: Request,
         body: SamplingFields,
         fmt: ResponseFormat,
-        prompt_ids: list[list[int]],
+        tokenize: Callable[[], list[list[int]]],
+        num_prompts: int,
         max_tokens: int | None,
         num_logprobs: int | None,
         arrival: float,
     ) -> Response:
-        jobs: list[tuple[str, list[int], SamplingParams]] = []
-        for p, ids in enumerate(prompt_ids):
-            # NOTE: no max_tokens means "the rest of the context"; with no room left, 1 token makes the engine
-            # reject the request with both numbers and the limit in the message.
-            limit = max_tokens if max_tokens is not None else max(self.max_model_len - len(ids), 1)
-            for c in range(body.n):
-                jobs.append((f"{fmt.response_id}-{p * body.n + c}", ids, body.sampling_params(limit, num_logprobs, c)))
+        with self._room_for(num_prompts * body.n):
+            prompt_ids = await self._in_tokenizer_thread(tokenize)
+            jobs: list[tuple[str, list[int], SamplingParams]] = []
+            for p, ids in enumerate(prompt_ids):
+                # NOTE: no max_tokens means "the rest of the context"; with no room left, 1 token makes the engine
+                # reject the request with both numbers and the limit in the message.
+                limit = max_tokens if max_tokens is not None else max(self.max_model_len - len(ids), 1)
+                for c in range(body.n):
+                    params = body.sampling_params(limit, num_logprobs, c)
+                    jobs.append((f"{fmt.response_id}-{p * body.n + c}", ids, params))
+            stream = await self.engine.add_requests(jobs)
         index = {rid: i for i, (rid, _, _) in enumerate(jobs)}
-        stream = await self.engine.add_requests(jobs)
         prompt_tokens = sum(len(ids) for ids in prompt_ids)
+        request_id = request_id_of(request)
         if body.stream:
-            events = self._stream(stream, fmt, index, prompt_tokens, body.include_usage_in_stream, arrival)
+            events = self._stream(stream, fmt, index, prompt_tokens, body.include_usage_in_stream, arrival, request_id)
             return EngineStreamingResponse(events, on_close=lambda: self._close(stream))
         try:
             finals = await _unless_disconnected(request, self._collect(stream, arrival))
@@ -111,7 +147,7 @@ class OpenAIServing:
             return Response(status_code=CLIENT_CLOSED)
         outputs = [finals[rid] for rid in index]
         for out in outputs:
-            _raise_if_failed(out)
+            _raise_if_failed(out, request_id)
         choices = [fmt.final_choice(index[out.request_id], out) for out in outputs]
         body_json = fmt.response(choices, usage(prompt_tokens, sum(len(out.token_ids) for out in outputs)))
         return JSONResponse(body_json)
@@ -139,6 +175,7 @@ class OpenAIServing:
         prompt_tokens: int,
         include_usage: bool,
         arrival: float,
+        request_id: str,
     ) -> AsyncIterator[str]:
         num_sent = dict.fromkeys(index, 0)
         completion_tokens = 0
@@ -150,32 +187,53 @@ class OpenAIServing:
                 if out.finished:
                     self.metrics.observe_finished(out, arrival)
                     completion_tokens += len(out.token_ids)
-                _raise_if_failed(out)
+                _raise_if_failed(out, request_id)
                 start, num_sent[out.request_id] = num_sent[out.request_id], len(out.token_ids)
                 new_logprobs = out.logprobs[start:] if out.logprobs is not None else None
                 choice = fmt.stream_choice(index[out.request_id], out, out.token_ids[start:], new_logprobs)
                 if choice is not None:
                     yield sse(fmt.chunk([choice]))
+            if include_usage:
+                yield sse(fmt.chunk([], usage(prompt_tokens, completion_tokens)))
         except Exception as exc:
             # NOTE: the status line is already sent; the error travels as an SSE event (OpenAI clients raise it).
-            error = api_error_for(exc)
-            if error.status >= 500 and not isinstance(exc, APIError):
-                logger.exception("streaming %s failed", fmt.response_id)
+            error = expected_error(exc)
+            if error is None:
+                logger.exception("request %s: streaming %s failed", request_id, fmt.response_id)
+                error = internal_error(request_id)
             yield sse(error_body(error.status, error.message, error.param, error.code))
-            yield SSE_DONE
-            return
         finally:
             self._close(stream)
-        if include_usage:
-            yield sse(fmt.chunk([], usage(prompt_tokens, completion_tokens)))
         yield SSE_DONE
+
+    @contextlib.contextmanager
+    def _room_for(self, num_seqs: int) -> Iterator[None]:
+        """Hold room in the engine's queue for `num_seqs` completions until they are added to the engine (which
+        then counts them itself), so that a flood of requests is answered 429 before the tokenizer works on it."""
+        max_queue = self.engine.max_queue
+        num_in_flight = self.engine.num_unfinished + self._num_preparing
+        if max_queue is not None and num_in_flight + num_seqs > self.max_num_seqs + max_queue:
+            raise QueueFullError(
+                f"the server is full: {num_in_flight} completions in flight or being prepared, room for "
+                f"{self.max_num_seqs + max_queue} (max_num_seqs={self.max_num_seqs} + max_queue={max_queue}); "
+                "retry later",
+                retry_after_s=1,
+            )
+        self._num_preparing += num_seqs
+        try:
+            yield
+        finally:
+            self._num_preparing -= num_seqs
+
+    async def _in_tokenizer_thread(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
+            shown = repr(model) if len(model) <= 100 else f"{model[:100]!r}... ({len(model)} characters)"
             raise APIError(
                 404,
-                f"model {model!r} is not served here; this server serves {self.served_model_name!r} "
-                "(see GET /v1/models)",
+                f"model {shown} is not served here; this server serves {self.served_model_name!r} (see GET /v1/models)",
                 "model",
                 "model_not_found",
             )
@@ -183,12 +241,12 @@ class OpenAIServing:
     def _tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
         return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
-    def _chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+    def _chat_prompt(self, messages: list[dict[str, Any]]) -> list[list[int]]:
         try:
             text = self.tokenizer.apply_chat_template(messages)
         except jinja2.TemplateError as exc:
             raise RequestError(f"the model's chat template rejected the messages: {exc}", None, "messages") from None
-        return self.tokenizer.encode(text)
+        return [self.tokenizer.encode(text)]
 
 
 class EngineStreamingResponse(StreamingResponse):
@@ -206,9 +264,12 @@ class EngineStreamingResponse(StreamingResponse):
             self.on_close()
 
 
-def _raise_if_failed(out: RequestOutput) -> None:
+def _raise_if_failed(out: RequestOutput, request_id: str) -> None:
     if out.finish_reason == "error":
-        raise APIError(500, out.error or f"request {out.request_id} failed in the engine", code="engine_error")
+        # NOTE: the engine logged the cause under its own request id; this line ties that to the HTTP request's.
+        logger.warning("request %s: engine request %s failed: %s", request_id, out.request_id, out.error)
+        what = out.error or "the engine failed this request"
+        raise APIError(500, f"{what} (request {request_id})", code="engine_error")
     if out.finish_reason == "abort":
         raise APIError(503, f"request {out.request_id} was aborted: the server is shutting down", code="aborted")
 

@@ -42,7 +42,7 @@ def test_too_long_prompt_is_a_clear_error() -> None:
 def test_bad_sampling_flag_is_a_clear_error() -> None:
     proc = run("generate", "--prompt", "hi", "--temperature", "-2")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert "temperature=-2.0: must be >= 0" in proc.stderr
+    assert "temperature=-2.0: must be in [0, 2]" in proc.stderr
 
 
 def test_chat_streams_replies_and_keeps_history() -> None:

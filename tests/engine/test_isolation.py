@@ -131,10 +131,12 @@ def test_a_slow_reader_is_cut_off_and_its_blocks_freed() -> None:
         served.start()
         try:
             stream = await served.add_requests([("slow", [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))])
-            while served.stats().num_steps < 10:  # the reader takes nothing while the engine runs ahead
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while stream.queue.qsize() <= 3 and loop.time() < deadline:  # the reader takes nothing meanwhile
                 await asyncio.sleep(0.01)
             outs = [out async for out in stream]
-            while served.stats().num_kv_blocks_used:
+            while served.stats().num_kv_blocks_used and loop.time() < deadline:
                 await asyncio.sleep(0.01)
             return outs
         finally:

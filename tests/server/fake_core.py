@@ -1,8 +1,10 @@
 """EngineCore's serving surface without a model, for fast in-process tests of the async engine and the API.
 
-Each step gives every request the token for "x"; `gate` (cleared) holds the engine thread inside `step` so tests
-can keep requests in flight; `fail_next_step` makes one step raise. Prompts containing "VIOLATE" are rejected
-with a RecipeViolation, as the engine's recipe guards do.
+Each step gives every request the token `token_id` (the one for "x"); `gate` (cleared) holds the engine thread
+inside `step` so tests can keep requests in flight; `fail_next_step` makes one step raise; `loop_failure` (set)
+kills the engine loop on its next turn. Prompts containing "VIOLATE" are rejected with a RecipeViolation, as the
+engine's recipe guards do; prompts containing "CRASH" raise an IndexError, as a kiln bug would. The tokenizer
+counts its calls, so tests can tell that a request was refused before tokenizing.
 """
 
 from __future__ import annotations
@@ -24,15 +26,27 @@ TOKEN_X = ord("x")
 
 
 class FakeTokenizer:
+    """One token per character (its code point mod 256); decoding a token id past Unicode's range raises;
+    `gate` (cleared) holds every encode, so tests can keep requests in tokenization."""
+
     eos_token_id = 0
 
+    def __init__(self) -> None:
+        self.num_encode_calls = 0
+        self.num_template_calls = 0
+        self.gate = threading.Event()
+        self.gate.set()
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        self.num_encode_calls += 1
+        self.gate.wait(timeout=30)
         return [ord(c) % 256 for c in text]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        self.num_template_calls += 1
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
 
@@ -56,16 +70,24 @@ class FakeRequest:
             finish_reason=reason,
             delta="x" if num_new else "",
             num_new_tokens=num_new,
-            logprobs=[{TOKEN_X: -0.5}] * len(self.output_token_ids) if self.params.logprobs is not None else None,
+            logprobs=[{t: -0.5} for t in self.output_token_ids] if self.params.logprobs is not None else None,
             metrics=self.metrics,
         )
 
 
 class FakeCore:
-    def __init__(self, max_num_seqs: int = 4, num_blocks: int = 64, block_size: int = 4, max_model_len: int = 64):
+    def __init__(
+        self,
+        max_num_seqs: int = 4,
+        num_blocks: int = 64,
+        block_size: int = 4,
+        max_model_len: int = 64,
+        tokenizer: Any = None,
+    ):
         self.config = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=max_num_seqs))
-        self.tokenizer = FakeTokenizer()
+        self.tokenizer = tokenizer or FakeTokenizer()
         self.max_model_len = max_model_len
+        self.checkpoint_path = "/models/fake-model"
         self.model_config = SimpleNamespace(name="fake-model", vocab_size=256)
         self.pool = BlockPool(num_blocks, block_size)
         self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)
@@ -75,11 +97,16 @@ class FakeCore:
         self.gate = threading.Event()
         self.gate.set()
         self.fail_next_step = False
+        self.loop_failure: Exception | None = None
+        self.token_id = TOKEN_X
         self.step_delay = 0.002  # seconds per step, like a (very) small model
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> FakeRequest:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if "VIOLATE" in self.tokenizer.decode(ids):
+        text = self.tokenizer.decode(ids)
+        if "CRASH" in text:
+            raise IndexError("index 1000000000 is out of bounds for dimension 0 with size 256")
+        if "VIOLATE" in text:
             raise RecipeViolation(
                 f"recipe.yaml:9: seq_len <= 32 violated: got seq_len={len(ids) + params.max_tokens}",
                 "recipe.yaml",
@@ -101,6 +128,8 @@ class FakeCore:
 
     @property
     def has_unfinished(self) -> bool:
+        if self.loop_failure is not None:
+            raise self.loop_failure
         return bool(self.requests)
 
     def step(self) -> list[RequestOutput]:
@@ -112,7 +141,7 @@ class FakeCore:
         outputs = []
         now = time.monotonic()
         for req in list(self.requests.values()):
-            req.output_token_ids.append(TOKEN_X)
+            req.output_token_ids.append(self.token_id)
             req.metrics.first_token_time = req.metrics.first_token_time or now
             finished = len(req.output_token_ids) >= req.params.max_tokens
             if finished:

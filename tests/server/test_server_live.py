@@ -11,22 +11,17 @@ import asyncio
 import json
 import re
 import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kiln import LLM, SamplingParams
 from kiln.bench.loadtest import run_loadtest_command
+from tests.server.live import LiveServer, live_server
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 512
@@ -35,79 +30,12 @@ PROMPTS = ["The capital of France is", "Write a haiku about the sea:", "1, 2, 3,
 CHAT = [{"role": "user", "content": "What is the tallest mountain on Earth?"}]
 
 
-@dataclass
-class LiveServer:
-    url: str
-    process: subprocess.Popen[str]
-    log: list[str] = field(default_factory=list)
-
-    @property
-    def base_url(self) -> str:
-        return f"{self.url}/v1"
-
-    def client(self, api_key: str = API_KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=120)
-
-    def metrics(self) -> dict[str, float]:
-        """Every sample on /metrics as `name{labels}` -> value (the text must parse with prometheus_client)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        samples = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-                samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-        return samples
-
-    def wait_idle(self, timeout: float = 60.0) -> dict[str, float]:
-        """Wait until no request is in flight and no KV block is in use; return the metrics then."""
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            if m["kiln_kv_cache_used_blocks"] == 0 and m["kiln_num_requests_unfinished"] == 0:
-                return m
-            if time.monotonic() > deadline:
-                raise AssertionError(f"server not idle after {timeout} s: {m['kiln_kv_cache_used_blocks']} blocks used")
-            time.sleep(0.2)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(request: pytest.FixtureRequest) -> Iterator[LiveServer]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "kiln.launch", "--model-path", "default", "--port", str(port), "--api-key", API_KEY,
-           "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256", "--max-num-seqs", "32",
-           "--shutdown-timeout", "60"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    live = LiveServer(f"http://127.0.0.1:{port}", proc)
-    ready = threading.Event()
-
-    def read_log() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            live.log.append(line.rstrip("\n"))
-            if "Ready: " in line:
-                ready.set()
-
-    threading.Thread(target=read_log, daemon=True).start()
-    try:
-        request.getfixturevalue("llm")  # NOTE: load the offline reference while the server loads
-        deadline = time.monotonic() + 240
-        while not ready.wait(0.5):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError("server did not start:\n" + "\n".join(live.log[-30:]))
+    args = ["--model-path", "default", "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN),
+            "--num-kv-blocks", "256", "--max-num-seqs", "32", "--shutdown-timeout", "60"]  # fmt: skip
+    with live_server(args, API_KEY, lambda: request.getfixturevalue("llm")) as live:
         yield live
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,147 @@
+"""What runs on every HTTP request before a route sees it: a request id, the API key, the body-size limit.
+
+Order, outermost first (see `create_app`): RequestIdMiddleware, HTTP metrics, APIKeyMiddleware,
+BodySizeLimitMiddleware, then routing. So every answer carries an `x-request-id` header and is counted in
+/metrics; a request without the key is refused before a byte of its body is read; a body over the limit is
+refused before it is parsed; and only then does FastAPI parse JSON.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import uuid
+
+from fastapi import Request
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kiln.server.errors import api_error_response, error_response, internal_error
+
+logger = logging.getLogger("kiln")
+
+REQUEST_ID_HEADER = "x-request-id"
+
+
+def request_id_of(request: Request) -> str:
+    """The id RequestIdMiddleware gave this HTTP request (`req-<32 hex digits>`)."""
+    return request.state.request_id
+
+
+class RequestIdMiddleware:
+    """Gives every HTTP request an id, in `request.state.request_id` and the `x-request-id` response header, and
+    answers an exception that no handler took with a 500 naming that id (never the exception's text); the
+    server log has the traceback under the same id."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = f"req-{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = request_id
+        is_started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal is_started
+            if message["type"] == "http.response.start":
+                is_started = True
+                headers = [*message.get("headers", []), (REQUEST_ID_HEADER.encode(), request_id.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            logger.exception("request %s: %s %s failed", request_id, scope["method"], scope["path"])
+            # NOTE: once the status line is out there is no way left to send an error; streaming responses send
+            # theirs as an SSE event themselves (kiln/server/serving.py), so only a kiln bug ends up here.
+            if not is_started:
+                await api_error_response(internal_error(request_id))(scope, receive, send_with_id)
+
+
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer <api_key>` matches (constant-time compare), decided from the headers
+    alone: on /v1/* (every model route), and on /metrics too when `protect_metrics`."""
+
+    def __init__(self, app: ASGIApp, api_key: str, protect_metrics: bool) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+        self.protect_metrics = protect_metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self._is_protected(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        header = Headers(scope=scope).get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key):
+            await self.app(scope, receive, send)
+            return
+        found = "no Authorization header" if not header else "a key that does not match"
+        response = error_response(
+            401,
+            "invalid API key: expected 'Authorization: Bearer <key>' with the server's API key (--api-key, "
+            f"--api-key-file or KILN_API_KEY), got {found}",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+        await response(scope, receive, send)
+
+    def _is_protected(self, path: str) -> bool:
+        return path.startswith("/v1/") or (self.protect_metrics and path == "/metrics")
+
+
+class BodySizeLimitMiddleware:
+    """413 for a request body over `max_bytes`: from Content-Length when the client sends one (nothing is read
+    then), else by counting while the body arrives (reading stops past the limit). A body within the limit is
+    read here and handed on to the app unchanged; nothing is parsed here."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(f"is {int(declared)} bytes (Content-Length)", scope, receive, send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # http.disconnect: the client left while sending; nobody is left to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._refuse(f"has more than {self.max_bytes} bytes", scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body = b"".join(chunks)
+        is_body_sent = False
+
+        async def receive_body_then_rest() -> Message:
+            nonlocal is_body_sent
+            if is_body_sent:
+                return await receive()  # http.disconnect, which serving.py waits for
+            is_body_sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, receive_body_then_rest, send)
+
+    async def _refuse(self, what: str, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(
+            413,
+            f"the request body {what}; this server accepts at most {self.max_bytes} bytes "
+            f"(--max-body-bytes={self.max_bytes}); send a smaller request",
+            code="body_too_large",
+        )
+        await response(scope, receive, send)

@@ -1,0 +1,171 @@
+"""How `kiln serve` fails: bad input is a 400 naming the field (a seed outside int64, a lone surrogate), a kiln bug
+is a 500 that carries the request id and never the exception's text, a failed stream ends with an error event,
+and /health answers 503 once the engine loop is gone. Over a FakeCore: no model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+
+import httpx
+import pytest
+
+from kiln.engine.sampling_params import SamplingParams
+from tests.server.app_harness import Served, build_served_app, openai_error, serve, wait_until
+from tests.server.fake_core import FakeCore
+
+CHAT = [{"role": "user", "content": "hi"}]
+JSON = {"Content-Type": "application/json"}
+
+
+def sse_events(response: httpx.Response) -> list[str]:
+    return [line.removeprefix("data: ") for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("seed", [2**70, 2**63, -(2**63) - 1])
+def test_seed_outside_int64_is_400_naming_seed(seed: int) -> None:
+    core = FakeCore()
+
+    async def body(s: Served) -> None:
+        response = await s.client.post("/v1/completions", json={"prompt": "hi", "seed": seed, "max_tokens": 1})
+        error = openai_error(response, 400)
+        assert error["param"] == "seed" and str(seed) in error["message"]
+        chat = await s.client.post("/v1/chat/completions", json={"messages": CHAT, "seed": seed, "max_tokens": 1})
+        assert openai_error(chat, 400)["param"] == "seed"
+        assert core.tokenizer.num_encode_calls == 0
+        in_range = await s.client.post("/v1/completions", json={"prompt": "hi", "seed": 2**63 - 1, "max_tokens": 1})
+        assert in_range.status_code == 200
+
+    serve(core, body)
+
+
+@pytest.mark.parametrize(
+    ("path", "payload", "param"),
+    [
+        ("/v1/completions", '{"prompt": "a\\ud800b"}', "prompt"),
+        ("/v1/completions", '{"prompt": ["ok", "\\udfff"]}', "prompt.1"),
+        ("/v1/completions", '{"prompt": "ok", "stop": "\\ud800"}', "stop.0"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud83d"}]}', "messages.0.content"),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+            "messages.0.content",
+        ),
+        ("/v1/chat/completions", '{"messages": [{"role": "\\ud800", "content": "hi"}]}', "messages.0.role"),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "hi", "name": "\\udc00"}]}',
+            "messages.0.name",
+        ),
+    ],
+)
+def test_lone_surrogate_is_400_naming_the_field(path: str, payload: str, param: str) -> None:
+    core = FakeCore()
+
+    async def body(s: Served) -> None:
+        response = await s.client.post(path, content=payload.encode(), headers=JSON)
+        error = openai_error(response, 400)
+        assert error["param"] == param and "lone UTF-16 surrogate" in error["message"]
+        assert core.tokenizer.num_encode_calls == 0 and core.tokenizer.num_template_calls == 0
+
+    serve(core, body)
+
+
+def test_a_surrogate_pair_is_fine() -> None:
+    async def body(s: Served) -> None:
+        payload = b'{"prompt": "smile \\ud83d\\ude00", "max_tokens": 1}'
+        assert (await s.client.post("/v1/completions", content=payload, headers=JSON)).status_code == 200
+
+    serve(FakeCore(), body)
+
+
+def test_internal_error_is_500_with_the_request_id_and_without_the_exception_text(
+    kiln_log: pytest.LogCaptureFixture,
+) -> None:
+    async def body(s: Served) -> None:
+        for stream in (False, True):
+            response = await s.client.post(
+                "/v1/completions", json={"prompt": "CRASH", "max_tokens": 2, "stream": stream}
+            )
+            error = openai_error(response, 500)
+            request_id = response.headers["x-request-id"]
+            assert re.fullmatch(r"req-[0-9a-f]{32}", request_id)
+            assert request_id in error["message"] and error["code"] == "internal_error"
+            assert "out of bounds" not in response.text and "IndexError" not in response.text
+            logged = [r for r in kiln_log.records if request_id in r.getMessage()]
+            assert len(logged) == 1 and logged[0].levelno == logging.ERROR
+            assert logged[0].exc_info is not None and "out of bounds" in str(logged[0].exc_info[1])
+        ok = await s.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert ok.status_code == 200  # the server keeps serving
+
+    serve(FakeCore(), body)
+
+
+def test_engine_error_names_the_request_id() -> None:
+    core = FakeCore()
+
+    async def body(s: Served) -> None:
+        core.fail_next_step = True
+        response = await s.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+        error = openai_error(response, 500)
+        assert error["code"] == "engine_error" and response.headers["x-request-id"] in error["message"]
+
+    serve(core, body)
+
+
+def test_stream_that_fails_midway_ends_with_an_error_event(kiln_log: pytest.LogCaptureFixture) -> None:
+    core = FakeCore()
+    core.token_id = 0x110000 + 7  # no such character: formatting its logprobs raises (a kiln bug)
+
+    async def body(s: Served) -> None:
+        payload = {"prompt": "hi", "max_tokens": 3, "stream": True, "logprobs": 1}
+        response = await s.client.post("/v1/completions", json=payload)
+        assert response.status_code == 200
+        events = sse_events(response)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        request_id = response.headers["x-request-id"]
+        assert error["code"] == "internal_error" and request_id in error["message"]
+        assert "chr()" not in response.text and "ValueError" not in response.text
+        logged = [r for r in kiln_log.records if request_id in r.getMessage()]
+        assert len(logged) == 1 and logged[0].exc_info is not None
+        await wait_until(lambda: core.pool.num_used_blocks == 0 and s.engine.num_unfinished == 0)
+
+    serve(core, body)
+
+
+def test_health_is_503_with_a_reason_once_the_engine_loop_died() -> None:
+    core = FakeCore()
+
+    async def body(s: Served) -> None:
+        healthy = await s.client.get("/health")
+        assert healthy.status_code == 200 and healthy.json()["status"] == "ok" and "reason" not in healthy.json()
+        core.loop_failure = RuntimeError("bookkeeping bug")
+        stream = await s.engine.add_requests([("r1", "hi", SamplingParams(max_tokens=2))])  # wakes the loop
+        await wait_until(lambda: bool(s.loop_errors))
+        response = await s.client.get("/health")
+        assert response.status_code == 503
+        assert response.json()["status"] == "unavailable"
+        assert "the engine loop has stopped" in response.json()["reason"]
+        stream.close()
+
+    serve(core, body)
+
+
+def test_health_is_503_while_shutting_down() -> None:
+    app = build_served_app(FakeCore())
+    engine = app.state.engine
+
+    async def main() -> httpx.Response:
+        loop = asyncio.get_running_loop()
+        async with app.router.lifespan_context(app):
+            loop_done = loop.run_in_executor(None, engine.run_loop)
+        await loop_done
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kiln") as client:
+            return await client.get("/health")
+
+    response = asyncio.run(main())
+    assert response.status_code == 503 and "shutting down" in response.json()["reason"]
