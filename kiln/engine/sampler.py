@@ -78,16 +78,21 @@ class Sampler:
             if row.block_eos:
                 logits[i, row.block_eos] = float("-inf")
         logits = apply_penalties(logits, rows)
-        token_ids = logits.argmax(dim=-1).tolist()
+        # NOTE: one pass finds both the greedy tokens and the rows that cannot be sampled: a row's max is NaN or
+        # inf when any logit is NaN or +inf, and -inf when every candidate was masked out.
+        best, greedy = logits.max(dim=-1)
+        token_ids = greedy.tolist()
         errors: list[str | None] = [None] * len(rows)
-        for i in torch.nonzero(~torch.isfinite(raw).all(dim=-1)).flatten().tolist():
-            errors[i] = "the model produced non-finite logits (NaN or inf) for this sequence"
+        for i in torch.nonzero(~torch.isfinite(best)).flatten().tolist():
+            errors[i] = (
+                "no token is left to sample: every candidate was masked out or penalised to -inf"
+                if bool(torch.isfinite(raw[i]).all())
+                else "the model produced non-finite logits (NaN or inf) for this sequence"
+            )
         for i, row in enumerate(rows):
             if errors[i] is not None:
                 continue
-            if not torch.isfinite(logits[i].max()):
-                errors[i] = "no token is left to sample: every candidate was masked out or penalised to -inf"
-            elif not row.params.is_greedy:
+            if not row.params.is_greedy:
                 probs = filter_logits(logits[i], row.params).softmax(-1)
                 if not torch.isfinite(probs).all():
                     errors[i] = "the sampling probabilities are not finite; check temperature and penalties"

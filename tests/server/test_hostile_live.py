@@ -5,6 +5,7 @@ OpenAI error shape, change the canary's tokens, or leave a KV block or a request
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import random
 import threading
@@ -164,7 +165,7 @@ def test_fuzzed_requests_never_hurt_the_server_or_a_canary(server: LiveServer) -
     client = httpx.Client(timeout=120)
 
     @settings(
-        max_examples=70,
+        max_examples=50,
         deadline=None,
         derandomize=True,
         database=None,
@@ -196,7 +197,7 @@ def test_fuzzed_requests_never_hurt_the_server_or_a_canary(server: LiveServer) -
 
 
 def test_soak_with_random_disconnects(server: LiveServer) -> None:
-    """SOAK_REQUESTS mixed requests, 16 at a time, a fifth of them abandoned midway; bounded in time."""
+    """SOAK_REQUESTS mixed requests, 12 clients at a time, a fifth of them abandoned midway; bounded in time."""
     rss_before = psutil.Process(server.process.pid).memory_info().rss
     start_blocks = server.wait_idle()["kiln_kv_cache_free_blocks"]
     rng = random.Random(0)
@@ -224,7 +225,11 @@ def test_soak_with_random_disconnects(server: LiveServer) -> None:
             except (TimeoutError, httpx.HTTPError):
                 pass
             return
-        response = await client.post(f"{server.base_url}/{route}", json=body)
+        for _ in range(5):  # a well-behaved client waits Retry-After when the server is full
+            response = await client.post(f"{server.base_url}/{route}", json=body)
+            if response.status_code != 429:
+                break
+            await asyncio.sleep(float(response.headers["retry-after"]))
         statuses.append(response.status_code)
 
         assert_openai_shaped(response)
@@ -232,7 +237,7 @@ def test_soak_with_random_disconnects(server: LiveServer) -> None:
             stream_events(response)
 
     async def main() -> None:
-        limits = httpx.Limits(max_connections=16)
+        limits = httpx.Limits(max_connections=12)
         async with httpx.AsyncClient(timeout=60, limits=limits) as client:
             queue = list(range(SOAK_REQUESTS))
 
@@ -240,15 +245,43 @@ def test_soak_with_random_disconnects(server: LiveServer) -> None:
                 while queue:
                     await one(client, queue.pop())
 
-            await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(16))), SOAK_SECONDS)
+            await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(12))), SOAK_SECONDS)
 
     started = time.monotonic()
     asyncio.run(main())
     assert time.monotonic() - started < SOAK_SECONDS
-    # 429s are fine under this load (16 clients, n up to 2, abandoned requests still counted for a moment)
-    assert set(statuses) <= {200, 400, 429} and statuses.count(200) > SOAK_REQUESTS // 5, Counter(statuses)
+    # a 429 is fine when abandoned requests are still counted for a moment; clients retry after Retry-After
+    assert set(statuses) <= {200, 400, 429} and statuses.count(200) > SOAK_REQUESTS // 2, Counter(statuses)
     assert statuses.count(400) > 0  # the bad requests among them were refused, and nothing else was
     idle = server.wait_idle()
     assert idle["kiln_kv_cache_free_blocks"] == start_blocks
     growth = psutil.Process(server.process.pid).memory_info().rss - rss_before
     assert growth < 200 * 2**20, f"resident memory grew {growth / 2**20:.0f} MiB over the soak"
+
+
+def test_a_10_mb_prompt_does_not_stall_a_concurrent_stream(server: LiveServer) -> None:
+    """The issue's measure: while a 10 MB prompt arrives, a running stream's next token is late by < 100 ms."""
+    arrivals: list[float] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        body = {**CANARY, "max_tokens": 40, "stream": True}
+        with httpx.stream("POST", f"{server.base_url}/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    arrivals.append(time.monotonic())
+                    started.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert started.wait(60)
+    time.sleep(0.3)
+    sent = time.monotonic()
+    big = httpx.post(f"{server.base_url}/completions", json={"model": MODEL, "prompt": "x" * 10_000_000}, timeout=60)
+    done = time.monotonic()
+    thread.join(120)
+    assert big.status_code == 413 and "--max-body-bytes" in big.json()["error"]["message"]
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    typical = sorted(gaps)[len(gaps) // 2]
+    during = [b - a for a, b in itertools.pairwise(arrivals) if b >= sent and a <= done]
+    assert during and max(during) < typical + 0.1, (typical, during)
