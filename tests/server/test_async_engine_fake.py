@@ -16,6 +16,8 @@ from kiln.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullE
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import RequestError
 from kiln.server.api import AppSettings, create_app
+from tests.server.app_harness import openai_error as assert_openai_error
+from tests.server.app_harness import wait_until
 from tests.server.fake_core import FakeCore
 
 Client = httpx.AsyncClient
@@ -39,22 +41,6 @@ def run_with_app(
             await engine.stop()
 
     return asyncio.run(main())
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
-
-
-def assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    assert "Traceback" not in response.text
-    error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"}
-    return error
 
 
 def test_generate_streams_outputs_and_finishes() -> None:
