@@ -26,77 +26,17 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from kiln.engine.core import INTERNAL_ERROR, EngineCore
 from kiln.engine.request import RequestOutput
+from kiln.engine.request_stream import EngineStats, EngineStoppedError, QueueFullError, RequestStream, settle
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import KilnError
 
 logger = logging.getLogger("kiln")
 
 Prompt = str | list[int]
-
-
-class QueueFullError(KilnError):
-    """More requests than the server admits (running + `max_queue` waiting); the client should retry later."""
-
-    def __init__(self, message: str, retry_after_s: int) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-
-class EngineStoppedError(KilnError):
-    """The engine is shutting down or its loop has stopped; no new requests are accepted."""
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot the engine thread publishes after every step (read from any thread)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_kv_blocks_used: int = 0
-    num_kv_blocks: int = 0
-    num_preemptions: int = 0
-    num_steps: int = 0
-    num_step_failures: int = 0
-
-
-class RequestStream:
-    """Outputs of one or more engine requests (e.g. the `n` choices of one HTTP request), in the order produced.
-
-    Iterate it for RequestOutputs; iteration ends when every request has finished. `close()` (also run by
-    `async with`) aborts the requests that have not finished.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_ids: Sequence[str]) -> None:
-        self.engine = engine
-        self.request_ids = list(request_ids)
-        self.unfinished = set(request_ids)
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if not self.unfinished:
-            raise StopAsyncIteration
-        out = await self.queue.get()
-        if out.finished:
-            self.unfinished.discard(out.request_id)
-        return out
-
-    def close(self) -> None:
-        for request_id in sorted(self.unfinished):
-            self.engine.abort(request_id)
-        self.unfinished.clear()
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.close()
 
 
 class AsyncEngine:
@@ -199,7 +139,7 @@ class AsyncEngine:
         if not self.is_accepting:
             raise EngineStoppedError("the server is shutting down and accepts no new requests")
         self._check_capacity(len(requests))
-        stream = RequestStream(self, [rid for rid, _, _ in requests])
+        stream = RequestStream(self.abort, [rid for rid, _, _ in requests])
         for rid in stream.request_ids:
             self._streams[rid] = stream
         assert self._loop is not None
@@ -283,7 +223,7 @@ class AsyncEngine:
         if error is not None:
             for rid in done:
                 self.core.abort(rid)
-        self._call_in_loop(_resolve, added, error)
+        self._call_in_loop(settle, added, error)
 
     def _step(self) -> None:
         try:
@@ -344,33 +284,16 @@ class AsyncEngine:
     def _fail_streams(self) -> None:
         """The loop died: end every open stream with an error output, so no client waits forever."""
         for rid, stream in list(self._streams.items()):
-            stream.queue.put_nowait(
-                RequestOutput(rid, None, [], "", [], finished=True, finish_reason="error", error=INTERNAL_ERROR)
-            )
+            stream.fail(rid, INTERNAL_ERROR)
         self._streams.clear()
 
     def _cut_off(self, stream: RequestStream, out: RequestOutput, limit: int) -> RequestOutput:
         """A reader `limit` outputs behind: abort all of its stream's requests (freeing their KV blocks)."""
         logger.warning("request %s: its reader is %d outputs behind; aborting it", out.request_id, limit)
-        message = (
-            f"the client read the stream too slowly: {limit} outputs were waiting to be sent "
-            "(--max-stream-buffer); the request was stopped"
-        )
+        message = f"the client read the stream too slowly: {limit} outputs waited (--max-stream-buffer); stopped"
         for rid in list(stream.unfinished):
-            if rid != out.request_id and self._streams.pop(rid, None) is not None:
+            if self._streams.pop(rid, None) is not None:
                 self._submit(lambda rid=rid: self.core.abort(rid))
-                stream.queue.put_nowait(
-                    RequestOutput(rid, None, [], "", [], finished=True, finish_reason="error", error=message)
-                )
-        self._streams.pop(out.request_id, None)
-        self._submit(lambda: self.core.abort(out.request_id))
+                if rid != out.request_id:
+                    stream.fail(rid, message)
         return replace(out, finished=True, finish_reason="error", error=message, delta="", num_new_tokens=0)
-
-
-def _resolve(future: asyncio.Future[None], error: BaseException | None) -> None:
-    if future.done():  # the caller was cancelled while waiting; add_requests already aborted its requests
-        return
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)

@@ -72,9 +72,7 @@ class EngineCore:
         )
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._seed_rng = torch.Generator().manual_seed(
-            config.seed if config.seed is not None else secrets.randbits(63)
-        )
+        self._seed_rng = torch.Generator().manual_seed(config.seed if config.seed is not None else secrets.randbits(63))
         self.num_steps = 0
 
     @staticmethod

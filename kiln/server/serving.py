@@ -24,8 +24,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kiln.engine.async_engine import AsyncEngine, QueueFullError, RequestStream
+from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.request import RequestOutput
+from kiln.engine.request_stream import QueueFullError, RequestStream
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import RequestError
 from kiln.server.errors import APIError, error_body, expected_error, internal_error

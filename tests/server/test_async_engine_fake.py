@@ -12,7 +12,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kiln.engine.async_engine import AsyncEngine, EngineStoppedError, QueueFullError
+from kiln.engine.async_engine import AsyncEngine
+from kiln.engine.request_stream import EngineStoppedError, QueueFullError
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import RequestError
 from kiln.server.api import AppSettings, create_app

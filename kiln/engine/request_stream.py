@@ -1,0 +1,88 @@
+"""What the async engine hands to asyncio callers: `RequestStream` (the outputs of one or more requests, in
+order), the admission errors, and the stats snapshot the engine thread publishes after every step."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kiln.engine.request import RequestOutput
+from kiln.errors import KilnError
+
+
+class QueueFullError(KilnError):
+    """More requests than the server admits (running + `max_queue` waiting); the client should retry later."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class EngineStoppedError(KilnError):
+    """The engine is shutting down or its loop has stopped; no new requests are accepted."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot the engine thread publishes after every step (read from any thread)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks_used: int = 0
+    num_kv_blocks: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_step_failures: int = 0
+
+
+class RequestStream:
+    """Outputs of one or more engine requests (e.g. the `n` choices of one HTTP request), in the order produced.
+
+    Iterate it for RequestOutputs; iteration ends when every request has finished. `close()` (also run by
+    `async with`) aborts the requests that have not finished.
+    """
+
+    def __init__(self, abort: Callable[[str], None], request_ids: Sequence[str]) -> None:
+        self.abort = abort  # the engine's: stops a request and frees its KV blocks
+        self.request_ids = list(request_ids)
+        self.unfinished = set(request_ids)
+        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self.unfinished:
+            raise StopAsyncIteration
+        out = await self.queue.get()
+        if out.finished:
+            self.unfinished.discard(out.request_id)
+        return out
+
+    def fail(self, request_id: str, message: str) -> None:
+        """End one of the stream's requests with an error output (its engine request is dealt with elsewhere)."""
+        self.queue.put_nowait(
+            RequestOutput(request_id, None, [], "", [], finished=True, finish_reason="error", error=message)
+        )
+
+    def close(self) -> None:
+        for request_id in sorted(self.unfinished):
+            self.abort(request_id)
+        self.unfinished.clear()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    """Resolve an add-requests future from the event loop: done, or failed with `error`."""
+    if future.done():  # the caller was cancelled while waiting; add_requests already aborted its requests
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
