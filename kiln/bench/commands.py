@@ -1,24 +1,32 @@
-"""`kiln bench`: each mode's engine (built from the engine flags) run closed-loop per batch size, then HF
-transformers on the same prompts when asked; a report with ratios, optionally as JSON. The random prompts are
-seeded by the engine's --seed."""
+"""Handlers of `kiln bench` and `kiln loadtest`.
+
+The bench: each mode's engine (built from the engine flags) run closed-loop per batch size, then HF transformers
+on the same prompts when asked; a report with ratios, optionally as JSON. The random prompts are seeded by the
+engine's --seed. The load test: kiln.bench.loadtest against a running server, reported by loadtest_report."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import logging
+import sys
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from kiln.bench.hf_runner import load_hf_model, run_hf, warm_up_hf
 from kiln.bench.kiln_runner import run_kiln, warm_up_kiln
+from kiln.bench.loadtest import LoadTestConfig, parse_range, run_loadtest
+from kiln.bench.loadtest_report import format_report, plot_latency_over_time, summarize
 from kiln.bench.metrics import RunResult, compute_ratios, random_prompts
 from kiln.bench.modes import engine_args_for_mode
 from kiln.bench.report import print_report
 from kiln.engine.llm import LLM
-from kiln.errors import ConfigError
+from kiln.errors import ConfigError, KilnError
 
 logger = logging.getLogger("kiln")
 
@@ -88,3 +96,34 @@ def _config(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "torch": torch.__version__,
     }
+
+
+def run_loadtest_command(args: argparse.Namespace) -> int:
+    """Exit 0 when at least one request completed, 1 when none did (errors are in the report either way)."""
+    try:
+        cfg = LoadTestConfig(
+            url=args.url,
+            concurrency=args.concurrency,
+            num_requests=args.num_requests,
+            input_len=parse_range(args.input_len, "--input-len"),
+            output_len=parse_range(args.output_len, "--output-len"),
+            model=args.model,
+            api_key=args.api_key,
+            request_rate=args.request_rate,
+            timeout=args.timeout,
+            seed=args.seed,
+        )
+        result = asyncio.run(run_loadtest(cfg))
+    except KilnError as exc:
+        print(f"kiln loadtest: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+    summary = summarize(result)
+    print(format_report(summary))
+    if args.json:
+        report = {**summary, "requests": [asdict(r) for r in result.records]}
+        Path(args.json).write_text(json.dumps(report, indent=2))
+        print(f"Wrote {args.json}")
+    if args.plot:
+        plot_latency_over_time(result, args.plot)
+        print(f"Wrote {args.plot}")
+    return 0 if summary["num_completed"] else 1

@@ -146,4 +146,4 @@ def add_loadtest_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for lengths, prompts and arrivals")
     p.add_argument("--json", default=None, help="write the report (and every request's record) here")
     p.add_argument("--plot", default=None, help="write a PNG of latency percentiles over time here")
-    p.set_defaults(handler="kiln.bench.loadtest:run_loadtest_command")
+    p.set_defaults(handler="kiln.bench.commands:run_loadtest_command")

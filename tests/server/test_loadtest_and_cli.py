@@ -7,16 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kiln.bench.loadtest import (
-    LoadTestConfig,
-    LoadTestResult,
-    RequestRecord,
-    check_loopback_url,
-    format_report,
-    parse_range,
-    run_loadtest_command,
-    summarize,
-)
+from kiln.bench.commands import run_loadtest_command
+from kiln.bench.loadtest import LoadTestConfig, LoadTestResult, RequestRecord, check_loopback_url, parse_range
+from kiln.bench.loadtest_report import format_report, summarize
 from kiln.command import resolve_handler
 from kiln.errors import ConfigError
 from kiln.launch import build_parser as build_launch_parser

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from kiln import LLM, SamplingParams
-from kiln.bench.loadtest import run_loadtest_command
+from kiln.bench.commands import run_loadtest_command
 from tests.server.live import LiveServer, live_server
 
 API_KEY = "test-key"

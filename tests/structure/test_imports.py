@@ -17,8 +17,8 @@ LAZY_IMPORTS = {
     ("kiln/compile/compiler.py", "torch._inductor"): "importing inductor takes ~1 s; eager engines never need it",
     ("kiln/compile/compiler.py", "torch._inductor.codecache"): "same",
     ("kiln/bench/hf_runner.py", "transformers"): "optional dependency (the hf extra), for --compare hf",
-    ("kiln/bench/loadtest.py", "matplotlib"): "optional dependency (the dev extra), for --plot",
-    ("kiln/bench/loadtest.py", "matplotlib.pyplot"): "same",
+    ("kiln/bench/loadtest_report.py", "matplotlib"): "optional dependency (the dev extra), for --plot",
+    ("kiln/bench/loadtest_report.py", "matplotlib.pyplot"): "same",
 }
 
 
