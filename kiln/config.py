@@ -87,6 +87,8 @@ class FusionGroupConfig:
 
     name: str
     ops: tuple[str, ...]
+    required: bool = True  # not realised after compiling: True fails the compile, False logs a warning
+    where: str = ""  # "recipe.yaml:18" when it came from a recipe, for messages
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ class GraphConfig:
     recipe_hash: str = ""
     debug: int = 0  # trace level from the recipe's debug_mode; KILN_DEBUG raises it, never lowers it
     fusion_groups: tuple[FusionGroupConfig, ...] = (
-        FusionGroupConfig("mlp_fusion", ("gate_proj", "up_proj", "silu", "mul", "down_proj")),
+        FusionGroupConfig("mlp_fusion", ("gate_proj", "up_proj", "silu", "mul")),
     )
 
 

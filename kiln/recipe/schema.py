@@ -58,6 +58,9 @@ class Quantization(Section):
 class FusionGroup(Section):
     name: str
     ops: list[str] = Field(min_length=1, description="Model modules (gate_proj, ...) and functional ops (silu, mul).")
+    required: bool = Field(
+        True, description="true: a compile that does not realise the group fails; false: it only warns."
+    )
 
 
 class KVCache(Section):
