@@ -9,5 +9,7 @@ verify.py     a compiled piece checked against its graph              capture.py
 capturer.py   capture every piece per size, largest first             dispatch.py  replay or run dynamically
 passes.py     inductor post-grad passes (DecodeGemv)                  logits_head.py  compiled one-row head
 executor.py   GraphExecutor: the roles behind the Executor interface  settings.py  GraphConfig from recipe/flags
-artifacts.py, lint.py, fusion.py, kernels.py, diagnose.py: what `kiln compile` writes and how failures read.
+fusion_match.py, fusion.py, fusion_check.py: recipe fusion groups found in the pieces, judged on the generated
+code, enforced after compiling (a required group not realised fails the compile at its recipe line).
+artifacts.py, lint.py, kernels.py, diagnose.py: what `kiln compile` writes and how failures read.
 """

@@ -5,7 +5,7 @@ DIR/pieces/piece_K.generated.py   the compiler's generated code, when it has any
 DIR/graph.dot (+ .svg)    pieces coloured by mode, splitting ops between them, fusion groups outlined
 DIR/lint.txt              nodes that become needless kernels, and graph breaks
 DIR/kernel_profile.json   per piece: ops, generated kernels, static buffer bytes, latency per capture size
-DIR/fusion.json           per recipe fusion group: realised in one kernel or why not
+DIR/fusion.json           per recipe fusion group: realised (kiln.compile.fusion), or the op that broke it and why
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class BuiltGraph(Protocol):
 
     @property
     def cache_sources(self) -> dict[str, str]: ...
+
 
 MODE_COLOURS = {"captured": "#b7e4c7", "compiled": "#ffe8a3", "eager": "#d9d9d9"}
 

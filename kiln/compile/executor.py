@@ -3,8 +3,9 @@
 prepare = kernel choice (static compile sizes, weight layout and one-row head, timed on this machine and cached:
 kiln.compile.kernel_choice) -> build (kiln.compile.build: trace + split)
 -> compile every piece through the compiled-piece store (kiln.compile.store: memo, on-disk cache, verification),
-and again per static compile size -> capture per capture size (kiln.compile.capturer) -> the compiled one-row
-logits head. `forward` is the dispatcher's (kiln.compile.dispatch). Every stage is counted in `counters`.
+and again per static compile size -> capture per capture size (kiln.compile.capturer) -> the fusion contract
+(kiln.compile.fusion_check: a required recipe fusion group the code does not realise fails here) -> the compiled
+one-row logits head. `forward` is the dispatcher's (kiln.compile.dispatch). Every stage is counted in `counters`.
 
 Public hooks for the debugger: `set_piece_modes`, `rebuild(transform)` (rewrite piece graphs: taps, faults),
 `set_piece_hooks` (before/after a piece's launch), `recapture`.
@@ -27,6 +28,8 @@ from kiln.compile.build import PiecewiseGraph, build_graph
 from kiln.compile.capturer import Capturer
 from kiln.compile.compiler import make_compiler
 from kiln.compile.dispatch import Dispatcher
+from kiln.compile.fusion import FusionReport
+from kiln.compile.fusion_check import check_fusion
 from kiln.compile.kernel_choice import choose_kernels
 from kiln.compile.logits_head import CompiledProduct, product_graph
 from kiln.compile.modes import PieceMode, format_piece_modes
@@ -53,6 +56,7 @@ class GraphExecutor(Executor):
         self.compiler = make_compiler(config.compiler)
         self.is_full_graph = config.full_graph or not config.piecewise
         self.build_seconds = 0.0
+        self.fusion: list[FusionReport] = []  # per recipe fusion group, checked once the pieces are compiled
 
     # -- prepare -----------------------------------------------------------------------------------------
     def prepare(self, model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
@@ -78,6 +82,7 @@ class GraphExecutor(Executor):
         modes = {i: default for i in range(len(self.pieces))}
         modes.update(self._checked_modes(dict(self.config.piece_modes)))
         self.set_piece_modes(modes)
+        self.fusion = check_fusion(self.pieces, self.config)
         self.head = self._compile_logits_head(model)
         self.build_seconds = time.perf_counter() - start
         logger.info(

@@ -1,29 +1,43 @@
-"""Did each recipe fusion group end up in one kernel? If not, say which kernels and why.
+"""Is each recipe fusion group realised in the generated code? If not, which op broke it, and why.
 
-A group names model modules (`gate_proj`, matched to kiln's fused `gate_up_proj` too) and functional ops
-(`silu`, `mul`, matched inside the modules' common parent, e.g. `model.layers.0.mlp`). The first piece that
-holds the group is inspected; identical pieces compile to the same code.
+A group is *realised* in a piece's generated code when
+1. its weight products (`gate_proj`, `up_proj`, ...) that read one input are one product: kiln's model merges
+   gate/up and q/k/v into one weight each, so they are one GEMM;
+2. one generated kernel computes all its pointwise ops (`silu`, `mul`, `add`, and every op of an `rms_norm` or
+   `rotary_emb` module). The code does not say which graph node a kernel computes, so a kernel is taken to compute
+   a node when it is named after the node's op (inductor names kernels after their aten ops) and reads the node's
+   inputs itself: graph inputs and product outputs, not another kernel's buffer;
+3. that kernel reads the output of every product feeding those ops directly (nothing runs in between), and
+   computes itself every product that consumes their result. An extern BLAS GEMM reads its input from memory, so
+   nothing fuses into it: `[silu, mul, down_proj]` cannot be realised where down_proj is an extern call (CPU,
+   dynamic num_tokens), only in static-size code where DecodeGemv made products generated reductions.
+The contract binds the code that runs for any num_tokens: the piece's dynamic compile. Static-size compiles are
+reported alongside (`static`). kiln.compile.fusion_match finds the group's instance; identical pieces compile to
+the same code, so one instance stands for all. The eager compiler and eager pieces generate no code: their groups
+are reported unchecked.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import asdict, dataclass, field
+from itertools import combinations
 from typing import TYPE_CHECKING
 
-from torch.fx import Node
+import torch
+from torch.fx import Graph, Node
 
-from kiln.compile.kernels import kernels_in
-from kiln.compile.modes import PieceMode
-from kiln.compile.split import node_module_path, op_name
+from kiln.compile.fusion_match import GroupInstance, locate, node_kind
+from kiln.compile.kernels import Kernel, kernels_in
+from kiln.compile.split import node_module_path
 from kiln.config import FusionGroupConfig
 
 if TYPE_CHECKING:
     from kiln.compile.piece import Piece
 
-logger = logging.getLogger("kiln")
-
 _MATMULS = {"linear", "mm", "addmm", "bmm", "matmul"}
+# FX op kind -> the aten op inductor names a kernel after; other kinds (views, casts, splits) compute nothing
+_TOKENS = {k: k for k in ("silu", "mul", "add", "sub", "div", "neg", "pow", "mean", "rsqrt", "cat", "exp", "sum")}
+_TOKENS.update({"sigmoid": "sigmoid", "tanh": "tanh", "gelu": "gelu", "softmax": "softmax"})
 
 
 @dataclass
@@ -34,17 +48,14 @@ class FusionReport:
     reason: str
     piece: int | None = None
     scope: str = ""
-    kernels: list[str] = field(default_factory=list)
+    kernels: list[str] = field(default_factory=list)  # the group's kernels, products first
+    broken_by: str = ""  # the op that broke the group
+    checked: bool = True  # False: no generated code to check (eager compiler or an eager piece)
+    static: dict[str, bool] = field(default_factory=dict)  # static num_tokens -> realised in that compile
 
 
 def fusion_reports(pieces: list[Piece], groups: tuple[FusionGroupConfig, ...], compiler: str) -> list[FusionReport]:
-    reports = [_report(pieces, g, compiler) for g in groups]
-    for r in reports:
-        if r.realised:
-            logger.info("Fusion applied: %s", r.name)
-        else:
-            logger.info("Fusion not applied: %s (%s)", r.name, r.reason)
-    return reports
+    return [_report(pieces, g, compiler) for g in groups]
 
 
 def as_json(reports: list[FusionReport]) -> list[dict]:
@@ -52,98 +63,225 @@ def as_json(reports: list[FusionReport]) -> list[dict]:
 
 
 def _report(pieces: list[Piece], group: FusionGroupConfig, compiler: str) -> FusionReport:
-    for piece in pieces:
-        found = _match(piece, group)
-        if found is None:
-            continue
-        scope, nodes = found
-        missing = [op for op in group.ops if op not in nodes]
-        base = FusionReport(group.name, list(group.ops), False, "", piece.index, scope)
-        if missing:
-            base.reason = f"ops {missing} not found in {scope}"
-            return base
-        if piece.mode is PieceMode.EAGER or compiler == "eager" or piece.compiled is None:
-            base.reason = f"piece {piece.index} runs without codegen (compiler {compiler}, mode {piece.mode.value}):"
-            base.reason += " every op is its own kernel"
-            return base
-        source = piece.compiled.source_code
-        if not source:
-            base.reason = "the compiler's generated code is not available to inspect"
-            return base
-        return _from_kernels(base, nodes, source)
-    return FusionReport(group.name, list(group.ops), False, f"no piece holds the modules {list(group.ops)}")
-
-
-def _from_kernels(report: FusionReport, nodes: dict[str, list[Node]], source: str) -> FusionReport:
-    kernels = kernels_in(source)
-    generated = [k for k in kernels if not k.is_extern]
-    used: list[str] = []
-    externs: list[str] = []
-    pointwise = {_kind(n[0]) for n in nodes.values() if not {_kind(x) for x in n} & _MATMULS}
-    for op, op_nodes in nodes.items():
-        kinds = {_kind(n) for n in op_nodes}
-        if kinds & _MATMULS:
-            externs.append(op)
-            used.append(f"extern matmul ({op})")
-            continue
-        # the kernel named after most of the group's pointwise ops (a norm's `mul` kernel is not the MLP's)
-        holders = [k for k in generated if _kind(op_nodes[0]) in k.fused_ops]
-        holder = max(holders, key=lambda k: len(pointwise & set(k.fused_ops)), default=None)
-        used.append(holder.name if holder is not None else f"unknown kernel ({op})")
-    report.kernels = list(dict.fromkeys(used))
-    report.realised = len(report.kernels) == 1
-    if report.realised:
-        report.reason = f"all ops in {report.kernels[0]}"
-    elif externs:
-        fused = [k for k in report.kernels if not k.startswith("extern")]
+    ops = list(group.ops)
+    inst = locate(pieces, group.ops, lambda p: compiler != "eager" and _source(p) is not None)
+    if inst.piece is None:
+        return FusionReport(group.name, ops, False, f"none of {ops} is in the model's graph", broken_by=ops[0])
+    piece = inst.piece
+    report = FusionReport(group.name, ops, False, "", piece.index, inst.scope)
+    missing = [op for op in ops if op not in inst.nodes]
+    if missing:
+        op, other = missing[0], inst.elsewhere.get(missing[0])
+        report.broken_by = op
+        report.reason = f"{op} is not in {inst.scope or 'the graph'} (piece {piece.index})"
+        if other is not None:
+            side = "next" if other > piece.index else "previous"
+            report.reason = f"{op} is in the {side} piece ({other}): attention splits the graph between them"
+        return report
+    source = _source(piece) if compiler != "eager" else None
+    if source is None:
+        report.checked = False
         report.reason = (
-            f"{', '.join(externs)} are matmuls the compiler leaves to extern BLAS kernels, which nothing fuses into"
-            + (f"; the remaining ops fuse in {', '.join(fused)}" if fused else "")
+            f"piece {piece.index} has no generated code to check (compiler {compiler}, mode {piece.mode.value}):"
+            " every op runs as its own kernel"
         )
-    else:
-        report.reason = f"the ops land in {len(report.kernels)} kernels: {', '.join(report.kernels)}"
+        return report
+    graph = piece.compile_source.graph
+    report.realised, report.reason, report.kernels, report.broken_by = _Verdict(graph, inst, source).result
+    for size, compiled in sorted(piece.static_compiled.items()):
+        if compiled.source_code:
+            report.static[str(size)] = _Verdict(graph, inst, compiled.source_code).result[0]
+    if not report.realised and any(report.static.values()):
+        sizes = ", ".join(n for n, ok in report.static.items() if ok)
+        report.reason += f" (the static num_tokens={sizes} code realises it)"
     return report
 
 
-def _match(piece: Piece, group: FusionGroupConfig) -> tuple[str, dict[str, list[Node]]] | None:
-    """(scope, {op: nodes}) for the first instance of the group's modules in `piece`, or None."""
-    nodes = [n for n in piece.graph.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-    module_ops = [op for op in group.ops if op.endswith("_proj") or "." in op]
-    if not module_ops:
-        return None
-    scope = ""
-    for node in nodes:
-        path = node_module_path(node)
-        leaf = path.rsplit(".", 1)[-1]
-        if path and any(_module_matches(op, leaf) for op in module_ops):
-            scope = path.rsplit(".", 1)[0]
-            break
-    if not scope:
-        return None
-    found: dict[str, list[Node]] = {}
-    for node in nodes:
-        path = node_module_path(node)
-        if not path.startswith(scope):
-            continue
-        leaf = path.rsplit(".", 1)[-1]
-        for op in group.ops:
-            if _module_matches(op, leaf) if op in module_ops else _kind(node) == op:
-                found.setdefault(op, []).append(node)
-    return scope, found
+def _source(piece: Piece) -> str | None:
+    return piece.compiled.source_code if piece.compiled is not None else None
 
 
-def _module_matches(op: str, leaf: str) -> bool:
-    """`gate_proj` matches `gate_proj` and the fused `gate_up_proj`; `q_proj` matches `qkv_proj`."""
-    op = op.rsplit(".", 1)[-1]
-    if op == leaf:
-        return True
-    if not (op.endswith("_proj") and leaf.endswith("_proj")):
-        return False
-    stem, fused = op.removesuffix("_proj"), leaf.removesuffix("_proj")
-    return stem in fused.split("_") or (len(stem) == 1 and "_" not in fused and stem in fused)
+class _Verdict:
+    """Whether one compiled piece's code realises a group instance: `result` = (realised, reason, kernels, op)."""
+
+    def __init__(self, graph: Graph, inst: GroupInstance, source: str) -> None:
+        self.kernels = kernels_in(source)
+        self.flow = _Flow(graph, self.kernels)
+        self.owner: dict[Node, str] = {}  # product -> the group's ops it computes ("gate_proj, up_proj")
+        self.pointwise: dict[str, list[Node]] = {}
+        for op, nodes in inst.nodes.items():
+            products = [n for n in nodes if node_kind(n) in _MATMULS]
+            for p in products:
+                self.owner[p] = f"{self.owner[p]}, {op}" if p in self.owner else op
+            if not products:
+                self.pointwise[op] = [n for n in nodes if _token(n)]
+        self.every_node = inst.modules
+        self.result = self._judge()
+
+    def _judge(self) -> tuple[bool, str, list[str], str]:
+        products = list(self.owner)
+        for a, b in combinations(products, 2):
+            if a.args[0] is b.args[0]:
+                why = f"{self.owner[a]} and {self.owner[b]} are two GEMMs over one input: merge their weights"
+                return False, why, [], self.owner[b]
+        if not self.pointwise:
+            return self._products_only(products)
+        best, broken = self._pointwise_kernel()
+        if broken:
+            return False, broken[1], [], broken[0]
+        group_nodes = {n for ns in self.pointwise.values() for n in ns}
+        feeding = self.flow.ancestors(list(group_nodes))
+        for p in products:
+            why = self._product_problem(p, best, p in feeding, bool(self.flow.ancestors([p]) & group_nodes))
+            if why:
+                return False, why, [], self.owner[p]
+        launches = sorted({best, *(self.flow.product_launch[p] for p in products)})
+        why = f"{', '.join(self.pointwise)} in {self.kernels[best].name}"
+        fed = [f"{self.owner[p]} ({_leaf(p)})" for p in products if p in feeding and p not in self.flow.products[best]]
+        if fed:
+            why += f", which reads the GEMM output of {', '.join(fed)} directly"
+        return True, why, [self.kernels[i].name for i in launches], ""
+
+    def _pointwise_kernel(self) -> tuple[int, tuple[str, str] | None]:
+        """The generated launch holding most of the pointwise ops; (op, why) for one it does not hold."""
+        holders = {op: self._holders(op) for op in self.pointwise}
+        generated = [i for i, k in enumerate(self.kernels) if not k.is_extern]
+        if not generated:
+            return -1, (next(iter(self.pointwise)), "the piece's code has no generated kernel")
+        best = max(generated, key=lambda i: (sum(i in h for h in holders.values()), -i))
+        for op, held in holders.items():
+            if best not in held:
+                where = ", ".join(self.kernels[i].name for i in sorted(held)) or "no kernel that reads its inputs"
+                kernel = self.kernels[best].name
+                return best, (op, f"{op} is not in {kernel}, the kernel with most of the group (it is in {where})")
+        return best, None
+
+    def _product_problem(self, p: Node, best: int, feeds: bool, consumes: bool) -> str:
+        """Why product `p` breaks the group whose pointwise ops launch `best` computes, or "" if it does not."""
+        op, launch = self.owner[p], self.flow.product_launch.get(p)
+        if launch is None:
+            return f"no kernel of the code reads {op}'s weight"
+        name, kernel = self.kernels[launch].name, self.kernels[best].name
+        if feeds and p not in self.flow.direct[best]:
+            between = ", ".join(self.kernels[i].name for i in self.flow.between(launch, best))
+            return f"{op}'s output ({name}) reaches {kernel} only through {between}, which are not in the group"
+        if not feeds and not consumes:
+            return f"{op} shares no data with the group's other ops"
+        if not feeds and p not in self.flow.products[best]:
+            if self.kernels[launch].is_extern:
+                return f"{op} is an extern BLAS GEMM; nothing fuses into its input ({name})"
+            return f"{op} runs in its own kernel {name}, not in {kernel}"
+        return ""
+
+    def _products_only(self, products: list[Node]) -> tuple[bool, str, list[str], str]:
+        first = self.flow.product_launch.get(products[0])
+        for p in products:
+            if first is None or self.flow.product_launch.get(p) != first:
+                return False, f"{self.owner[p]} is a separate product ({_leaf(p)})", [], self.owner[p]
+        name = self.kernels[first].name
+        return True, f"{', '.join(self.owner.values())} are one product ({_leaf(products[0])}): {name}", [name], ""
+
+    def _holders(self, op: str) -> set[int]:
+        """Launches computing the op: any of its nodes (a plain op), every one (a module such as rms_norm)."""
+        sets = [self.flow.computing(n) for n in self.pointwise[op]]
+        if not sets:
+            return set(range(len(self.kernels)))
+        return set.intersection(*sets) if op in self.every_node else set.union(*sets)
 
 
-def _kind(node: Node) -> str:
-    """A short op name: silu, mul, linear, add, ..."""
-    name = op_name(node.target).rsplit(".", 1)[-1]
-    return {"__mul__": "mul", "__add__": "add", "truediv": "div"}.get(name, name)
+class _Flow:
+    """Data flow between the launches of one piece's code, in terms of the piece graph's inputs and products."""
+
+    def __init__(self, graph: Graph, kernels: list[Kernel]) -> None:
+        self.kernels = kernels
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        inputs = {f"arg{i}_1": n for i, n in enumerate(placeholders) if _is_tensor(n)}
+        products = [n for n in graph.nodes if node_kind(n) in _MATMULS and n.op != "placeholder"]
+        weights: dict[str, list[Node]] = {}
+        for p in products:
+            w = _weight(p)
+            if w is not None:
+                weights.setdefault(f"arg{placeholders.index(w)}_1", []).append(p)
+        self.up = _upstream(graph, set(inputs.values()) | set(products))
+        self.products = [{p for s in k.reads for p in weights.get(s, ())} for k in kernels]
+        self.product_launch = {p: i for i in reversed(range(len(kernels))) for p in self.products[i]}
+        self.direct: list[set[Node]] = []  # graph inputs and products each launch reads (or computes) itself
+        self.preds: list[set[int]] = []
+        writer: dict[str, int] = {}
+        for i, k in enumerate(kernels):
+            direct, preds = set(self.products[i]), set()
+            for s in k.reads:
+                w = writer.get(s)
+                if w is None and s in inputs:
+                    direct.add(inputs[s])
+                elif w is not None:
+                    preds.add(w)
+                    direct |= self.products[w]
+            self.direct.append(direct)
+            self.preds.append(preds)
+            writer.update((s, i) for s in k.writes)
+
+    def computing(self, node: Node) -> set[int]:
+        token = _token(node)
+        return {
+            i
+            for i, k in enumerate(self.kernels)
+            if not k.is_extern and token in k.fused_ops and self.up[node] <= self.direct[i]
+        }
+
+    def between(self, a: int, b: int) -> list[int]:
+        """Launches on a data path from launch a to launch b."""
+        reached = {a}
+        for i in range(a + 1, b + 1):
+            if self.preds[i] & reached:
+                reached.add(i)
+        back = {b}
+        for i in range(b - 1, a, -1):
+            if any(i in self.preds[j] for j in back):
+                back.add(i)
+        return sorted((reached & back) - {a, b})
+
+    @staticmethod
+    def ancestors(nodes: list[Node]) -> set[Node]:
+        seen: set[Node] = set()
+        todo = list(nodes)
+        while todo:
+            for m in todo.pop().all_input_nodes:
+                if m not in seen:
+                    seen.add(m)
+                    todo.append(m)
+        return seen
+
+
+def _upstream(graph: Graph, anchors: set[Node]) -> dict[Node, set[Node]]:
+    """node -> the anchors (graph inputs, products) it is computed from without passing another anchor."""
+    up: dict[Node, set[Node]] = {}
+    for n in graph.nodes:
+        up[n] = set()
+        for m in n.all_input_nodes:
+            up[n] |= {m} if m in anchors else up[m]
+    return up
+
+
+def _weight(product: Node) -> Node | None:
+    """The graph input a product's weight comes from (through views and transposes), or None."""
+    w = product.args[2] if node_kind(product) == "addmm" else product.args[1]
+    while isinstance(w, Node) and w.op != "placeholder":
+        inputs = w.all_input_nodes
+        w = inputs[0] if len(inputs) == 1 else None
+    return w
+
+
+def _token(node: Node) -> str | None:
+    kind = node_kind(node)
+    if kind == "getitem" and any(isinstance(a, Node) and _is_tensor(a) for a in node.args[1:]):
+        return "index"  # a gather such as cos_cache[positions]
+    return _TOKENS.get(kind)
+
+
+def _is_tensor(node: Node) -> bool:
+    return isinstance(node.meta.get("example_value", node.meta.get("val")), torch.Tensor)
+
+
+def _leaf(node: Node) -> str:
+    return node_module_path(node).rsplit(".", 1)[-1] or node.name

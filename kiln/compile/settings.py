@@ -21,7 +21,8 @@ _RECIPE_FIELDS = ("piecewise", "splitting_ops", "capture_sizes", "compile_sizes"
 
 def graph_config_from(recipe: Any | None = None, **cli_overrides: Any) -> GraphConfig:
     """A GraphConfig from a recipe (any object with `piecewise`, `splitting_ops`, `capture_sizes`, `compiler`,
-    `hash`, `fusion_groups` of {name, ops}) or defaults, then CLI overrides (None = not given).
+    `hash`, `fusion_groups` of {name, ops, required}; optionally `path` and `fusion_lines`, the line of each group)
+    or defaults, then CLI overrides (None = not given).
 
     Keys of `cli_overrides` are GraphConfig field names; `piece_modes` may be a `0-3:captured,4:eager` string.
     An override that changes a value the recipe set is logged, so the recipe is never silently rewritten.
@@ -37,7 +38,9 @@ def graph_config_from(recipe: Any | None = None, **cli_overrides: Any) -> GraphC
             compiler=str(recipe.compiler),
             recipe_hash=str(recipe.hash),
             debug=1 if getattr(recipe, "debug_mode", False) else 0,
-            fusion_groups=_fusion_groups(recipe.fusion_groups),
+            fusion_groups=_fusion_groups(
+                recipe.fusion_groups, str(getattr(recipe, "path", "")), tuple(getattr(recipe, "fusion_lines", ()))
+            ),
         )
     known = {f.name for f in fields(GraphConfig)}
     unknown = sorted(set(cli_overrides) - known)
@@ -67,12 +70,18 @@ def _optional_sizes(sizes: Iterable[int] | None) -> tuple[int, ...] | None:
     return None if sizes is None else tuple(sizes)
 
 
-def _fusion_groups(groups: Iterable[Any]) -> tuple[FusionGroupConfig, ...]:
+def _fusion_groups(groups: Iterable[Any], path: str = "", lines: tuple[int, ...] = ()) -> tuple[FusionGroupConfig, ...]:
+    """Groups from a recipe (or dicts) with where each is written, `path:LINE`, for the fusion check's messages."""
     out = []
-    for g in groups:
-        name, ops = (g["name"], g["ops"]) if isinstance(g, dict) else (g.name, g.ops)
-        out.append(FusionGroupConfig(str(name), tuple(str(op) for op in ops)))
+    for i, g in enumerate(groups):
+        where = f"{path}:{lines[i]}" if path and i < len(lines) else path
+        ops = tuple(str(op) for op in _field(g, "ops"))
+        out.append(FusionGroupConfig(str(_field(g, "name")), ops, bool(_field(g, "required", True)), where))
     return tuple(out)
+
+
+def _field(group: Any, key: str, default: Any = None) -> Any:
+    return group.get(key, default) if isinstance(group, dict) else getattr(group, key, default)
 
 
 def _validate(config: GraphConfig) -> None:

@@ -20,10 +20,12 @@ from kiln.engine.model_runner import ModelRunner, ModelRunnerOutput, StepObserve
 from kiln.engine.request import Request, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
+from kiln.engine.step_shape import StepShaper
 from kiln.errors import RequestError
 from kiln.executor.base import Executor
 from kiln.model.dtypes import parse_dtype
 from kiln.model.tokenizer import KilnTokenizer
+from kiln.recipe.guards import RecipeViolation
 
 logger = logging.getLogger("kiln")
 
@@ -59,8 +61,13 @@ class EngineCore:
             1, int(cc.kv_cache_memory_gb * 1e9) // (cc.block_size * mc.kv_bytes_per_token(kv_dtype))
         )
         self.pool = BlockPool(num_blocks, cc.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.pool)
-        self.runner = ModelRunner(model, executor, num_blocks, cc.block_size, kv_dtype, self.eos_token_ids, observer)
+        self.shaper = self._step_shaper(config, executor)
+        self.runner = ModelRunner(
+            model, executor, num_blocks, cc.block_size, kv_dtype, self.eos_token_ids, observer, self.shaper
+        )
+        if self.recipe is not None and not self.shaper.fits(1, 1):  # the executor is prepared: pad_to is known
+            self.shaper.check(1, 1, [])  # raises RecipeViolation naming the constraints that forbid every step
+        self.scheduler = Scheduler(config.scheduler, self.pool, self.shaper)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GB %s), max_model_len=%d",
             num_blocks,
@@ -74,6 +81,15 @@ class EngineCore:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._seed_rng = torch.Generator().manual_seed(config.seed if config.seed is not None else secrets.randbits(63))
         self.num_steps = 0
+
+    def _step_shaper(self, config: EngineConfig, executor: Executor) -> StepShaper:
+        """Step shapes under the recipe's constraints: padding may grow a step up to the recipe's bounds."""
+        sched = config.scheduler
+        guards = self.recipe.guards if self.recipe is not None else None
+        bounds = self.recipe.bounds if self.recipe is not None else {}
+        max_batch = bounds.get("batch_size") or sched.max_num_seqs
+        max_tokens = bounds.get("num_tokens") or sched.max_num_batched_tokens + max_batch
+        return StepShaper(guards, executor.pad_to, max_tokens, max_batch)
 
     @staticmethod
     def default_max_model_len(model_config: ModelConfig) -> int:
@@ -113,7 +129,8 @@ class EngineCore:
             )
         total = len(ids) + params.max_tokens
         if self.recipe is not None:
-            self.recipe.guards.check_request(request_id, seq_len=total)
+            self.recipe.guards.check_request(request_id, seq_len=total, first=len(ids))
+            self.shaper.check_admission(request_id, len(ids), self.config.scheduler.enable_chunked_prefill)
         if total > self.max_model_len:
             raise RequestError(
                 f"prompt ({len(ids)} token{'s' if len(ids) != 1 else ''}) + max_tokens ({params.max_tokens}) = "
@@ -162,6 +179,9 @@ class EngineCore:
             return []
         try:
             result = self.runner.execute(sched)
+        except RecipeViolation as exc:  # the step's shape breaks the recipe: its requests fail, named by the line
+            logger.error("step refused by the recipe: %s", exc)
+            return [out for s in sched.scheduled if (out := self.fail(s.request.request_id, str(exc)))]
         except Exception:
             if len(sched.scheduled) == 1:
                 raise

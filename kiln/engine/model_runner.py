@@ -2,7 +2,8 @@
 
 The runner owns the KV caches (their geometry is exposed as named properties) and the batch layout; the
 executor it is given owns how the forward and the logits run (kiln.executor.base). Inputs are padded to the
-executor's `pad_to(num_tokens)`; the metadata describes the real tokens only.
+step's shape (kiln.engine.step_shape: the recipe's allowed shapes, through the executor's `pad_to`), which the
+recipe's guards check on every step; the metadata describes the real tokens only.
 
 An optional `StepObserver` sees every executed step's batch and logits (the debugger's taps record through it).
 """
@@ -17,6 +18,7 @@ from torch import nn
 
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kiln.engine.scheduler import SchedulerOutput
+from kiln.engine.step_shape import StepShaper
 from kiln.executor.base import Executor
 from kiln.executor.counters import CompileCounters
 from kiln.model.attention import allocate_kv_caches, kv_cache_block_size, kv_cache_num_blocks
@@ -48,9 +50,11 @@ class ModelRunner:
         kv_dtype: torch.dtype,
         eos_token_ids: tuple[int, ...],
         observer: StepObserver | None = None,
+        shaper: StepShaper | None = None,
     ) -> None:
         self.model = model
         self.executor = executor
+        self.shaper = shaper or StepShaper(None, executor.pad_to, 0, 0)
         self.eos_token_ids = list(eos_token_ids)
         self.observer = observer
         self.device = next(model.parameters()).device
@@ -101,7 +105,7 @@ class ModelRunner:
         max_blocks = max(len(s.request.block_ids) for s in sched.scheduled)
         tables = [s.request.block_ids + [0] * (max_blocks - len(s.request.block_ids)) for s in sched.scheduled]
         n = len(input_ids)
-        padded = self.executor.pad_to(n)
+        padded, batch_size = self.shaper.check(n, len(sched.scheduled), seq_lens)
         pad = padded - n
         dev = self.device
         meta = AttentionMetadata(
@@ -120,6 +124,7 @@ class ModelRunner:
             metadata=meta,
             sample_indices=sample_indices,
             sample_request_ids=sample_ids,
+            batch_size=batch_size,
         )
 
     @torch.inference_mode()

@@ -16,7 +16,7 @@ logger = logging.getLogger("kiln")
 
 
 def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
-    """`config` as the recipe requires: its dtype, KV cache plan and bounds win over flags, and it may switch
+    """`config` as the recipe requires: its device, dtype, KV cache plan and bounds win over flags, and it may switch
     piecewise graph mode on. `config.graph` must already come from `graph_config_from(recipe, ...)`."""
     cache = replace(
         config.cache, dtype=recipe.kv_cache_dtype, block_size=recipe.block_size, num_blocks=recipe.max_pages
@@ -31,6 +31,7 @@ def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
         max_model_len = min(max_model_len or recipe.max_model_len, recipe.max_model_len)
     resolved = replace(
         config,
+        device=recipe.device,
         dtype=recipe.dtype,
         max_model_len=max_model_len,
         cache=cache,
@@ -44,6 +45,7 @@ def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
 
 def _log_changes(before: EngineConfig, after: EngineConfig, path: str) -> None:
     pairs = [
+        ("device", before.device, after.device),
         ("dtype", before.dtype, after.dtype),
         ("max_model_len", before.max_model_len, after.max_model_len),
         ("kv_cache.dtype", before.cache.dtype, after.cache.dtype),

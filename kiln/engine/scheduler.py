@@ -3,8 +3,9 @@
 Each step: running requests first (decodes and unfinished prefill chunks), then waiting requests while
 the token budget, the sequence limit and free KV blocks allow. When blocks run out, the most recently
 admitted running request is preempted: its blocks are freed and it rejoins the front of the waiting
-queue to be recomputed from its prompt and the tokens it has already produced. The scheduler never
-touches tensors.
+queue to be recomputed from its prompt and the tokens it has already produced. Under a recipe's step
+constraints a request joins a step only with as many tokens as keep the step paddable to an allowed
+shape (kiln.engine.step_shape). The scheduler never touches tensors.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from kiln.config import SchedulerConfig
 from kiln.engine.kv_cache import BlockPool
 from kiln.engine.request import Request, RequestStatus
+from kiln.engine.step_shape import StepShaper
 
 
 @dataclass
@@ -46,9 +48,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_pool: BlockPool) -> None:
+    def __init__(self, config: SchedulerConfig, block_pool: BlockPool, shaper: StepShaper | None = None) -> None:
         self.config = config
         self.pool = block_pool
+        self.shaper = shaper
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -67,7 +70,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self._fit(scheduled, min(req.num_tokens - req.num_computed_tokens, budget))
+            if num_new == 0:  # no allowed step shape holds it next to the others: it runs in a later step
+                i += 1
+                continue
             if not self._grow(req, num_new, out):
                 continue  # `req` itself was preempted; self.running shrank
             scheduled.append(ScheduledRequest(req, num_new))
@@ -79,6 +85,10 @@ class Scheduler:
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
+            fitted = self._fit(scheduled, num_new)
+            if fitted == 0 or (fitted < num_new and not self.config.enable_chunked_prefill):
+                break
+            num_new = fitted
             needed = self.pool.blocks_for(req.num_computed_tokens + num_new) - len(req.block_ids)
             if not self.pool.can_allocate(needed):
                 break
@@ -93,6 +103,13 @@ class Scheduler:
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
         out.scheduled = scheduled
         return out
+
+    def _fit(self, scheduled: list[ScheduledRequest], wanted: int) -> int:
+        """How many of `wanted` new tokens one more sequence may bring to the step under the recipe's shapes."""
+        if self.shaper is None:
+            return wanted
+        before = sum(s.num_new_tokens for s in scheduled)
+        return self.shaper.largest_fit(before, len(scheduled) + 1, wanted)
 
     def _grow(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Give `req` blocks for `num_new` more tokens, preempting from the back; False if `req` was preempted."""

@@ -5,6 +5,9 @@ sequence's blocks. Decodes (one query each) run batched over gathered blocks; pr
 run per sequence with a causal mask offset by the cached context. Padding rows (past `num_actual_tokens`)
 produce zeros and never touch the cache.
 
+The cache may hold a narrower dtype than the model computes in (a recipe's `kv_cache.dtype`): new K/V are
+rounded to it when written and widened back when read.
+
 Cache layout per layer: [2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]. Heads come first so that
 gathered blocks are already [kv_heads, tokens, head_dim] per sequence: the decode path multiplies them in
 place, grouping the query heads that share a KV head (GQA) as rows of one small matmul, with no copy into
@@ -48,6 +51,7 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     _, num_kv_heads, _, _, head_dim = kv_cache.shape
     n = slot_mapping.numel()
     new = torch.stack((k[:n], v[:n])).view(2, n, num_kv_heads, head_dim).transpose(1, 2)  # [2, Hkv, n, D]
+    new = new.to(kv_cache.dtype)  # the recipe's kv_cache.dtype may be narrower than the model's (no-op if equal)
     kv_cache.view(2, num_kv_heads, -1, head_dim).index_copy_(2, slot_mapping, new)
 
 
@@ -56,7 +60,7 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
     _, num_kv_heads, _, _, head_dim = kv_cache.shape
     nd, num_heads, _ = q.shape
     table, mask = meta.decode_layout
-    kv = kv_cache.index_select(2, table).view(2, num_kv_heads, nd, -1, head_dim)  # [2, Hkv, nd, L, D]
+    kv = kv_cache.index_select(2, table).view(2, num_kv_heads, nd, -1, head_dim).to(q.dtype)  # [2, Hkv, nd, L, D]
     qg = q.view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)  # [Hkv, nd, G, D]
     scores = torch.matmul(qg, kv[0].transpose(-1, -2)).float() * head_dim**-0.5 + mask  # [Hkv, nd, G, L]
     out = torch.matmul(scores.softmax(-1).to(q.dtype), kv[1])  # [Hkv, nd, G, D]
@@ -87,7 +91,7 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
         else:  # a chunk after cached context: causal mask offset by the context length
             blocks = meta.block_tables[i, : -(-seq_len // block_size)]
-            kv = kv_cache.index_select(2, blocks).view(2, num_kv_heads, -1, head_dim)[:, :, :seq_len]
+            kv = kv_cache.index_select(2, blocks).view(2, num_kv_heads, -1, head_dim)[:, :, :seq_len].to(q.dtype)
             rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
             mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
             o = F.scaled_dot_product_attention(qi, kv[0], kv[1], attn_mask=mask, enable_gqa=True)

@@ -58,6 +58,7 @@ class ModelInputs:
     metadata: AttentionMetadata
     sample_indices: list[int]  # flattened index of the last token of each sequence that samples
     sample_request_ids: list[str]
+    batch_size: int = 0  # sequences the step is shaped for: the real ones plus recipe padding (0: not shaped)
 
 
 @dataclass

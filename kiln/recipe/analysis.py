@@ -11,7 +11,7 @@ from kiln.recipe.constraints import CONSTRAINTS_PATH, Constraint
 from kiln.recipe.diagnostics import Diagnostic
 from kiln.recipe.evaluate import evaluate_node
 from kiln.recipe.expr import MODEL_SYMBOLS, RUNTIME_SYMBOLS, ExprError
-from kiln.recipe.solver import ConstraintSystem, Fact, describe_core
+from kiln.recipe.solver import ConstraintSystem, Fact, SolverBudget, describe_core
 from kiln.recipe.source import SourceDoc
 
 
@@ -24,13 +24,18 @@ class Analysis:
     diagnostics: list[Diagnostic] = field(default_factory=list)
 
 
-def analyze(doc: SourceDoc, constraints: list[Constraint], model_values: Mapping[str, int] | None) -> Analysis:
+def analyze(
+    doc: SourceDoc,
+    constraints: list[Constraint],
+    model_values: Mapping[str, int] | None,
+    budget: SolverBudget | None = None,
+) -> Analysis:
     """Prove the constraints consistent. Model-only constraints are left to the checkpoint check when the model
     is known; constraints that divide by a zero are reported here and kept out of the solver."""
     zero = _zero_divisors(doc, constraints, model_values or {})
     diagnostics = list(zero.values())
     solved = [c for c in constraints if not (model_values and c.is_model_only) and c.index not in zero]
-    system = ConstraintSystem(solved, model_values)
+    system = ConstraintSystem(solved, model_values, budget=budget)
     outcome = system.check()
     if outcome.status == "unsat":
         first = next((f.constraint for f in sorted(outcome.core, key=_line) if f.constraint), None)

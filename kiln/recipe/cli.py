@@ -1,4 +1,4 @@
-"""Parser of `kiln recipe {validate,init,schema}` (handlers in kiln.recipe.commands); also
+"""Parser of `kiln recipe {validate,init,migrate,schema}` (handlers in kiln.recipe.commands); also
 `python -m kiln.recipe.cli validate recipe.yaml`, the same as `kiln recipe validate recipe.yaml`."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ EXIT_USAGE = 2
 
 
 def add_recipe_subcommand(subparsers: argparse._SubParsersAction) -> None:
-    """Register `recipe {validate,init,schema}`; each handler returns an exit code."""
+    """Register `recipe {validate,init,migrate,schema}`; each handler returns an exit code."""
     recipe = subparsers.add_parser("recipe", help="validate, create and describe recipes")
-    commands = recipe.add_subparsers(dest="recipe_command", required=True, metavar="{validate,init,schema}")
+    commands = recipe.add_subparsers(dest="recipe_command", required=True, metavar="{validate,init,migrate,schema}")
     validate = commands.add_parser("validate", help="check a recipe; print FILE:LINE:COL diagnostics")
     validate.add_argument("recipe", help="the recipe YAML file")
     validate.add_argument("--model", help="checkpoint to check against (overrides the recipe's model.path)")
@@ -24,6 +24,10 @@ def add_recipe_subcommand(subparsers: argparse._SubParsersAction) -> None:
     init.add_argument("--model", default="default", help='a .gguf file, an HF directory or "default"')
     init.add_argument("--out", help="write here instead of stdout")
     init.set_defaults(handler="kiln.recipe.commands:init_command")
+    migrate = commands.add_parser("migrate", help="convert a community-shaped recipe to kiln's schema")
+    migrate.add_argument("recipe", help="the community recipe YAML file")
+    migrate.add_argument("--out", help="write here instead of stdout")
+    migrate.set_defaults(handler="kiln.recipe.commands:migrate_command")
     schema = commands.add_parser("schema", help="print the recipe JSON Schema (for editors)")
     schema.add_argument("--out", help="write here instead of stdout")
     schema.set_defaults(handler="kiln.recipe.commands:schema_command")

@@ -1,4 +1,4 @@
-"""Handlers of `kiln recipe {validate,init,schema}` (parser in kiln.recipe.cli).
+"""Handlers of `kiln recipe {validate,init,migrate,schema}` (parser in kiln.recipe.cli).
 
 Exit codes: 0 valid (warnings allowed), 1 invalid, 2 usage error."""
 
@@ -12,6 +12,7 @@ import sys
 from kiln.errors import KilnError
 from kiln.recipe.diagnostics import Diagnostic, RecipeError
 from kiln.recipe.init_recipe import init_recipe_text
+from kiln.recipe.migrate import migrate_text
 from kiln.recipe.recipe import Recipe, load_recipe
 from kiln.recipe.schema import recipe_json_schema
 
@@ -42,6 +43,25 @@ def init_command(args: argparse.Namespace) -> int:
         print(f"kiln recipe init: {exc}", file=sys.stderr)
         return EXIT_INVALID
     return _emit(text, args.out)
+
+
+def migrate_command(args: argparse.Namespace) -> int:
+    """The kiln recipe on stdout (or --out); a note on stderr for each field not carried. 0 when written."""
+    try:
+        with open(args.recipe, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        print(f"kiln recipe migrate: cannot read {args.recipe}: {reason}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        migration = migrate_text(text, args.recipe, args.out)
+    except RecipeError as exc:
+        _print_text(None, exc.diagnostics)
+        return EXIT_INVALID
+    for note in migration.notes:
+        print(note.format(args.recipe), file=sys.stderr)
+    return _emit(migration.text, args.out)
 
 
 def schema_command(args: argparse.Namespace) -> int:

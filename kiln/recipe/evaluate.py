@@ -72,3 +72,69 @@ class _Evaluator:
 def evaluate_node(expr: Expr, node: ast.expr, values: Mapping[str, int]) -> int | bool:
     """Value of one sub-expression of `expr` (used to find divisors that are zero for a given model)."""
     return _Evaluator(expr, values).run(node)
+
+
+Compiled = Callable[[Mapping[str, int]], "int | bool"]
+
+
+def compile_expr(expr: Expr) -> Callable[[Mapping[str, int]], bool]:
+    """The constraint as a closure over `values`, built once from its whitelisted tree (never `eval`): what the
+    run-time guards call on every step. Same semantics and errors as `evaluate`."""
+    run = _compile(expr, expr.tree)
+    return lambda values: bool(run(values))
+
+
+def _compile(expr: Expr, node: ast.expr) -> Compiled:
+    if isinstance(node, ast.Constant):
+        value = node.value
+        return lambda values: value
+    if isinstance(node, ast.Name):
+        name, offset = node.id, expr.offset_of(node)
+
+        def lookup(values: Mapping[str, int]) -> int:
+            if name not in values:
+                raise ExprError(f"no value for '{name}'", offset, len(name))
+            return values[name]
+
+        return lookup
+    if isinstance(node, ast.BinOp):
+        left, right, op = _compile(expr, node.left), _compile(expr, node.right), _ARITHMETIC[type(node.op)]
+        if not isinstance(node.op, (ast.FloorDiv, ast.Mod)):
+            return lambda values: op(left(values), right(values))
+        message, offset = f"division by zero: `{ast.unparse(node.right)}` is 0", expr.offset_of(node.right)
+
+        def divide(values: Mapping[str, int]) -> int:
+            a, b = left(values), right(values)
+            if b == 0:
+                raise ExprError(message, offset)
+            return op(a, b)
+
+        return divide
+    if isinstance(node, ast.UnaryOp):
+        operand = _compile(expr, node.operand)
+        unary = {ast.Not: operator.not_, ast.USub: operator.neg, ast.UAdd: operator.pos}[type(node.op)]
+        return lambda values: unary(operand(values))
+    if isinstance(node, ast.BoolOp):
+        parts = [_compile(expr, v) for v in node.values]
+        if isinstance(node.op, ast.And):
+            return lambda values: all(bool(p(values)) for p in parts)
+        return lambda values: any(bool(p(values)) for p in parts)
+    if isinstance(node, ast.Compare):
+        operands = [_compile(expr, node.left)] + [_compile(expr, c) for c in node.comparators]
+        ops = [_COMPARE[type(op)] for op in node.ops]
+
+        def compare(values: Mapping[str, int]) -> bool:
+            left = operands[0](values)
+            for op, operand in zip(ops, operands[1:], strict=True):
+                right = operand(values)
+                if not op(left, right):
+                    return False
+                left = right
+            return True
+
+        return compare
+    if isinstance(node, ast.Call):
+        args = [_compile(expr, a) for a in node.args]
+        pick = min if node.func.id == "min" else max
+        return lambda values: pick(a(values) for a in args)
+    raise ExprError(f"cannot evaluate `{ast.unparse(node)}`", expr.offset_of(node))

@@ -30,7 +30,7 @@ input_constraints:
     - batch_size <= num_tokens  # every scheduled sequence contributes at least one token
 
 weights: {{dtype: float32, source_quantization: {source}}}  # the file stores {stored}
-quantization: {{weights: none, group_size: 32}}
+quantization: {{weights: none}}
 {fusion}
 memory_plan:
   kv_cache: {{dtype: float32, layout: paged, block_size: {block_size}, max_pages: {max_pages}}}  # {kv_gb:.2f} GB
@@ -51,11 +51,11 @@ def init_recipe_text(model: str | None, out: str | None = None) -> str:
     max_len = min(config.max_position_embeddings, MAX_TOKENS)
     max_pages = max(MIN_PAGES, math.ceil(max_len / BLOCK_SIZE))
     kv_bytes = max_pages * BLOCK_SIZE * config.kv_bytes_per_token(parse_dtype("float32"))
-    spec = RecipeSpec.model_validate({"recipe_version": 1, "model": {"name": "x"}})
+    spec = RecipeSpec.model_validate({"recipe_version": 1, "model": {"name": "x"}, "hardware": {"device": "cpu"}})
     weight_bytes = weights_bytes(spec, config)
     ops = model_ops(header)
     fusion = (
-        "\nfusion_groups:\n  - {name: mlp_fusion, ops: [gate_proj, up_proj, silu, mul, down_proj]}\n"
+        "\nfusion_groups:\n  - {name: mlp_fusion, ops: [gate_proj, up_proj, silu, mul]}\n"
         if {"gate_proj", "up_proj", "down_proj"} <= ops
         else ""
     )

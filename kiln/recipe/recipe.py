@@ -11,16 +11,20 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from kiln.model.loader import CheckpointHeader
 from kiln.recipe.analysis import analyze
 from kiln.recipe.capacity import check_capture_sizes, check_kv_capacity
 from kiln.recipe.checkpoint import check_model_constraints, check_weights, model_ops, model_symbols, open_header
-from kiln.recipe.constraints import Constraint, parse_constraints
+from kiln.recipe.constraints import CONSTRAINTS_PATH, Constraint, parse_constraints
+from kiln.recipe.contract import check_hardware, check_identity, check_refused
 from kiln.recipe.diagnostics import Diagnostic, RecipeError, has_errors, sort_diagnostics
 from kiln.recipe.guards import RecipeGuards
+from kiln.recipe.machine import this_machine
 from kiln.recipe.schema import FusionGroup, RecipeSpec
 from kiln.recipe.schema_check import validate_schema
 from kiln.recipe.sections import check_fusion_groups, check_graph, check_group_size, check_inputs, check_memory
-from kiln.recipe.source import parse_source
+from kiln.recipe.solver import DEFAULT_BUDGET_S, SolverBudget, SolverBudgetExceeded
+from kiln.recipe.source import SourceDoc, parse_source
 
 logger = logging.getLogger("kiln")
 
@@ -38,10 +42,15 @@ class Recipe:
     witness: dict[str, int]
     bounds: dict[str, int | None]
     diagnostics: list[Diagnostic] = field(default_factory=list)
+    fusion_lines: tuple[int, ...] = ()  # the line of each fusion group, for the fusion check's messages
 
     @property
     def dtype(self) -> str:
         return self.spec.weights.dtype
+
+    @property
+    def device(self) -> str:
+        return self.spec.hardware.device
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -104,46 +113,97 @@ class Recipe:
         return RecipeGuards(self.path, self.constraints, self.model_values)
 
 
-def load_recipe(path: str, model: str | None = None) -> Recipe:
+def load_recipe(path: str, model: str | None = None, solver_budget_s: float = DEFAULT_BUDGET_S) -> Recipe:
     """Load and validate a recipe file; `model` overrides `model.path`. Raises RecipeError listing every error."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise RecipeError([Diagnostic(path, 0, 0, "error", f"cannot read the recipe: {reason}")]) from None
-    return load_recipe_text(text, path, model)
+    return load_recipe_text(text, path, model, solver_budget_s)
 
 
-def load_recipe_text(text: str, file: str = "<string>", model: str | None = None) -> Recipe:
-    """Validate recipe text; `file` names it in diagnostics (relative model paths resolve next to it)."""
+def load_recipe_text(
+    text: str, file: str = "<string>", model: str | None = None, solver_budget_s: float = DEFAULT_BUDGET_S
+) -> Recipe:
+    """Validate recipe text; `file` names it in diagnostics (relative model paths resolve next to it).
+    `solver_budget_s` bounds all the Z3 work of this validation together."""
     doc = parse_source(text, file)
-    spec = validate_schema(doc)
+    spec, schema_diagnostics = validate_schema(doc)  # with errors, a partial spec: checked, never returned
+    if spec is None:
+        raise RecipeError(schema_diagnostics)
     constraints, diagnostics = parse_constraints(doc, spec.input_constraints.constraints)
+    diagnostics += schema_diagnostics
     header, found = open_header(doc, spec, model)
     diagnostics += found
     values = model_symbols(header.config) if header else None
     diagnostics += check_graph(doc, spec) + check_inputs(doc, spec, values)
     diagnostics += check_fusion_groups(doc, spec, model_ops(header) if header else None)
+    diagnostics += check_refused(doc, spec) + check_hardware(doc, spec, this_machine())
+    broken = _sections_of(doc, schema_diagnostics)
     if header is not None:
         diagnostics += check_weights(doc, spec, header) + check_model_constraints(doc, constraints, values, header)
-        diagnostics += check_group_size(doc, spec, header.config) + check_memory(doc, spec, header.config)
+        diagnostics += check_identity(doc, spec, header)
+        if not broken & {"quantization"}:
+            diagnostics += check_group_size(doc, spec, header.config)
+        if not broken & {"memory_plan", "hardware", "weights", "quantization"}:
+            diagnostics += check_memory(doc, spec, header.config)
     witness: dict[str, int] = {}
     bounds: dict[str, int | None] = {}
     if len(constraints) == len(spec.input_constraints.constraints):  # every constraint parsed
-        analysis = analyze(doc, constraints, values)
-        diagnostics += analysis.diagnostics
-        if analysis.satisfiable:
-            diagnostics += check_capture_sizes(doc, spec, analysis)
-            diagnostics += check_kv_capacity(doc, spec, analysis, header.config if header else None)
-            witness, bounds = analysis.witness, analysis.bounds
+        budget = SolverBudget(solver_budget_s)
+        found, witness, bounds = _prove(doc, spec, constraints, values, header, budget, broken)
+        diagnostics += found
     diagnostics = sort_diagnostics(diagnostics)
     if has_errors(diagnostics) or header is None or values is None:
         raise RecipeError(diagnostics)
     logger.info("Recipe validated: %d constraints satisfied, 0 conflicts", len(constraints))
     model_path = os.path.abspath(header.path)
+    lines = tuple(doc.position(("fusion_groups", i))[0] for i in range(len(spec.fusion_groups)))
     return Recipe(
-        file, spec, recipe_hash(spec, constraints), constraints, model_path, values, witness, bounds, diagnostics
+        file, spec, recipe_hash(spec, constraints), constraints, model_path, values, witness, bounds, diagnostics, lines
     )
+
+
+def _prove(
+    doc: SourceDoc,
+    spec: RecipeSpec,
+    constraints: list[Constraint],
+    values: dict[str, int] | None,
+    header: CheckpointHeader | None,
+    budget: SolverBudget,
+    broken: set[str],
+) -> tuple[list[Diagnostic], dict[str, int], dict[str, int | None]]:
+    """The solver's findings, the witness and the bounds; running out of `budget` is an error at the constraints.
+    Capture sizes and the KV capacity are checked against the bounds unless their section has schema errors."""
+    try:
+        analysis = analyze(doc, constraints, values, budget)
+        if not analysis.satisfiable:
+            return analysis.diagnostics, {}, {}
+        found = list(analysis.diagnostics)
+        if "graph" not in broken:
+            found += check_capture_sizes(doc, spec, analysis)
+        if "memory_plan" not in broken:
+            found += check_kv_capacity(doc, spec, analysis, header.config if header else None)
+    except SolverBudgetExceeded as exc:
+        message = (
+            f"could not finish proving the constraints: {exc}; simplify the constraints (products or divisions "
+            "of two symbols are the costly ones)"
+        )
+        return [doc.diagnostic("error", message, CONSTRAINTS_PATH, key=True)], {}, {}
+    return found, analysis.witness, analysis.bounds
+
+
+def _sections_of(doc: SourceDoc, diagnostics: list[Diagnostic]) -> set[str]:
+    """Top-level sections holding a diagnostic: the checks that weigh a section against others skip it, since the
+    partial spec has defaults where its bad values were and a message would describe a default as written."""
+    starts = sorted((line, path[0]) for path, (line, _) in doc.keys.items() if len(path) == 1)
+    found = set()
+    for d in diagnostics:
+        owner = [name for line, name in starts if line <= d.line]
+        if owner:
+            found.add(str(owner[-1]))
+    return found
 
 
 def recipe_hash(spec: RecipeSpec, constraints: list[Constraint]) -> str:

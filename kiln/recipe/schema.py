@@ -25,6 +25,10 @@ class ModelSection(Section):
         "directory; relative paths are relative to the recipe file.",
     )
     layer_type: Literal["decoder"] = "decoder"
+    architecture: str | None = Field(
+        None,
+        description='Checked against the checkpoint\'s architecture ("llama", "LlamaForCausalLM"); null: not checked.',
+    )
 
 
 class TensorSpec(Section):
@@ -93,8 +97,12 @@ class Graph(Section):
 
 
 class Hardware(Section):
-    device: Literal["cpu", "cuda"] = "cpu"
-    arch: str | None = Field(None, description='GPU architecture such as "sm_90"; null for any.')
+    device: Literal["cpu", "cuda"] = Field(description="The device the engine runs on; it must exist here.")
+    arch: str | None = Field(
+        None,
+        description='What the device must have: a CPU ISA ("avx2", "avx512", "avx512_bf16", "amx", "neon", ...) or '
+        'a CUDA arch ("sm_80": compute capability 8.0 or newer); null for any.',
+    )
     memory_budget_gb: float = Field(
         8.0, gt=0, allow_inf_nan=False, description="Weights plus KV cache must fit (1 GB = 1e9 bytes)."
     )
@@ -115,7 +123,7 @@ class RecipeSpec(Section):
     fusion_groups: list[FusionGroup] = Field(default_factory=list)
     memory_plan: MemoryPlan = Field(default_factory=MemoryPlan)
     graph: Graph = Field(default_factory=Graph)
-    hardware: Hardware = Field(default_factory=Hardware)
+    hardware: Hardware
     debug: Debug = Field(default_factory=Debug)
 
 

@@ -12,6 +12,13 @@ from kiln.recipe.schema_check import did_you_mean
 from kiln.recipe.source import SourceDoc
 
 FUNCTIONAL_OPS = ("silu", "mul", "add", "rms_norm", "rotary_emb")
+# Which side of its layer's attention each op of a llama-style decoder layer runs on. Attention (kiln.attention)
+# splits the graph and is an opaque op even in one full graph, and groups are matched within one layer, so a group
+# cannot hold ops from both sides. The embedding runs before the first attention, the final norm after the last;
+# mul, add and rms_norm run on both sides.
+BEFORE_ATTENTION = ("embed_tokens", "input_layernorm", "q_proj", "k_proj", "v_proj", "qkv_proj", "rotary_emb")
+MLP_OPS = ("gate_proj", "up_proj", "gate_up_proj", "down_proj", "silu")
+AFTER_ATTENTION = ("o_proj", "post_attention_layernorm", *MLP_OPS, "norm")
 # input name -> (expected dims, allowed dtypes; None = the weights' dtype)
 INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...] | None]] = {
     "input_ids": (("num_tokens",), ("int64", "int32")),
@@ -53,8 +60,6 @@ def check_graph(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
     if graph.compile_sizes and graph.compiler != "inductor":
         message = f"graph.compile_sizes needs compiler inductor; the {graph.compiler} compiler has no static compiles"
         out.append(doc.diagnostic("error", message, ("graph", "compile_sizes")))
-    if spec.hardware.device == "cpu" and spec.hardware.arch is not None:
-        out.append(doc.diagnostic("warning", "hardware.arch is ignored on device cpu", ("hardware", "arch")))
     return out
 
 
@@ -84,7 +89,22 @@ def check_fusion_groups(doc: SourceDoc, spec: RecipeSpec, model_ops: set[str] | 
                 message = f"fusion group {group.name}: op {op!r} is already in fusion group {owner[op]}"
                 out.append(doc.diagnostic("error", message, path))
             owner.setdefault(op, group.name)
+        out += _split_across_attention(doc, g, group.name, group.ops)
     return out
+
+
+def _split_across_attention(doc: SourceDoc, g: int, name: str, ops: list[str]) -> list[Diagnostic]:
+    """An error at the first op that runs on the other side of attention from an earlier op of the group."""
+    before = next((op for op in ops if op in BEFORE_ATTENTION), None)
+    after = next((op for op in ops if op in AFTER_ATTENTION), None)
+    if before is None or after is None:
+        return []
+    later = max(ops.index(before), ops.index(after))
+    message = (
+        f"fusion group {name}: {after!r} runs after attention and {before!r} before it; attention splits the graph "
+        "between them, so no kernel can hold both: make them two groups"
+    )
+    return [doc.diagnostic("error", message, ("fusion_groups", g, "ops", later))]
 
 
 def check_inputs(doc: SourceDoc, spec: RecipeSpec, values: dict[str, int] | None) -> list[Diagnostic]:

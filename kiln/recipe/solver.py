@@ -1,20 +1,43 @@
 """The constraint system in Z3: one tracked assertion per constraint, minimal unsat cores, implied constraints,
-maxima of the run-time symbols. Every query runs under a timeout; "unknown" is never mistaken for "proven"."""
+maxima of the run-time symbols. Every query runs under a timeout and all of them share one budget per validation
+(SolverBudget); "unknown" is never mistaken for "proven"."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import z3
 
+from kiln.errors import KilnError
 from kiln.recipe.constraints import Constraint
 from kiln.recipe.expr import MODEL_SYMBOLS, RUNTIME_SYMBOLS, SYMBOLS
 from kiln.recipe.z3_encode import encode
 
 DEFAULT_TIMEOUT_MS = 2000
+DEFAULT_BUDGET_S = 10.0
 # NOTE: a bound above 2**62 is "unbounded" for every purpose kiln has (token counts, page counts).
 UNBOUNDED = 2**62
+
+
+class SolverBudgetExceeded(KilnError):
+    """Every Z3 query of one validation together ran past the budget."""
+
+
+class SolverBudget:
+    """Wall-clock seconds all the Z3 queries of one validation may take together; each query's timeout is the
+    smaller of its own and what is left, so a recipe validates in about the same time every run."""
+
+    def __init__(self, seconds: float = DEFAULT_BUDGET_S) -> None:
+        self.seconds = seconds
+        self.deadline = time.monotonic() + seconds
+
+    def timeout_ms(self, per_query_ms: int) -> int:
+        left = int((self.deadline - time.monotonic()) * 1000)
+        if left <= 0:
+            raise SolverBudgetExceeded(f"the solver's budget of {self.seconds:g} s for this validation ran out")
+        return min(per_query_ms, left)
 
 
 @dataclass(frozen=True)
@@ -44,8 +67,10 @@ class ConstraintSystem:
         constraints: Sequence[Constraint],
         model_values: Mapping[str, int] | None,
         timeout_ms: int = DEFAULT_TIMEOUT_MS,
+        budget: SolverBudget | None = None,
     ) -> None:
         self.timeout_ms = timeout_ms
+        self.budget = budget or SolverBudget()
         self.model_values = dict(model_values or {})
         self.vars = {name: z3.Int(name) for name in SYMBOLS if name not in self.model_values}
         scope = {**self.vars, **{k: z3.IntVal(v) for k, v in self.model_values.items()}}
@@ -89,7 +114,7 @@ class ConstraintSystem:
             mid = (low + high + 1) // 2
             solver.push()
             solver.add(var >= mid)
-            result = solver.check()
+            result = self._run(solver)
             found = solver.model().eval(var, model_completion=True).as_long() if result == z3.sat else None
             solver.pop()
             if result == z3.unknown:
@@ -100,27 +125,33 @@ class ConstraintSystem:
     def _query(self, solver: z3.Solver, formula: z3.BoolRef) -> z3.CheckSatResult:
         solver.push()
         solver.add(formula)
-        result = solver.check()
+        result = self._run(solver)
         solver.pop()
+        return result
+
+    def _run(self, solver: z3.Solver) -> z3.CheckSatResult:
+        """One check under the per-query timeout, cut to what is left of the budget; raises once it is spent."""
+        solver.set("timeout", self.budget.timeout_ms(self.timeout_ms))
+        result = solver.check()
+        if result == z3.unknown:
+            self.budget.timeout_ms(self.timeout_ms)  # raises when the budget, not the query, ran out
         return result
 
     def _solver(self, facts: Sequence[Fact]) -> z3.Solver:
         solver = z3.Solver()
-        solver.set("timeout", self.timeout_ms)
         solver.add(*self.axioms)
         solver.add(*[f.formula for f in facts])
         return solver
 
     def _solve(self, facts: Sequence[Fact]) -> tuple[str, dict[str, int], list[Fact], str]:
         solver = z3.Solver()
-        solver.set("timeout", self.timeout_ms)
         solver.add(*self.axioms)
         by_name = {}
         for fact in facts:
             tracker = z3.Bool(f"track:{fact.key}")
             by_name[str(tracker)] = fact
             solver.assert_and_track(fact.formula, tracker)
-        result = solver.check()
+        result = self._run(solver)
         if result == z3.sat:
             model = solver.model()
             witness = {n: model.eval(v, model_completion=True).as_long() for n, v in self.vars.items()}

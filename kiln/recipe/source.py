@@ -57,6 +57,12 @@ class SourceDoc:
 
 def parse_source(text: str, file: str) -> SourceDoc:
     """Parse YAML text (duplicate keys rejected); raise RecipeError with the YAML error's position."""
+    return source_doc(load_mapping(text, file), text, file)
+
+
+def load_mapping(text: str, file: str) -> CommentedMap:
+    """The YAML text as ruamel's round-trip mapping (comments and positions kept); RecipeError for invalid YAML or
+    a document that is not a mapping."""
     yaml = YAML(typ="rt")
     yaml.allow_duplicate_keys = False
     try:
@@ -70,11 +76,20 @@ def parse_source(text: str, file: str) -> SourceDoc:
         # NOTE: the constructor raises plain ValueError for impossible timestamps such as 2024-13-45.
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise RecipeError([_diag(text, file, 1, 1, f"invalid YAML: {message}")]) from None
+    written = [line.strip() for line in text.splitlines() if line.strip()]
+    if root is None and written and all(line.startswith("#") for line in written):
+        message = "the recipe has only comments; expected a mapping with recipe_version, model, ..."
+        raise RecipeError([_diag(text, file, 1, 1, message)])
     if not isinstance(root, CommentedMap):
-        found = "an empty file" if root is None else f"a {type(root).__name__}"
+        found = f"a {type(root).__name__}" if root is not None else ("null" if written else "an empty file")
         raise RecipeError(
             [_diag(text, file, 1, 1, f"a recipe must be a YAML mapping (recipe_version, model, ...), found {found}")]
         )
+    return root
+
+
+def source_doc(root: CommentedMap, text: str, file: str) -> SourceDoc:
+    """Plain data and positions of a loaded mapping; RecipeError for keys that are not names or too many nodes."""
     builder = _Builder(text, file)
     data = builder.convert(root, ())
     if builder.errors:

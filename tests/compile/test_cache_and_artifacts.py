@@ -85,7 +85,8 @@ def test_artifacts_are_written_and_parse(model: torch.nn.Module, shared_cache: P
     assert profile["pieces"][3]["latency_us"] == {}  # eager piece: not captured
     fusion = json.loads((out / "fusion.json").read_text())["groups"]
     assert [g["name"] for g in fusion] == ["mlp_fusion"]
-    assert fusion[0]["realised"] in (True, False) and fusion[0]["reason"]
-    assert fusion[0]["scope"] == "model.layers.0.mlp"
+    assert fusion[0]["realised"] and fusion[0]["checked"] and fusion[0]["broken_by"] == ""
+    assert fusion[0]["scope"] == "model.layers.0.mlp" and fusion[0]["piece"] == 1
+    assert fusion[0]["kernels"] == ["extern_kernels.mm", "cpp_fused_mul_silu_split_1"]  # gate_up_proj, then SiLU * up
     lint = (out / "lint.txt").read_text()
     assert "graph breaks: 0" in lint and "no-op" in lint

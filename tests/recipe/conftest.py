@@ -24,27 +24,35 @@ def header() -> str:
     return HEADER
 
 
+# Appended to a test recipe that names no hardware (after its last line, so line numbers do not move).
+DEVICE = "hardware: {device: cpu}\n"
+
+
 @pytest.fixture
 def write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[str], str]:
-    """Write dedented recipe text to ./recipe.yaml (cwd = a temp dir) and return "recipe.yaml"."""
+    """Write dedented recipe text to ./recipe.yaml (cwd = a temp dir) and return "recipe.yaml". A recipe (it has
+    `recipe_version`) that does not mention `hardware` gets DEVICE as its last line: the device is required."""
     monkeypatch.chdir(tmp_path)
 
     def _write(text: str) -> str:
-        Path("recipe.yaml").write_text(textwrap.dedent(text))
+        text = textwrap.dedent(text)
+        if "recipe_version" in text and "hardware" not in text:
+            text = text + ("" if text.endswith("\n") else "\n") + DEVICE
+        Path("recipe.yaml").write_text(text)
         return "recipe.yaml"
 
     return _write
 
 
-def _diagnostics_of(path: str, model: str | None = None) -> list[Diagnostic]:
+def _diagnostics_of(path: str, model: str | None = None, **options: float) -> list[Diagnostic]:
     with pytest.raises(RecipeError) as info:
-        load_recipe(path, model=model)
+        load_recipe(path, model=model, **options)
     assert str(info.value) == "\n".join(d.format() for d in info.value.diagnostics)
     return info.value.diagnostics
 
 
-def _only_error(path: str, model: str | None = None) -> Diagnostic:
-    errors = [d for d in _diagnostics_of(path, model) if d.severity == "error"]
+def _only_error(path: str, model: str | None = None, **options: float) -> Diagnostic:
+    errors = [d for d in _diagnostics_of(path, model, **options) if d.severity == "error"]
     assert len(errors) == 1, [d.format() for d in errors]
     return errors[0]
 

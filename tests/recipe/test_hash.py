@@ -13,6 +13,7 @@ weights: {dtype: float32, source_quantization: q4_1}
 input_constraints:
   constraints: [num_tokens <= 2048, seq_len <= 2048]
 graph: {piecewise: true, capture_sizes: [1, 2, 4]}
+hardware: {device: cpu}
 """
 
 REFORMATTED = """\
@@ -32,7 +33,7 @@ model:
   path: default
   name: smollm2
 recipe_version: 1
-hardware: {device: cpu}   # a default written out
+hardware: {device: cpu, arch: null}   # a default written out
 """
 
 

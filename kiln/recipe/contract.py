@@ -1,0 +1,143 @@
+"""Every recipe field acts or is refused: the fields kiln does not execute (yet) are errors at their line, and the
+hardware the recipe asks for is checked against the machine that runs it (kiln.recipe.machine).
+
+What each field does is listed in recipes/README.md; the engine reads the honoured ones from the Recipe.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from kiln.model.loader import CheckpointHeader
+from kiln.recipe.diagnostics import Diagnostic
+from kiln.recipe.machine import CPU_ARCHES, CUDA_ARCH, Machine
+from kiln.recipe.schema import RecipeSpec
+from kiln.recipe.source import SourceDoc
+
+# A size written in a model name ("135m", "7b", "1.5B") may differ from the parameter count by this factor
+# (names round, and tied embeddings are counted once or twice).
+SIZE_TOLERANCE = 1.35
+
+
+def check_refused(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
+    """Fields whose value kiln would silently not honour."""
+    out = []
+    q = spec.quantization
+    if q.weights != "none":
+        message = (
+            f"quantization.weights: {q.weights} is not supported: kiln runs every linear layer in weights.dtype "
+            f"({spec.weights.dtype}); remove it or set weights: none"
+        )
+        out.append(doc.diagnostic("error", message, ("quantization", "weights")))
+    elif ("quantization", "group_size") in doc.values:
+        message = "quantization.group_size has no effect without quantized weights (quantization.weights is none)"
+        out.append(doc.diagnostic("error", message, ("quantization", "group_size")))
+    kv = spec.memory_plan.kv_cache
+    if kv.layout != "paged":
+        message = (
+            f"memory_plan.kv_cache.layout: {kv.layout} is not supported: kiln's KV cache is paged "
+            "(block_size tokens per page); set layout: paged"
+        )
+        out.append(doc.diagnostic("error", message, ("memory_plan", "kv_cache", "layout")))
+    if not spec.memory_plan.activation_reuse:
+        message = (
+            "memory_plan.activation_reuse: false is not supported: captured pieces always share static buffers "
+            "between sizes; remove it or set it to true"
+        )
+        out.append(doc.diagnostic("error", message, ("memory_plan", "activation_reuse")))
+    if spec.debug.debug_mode and not spec.graph.piecewise:
+        message = "debug.debug_mode traces graph-mode pieces, but graph.piecewise is false: there is nothing to trace"
+        out.append(doc.diagnostic("error", message, ("debug", "debug_mode")))
+    graph = spec.graph
+    if not graph.piecewise or graph.compiler != "inductor":
+        why = "graph.piecewise is false" if not graph.piecewise else f"graph.compiler is {graph.compiler}"
+        for g, group in enumerate(spec.fusion_groups):
+            severity = "error" if group.required else "warning"
+            message = f"fusion group {group.name} cannot be realised: {why}, so no code is generated to fuse it" + (
+                "; use piecewise inductor graph mode or set required: false" if group.required else ""
+            )
+            out.append(doc.diagnostic(severity, message, ("fusion_groups", g)))
+    for name in ("input_ids", "positions"):
+        tensor = getattr(spec.input_constraints, name)
+        if tensor is not None and tensor.dtype == "int32":
+            message = f"input_constraints.{name}.dtype: int32 is not supported: kiln feeds {name} as int64"
+            out.append(doc.diagnostic("error", message, ("input_constraints", name, "dtype")))
+    return out
+
+
+def check_hardware(doc: SourceDoc, spec: RecipeSpec, machine: Machine) -> list[Diagnostic]:
+    """`hardware.device` must exist here; `hardware.arch` must name a known ISA or CUDA arch that this machine has."""
+    hw, out = spec.hardware, []
+    if hw.device == "cuda" and machine.cuda is None:
+        cpu = machine.cpu_summary()
+        message = f"kiln runs on CPU here (no CUDA device is visible: {cpu}); this recipe asks for cuda"
+        out.append(doc.diagnostic("error", message, ("hardware", "device")))
+    arch = hw.arch
+    if arch is None:
+        return out
+    path = ("hardware", "arch")
+    cuda = CUDA_ARCH.match(arch)
+    if cuda is None and arch not in CPU_ARCHES:
+        message = (
+            f"hardware.arch {arch!r} is not an architecture kiln can check: use a CPU ISA "
+            f"({', '.join(CPU_ARCHES)}) or a CUDA arch such as sm_80, sm_90; or null for any"
+        )
+        return [*out, doc.diagnostic("error", message, path)]
+    if hw.device == "cpu":
+        if cuda is not None:
+            message = f"hardware.arch {arch} is a CUDA architecture but hardware.device is cpu"
+            out.append(doc.diagnostic("error", message, path))
+        elif not machine.has_cpu_arch(arch):
+            message = f"hardware.arch {arch}: this CPU does not have it: {machine.cpu_summary()}"
+            out.append(doc.diagnostic("error", message, path))
+        return out
+    if cuda is None:
+        message = f"hardware.arch {arch} is a CPU ISA but hardware.device is cuda; use sm_XX"
+        out.append(doc.diagnostic("error", message, path))
+    elif machine.cuda is not None and machine.cuda < (int(cuda.group(1)), int(cuda.group(2))):
+        have = f"sm_{machine.cuda[0]}{machine.cuda[1]}"
+        message = f"hardware.arch {arch}: the CUDA device here is {machine.cuda_name} ({have}), older than {arch}"
+        out.append(doc.diagnostic("error", message, path))
+    return out
+
+
+def check_identity(doc: SourceDoc, spec: RecipeSpec, header: CheckpointHeader) -> list[Diagnostic]:
+    """`model.name` (its family and any size in it) and `model.architecture` against the checkpoint's metadata."""
+    config, out = header.config, []
+    file = os.path.basename(header.path)
+    params = config.num_params()
+    what = f"{file} is {config.name or file!r} ({config.architecture}, {params / 1e6:.1f}M parameters)"
+    arch = spec.model.architecture
+    if arch is not None and _squash(config.architecture) not in _squash(arch):
+        message = f"model.architecture {arch!r} does not match the checkpoint: {what}"
+        out.append(doc.diagnostic("error", message, ("model", "architecture")))
+    name = spec.model.name
+    family = _family(name)
+    known = _squash(f"{config.name} {file} {os.path.basename(os.path.dirname(header.path))}")
+    size = _size(name)
+    wrong_family = family is not None and family not in known
+    wrong_size = size is not None and not (1 / SIZE_TOLERANCE <= size / params <= SIZE_TOLERANCE)
+    if wrong_family or wrong_size:
+        why = f"'{family}' is not in its name" if wrong_family else f"{size / 1e6:g}M parameters is not its size"
+        message = f"model.name {name!r} does not match the checkpoint ({why}): {what}; fix model.name or model.path"
+        out.append(doc.diagnostic("error", message, ("model", "name")))
+    return out
+
+
+def _squash(text: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", text.lower())
+
+
+def _family(name: str) -> str | None:
+    """The leading word of a model name ("smollm2" of "SmolLM2-135M-Instruct"); None if it has none."""
+    match = re.match(r"[^a-zA-Z]*([a-zA-Z][a-zA-Z0-9]*)", name)
+    return _squash(match.group(1)) if match else None
+
+
+def _size(name: str) -> float | None:
+    """Parameters named in a model name: 135M -> 1.35e8, 1.5b -> 1.5e9; None when it names none."""
+    match = re.search(r"(?<![a-zA-Z0-9.])(\d+(?:\.\d+)?)([mMbB])(?![a-zA-Z])", name)
+    if match is None:
+        return None
+    return float(match.group(1)) * (1e6 if match.group(2) in "mM" else 1e9)

@@ -1,0 +1,57 @@
+"""Each honoured recipe field changes what the engine does: device, dtypes, KV cache plan, graph settings."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln import LLM, SamplingParams
+from kiln.engine.args import EngineArgs
+
+FIELDS = """\
+recipe_version: 1
+model: {name: smollm2-135m-instruct}
+weights: {dtype: bfloat16, source_quantization: q4_1}
+input_constraints: {constraints: [num_tokens <= 512, seq_len <= 256, batch_size <= 8]}
+memory_plan: {kv_cache: {dtype: bfloat16, block_size: 8, max_pages: 64}}
+graph: {piecewise: %s, capture_sizes: [1, 2, 8], compile_sizes: [1], compiler: inductor}
+hardware: {device: cpu, arch: %s}
+debug: {debug_mode: %s}
+"""
+
+
+def write(tmp_path: Path, piecewise: str = "false", debug: str = "false") -> str:
+    arch = "x86_64" if torch.backends.cpu.get_cpu_capability() != "DEFAULT" else "null"
+    path = tmp_path / "recipe.yaml"
+    path.write_text(FIELDS % (piecewise, arch, debug))
+    return str(path)
+
+
+def test_graph_fields_and_device_reach_the_engine_config(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="kiln"):
+        config = EngineArgs(recipe=write(tmp_path, "true", debug="true"), device="cuda").create_engine_config()
+    assert config.device == "cpu"  # the recipe's device wins over the flag, and says so
+    assert "sets device=cpu (was cuda)" in caplog.text
+    graph = config.graph
+    assert (graph.capture_sizes, graph.compile_sizes, graph.compiler, graph.debug) == ((1, 2, 8), (1,), "inductor", 1)
+    assert config.enable_piecewise_graph
+    assert (config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs, config.max_model_len) == (
+        512,
+        8,
+        256,
+    )
+
+
+def test_dtypes_and_kv_plan_change_the_engine(tmp_path: Path) -> None:
+    llm = LLM(recipe=write(tmp_path))
+    engine = llm.engine
+    assert next(engine.model.parameters()).dtype == torch.bfloat16  # weights.dtype
+    assert {t.dtype for t in engine.runner.kv_caches} == {torch.bfloat16}  # kv_cache.dtype
+    assert (engine.pool.block_size, engine.pool.num_blocks) == (8, 64)  # block_size, max_pages
+    per_token = 2 * engine.model_config.num_kv_heads * engine.model_config.head_dim * 2  # K and V, 2 bytes each
+    assert engine.runner.kv_cache_bytes == engine.model_config.num_layers * 64 * 8 * per_token
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=6, temperature=0))[0]
+    assert out.finish_reason == "length" and "Paris" in out.text  # a bf16 model with a bf16 cache still answers
