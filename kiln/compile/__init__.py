@@ -9,7 +9,8 @@ verify.py     a compiled piece checked against its graph              capture.py
 capturer.py   capture every piece per size, largest first             dispatch.py  replay or run dynamically
 passes.py     inductor post-grad passes (DecodeGemv)                  logits_head.py  compiled one-row head
 executor.py   GraphExecutor: the roles behind the Executor interface  settings.py  GraphConfig from recipe/flags
-fusion_match.py, fusion.py, fusion_check.py: recipe fusion groups found in the pieces, judged on the generated
-code, enforced after compiling (a required group not realised fails the compile at its recipe line).
+fusion_match.py, fusion_flow.py, fusion.py, fusion_check.py: recipe fusion groups found in the pieces, judged
+on the generated code, enforced after compiling (a required group not realised fails the compile at its line).
+packed_choice.py: for packed weights (kiln.quant), the fused dequantizing reduction timed against BLAS.
 artifacts.py, lint.py, kernels.py, diagnose.py: what `kiln compile` writes and how failures read.
 """

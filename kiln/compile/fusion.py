@@ -23,21 +23,16 @@ from dataclasses import asdict, dataclass, field
 from itertools import combinations
 from typing import TYPE_CHECKING
 
-import torch
 from torch.fx import Graph, Node
 
+from kiln.compile.fusion_flow import MATMULS, Flow, token
 from kiln.compile.fusion_match import GroupInstance, locate, node_kind
-from kiln.compile.kernels import Kernel, kernels_in
+from kiln.compile.kernels import kernels_in
 from kiln.compile.split import node_module_path
 from kiln.config import FusionGroupConfig
 
 if TYPE_CHECKING:
     from kiln.compile.piece import Piece
-
-_MATMULS = {"linear", "mm", "addmm", "bmm", "matmul"}
-# FX op kind -> the aten op inductor names a kernel after; other kinds (views, casts, splits) compute nothing
-_TOKENS = {k: k for k in ("silu", "mul", "add", "sub", "div", "neg", "pow", "mean", "rsqrt", "cat", "exp", "sum")}
-_TOKENS.update({"sigmoid": "sigmoid", "tanh": "tanh", "gelu": "gelu", "softmax": "softmax"})
 
 
 @dataclass
@@ -106,15 +101,15 @@ class _Verdict:
 
     def __init__(self, graph: Graph, inst: GroupInstance, source: str) -> None:
         self.kernels = kernels_in(source)
-        self.flow = _Flow(graph, self.kernels)
+        self.flow = Flow(graph, self.kernels)
         self.owner: dict[Node, str] = {}  # product -> the group's ops it computes ("gate_proj, up_proj")
         self.pointwise: dict[str, list[Node]] = {}
         for op, nodes in inst.nodes.items():
-            products = [n for n in nodes if node_kind(n) in _MATMULS]
+            products = [n for n in nodes if node_kind(n) in MATMULS]
             for p in products:
                 self.owner[p] = f"{self.owner[p]}, {op}" if p in self.owner else op
             if not products:
-                self.pointwise[op] = [n for n in nodes if _token(n)]
+                self.pointwise[op] = [n for n in nodes if token(n)]
         self.every_node = inst.modules
         self.result = self._judge()
 
@@ -187,100 +182,6 @@ class _Verdict:
         if not sets:
             return set(range(len(self.kernels)))
         return set.intersection(*sets) if op in self.every_node else set.union(*sets)
-
-
-class _Flow:
-    """Data flow between the launches of one piece's code, in terms of the piece graph's inputs and products."""
-
-    def __init__(self, graph: Graph, kernels: list[Kernel]) -> None:
-        self.kernels = kernels
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-        inputs = {f"arg{i}_1": n for i, n in enumerate(placeholders) if _is_tensor(n)}
-        products = [n for n in graph.nodes if node_kind(n) in _MATMULS and n.op != "placeholder"]
-        weights: dict[str, list[Node]] = {}
-        for p in products:
-            w = _weight(p)
-            if w is not None:
-                weights.setdefault(f"arg{placeholders.index(w)}_1", []).append(p)
-        self.up = _upstream(graph, set(inputs.values()) | set(products))
-        self.products = [{p for s in k.reads for p in weights.get(s, ())} for k in kernels]
-        self.product_launch = {p: i for i in reversed(range(len(kernels))) for p in self.products[i]}
-        self.direct: list[set[Node]] = []  # graph inputs and products each launch reads (or computes) itself
-        self.preds: list[set[int]] = []
-        writer: dict[str, int] = {}
-        for i, k in enumerate(kernels):
-            direct, preds = set(self.products[i]), set()
-            for s in k.reads:
-                w = writer.get(s)
-                if w is None and s in inputs:
-                    direct.add(inputs[s])
-                elif w is not None:
-                    preds.add(w)
-                    direct |= self.products[w]
-            self.direct.append(direct)
-            self.preds.append(preds)
-            writer.update((s, i) for s in k.writes)
-
-    def computing(self, node: Node) -> set[int]:
-        token = _token(node)
-        return {
-            i
-            for i, k in enumerate(self.kernels)
-            if not k.is_extern and token in k.fused_ops and self.up[node] <= self.direct[i]
-        }
-
-    def between(self, a: int, b: int) -> list[int]:
-        """Launches on a data path from launch a to launch b."""
-        reached = {a}
-        for i in range(a + 1, b + 1):
-            if self.preds[i] & reached:
-                reached.add(i)
-        back = {b}
-        for i in range(b - 1, a, -1):
-            if any(i in self.preds[j] for j in back):
-                back.add(i)
-        return sorted((reached & back) - {a, b})
-
-    @staticmethod
-    def ancestors(nodes: list[Node]) -> set[Node]:
-        seen: set[Node] = set()
-        todo = list(nodes)
-        while todo:
-            for m in todo.pop().all_input_nodes:
-                if m not in seen:
-                    seen.add(m)
-                    todo.append(m)
-        return seen
-
-
-def _upstream(graph: Graph, anchors: set[Node]) -> dict[Node, set[Node]]:
-    """node -> the anchors (graph inputs, products) it is computed from without passing another anchor."""
-    up: dict[Node, set[Node]] = {}
-    for n in graph.nodes:
-        up[n] = set()
-        for m in n.all_input_nodes:
-            up[n] |= {m} if m in anchors else up[m]
-    return up
-
-
-def _weight(product: Node) -> Node | None:
-    """The graph input a product's weight comes from (through views and transposes), or None."""
-    w = product.args[2] if node_kind(product) == "addmm" else product.args[1]
-    while isinstance(w, Node) and w.op != "placeholder":
-        inputs = w.all_input_nodes
-        w = inputs[0] if len(inputs) == 1 else None
-    return w
-
-
-def _token(node: Node) -> str | None:
-    kind = node_kind(node)
-    if kind == "getitem" and any(isinstance(a, Node) and _is_tensor(a) for a in node.args[1:]):
-        return "index"  # a gather such as cos_cache[positions]
-    return _TOKENS.get(kind)
-
-
-def _is_tensor(node: Node) -> bool:
-    return isinstance(node.meta.get("example_value", node.meta.get("val")), torch.Tensor)
 
 
 def _leaf(node: Node) -> str:

@@ -24,6 +24,7 @@ from torch import nn
 
 from kiln.compile.compiler import PieceCompiler
 from kiln.compile.logits_head import CompiledProduct, product_graph
+from kiln.compile.packed_choice import choose_packed_static_sizes
 from kiln.compile.passes import GEMV_MAX_ROWS
 from kiln.executor.kernel_choice import KernelChoiceCache, streamed_copies, time_per_call_us
 from kiln.executor.layout import (
@@ -37,6 +38,7 @@ from kiln.executor.layout import (
     weight_key,
     with_layout,
 )
+from kiln.quant.linear import PackedLinear
 
 logger = logging.getLogger("kiln")
 
@@ -62,10 +64,15 @@ def choose_kernels(
     cpu = next(model.parameters()).device.type == "cpu"
     cache = KernelChoiceCache(cache_root)
     choices: dict[str, dict[str, object]] = {}
+    weight = largest_layer_weight(model)
     if configured_sizes is not None:
         sizes = tuple(sorted(configured_sizes))
+    elif cpu and compiler.supports_static_sizes and weight is None:
+        record = choose_packed_static_sizes(largest_packed_layer(model), capture_sizes, compiler, cache)
+        choices["static_sizes"] = record
+        sizes = tuple(int(s) for s in list(record["static_sizes"]))
     elif cpu and compiler.supports_static_sizes:
-        record = choose_static_sizes(largest_layer_weight(model), capture_sizes, compiler, cache)
+        record = choose_static_sizes(weight, capture_sizes, compiler, cache)
         choices["static_sizes"] = record
         sizes = tuple(int(s) for s in list(record["static_sizes"]))
     else:
@@ -73,12 +80,15 @@ def choose_kernels(
     if not cpu:
         return Kernels(sizes, choices)
     gemv_sizes = [s for s in sizes if s <= GEMV_MAX_ROWS]
-    if gemv_sizes:
+    if weight is None:
+        layout = "packed"  # no float decoder weight: nothing to lay out
+    elif gemv_sizes:
         layout = ROW_MAJOR  # DecodeGemv reduces over row-major weights
     else:
-        choices["decoder_layout"] = fastest_one_row_layout(largest_layer_weight(model), cache)
+        choices["decoder_layout"] = fastest_one_row_layout(weight, cache)
         layout = str(choices["decoder_layout"]["winner"])
-    set_layer_weight_layout(model, layout)
+    if weight is not None:
+        set_layer_weight_layout(model, layout)
     head_t = None
     if 1 not in sizes:
         head_t, choices["lm_head"] = one_row_head(model.lm_head.weight, cache)
@@ -91,6 +101,10 @@ def choose_kernels(
         layout,
     )
     return Kernels(sizes, choices, head_t)
+
+
+def largest_packed_layer(model: nn.Module) -> PackedLinear:
+    return max((m for m in model.model.layers[0].modules() if isinstance(m, PackedLinear)), key=lambda m: m.nbytes)
 
 
 def choose_static_sizes(

@@ -17,7 +17,7 @@ from typing import Any
 
 from kiln.compile.modes import PieceMode
 from kiln.compile.settings import graph_config_from
-from kiln.config import COMPILER_NAMES, DTYPE_NAMES, CacheConfig, EngineConfig, SchedulerConfig
+from kiln.config import COMPILER_NAMES, DTYPE_NAMES, QUANTIZATION_NAMES, CacheConfig, EngineConfig, SchedulerConfig
 from kiln.errors import ConfigError
 
 
@@ -47,6 +47,11 @@ class EngineArgs:
     model: str = _arg("default", "a .gguf file, an HF directory, or 'default' (SmolLM2-135M)")
     dtype: str = _arg("float32", "weight and activation dtype", choices=DTYPE_NAMES)
     device: str = _arg("cpu", "where the model runs", choices=("cpu", "cuda"))
+    quantization: str = _arg(
+        "none",
+        "none: dequantize weights to --dtype; packed: keep a GGUF's Q4_0/Q4_1/Q8_0 decoder weights packed",
+        choices=QUANTIZATION_NAMES,
+    )
     max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: min(model context, 8192))")
     seed: int | None = _arg(
         None, "engine seed: requests without a seed draw theirs from it (default: fresh randomness every start)"
@@ -137,6 +142,7 @@ class EngineArgs:
             model=self.model,
             dtype=self.dtype,
             device=self.device,
+            quantization=self.quantization,
             max_model_len=self.max_model_len,
             seed=self.seed,
             num_threads=self.num_threads,

@@ -42,8 +42,11 @@ class EagerExecutor(Executor):
         if self.keep_layout or next(model.parameters()).device.type != "cpu":
             return
         cache = KernelChoiceCache(self.cache_root)
-        decoder = fastest_one_row_layout(largest_layer_weight(model), cache)
-        set_layer_weight_layout(model, str(decoder["winner"]))
+        weight = largest_layer_weight(model)
+        decoder = {"winner": "packed", "source": "packed"}  # packed weights have no layout to choose
+        if weight is not None:
+            decoder = fastest_one_row_layout(weight, cache)
+            set_layer_weight_layout(model, str(decoder["winner"]))
         self._head_t, head = one_row_head(model.lm_head.weight, cache)
         self.kernel_choices = {"decoder": decoder, "lm_head": head}
         logger.info(

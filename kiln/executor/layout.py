@@ -43,9 +43,11 @@ def set_layer_weight_layout(model: nn.Module, layout: str) -> bool:
     return changed
 
 
-def largest_layer_weight(model: nn.Module) -> torch.Tensor:
-    """The decoder's largest linear weight: the one that dominates a one-row decode step."""
-    return max((m.weight for m in model.model.layers[0].modules() if isinstance(m, nn.Linear)), key=torch.numel)
+def largest_layer_weight(model: nn.Module) -> torch.Tensor | None:
+    """The decoder's largest float linear weight: the one that dominates a one-row decode step; None when every
+    decoder weight is packed (kiln.quant), which has no layout to choose."""
+    weights = [m.weight for m in model.model.layers[0].modules() if isinstance(m, nn.Linear)]
+    return max(weights, key=torch.numel) if weights else None
 
 
 def weight_key(weight: torch.Tensor) -> dict[str, object]:

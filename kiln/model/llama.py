@@ -15,6 +15,7 @@ from torch import nn
 import kiln.model.attention  # noqa: F401  (registers torch.ops.kiln.attention)
 from kiln.config import ModelConfig
 from kiln.model.layers import MLP, RMSNorm, RotaryEmbedding
+from kiln.quant.linear import PackedLinear, PackedTensor
 
 # kiln's fused parameter (name fragment) -> the HF projections stacked in it, in row order
 _FUSED = {
@@ -96,6 +97,7 @@ class LlamaForCausalLM(nn.Module):
         """
         slots = self.checkpoint_slots()
         params = dict(self.named_parameters())
+        packed = _packed_modules(self)
         seen: set[str] = set()
         for name, tensor in weights:
             if on_tensor is not None:
@@ -105,7 +107,13 @@ class LlamaForCausalLM(nn.Module):
             _check_tensor(slots, seen, name, tuple(tensor.shape))
             slot = slots[name]
             with torch.no_grad():
-                params[slot.param].narrow(0, slot.offset, slot.shape[0]).copy_(tensor)
+                if slot.param in packed:
+                    if not isinstance(tensor, PackedTensor):
+                        raise WeightMismatch(name, "is not block-quantized, but its layer was built packed")
+                    packed[slot.param].load_rows(slot.offset, tensor)
+                else:
+                    value = tensor.dequantize() if isinstance(tensor, PackedTensor) else tensor
+                    params[slot.param].narrow(0, slot.offset, slot.shape[0]).copy_(value)
             seen.add(name)
         _check_all_seen(slots, seen)
 
@@ -123,14 +131,16 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_slots(self) -> dict[str, WeightSlot]:
         """HF tensor name -> where it goes: each fused parameter split into its HF parts."""
         slots: dict[str, WeightSlot] = {}
-        for param_name, param in self.named_parameters():  # a tied lm_head is not listed: it is embed_tokens
+        weights = {name: tuple(p.shape) for name, p in self.named_parameters()}  # a tied lm_head is embed_tokens
+        weights.update({name: (m.out_features, m.in_features) for name, m in _packed_modules(self).items()})
+        for param_name, param_shape in weights.items():
             fused = next((frag for frag in _FUSED if frag in param_name), None)
             if fused is None:
-                slots[param_name] = WeightSlot(param_name, 0, tuple(param.shape))
+                slots[param_name] = WeightSlot(param_name, 0, param_shape)
                 continue
             offset = 0
             for part, rows in zip(_FUSED[fused], self._part_rows(fused), strict=True):
-                shape = (rows, *param.shape[1:])
+                shape = (rows, *param_shape[1:])
                 slots[param_name.replace(fused, part)] = WeightSlot(param_name, offset, shape)
                 offset += rows
         return slots
@@ -163,6 +173,11 @@ class WeightMismatch(ValueError):
         super().__init__(f"tensor {tensor}: {problem}")
         self.tensor = tensor
         self.problem = problem
+
+
+def _packed_modules(model: nn.Module) -> dict[str, PackedLinear]:
+    """`{"model.layers.0.mlp.down_proj.weight": module}` for every packed linear layer: the weight slot it fills."""
+    return {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
 
 
 def _check_tensor(slots: dict[str, WeightSlot], seen: set[str], name: str, shape: tuple[int, ...]) -> None:

@@ -1,6 +1,7 @@
 """Model construction: checkpoint -> kiln model on the requested dtype and device, with load progress.
 
-Weights load in the plain (row-major) layout; the executor that runs the model owns any layout change.
+Weights load in the plain (row-major) layout; the executor that runs the model owns any layout change. With
+`quantization="packed"` a GGUF's block-quantized decoder weights stay packed (kiln.quant).
 """
 
 from __future__ import annotations
@@ -9,12 +10,15 @@ import logging
 import time
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
-from kiln.errors import ModelLoadError
+from kiln.errors import ConfigError, ModelLoadError
 from kiln.model.llama import LlamaForCausalLM, WeightMismatch
 from kiln.model.loader import Checkpoint, GGUFCheckpoint
 from kiln.model.tokenizer import KilnTokenizer
+from kiln.quant.linear import PackedLinear
+from kiln.quant.pack import pack_linears
 
 logger = logging.getLogger("kiln")
 
@@ -27,9 +31,10 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
 
 
 def build_model(
-    checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int, device: str = "cpu"
+    checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int, device: str = "cpu", quantization: str = "none"
 ) -> LlamaForCausalLM:
-    """Instantiate the model for `checkpoint` and load its weights (dequantized) in `dtype`.
+    """Instantiate the model for `checkpoint` and load its weights in `dtype`: dequantized (`quantization`
+    "none"), or, with "packed", a GGUF's Q4_0/Q4_1/Q8_0 decoder weights kept packed (kiln.quant).
 
     Tensor names and shapes are checked against the model from the headers first, so a checkpoint with missing,
     extra or misshapen tensors fails before any weight is read; every failure is a ModelLoadError naming the file.
@@ -37,10 +42,20 @@ def build_model(
     config = checkpoint.config
     start = time.perf_counter()
     model = MODEL_CLASSES[config.architecture](config, max_positions, checkpoint.rope_freq_factors())
+    packed = quantization == "packed"
+    if packed:
+        if not isinstance(checkpoint, GGUFCheckpoint):
+            raise ConfigError(
+                "--quantization packed keeps a block-quantized GGUF's weights packed; "
+                f"{checkpoint.path} is not a GGUF file (use --quantization none)"
+            )
+        packed_names = pack_linears(model, checkpoint.is_packed)
+        logger.info("Keeping %d of the decoder's linear weights packed (Q4_0/Q4_1/Q8_0 codes)", len(packed_names))
     bar = tqdm(total=checkpoint.num_tensors, desc="Loading weights", unit="tensor", leave=False, delay=0.5)
     try:
         model.check_tensors(checkpoint.weight_shapes())
-        model.load_weights(checkpoint.weights(), on_tensor=lambda _name: bar.update(1))
+        weights = checkpoint.weights(packed=True) if packed else checkpoint.weights()
+        model.load_weights(weights, on_tensor=lambda _name: bar.update(1))
     except WeightMismatch as exc:
         label = checkpoint.tensor_label(exc.tensor)
         raise ModelLoadError(checkpoint.file_of(exc.tensor), f"tensor {label}: {exc.problem}") from None
@@ -49,9 +64,12 @@ def build_model(
     # NOTE: only parameters change dtype; rotary tables stay fp32 as in HF.
     for param in model.parameters():
         param.data = param.data.to(dtype)
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            module.to_dtype(dtype)
     model.to(device)
     model.eval().requires_grad_(False)
-    size_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+    size_gb = resident_weight_bytes(model) / 1e9
     logger.info(
         "Loaded %s (%s, %d layers, %.2f GB %s) in %.2f s",
         config.name,
@@ -62,6 +80,12 @@ def build_model(
         time.perf_counter() - start,
     )
     return model
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Bytes the weights occupy in memory: parameters plus packed layers' codes, scales and offsets."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + sum(m.nbytes for m in model.modules() if isinstance(m, PackedLinear))
 
 
 def load_tokenizer(checkpoint: Checkpoint) -> KilnTokenizer:

@@ -19,6 +19,8 @@ from gguf.quants import dequantize
 from kiln.config import ModelConfig
 from kiln.errors import ModelLoadError
 from kiln.model.loader.base import CheckpointHeader, ConfigFields
+from kiln.quant.gguf_blocks import PACKED_TYPES, decode_blocks
+from kiln.quant.linear import PackedTensor
 
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
 SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
@@ -228,14 +230,27 @@ class GGUFCheckpoint:
             raise ModelLoadError(self.path, f"tensor {ROPE_FREQS} has shape {_shape(t)}, expected {expected}")
         return torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(expected))
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, float32 tensor) pairs, dequantized one at a time."""
+    def is_packed(self, hf_name: str) -> bool:
+        """Whether `weights(packed=True)` yields this tensor packed (a 2-D Q4_0, Q4_1 or Q8_0 weight)."""
+        t = self._tensors_by_hf_name.get(hf_name)
+        return t is not None and t.tensor_type in PACKED_TYPES and len(t.shape) == 2
+
+    @cached_property
+    def _tensors_by_hf_name(self) -> dict[str, ReaderTensor]:
+        return {n: t for t in self.reader.tensors if (n := gguf_to_hf_name(t.name)) is not None}
+
+    def weights(self, packed: bool = False) -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
+        """Yield (HF name, float32 tensor) pairs, dequantized one at a time; with `packed`, Q4_0 / Q4_1 / Q8_0
+        weights come as PackedTensor instead (kiln.quant), bit-identical once dequantized."""
         self._check_types()
         self._check_names()
         cfg = self.config
         for t in self.reader.tensors:
             name = gguf_to_hf_name(t.name)
             if name is None:
+                continue
+            if packed and self.is_packed(name):
+                yield name, self._packed(t, name)
                 continue
             try:
                 array = dequantize(t.data, t.tensor_type)
@@ -249,6 +264,16 @@ class GGUFCheckpoint:
             if not array.flags.writeable or not array.flags.c_contiguous:
                 array = np.array(array, copy=True, order="C")
             yield name, torch.from_numpy(array)
+
+    def _packed(self, t: ReaderTensor, name: str) -> PackedTensor:
+        rows, cols = _shape(t)
+        parts = decode_blocks(t.data, t.tensor_type, rows, cols)
+        heads = {"attn_q.weight": self.config.num_heads, "attn_k.weight": self.config.num_kv_heads}
+        suffix = t.name.rsplit(".", 2)
+        num_heads = heads.get(".".join(suffix[-2:]))
+        if num_heads is not None:  # the rows permute as they do dequantized: codes, scale and offset alike
+            parts = tuple(self._unpermute(t.name, a, num_heads) for a in parts)
+        return PackedTensor(*(torch.from_numpy(np.ascontiguousarray(a)) for a in parts))
 
     def _unpermute(self, name: str, array: np.ndarray, num_heads: int) -> np.ndarray:
         if array.shape[0] % (2 * num_heads):
