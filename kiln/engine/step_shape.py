@@ -25,7 +25,8 @@ class StepShaper:
     def __init__(
         self, guards: RecipeGuards | None, pad_to: Callable[[int], int], max_num_tokens: int, max_batch_size: int
     ) -> None:
-        self.guards = guards if guards is not None and guards.step_constraints else None
+        self.guards = guards if guards is not None and (guards.step_constraints or guards.mixed_constraints) else None
+        self.shapes = guards is not None and bool(guards.step_constraints)  # else a step is (pad_to(n), b)
         self.pad_to = pad_to
         self.max_num_tokens, self.max_batch_size = max_num_tokens, max_batch_size
         self.shape = lru_cache(maxsize=4096)(self._shape)
@@ -36,8 +37,9 @@ class StepShaper:
         sequence, those mixing seq_len in); RecipeViolation naming the recipe line when none exists."""
         shape = self.shape(num_tokens, batch_size)
         if self.guards is None:
-            return shape if shape is not None else (self.pad_to(num_tokens), batch_size)
+            return self.pad_to(num_tokens), batch_size
         if shape is None:
+            assert self.shapes
             broken = self.guards.violated_step_constraints(num_tokens, batch_size) or self.guards.step_constraints
             file = self.guards.file
             message = (
@@ -51,7 +53,7 @@ class StepShaper:
 
     def check_admission(self, request_id: str, prompt_len: int, chunked: bool) -> None:
         """Refuse up front a request whose prompt no allowed step can take: not even alone, chunked if allowed."""
-        if self.guards is None:
+        if not self.shapes:
             return
         first = min(prompt_len, self.max_num_tokens)
         if self.largest_fit(0, 1, first) if chunked else self.fits(prompt_len, 1):
@@ -80,7 +82,7 @@ class StepShaper:
         return 0
 
     def _shape(self, n: int, b: int) -> Shape | None:
-        if self.guards is None:
+        if not self.shapes:
             return self.pad_to(n), b
         best: Shape | None = None
         for batch in range(b, self.max_batch_size + 1):

@@ -143,3 +143,13 @@ def test_a_step_breaking_a_mixed_constraint_fails_its_requests(tmp_path: Path) -
     assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks  # the failed step freed its KV blocks
     again = llm.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0))  # the engine goes on
     assert again[0].finish_reason == "length"
+
+
+def test_constraints_mixing_seq_len_are_checked_without_step_constraints() -> None:
+    text = community().replace("    - batch_size % 4 == 0\n    - num_tokens % 8 == 0\n", "")
+    text = text.replace("    - num_tokens <= 256\n", "    - num_tokens <= 8 or seq_len <= 16\n")
+    recipe = load_recipe_text(text, "recipe.yaml")
+    s = StepShaper(recipe.guards, lambda n: n, 256, 64)
+    assert not recipe.guards.step_constraints and s.check(24, 2, [16, 8]) == (24, 2)  # nothing to shape
+    with pytest.raises(RecipeViolation, match=r"recipe.yaml:7: num_tokens <= 8 or seq_len <= 16 violated"):
+        s.check(24, 2, [20, 4])
