@@ -27,7 +27,8 @@ def check_refused(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
     if q.weights != "none":
         message = (
             f"quantization.weights: {q.weights} is not supported: kiln runs every linear layer in weights.dtype "
-            f"({spec.weights.dtype}); remove it or set weights: none"
+            f"({spec.weights.dtype}); remove it or set weights: none (the engine flag --quantization packed keeps "
+            "a GGUF's Q4_0/Q4_1/Q8_0 blocks packed)"
         )
         out.append(doc.diagnostic("error", message, ("quantization", "weights")))
     elif ("quantization", "group_size") in doc.values:
