@@ -15,8 +15,9 @@ if TYPE_CHECKING:
 
 COMPILER_NAMES = ("inductor", "eager")  # piece compilers (kiln.compile.compiler.COMPILERS holds their classes)
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
-# none: dequantize every weight to the dtype (the reference); packed: keep a GGUF's Q4_0/Q4_1/Q8_0 layers packed
-QUANTIZATION_NAMES = ("none", "packed")
+# none: dequantize every weight to the dtype (the reference); packed: keep a GGUF's Q4_0/Q4_1/Q8_0 layers packed;
+# int8 / int4: quantize every decoder linear weight at load, group-wise (kiln.quant.quantize)
+QUANTIZATION_NAMES = ("none", "packed", "int8", "int4")
 DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
 
 

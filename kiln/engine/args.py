@@ -49,7 +49,8 @@ class EngineArgs:
     device: str = _arg("cpu", "where the model runs", choices=("cpu", "cuda"))
     quantization: str = _arg(
         "none",
-        "none: dequantize weights to --dtype; packed: keep a GGUF's Q4_0/Q4_1/Q8_0 decoder weights packed",
+        "none: dequantize weights to --dtype; packed: keep a GGUF's Q4_0/Q4_1/Q8_0 decoder weights packed; "
+        "int8/int4: quantize the decoder's linear weights at load (groups of 32)",
         choices=QUANTIZATION_NAMES,
     )
     max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: min(model context, 8192))")

@@ -16,8 +16,9 @@ logger = logging.getLogger("kiln")
 
 
 def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
-    """`config` as the recipe requires: its device, dtype, KV cache plan and bounds win over flags, and it may switch
-    piecewise graph mode on. `config.graph` must already come from `graph_config_from(recipe, ...)`."""
+    """`config` as the recipe requires: its device, quantization, dtype, KV cache plan and bounds win over flags,
+    and it may switch piecewise graph mode on. `config.graph` must already come from
+    `graph_config_from(recipe, ...)`."""
     cache = replace(
         config.cache, dtype=recipe.kv_cache_dtype, block_size=recipe.block_size, num_blocks=recipe.max_pages
     )
@@ -32,6 +33,7 @@ def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
     resolved = replace(
         config,
         device=recipe.device,
+        quantization=recipe.quantization,
         dtype=recipe.dtype,
         max_model_len=max_model_len,
         cache=cache,
@@ -46,6 +48,7 @@ def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
 def _log_changes(before: EngineConfig, after: EngineConfig, path: str) -> None:
     pairs = [
         ("device", before.device, after.device),
+        ("quantization", before.quantization, after.quantization),
         ("dtype", before.dtype, after.dtype),
         ("max_model_len", before.max_model_len, after.max_model_len),
         ("kv_cache.dtype", before.cache.dtype, after.cache.dtype),

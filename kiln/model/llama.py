@@ -16,6 +16,7 @@ import kiln.model.attention  # noqa: F401  (registers torch.ops.kiln.attention)
 from kiln.config import ModelConfig
 from kiln.model.layers import MLP, RMSNorm, RotaryEmbedding
 from kiln.quant.linear import PackedLinear, PackedTensor
+from kiln.quant.quantize import quantize
 
 # kiln's fused parameter (name fragment) -> the HF projections stacked in it, in row order
 _FUSED = {
@@ -108,9 +109,11 @@ class LlamaForCausalLM(nn.Module):
             slot = slots[name]
             with torch.no_grad():
                 if slot.param in packed:
-                    if not isinstance(tensor, PackedTensor):
+                    layer = packed[slot.param]
+                    if not isinstance(tensor, PackedTensor) and layer.scheme == "gguf":
                         raise WeightMismatch(name, "is not block-quantized, but its layer was built packed")
-                    packed[slot.param].load_rows(slot.offset, tensor)
+                    part = tensor if isinstance(tensor, PackedTensor) else quantize(tensor, layer.scheme)
+                    layer.load_rows(slot.offset, part)
                 else:
                     value = tensor.dequantize() if isinstance(tensor, PackedTensor) else tensor
                     params[slot.param].narrow(0, slot.offset, slot.shape[0]).copy_(value)

@@ -47,10 +47,13 @@ def build_model(
         if not isinstance(checkpoint, GGUFCheckpoint):
             raise ConfigError(
                 "--quantization packed keeps a block-quantized GGUF's weights packed; "
-                f"{checkpoint.path} is not a GGUF file (use --quantization none)"
+                f"{checkpoint.path} is not a GGUF file (use --quantization int8 or int4 to quantize it at load)"
             )
         packed_names = pack_linears(model, checkpoint.is_packed)
         logger.info("Keeping %d of the decoder's linear weights packed (Q4_0/Q4_1/Q8_0 codes)", len(packed_names))
+    elif quantization in ("int8", "int4"):
+        packed_names = pack_linears(model, lambda _name: True, quantization)
+        logger.info("Quantizing %d of the decoder's linear weights to %s at load", len(packed_names), quantization)
     bar = tqdm(total=checkpoint.num_tensors, desc="Loading weights", unit="tensor", leave=False, delay=0.5)
     try:
         model.check_tensors(checkpoint.weight_shapes())

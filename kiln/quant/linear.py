@@ -39,8 +39,9 @@ class PackedTensor:
 class PackedLinear(nn.Module):
     """`nn.Linear(in_features, out_features, bias)` over a packed weight; filled by the model's `load_weights`."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, scheme: str = "gguf") -> None:
         super().__init__()
+        self.scheme = scheme  # "gguf": blocks as the file stores them; "int8" | "int4": float weights quantized at load
         if in_features % GROUP:
             raise ValueError(f"a packed weight needs in_features divisible by {GROUP}, got {in_features}")
         self.in_features, self.out_features = in_features, out_features
@@ -51,8 +52,8 @@ class PackedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
 
     @classmethod
-    def like(cls, linear: nn.Linear) -> PackedLinear:
-        return cls(linear.in_features, linear.out_features, linear.bias is not None)
+    def like(cls, linear: nn.Linear, scheme: str = "gguf") -> PackedLinear:
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, scheme)
 
     def load_rows(self, offset: int, packed: PackedTensor) -> None:
         """Copy `packed` into rows [offset, offset + its rows) (one part of a fused q/k/v or gate/up weight)."""
@@ -77,7 +78,7 @@ class PackedLinear(nn.Module):
         return nn.functional.linear(x, self.dequantized(), self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed int8 codes x{GROUP}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme} codes x{GROUP}"
 
     @property
     def nbytes(self) -> int:

@@ -10,6 +10,7 @@ import os
 import re
 
 from kiln.model.loader import CheckpointHeader
+from kiln.quant.gguf_blocks import GROUP
 from kiln.recipe.diagnostics import Diagnostic
 from kiln.recipe.machine import CPU_ARCHES, CUDA_ARCH, Machine
 from kiln.recipe.schema import RecipeSpec
@@ -24,14 +25,13 @@ def check_refused(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
     """Fields whose value kiln would silently not honour."""
     out = []
     q = spec.quantization
-    if q.weights != "none":
+    if q.weights != "none" and q.group_size != GROUP:
         message = (
-            f"quantization.weights: {q.weights} is not supported: kiln runs every linear layer in weights.dtype "
-            f"({spec.weights.dtype}); remove it or set weights: none (the engine flag --quantization packed keeps "
-            "a GGUF's Q4_0/Q4_1/Q8_0 blocks packed)"
+            f"quantization.group_size {q.group_size} is not supported: kiln packs weights in groups of {GROUP} "
+            f"values; set group_size: {GROUP}"
         )
-        out.append(doc.diagnostic("error", message, ("quantization", "weights")))
-    elif ("quantization", "group_size") in doc.values:
+        out.append(doc.diagnostic("error", message, ("quantization", "group_size")))
+    elif q.weights == "none" and ("quantization", "group_size") in doc.values:
         message = "quantization.group_size has no effect without quantized weights (quantization.weights is none)"
         out.append(doc.diagnostic("error", message, ("quantization", "group_size")))
     kv = spec.memory_plan.kv_cache

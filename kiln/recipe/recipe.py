@@ -53,6 +53,16 @@ class Recipe:
         return self.spec.hardware.device
 
     @property
+    def quantization(self) -> str:
+        """How the engine runs the weights (EngineConfig.quantization): int4 over a Q4_0/Q4_1 file, or int8 over a
+        Q8_0 one, keeps the file's blocks (the same format); otherwise int8/int4 quantize at load."""
+        weights, source = self.spec.quantization.weights, self.spec.weights.source_quantization
+        if weights == "none":
+            return "none"
+        same = {"int4": ("q4_0", "q4_1"), "int8": ("q8_0",)}[weights]
+        return "packed" if source in same else weights
+
+    @property
     def kv_cache_dtype(self) -> str:
         return self.spec.memory_plan.kv_cache.dtype
 

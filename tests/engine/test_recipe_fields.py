@@ -10,6 +10,7 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.engine.args import EngineArgs
+from kiln.quant.linear import PackedLinear
 
 FIELDS = """\
 recipe_version: 1
@@ -55,3 +56,17 @@ def test_dtypes_and_kv_plan_change_the_engine(tmp_path: Path) -> None:
     assert engine.runner.kv_cache_bytes == engine.model_config.num_layers * 64 * 8 * per_token
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=6, temperature=0))[0]
     assert out.finish_reason == "length" and "Paris" in out.text  # a bf16 model with a bf16 cache still answers
+
+
+@pytest.mark.parametrize(("weights", "engine_mode", "scheme"), [("int4", "packed", "gguf"), ("int8", "int8", "int8")])
+def test_the_recipe_quantization_runs(tmp_path: Path, weights: str, engine_mode: str, scheme: str) -> None:
+    """int4 over the Q4_1 file keeps its blocks; int8 quantizes the dequantized weights at load."""
+    path = tmp_path / "recipe.yaml"
+    text = (FIELDS % ("false", "null", "false")).replace("dtype: bfloat16, source", "dtype: float32, source")
+    path.write_text(text.replace("memory_plan:", f"quantization: {{weights: {weights}, group_size: 32}}\nmemory_plan:"))
+    llm = LLM(recipe=str(path))
+    assert llm.engine.config.quantization == engine_mode
+    packed = [m for m in llm.engine.model.modules() if isinstance(m, PackedLinear)]
+    assert len(packed) == 4 * llm.engine.model_config.num_layers and {m.scheme for m in packed} == {scheme}
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=6, temperature=0))[0]
+    assert "Paris" in out.text

@@ -77,9 +77,9 @@ def test_input_shape_against_the_model(header, write, diagnostics_of) -> None:
 
 def test_group_size_must_divide_the_layer_inputs(header, write, diagnostics_of) -> None:
     found = diagnostics_of(write(header + "quantization: {weights: int8, group_size: 128}\n" + BOUNDS))
-    refused, err = [d for d in found if d.severity == "error"]  # quantized execution is refused, and the size
-    assert (refused.line, refused.col) == (4, 25) and refused.message.startswith("quantization.weights: int8 is not")
-    assert (err.line, err.col) == (4, 43)
+    packs, err = [d for d in found if d.severity == "error"]  # kiln packs groups of 32, and 128 divides nothing
+    assert (packs.line, packs.col) == (err.line, err.col) == (4, 43)
+    assert packs.message.startswith("quantization.group_size 128 is not supported: kiln packs weights in groups")
     assert err.message == (
         "quantization.group_size 128 does not divide hidden_size 576 (576 % 128 = 64) or "
         "num_heads * head_dim 576 (576 % 128 = 64); pick a divisor such as 32"

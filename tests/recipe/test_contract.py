@@ -19,7 +19,11 @@ BOUNDS = "input_constraints: {constraints: [num_tokens <= 2048, seq_len <= 2048]
 @pytest.mark.parametrize(
     ("line", "col", "start"),
     [
-        ("quantization: {weights: int4}", 25, "quantization.weights: int4 is not supported: kiln runs every linear"),
+        (
+            "quantization: {weights: int4, group_size: 64}",
+            43,
+            "quantization.group_size 64 is not supported: kiln packs weights in groups of 32",
+        ),
         ("quantization: {group_size: 64}", 28, "quantization.group_size has no effect without quantized weights"),
         ("memory_plan: {kv_cache: {layout: contiguous}}", 34, "memory_plan.kv_cache.layout: contiguous is not"),
         (

@@ -1,0 +1,35 @@
+"""Load-time weight-only quantization of float weights into kiln's packed form (`--quantization int8|int4`):
+per group of 32 values along the input dimension, `w ≈ code * scale + offset`.
+
+- int8, symmetric: scale = max|w| / 127, code = round(w / scale) in [-127, 127], offset = 0.
+- int4, asymmetric: scale = (max - min) / 15, q = round((w - min) / scale) in [0, 15], code = q - 8 and
+  offset = min + 8 scale, so every group's range is covered and each value is off by at most scale / 2.
+A group of equal values gets scale 1 and codes that reproduce it exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.quant.gguf_blocks import GROUP
+from kiln.quant.linear import PackedTensor
+
+BITS = {"int8": 8, "int4": 4}
+
+
+def quantize(weight: torch.Tensor, scheme: str) -> PackedTensor:
+    """`weight` [rows, cols] (cols a multiple of 32) packed under `scheme` ("int8" | "int4")."""
+    rows, cols = weight.shape
+    w = weight.detach().float().reshape(rows, cols // GROUP, GROUP)
+    if scheme == "int8":
+        scale = w.abs().amax(-1, keepdim=True) / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.round(w / scale).clamp(-127, 127)
+        return PackedTensor(codes.to(torch.int8), scale, torch.zeros_like(scale))
+    if scheme == "int4":
+        low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        scale = (high - low) / 15
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round((w - low) / scale).clamp(0, 15)
+        return PackedTensor((q - 8).to(torch.int8), scale, low + 8 * scale)
+    raise ValueError(f"unknown quantization scheme {scheme!r}: expected one of {', '.join(BITS)}")
