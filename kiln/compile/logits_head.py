@@ -8,6 +8,7 @@ that way when the kernel choice picked static size 1.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,15 +23,20 @@ def _product(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor]:
 
 def product_graph(weight: torch.Tensor, rows: int = 1) -> GraphModule:
     """`hidden [rows, in] @ weight.T` (fp32 out) traced by dynamo for static shapes."""
+    hidden = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    return trace_static(_product, hidden, weight)
+
+
+def trace_static(fn: Callable[..., tuple], *args: torch.Tensor) -> GraphModule:
+    """`fn(*args)` traced by dynamo into one graph for these static shapes (for a piece compiler to compile)."""
     graphs: list[GraphModule] = []
 
     def grab(gm: GraphModule, example_inputs: list[Any]) -> Any:
         graphs.append(gm)
         return gm.forward
 
-    hidden = torch.zeros(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
     with torch.inference_mode():
-        torch.compile(_product, backend=grab, fullgraph=True, dynamic=False)(hidden, weight)
+        torch.compile(fn, backend=grab, fullgraph=True, dynamic=False)(*args)
     return graphs[0]
 
 

@@ -18,8 +18,9 @@ import torch
 from torch.fx import GraphModule
 
 from kiln.compile.compiler import PieceCompiler
+from kiln.compile.logits_head import trace_static
 from kiln.compile.passes import GEMV_MAX_ROWS
-from kiln.executor.kernel_choice import KernelChoiceCache, streamed_copies, time_per_call_us
+from kiln.executor.kernel_choice import KernelChoiceCache, stream_count, time_per_call_us
 from kiln.quant.linear import PackedLinear
 
 DEQUANT_BLAS, FUSED = "dequant-blas", "fused-reduction"
@@ -51,10 +52,8 @@ def _time(layer: PackedLinear, rows: int, compiler: PieceCompiler) -> dict[str, 
     x = torch.randn(rows, layer.in_features, dtype=layer.scale.dtype)
     buffers = [getattr(layer, name) for name in _BUFFERS]
     packed_bytes = sum(t.numel() * t.element_size() for t in buffers)
-    # NOTE: one list of (codes, scale, offset) copies, as many as stream at least STREAM_BYTES through the cache
-    count = len(streamed_copies(torch.empty(packed_bytes, dtype=torch.uint8), lambda t: t))
-    copies = [tuple(b.clone() for b in buffers) for _ in range(count)]
-    graph = _trace(x, *buffers)
+    copies = [tuple(b.clone() for b in buffers) for _ in range(stream_count(packed_bytes))]  # streamed from DRAM
+    graph = trace_static(_packed_product, x, *buffers)
     compiled = compiler.compile(graph, rows)
     order = [_BUFFERS.index(n) if n in _BUFFERS else -1 for n in _placeholder_names(graph)]
 
@@ -66,18 +65,6 @@ def _time(layer: PackedLinear, rows: int, compiler: PieceCompiler) -> dict[str, 
         FUSED: time_per_call_us(fused, copies),
     }
     return {k: round(v, 2) for k, v in times.items()}
-
-
-def _trace(x: torch.Tensor, *buffers: torch.Tensor) -> GraphModule:
-    graphs: list[GraphModule] = []
-
-    def grab(gm: GraphModule, example_inputs: list[Any]) -> Any:
-        graphs.append(gm)
-        return gm.forward
-
-    with torch.inference_mode():
-        torch.compile(_packed_product, backend=grab, fullgraph=True, dynamic=False)(x, *buffers)
-    return graphs[0]
 
 
 def _placeholder_names(graph: GraphModule) -> list[str]:

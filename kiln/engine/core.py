@@ -129,7 +129,7 @@ class EngineCore:
             )
         total = len(ids) + params.max_tokens
         if self.recipe is not None:
-            self.recipe.guards.check_request(request_id, seq_len=total, first=len(ids))
+            self.recipe.guards.check_request(request_id, seq_len=total, first=len(ids), span=self.max_model_len)
             self.shaper.check_admission(request_id, len(ids), self.config.scheduler.enable_chunked_prefill)
         if total > self.max_model_len:
             raise RequestError(

@@ -84,9 +84,14 @@ class KernelChoiceCache:
             logger.warning("Could not save kernel choices to %s (%s): they are timed again next start", self.path, exc)
 
 
+def stream_count(nbytes: int) -> int:
+    """How many separate copies of `nbytes` add up to at least STREAM_BYTES (two at least)."""
+    return max(2, -(-STREAM_BYTES // nbytes))
+
+
 def streamed_copies(weight: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
     """`make(weight)` copies adding up to at least STREAM_BYTES (each a separate allocation)."""
-    count = max(2, -(-STREAM_BYTES // (weight.numel() * weight.element_size())))
+    count = stream_count(weight.numel() * weight.element_size())
     return [make(weight.detach().clone()) for _ in range(count)]
 
 

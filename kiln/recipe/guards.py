@@ -47,12 +47,15 @@ class RecipeGuards:
             c.index: compile_expr(c.expr) for c in runtime
         }
 
-    def check_request(self, request_id: str, seq_len: int, first: int | None = None) -> None:
+    def check_request(self, request_id: str, seq_len: int, first: int | None = None, span: int | None = None) -> None:
         """Raise RecipeViolation unless every length from `first` (the prompt; default `seq_len`) to `seq_len`
         (prompt + max new tokens) satisfies the seq_len constraints: a request that would break one mid-way is
-        refused up front rather than failed later."""
+        refused up front rather than failed later. `span` (the engine's max_model_len) caps the lengths looked at,
+        so a huge max_tokens costs no more than a valid request; longer ones are refused by that limit anyway."""
+        start = first or seq_len
+        end = seq_len if span is None else min(seq_len, start + span)
         for c in self.request_constraints:
-            for length in range(first or seq_len, seq_len + 1):
+            for length in range(start, end + 1):
                 if not self._holds(c, {"seq_len": length}, request_id):
                     self._violated(c, {"seq_len": length}, request_id)
 
