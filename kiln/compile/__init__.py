@@ -11,6 +11,6 @@ passes.py     inductor post-grad passes (DecodeGemv)                  logits_hea
 executor.py   GraphExecutor: the roles behind the Executor interface  settings.py  GraphConfig from recipe/flags
 fusion_match.py, fusion_flow.py, fusion.py, fusion_check.py: recipe fusion groups found in the pieces, judged
 on the generated code, enforced after compiling (a required group not realised fails the compile at its line).
-packed_choice.py: for packed weights (kiln.quant), the fused dequantizing reduction timed against BLAS.
+packed_kernels.py: the kernel table of packed products (kiln.quant), timed per shape and row count on this machine.
 artifacts.py, lint.py, kernels.py, diagnose.py: what `kiln compile` writes and how failures read.
 """

@@ -107,6 +107,8 @@ class GraphExecutor(Executor):
         return f"; static sizes {sizes}: {c.static_compiles} compiled, {c.static_cache_hits} from cache"
 
     def _compile_logits_head(self, model: nn.Module) -> CompiledProduct | None:
+        if not isinstance(model.lm_head, nn.Linear):
+            return None  # a packed head runs its own timed kernels (kiln.compile.packed_kernels)
         weight = model.lm_head.weight
         if 1 not in self.compile_sizes or not weight.is_contiguous():
             return None

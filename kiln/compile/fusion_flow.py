@@ -1,7 +1,7 @@
 """Data flow between the launches of one piece's generated code, in terms of the piece graph's inputs and its
 weight products: which launch computes a product, which graph values each launch reads itself (kiln.compile.fusion
-judges fusion groups on it). A packed weight (kiln.quant) counts as its int8 codes; where its dequantization is
-written out for a BLAS product, that output stands for the weight."""
+judges fusion groups on it). A packed weight (kiln.quant) counts as its codes: `kiln.packed_linear` reads them
+itself; where a dequantization is written out for a BLAS product, that output stands for the weight."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from torch.fx import Graph, Node
 from kiln.compile.fusion_match import node_kind
 from kiln.compile.kernels import Kernel
 
-MATMULS = {"linear", "mm", "addmm", "bmm", "matmul"}
+MATMULS = {"linear", "mm", "addmm", "bmm", "matmul", "packed_linear"}  # packed_linear: kiln.quant.ops
 # FX op kind -> the aten op inductor names a kernel after; other kinds (views, casts, splits) compute nothing
+CODES = (torch.int8, torch.uint8)  # dtypes of a packed weight's codes (kiln.quant)
 TOKENS = {k: k for k in ("silu", "mul", "add", "sub", "div", "neg", "pow", "mean", "rsqrt", "cat", "exp", "sum")}
 TOKENS.update({"sigmoid": "sigmoid", "tanh": "tanh", "gelu": "gelu", "softmax": "softmax"})
 
@@ -33,7 +34,7 @@ class Flow:
             if w is not None:
                 weights.setdefault(f"arg{placeholders.index(w)}_1", []).append(p)
         self.up = _upstream(graph, set(inputs.values()) | set(products))
-        packed = {name for name, n in inputs.items() if _dtype(n) == torch.int8}
+        packed = {name for name, n in inputs.items() if _dtype(n) in CODES}
         self.products = []
         for i, k in enumerate(kernels):
             held = {p for s in k.reads for p in weights.get(s, ())}
@@ -110,7 +111,7 @@ def _weight(product: Node) -> Node | None:
     while isinstance(w, Node) and w.op != "placeholder":
         inputs = w.all_input_nodes
         if len(inputs) != 1:
-            codes = [m for m in Flow.ancestors([w]) if m.op == "placeholder" and _dtype(m) == torch.int8]
+            codes = [m for m in Flow.ancestors([w]) if m.op == "placeholder" and _dtype(m) in CODES]
             return codes[0] if len(codes) == 1 else None
         w = inputs[0]
     return w

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kiln.compile.compiler import PieceCompiler
+from kiln.compile.compiler import PieceCompiler, make_compiler
 from kiln.compile.logits_head import CompiledProduct, product_graph
-from kiln.compile.packed_choice import choose_packed_static_sizes
+from kiln.compile.packed_kernels import packed_layers, time_and_install
 from kiln.compile.passes import GEMV_MAX_ROWS
 from kiln.executor.kernel_choice import KernelChoiceCache, streamed_copies, time_per_call_us
 from kiln.executor.layout import (
@@ -38,7 +38,6 @@ from kiln.executor.layout import (
     weight_key,
     with_layout,
 )
-from kiln.quant.linear import PackedLinear
 
 logger = logging.getLogger("kiln")
 
@@ -65,12 +64,13 @@ def choose_kernels(
     cache = KernelChoiceCache(cache_root)
     choices: dict[str, dict[str, object]] = {}
     weight = largest_layer_weight(model)
+    if cpu and packed_layers(model):  # their one- and two-row choices live in the op: no static sizes for them
+        table_compiler = compiler if compiler.supports_static_sizes else make_compiler("inductor")
+        choices["packed_kernels"] = time_and_install(model, table_compiler, cache)
     if configured_sizes is not None:
         sizes = tuple(sorted(configured_sizes))
-    elif cpu and compiler.supports_static_sizes and weight is None:
-        record = choose_packed_static_sizes(largest_packed_layer(model), capture_sizes, compiler, cache)
-        choices["static_sizes"] = record
-        sizes = tuple(int(s) for s in list(record["static_sizes"]))
+    elif weight is None:
+        sizes = ()
     elif cpu and compiler.supports_static_sizes:
         record = choose_static_sizes(weight, capture_sizes, compiler, cache)
         choices["static_sizes"] = record
@@ -90,7 +90,7 @@ def choose_kernels(
     if weight is not None:
         set_layer_weight_layout(model, layout)
     head_t = None
-    if 1 not in sizes:
+    if 1 not in sizes and isinstance(model.lm_head, nn.Linear):
         head_t, choices["lm_head"] = one_row_head(model.lm_head.weight, cache)
     timed = any(c.get("source") == "timed" for c in choices.values())
     logger.info(
@@ -101,10 +101,6 @@ def choose_kernels(
         layout,
     )
     return Kernels(sizes, choices, head_t)
-
-
-def largest_packed_layer(model: nn.Module) -> PackedLinear:
-    return max((m for m in model.model.layers[0].modules() if isinstance(m, PackedLinear)), key=lambda m: m.nbytes)
 
 
 def choose_static_sizes(

@@ -35,7 +35,8 @@ def trace_static(fn: Callable[..., tuple], *args: torch.Tensor) -> GraphModule:
         graphs.append(gm)
         return gm.forward
 
-    with torch.inference_mode():
+    # NOTE: dynamo keys its cache on fn's code: tracing it for many shapes must not hit the recompile limit.
+    with torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=1 << 16):
         torch.compile(fn, backend=grab, fullgraph=True, dynamic=False)(*args)
     return graphs[0]
 

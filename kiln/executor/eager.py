@@ -4,8 +4,9 @@ On CPU, batch-1 decode is bound by how fast one-row products stream the weights,
 and a column-major weight at different speeds depending on the machine. At `prepare` the executor times both
 layouts (kiln.executor.layout; cached per machine) for the largest decoder weight and for the logits head, keeps
 the faster for the decoder layers, and, when the column-major head wins, keeps a transposed copy of the head for
-one-row logits (more rows use the plain head). `keep_layout=True` (the debugger's eager reference) changes
-nothing.
+one-row logits (more rows use the plain head). Packed layers (kiln.quant) run the kernels their table timed
+fastest here for each row count (kiln.compile.packed_kernels). `keep_layout=True` (the debugger's eager reference)
+changes nothing: packed layers then run their plain dequantize-then-BLAS forward.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kiln.compile.compiler import make_compiler
+from kiln.compile.packed_kernels import packed_layers, time_and_install
 from kiln.env import read_env
 from kiln.executor.base import Executor
 from kiln.executor.kernel_choice import KernelChoiceCache
@@ -42,19 +45,25 @@ class EagerExecutor(Executor):
         if self.keep_layout or next(model.parameters()).device.type != "cpu":
             return
         cache = KernelChoiceCache(self.cache_root)
+        if packed_layers(model):
+            self.kernel_choices["packed_kernels"] = time_and_install(model, make_compiler("inductor"), cache)
         weight = largest_layer_weight(model)
-        decoder = {"winner": "packed", "source": "packed"}  # packed weights have no layout to choose
         if weight is not None:
             decoder = fastest_one_row_layout(weight, cache)
             set_layer_weight_layout(model, str(decoder["winner"]))
-        self._head_t, head = one_row_head(model.lm_head.weight, cache)
-        self.kernel_choices = {"decoder": decoder, "lm_head": head}
-        logger.info(
-            "Eager CPU layouts for one row (%s): decoder weights %s, logits head %s",
-            "timed" if decoder["source"] == "timed" else "timed earlier on this machine",
-            decoder["winner"],
-            head["winner"],
-        )
+            self.kernel_choices["decoder"] = decoder
+        if isinstance(model.lm_head, nn.Linear):
+            self._head_t, self.kernel_choices["lm_head"] = one_row_head(model.lm_head.weight, cache)
+        layouts = {k: v for k, v in self.kernel_choices.items() if k in ("decoder", "lm_head")}
+        if layouts:
+            logger.info(
+                "Eager CPU layouts for one row (%s): %s",
+                "timed" if any(c["source"] == "timed" for c in layouts.values()) else "timed earlier on this machine",
+                ", ".join(
+                    f"{'decoder weights' if k == 'decoder' else 'logits head'} {c['winner']}"
+                    for k, c in layouts.items()
+                ),
+            )
 
     def forward(self, batch: ModelInputs) -> torch.Tensor:
         assert self._model is not None, "EagerExecutor.prepare was not called"

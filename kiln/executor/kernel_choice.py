@@ -84,9 +84,9 @@ class KernelChoiceCache:
             logger.warning("Could not save kernel choices to %s (%s): they are timed again next start", self.path, exc)
 
 
-def stream_count(nbytes: int) -> int:
-    """How many separate copies of `nbytes` add up to at least STREAM_BYTES (two at least)."""
-    return max(2, -(-STREAM_BYTES // nbytes))
+def stream_count(nbytes: int, total: int = STREAM_BYTES) -> int:
+    """How many separate copies of `nbytes` add up to at least `total` bytes (two at least)."""
+    return max(2, -(-total // nbytes))
 
 
 def streamed_copies(weight: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:

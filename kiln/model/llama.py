@@ -15,7 +15,7 @@ from torch import nn
 import kiln.model.attention  # noqa: F401  (registers torch.ops.kiln.attention)
 from kiln.config import ModelConfig
 from kiln.model.layers import MLP, RMSNorm, RotaryEmbedding
-from kiln.quant.linear import PackedLinear, PackedTensor
+from kiln.quant.linear import PackedEmbedding, PackedLinear, PackedTensor
 from kiln.quant.quantize import quantize
 
 # kiln's fused parameter (name fragment) -> the HF projections stacked in it, in row order
@@ -110,9 +110,10 @@ class LlamaForCausalLM(nn.Module):
             with torch.no_grad():
                 if slot.param in packed:
                     layer = packed[slot.param]
-                    if not isinstance(tensor, PackedTensor) and layer.scheme == "gguf":
+                    scheme = getattr(layer, "scheme", "gguf")
+                    if not isinstance(tensor, PackedTensor) and scheme == "gguf":
                         raise WeightMismatch(name, "is not block-quantized, but its layer was built packed")
-                    part = tensor if isinstance(tensor, PackedTensor) else quantize(tensor, layer.scheme)
+                    part = tensor if isinstance(tensor, PackedTensor) else quantize(tensor, scheme)
                     layer.load_rows(slot.offset, part)
                 else:
                     value = tensor.dequantize() if isinstance(tensor, PackedTensor) else tensor
@@ -178,9 +179,14 @@ class WeightMismatch(ValueError):
         self.problem = problem
 
 
-def _packed_modules(model: nn.Module) -> dict[str, PackedLinear]:
-    """`{"model.layers.0.mlp.down_proj.weight": module}` for every packed linear layer: the weight slot it fills."""
-    return {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, PackedLinear)}
+def _packed_modules(model: nn.Module) -> dict[str, PackedLinear | PackedEmbedding]:
+    """`{"model.layers.0.mlp.down_proj.weight": module}` for every packed layer with a checkpoint tensor of its own
+    (not a head tied to the embedding): the weight slot it fills."""
+    return {
+        f"{name}.weight": m
+        for name, m in model.named_modules()
+        if isinstance(m, PackedEmbedding) or (isinstance(m, PackedLinear) and not m.tied)
+    }
 
 
 def _check_tensor(slots: dict[str, WeightSlot], seen: set[str], name: str, shape: tuple[int, ...]) -> None:

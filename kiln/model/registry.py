@@ -1,7 +1,7 @@
 """Model construction: checkpoint -> kiln model on the requested dtype and device, with load progress.
 
 Weights load in the plain (row-major) layout; the executor that runs the model owns any layout change. With
-`quantization="packed"` a GGUF's block-quantized decoder weights stay packed (kiln.quant).
+`quantization="packed"` a GGUF's block-quantized weights stay packed (kiln.quant).
 """
 
 from __future__ import annotations
@@ -17,10 +17,13 @@ from kiln.errors import ConfigError, ModelLoadError
 from kiln.model.llama import LlamaForCausalLM, WeightMismatch
 from kiln.model.loader import Checkpoint, GGUFCheckpoint
 from kiln.model.tokenizer import KilnTokenizer
-from kiln.quant.linear import PackedLinear
-from kiln.quant.pack import pack_linears
+from kiln.quant.gguf_blocks import GROUP, PACKED_TYPES
+from kiln.quant.linear import PackedEmbedding, PackedLinear
+from kiln.quant.pack import pack_model
+from kiln.quant.quantize import BITS
 
 logger = logging.getLogger("kiln")
+PACKED_NAMES = ", ".join(kind.name for kind in PACKED_TYPES)
 
 # architecture -> model class; every supported family shares the Llama implementation today.
 MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
@@ -34,7 +37,7 @@ def build_model(
     checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int, device: str = "cpu", quantization: str = "none"
 ) -> LlamaForCausalLM:
     """Instantiate the model for `checkpoint` and load its weights in `dtype`: dequantized (`quantization`
-    "none"), or, with "packed", a GGUF's Q4_0/Q4_1/Q8_0 decoder weights kept packed (kiln.quant).
+    "none"), or, with "packed", a GGUF's block-quantized weights kept packed (kiln.quant).
 
     Tensor names and shapes are checked against the model from the headers first, so a checkpoint with missing,
     extra or misshapen tensors fails before any weight is read; every failure is a ModelLoadError naming the file.
@@ -49,10 +52,13 @@ def build_model(
                 "--quantization packed keeps a block-quantized GGUF's weights packed; "
                 f"{checkpoint.path} is not a GGUF file (use --quantization int8 or int4 to quantize it at load)"
             )
-        packed_names = pack_linears(model, checkpoint.is_packed)
-        logger.info("Keeping %d of the decoder's linear weights packed (Q4_0/Q4_1/Q8_0 codes)", len(packed_names))
+        packed_names = pack_model(model, checkpoint.packed_layout)
+        logger.info("Keeping %d weights packed as the file stores them", len(packed_names))
+        for kind, count in checkpoint.dequantized_types().items():
+            logger.info("%d %s tensors are not kept packed (kiln packs %s): dequantized", count, kind, PACKED_NAMES)
     elif quantization in ("int8", "int4"):
-        packed_names = pack_linears(model, lambda _name: True, quantization)
+        layout = (BITS[quantization], GROUP)
+        packed_names = pack_model(model, lambda _name: layout, quantization)
         logger.info("Quantizing %d of the decoder's linear weights to %s at load", len(packed_names), quantization)
     bar = tqdm(total=checkpoint.num_tensors, desc="Loading weights", unit="tensor", leave=False, delay=0.5)
     try:
@@ -68,7 +74,7 @@ def build_model(
     for param in model.parameters():
         param.data = param.data.to(dtype)
     for module in model.modules():
-        if isinstance(module, PackedLinear):
+        if isinstance(module, (PackedLinear, PackedEmbedding)):
             module.to_dtype(dtype)
     model.to(device)
     model.eval().requires_grad_(False)
@@ -86,9 +92,11 @@ def build_model(
 
 
 def resident_weight_bytes(model: nn.Module) -> int:
-    """Bytes the weights occupy in memory: parameters plus packed layers' codes, scales and offsets."""
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return params + sum(m.nbytes for m in model.modules() if isinstance(m, PackedLinear))
+    """Bytes the weights occupy in memory: parameters plus packed layers' codes, scales and offsets (a tied head's
+    buffers are the embedding's, counted once)."""
+    packed = [b for m in model.modules() if isinstance(m, (PackedLinear, PackedEmbedding)) for b in m.buffers()]
+    tensors = {t.data_ptr(): t.numel() * t.element_size() for t in [*model.parameters(), *packed]}
+    return sum(tensors.values())
 
 
 def load_tokenizer(checkpoint: Checkpoint) -> KilnTokenizer:

@@ -1,11 +1,13 @@
-"""`PackedLinear`: a linear layer whose weight stays packed (int8 codes, a scale and an offset per group of 32
-along the input dimension) and is dequantized inside the product.
+"""Packed weights in the model: `PackedLinear` (a linear layer whose weight stays packed and is dequantized inside
+the product) and `PackedEmbedding` (lookups dequantize only the rows they gather), over `PackedTensor`s.
 
-The forward is plain torch ops, `F.linear(x, codes * scale + offset)`, so graph mode traces it like any layer:
-compiled for one or two static rows, the DecodeGemv pass turns the product into a reduction and inductor fuses the
-dequantization into it (the weight streams at one byte per value plus two floats per group, not four bytes); for
-dynamic sizes inductor emits one dequantizing kernel and the BLAS product. In eager mode the dequantization is its
-own few ops per call: the reference, not the fast path.
+A packed [rows, cols] weight is, per group of `group` values along the input dimension, `code * scale + offset`:
+codes are uint8 nibble pairs when they have 4 bits (byte i of a group holds code i low and code i + group/2 high),
+int8 otherwise; scale and offset are one float per group.
+
+The product is one op, `torch.ops.kiln.packed_linear` (kiln.quant.ops), in eager mode and inside graph-mode
+pieces alike; it runs the kernel timed fastest on this machine for the layer's layout and the call's row count
+(kiln.compile.packed_kernels).
 """
 
 from __future__ import annotations
@@ -16,70 +18,125 @@ import torch
 from torch import nn
 
 from kiln.quant.gguf_blocks import GROUP
+from kiln.quant.ops import dequantize_codes, unpack_codes
 
 
 @dataclass(frozen=True)
 class PackedTensor:
-    """A packed [rows, cols] weight as the loader yields it: codes [rows, cols/32, 32] int8, scale and offset
-    [rows, cols/32, 1] float32."""
+    """A packed [rows, cols] weight as the loader yields it: codes [rows, groups, group or group/2], scale and
+    offset [rows, groups, 1] float32; `bits` is the width of a code in its source format (4, 5, 6 or 8)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor
+    bits: int = 8
+
+    @property
+    def group(self) -> int:
+        return self.codes.shape[-1] * (2 if self.codes.dtype == torch.uint8 else 1)
 
     @property
     def shape(self) -> tuple[int, int]:
-        rows, groups, group = self.codes.shape
-        return rows, groups * group
+        return self.codes.shape[0], self.codes.shape[1] * self.group
 
     def dequantize(self) -> torch.Tensor:
-        return (self.codes.float() * self.scale + self.offset).reshape(self.shape)
+        return dequantize_codes(self.codes, self.scale, self.offset).reshape(self.shape)
+
+    def as_layout(self, nibbles: bool, group: int) -> PackedTensor:
+        """The same values with codes stored as nibbles or int8 and groups of `group` (dividing this group):
+        how the parts of a fused layer whose formats differ (Q4_K q and k, Q6_K v) share one layout."""
+        if group > self.group or self.group % group or (nibbles and self.codes.dtype != torch.uint8):
+            raise ValueError(f"cannot store {self.bits}-bit codes in groups of {self.group} as groups of {group}")
+        codes, scale, offset = self.codes, self.scale, self.offset
+        if not nibbles and codes.dtype == torch.uint8:
+            codes = unpack_codes(codes).to(torch.int8)
+        if group != self.group:
+            split = self.group // group
+            codes = codes.reshape(codes.shape[0], -1, group)
+            scale, offset = scale.repeat_interleave(split, dim=1), offset.repeat_interleave(split, dim=1)
+        return PackedTensor(codes, scale, offset, self.bits)
 
 
-class PackedLinear(nn.Module):
-    """`nn.Linear(in_features, out_features, bias)` over a packed weight; filled by the model's `load_weights`."""
+class _Packed(nn.Module):
+    """The buffers of a packed [out_features, in_features] weight."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, scheme: str = "gguf") -> None:
+    def __init__(self, out_features: int, in_features: int, bits: int = 8, group: int = GROUP) -> None:
         super().__init__()
-        self.scheme = scheme  # "gguf": blocks as the file stores them; "int8" | "int4": float weights quantized at load
-        if in_features % GROUP:
-            raise ValueError(f"a packed weight needs in_features divisible by {GROUP}, got {in_features}")
-        self.in_features, self.out_features = in_features, out_features
-        groups = in_features // GROUP
-        self.register_buffer("codes", torch.zeros(out_features, groups, GROUP, dtype=torch.int8))
+        if in_features % group or group % 2:
+            raise ValueError(f"a packed weight needs in_features divisible by {group}, got {in_features}")
+        self.in_features, self.out_features, self.bits, self.group = in_features, out_features, bits, group
+        nibbles = bits == 4
+        width, dtype = (group // 2, torch.uint8) if nibbles else (group, torch.int8)
+        groups = in_features // group
+        self.register_buffer("codes", torch.zeros(out_features, groups, width, dtype=dtype))
         self.register_buffer("scale", torch.zeros(out_features, groups, 1))
         self.register_buffer("offset", torch.zeros(out_features, groups, 1))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-
-    @classmethod
-    def like(cls, linear: nn.Linear, scheme: str = "gguf") -> PackedLinear:
-        return cls(linear.in_features, linear.out_features, linear.bias is not None, scheme)
 
     def load_rows(self, offset: int, packed: PackedTensor) -> None:
         """Copy `packed` into rows [offset, offset + its rows) (one part of a fused q/k/v or gate/up weight)."""
-        rows = packed.codes.shape[0]
+        part = packed.as_layout(self.codes.dtype == torch.uint8, self.group)
+        rows = part.codes.shape[0]
         for name in ("codes", "scale", "offset"):
-            getattr(self, name).narrow(0, offset, rows).copy_(getattr(packed, name))
+            getattr(self, name).narrow(0, offset, rows).copy_(getattr(part, name))
 
     def to_dtype(self, dtype: torch.dtype) -> None:
-        """Compute in `dtype`: the scale and offset are stored in it (codes stay int8)."""
+        """Compute in `dtype`: the scale and offset are stored in it (codes stay as they are)."""
         self.scale.data = self.scale.data.to(dtype)
         self.offset.data = self.offset.data.to(dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize_codes(self.codes, self.scale, self.offset).view(self.out_features, self.in_features)
 
     @property
     def weight(self) -> torch.Tensor:
         """The dequantized weight [out, in] (computed: for reference checks and tools, not the forward)."""
         return self.dequantized()
 
-    def dequantized(self) -> torch.Tensor:
-        return (self.codes.to(self.scale.dtype) * self.scale + self.offset).view(self.out_features, self.in_features)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.dequantized(), self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme} codes x{GROUP}"
-
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.offset))
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.bits}-bit codes x{self.group}"
+
+
+class PackedLinear(_Packed):
+    """`nn.Linear(in_features, out_features, bias)` over a packed weight; filled by the model's `load_weights`.
+    `scheme`: "gguf" (blocks as the file stores them) or "int8" | "int4" (float weights quantized at load)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, scheme: str = "gguf", bits: int = 8, group=GROUP
+    ) -> None:
+        super().__init__(out_features, in_features, bits, group)
+        self.scheme = scheme
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.tied = False  # shares an embedding's buffers (a tied logits head): not a checkpoint slot of its own
+
+    @classmethod
+    def like(cls, linear: nn.Linear, scheme: str = "gguf", bits: int = 8, group: int = GROUP) -> PackedLinear:
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, scheme, bits, group)
+
+    @classmethod
+    def tied_to(cls, embedding: PackedEmbedding) -> PackedLinear:
+        """A logits head over the embedding's own buffers (tied word embeddings)."""
+        head = cls(embedding.in_features, embedding.out_features, False, "gguf", embedding.bits, embedding.group)
+        head.codes, head.scale, head.offset = embedding.codes, embedding.scale, embedding.offset
+        head.tied = True
+        return head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features)
+        out = torch.ops.kiln.packed_linear(flat, self.codes, self.scale, self.offset)
+        out = out.view(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+
+class PackedEmbedding(_Packed):
+    """`nn.Embedding(num_embeddings, embedding_dim)` over a packed table: a lookup dequantizes its rows only."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bits: int = 8, group: int = GROUP) -> None:
+        super().__init__(num_embeddings, embedding_dim, bits, group)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = dequantize_codes(self.codes[ids], self.scale[ids], self.offset[ids])
+        return rows.reshape(*ids.shape, self.in_features)

@@ -1,7 +1,12 @@
-"""Which of a model's linear layers are packed: with `--quantization packed`, those whose every checkpoint part
-(q, k and v of a fused qkv_proj) is stored in a packed GGUF type; with int8/int4, every decoder linear layer
-without a bias whose input size is a multiple of 32. The logits head and the embedding stay in the model dtype (the
-head is tied to the embedding in most small models, and lookups gather rows)."""
+"""Which of a model's weights are built packed (before loading).
+
+- `--quantization packed` (a GGUF): every decoder linear layer whose checkpoint parts (q, k and v of a fused
+  qkv_proj) are all stored in a packed type, the embedding when it is, and the logits head: tied to the packed
+  embedding, or packed itself when the file stores it so. Parts of one fused layer in different formats share the
+  widest layout: Q4_K q and k with a Q6_K v become 6-bit int8 codes in groups of 16.
+- `--quantization int8|int4`: every decoder linear layer without a bias whose input size is a multiple of 32; the
+  embedding and the head stay in the model dtype.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +15,33 @@ from collections.abc import Callable
 from torch import nn
 
 from kiln.quant.gguf_blocks import GROUP
-from kiln.quant.linear import PackedLinear
+from kiln.quant.linear import PackedEmbedding, PackedLinear
+
+Layout = Callable[[str], tuple[int, int] | None]  # HF tensor name -> (bits, group) when stored packed
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
-def pack_linears(model: nn.Module, is_packed: Callable[[str], bool], scheme: str = "gguf") -> list[str]:
-    """Replace each decoder-layer nn.Linear whose checkpoint tensors (HF names) all satisfy `is_packed` by a
-    PackedLinear of the same shape and `scheme` (before loading); the replaced weight names."""
+def pack_model(model: nn.Module, layout: Layout, scheme: str = "gguf") -> list[str]:
+    """Replace the modules described above by packed ones of the same shape; the replaced weight names."""
+    replaced = _pack_linears(model, layout, scheme)
+    if scheme != "gguf":
+        return replaced
+    embedding = layout(EMBEDDING)
+    if embedding is not None:
+        table = model.model.embed_tokens
+        bits, group = embedding
+        model.model.embed_tokens = PackedEmbedding(table.num_embeddings, table.embedding_dim, bits, group)
+        replaced.append(EMBEDDING)
+        if model.config.tie_word_embeddings:
+            model.lm_head = PackedLinear.tied_to(model.model.embed_tokens)
+    head = layout(HEAD)
+    if head is not None and not model.config.tie_word_embeddings:
+        model.lm_head = PackedLinear.like(model.lm_head, scheme, *head)
+        replaced.append(HEAD)
+    return replaced
+
+
+def _pack_linears(model: nn.Module, layout: Layout, scheme: str) -> list[str]:
     parts: dict[str, list[str]] = {}
     for hf_name, slot in model.checkpoint_slots().items():
         parts.setdefault(slot.param, []).append(hf_name)
@@ -24,8 +50,12 @@ def pack_linears(model: nn.Module, is_packed: Callable[[str], bool], scheme: str
         if not isinstance(module, nn.Linear) or module.bias is not None or module.in_features % GROUP:
             continue
         weight = f"{name}.weight"
-        if weight in parts and all(is_packed(p) for p in parts[weight]):
-            parent_name, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), attr, PackedLinear.like(module, scheme))
-            replaced.append(weight)
+        layouts = [layout(p) for p in parts.get(weight, [])]
+        if not layouts or None in layouts:
+            continue
+        bits = max(b for b, _ in layouts)
+        group = min(g for _, g in layouts)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, PackedLinear.like(module, scheme, bits, group))
+        replaced.append(weight)
     return replaced

@@ -2,8 +2,8 @@
 per group of 32 values along the input dimension, `w ≈ code * scale + offset`.
 
 - int8, symmetric: scale = max|w| / 127, code = round(w / scale) in [-127, 127], offset = 0.
-- int4, asymmetric: scale = (max - min) / 15, q = round((w - min) / scale) in [0, 15], code = q - 8 and
-  offset = min + 8 scale, so every group's range is covered and each value is off by at most scale / 2.
+- int4, asymmetric: scale = (max - min) / 15, code = round((w - min) / scale) in [0, 15] (two to a byte) and
+  offset = min, so every group's range is covered and each value is off by at most scale / 2.
 A group of equal values gets scale 1 and codes that reproduce it exactly.
 """
 
@@ -25,11 +25,11 @@ def quantize(weight: torch.Tensor, scheme: str) -> PackedTensor:
         scale = w.abs().amax(-1, keepdim=True) / 127
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         codes = torch.round(w / scale).clamp(-127, 127)
-        return PackedTensor(codes.to(torch.int8), scale, torch.zeros_like(scale))
+        return PackedTensor(codes.to(torch.int8), scale, torch.zeros_like(scale), bits=8)
     if scheme == "int4":
         low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
         scale = (high - low) / 15
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round((w - low) / scale).clamp(0, 15)
-        return PackedTensor((q - 8).to(torch.int8), scale, low + 8 * scale)
+        q = torch.round((w - low) / scale).clamp(0, 15).to(torch.uint8)
+        return PackedTensor(q[..., : GROUP // 2] | (q[..., GROUP // 2 :] << 4), scale, low, bits=4)
     raise ValueError(f"unknown quantization scheme {scheme!r}: expected one of {', '.join(BITS)}")

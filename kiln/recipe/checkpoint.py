@@ -9,7 +9,7 @@ from functools import lru_cache
 from kiln.config import ModelConfig
 from kiln.errors import KilnError
 from kiln.model.loader import CheckpointHeader, read_checkpoint_header, resolve_model_path
-from kiln.model.loader.gguf_loader import gguf_to_hf_name
+from kiln.model.loader.gguf_names import gguf_to_hf_name
 from kiln.recipe.constraints import Constraint
 from kiln.recipe.diagnostics import Diagnostic
 from kiln.recipe.evaluate import evaluate

@@ -207,10 +207,10 @@ def test_gguf_cut_short(tmp_path: Path, keep: str) -> None:
 
 
 def test_gguf_unsupported_type_names_file_and_tensor(tmp_path: Path) -> None:
-    path = tmp_path / "q5.gguf"
-    write_gguf_model(path, "Q5_0")
+    path = tmp_path / "f64.gguf"
+    write_gguf_model(path, "F64")
     err = load(path)
-    assert err.path == str(path) and "unsupported quantization type Q5_0 (tensor token_embd.weight" in err.problem
+    assert err.path == str(path) and "unsupported tensor type F64 (tensor token_embd.weight" in err.problem
 
 
 def test_gguf_wrong_shape_names_tensor(tmp_path: Path) -> None:

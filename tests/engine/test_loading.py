@@ -104,9 +104,9 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 
 
 def test_unsupported_quantization_type(tmp_path: Path) -> None:
-    path = tmp_path / "q5.gguf"
-    write_gguf_model(path, "Q5_0")
-    with pytest.raises(ModelLoadError, match=r"unsupported quantization type Q5_0"):
+    path = tmp_path / "f64.gguf"
+    write_gguf_model(path, "F64")
+    with pytest.raises(ModelLoadError, match=r"unsupported tensor type F64"):
         build_model(open_checkpoint(str(path)), torch.float32, 64)
 
 

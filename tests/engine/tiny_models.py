@@ -131,8 +131,8 @@ def write_gguf_model(
         data = (rng.standard_normal(shape) * 0.05).astype(np.float32)
         if len(shape) == 1 or qtype == GGMLQuantizationType.F32:  # norms stay F32
             w.add_tensor(name, data)
-        elif qtype == GGMLQuantizationType.F16:
-            w.add_tensor(name, data.astype(np.float16))
+        elif qtype in (GGMLQuantizationType.F16, GGMLQuantizationType.F64):
+            w.add_tensor(name, data.astype(np.float16 if qtype == GGMLQuantizationType.F16 else np.float64))
         else:
             w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
     w.write_header_to_file()

@@ -8,32 +8,61 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from kiln import LLM, SamplingParams
 from kiln.compile.compiler import make_compiler
-from kiln.compile.packed_choice import DEQUANT_BLAS, FUSED, choose_packed_static_sizes
+from kiln.compile.kernels import kernels_in
+from kiln.compile.packed_kernels import COMPILED_DEQUANT, DEQUANT_BLAS, FUSED, INT4PACK, PackedKernelTable
 from kiln.errors import ConfigError
 from kiln.executor.kernel_choice import KernelChoiceCache
 from kiln.model.loader import resolve_model_path
 from kiln.model.registry import resident_weight_bytes
-from kiln.quant.gguf_blocks import PACKED_TYPES, decode_blocks
-from kiln.quant.linear import PackedLinear, PackedTensor
+from kiln.quant.gguf_blocks import PACKED_TYPES, decode_blocks, layout_of
+from kiln.quant.linear import PackedEmbedding, PackedLinear, PackedTensor, unpack_codes
 from tests.engine.tiny_models import write_hf_model
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea:", "1, 2, 3, 4,"]
 
 
-@pytest.mark.parametrize("kind", list(PACKED_TYPES))
-def test_blocks_decode_bit_identically_to_ggml(kind: GGMLQuantizationType) -> None:
-    rng = np.random.default_rng(0)
-    weights = (rng.standard_normal((48, 96)) * rng.uniform(0.01, 3.0, (48, 1))).astype(np.float32)
-    raw = quantize(weights, kind)
-    codes, scale, offset = decode_blocks(raw, kind, 48, 96)
-    assert codes.dtype == np.int8 and codes.shape == (48, 3, 32) and scale.shape == offset.shape == (48, 3, 1)
-    ours = (codes.astype(np.float32) * scale + offset).reshape(48, 96)
-    assert np.array_equal(ours, np.asarray(dequantize(raw, kind), dtype=np.float32).reshape(48, 96))
+def random_blocks(kind: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """`kind` blocks for a [rows, cols] weight: the quantized weights of random floats where gguf-py quantizes the
+    type, random codes and sub-block scales otherwise (K-quants), with sane fp16 super-block scales."""
+    weights = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 3.0, (rows, 1))).astype(np.float32)
+    if kind in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+        return quantize(weights, kind)
+    size, per_block, _, _ = PACKED_TYPES[kind]
+    blocks = rng.integers(0, 256, (rows * cols // per_block, size), dtype=np.uint8)
+    fp16 = [208] if kind == GGMLQuantizationType.Q6_K else [0, 2]  # d (and dmin)
+    for at in fp16:
+        blocks[:, at : at + 2] = rng.uniform(1e-4, 2e-2, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    return blocks
+
+
+@pytest.mark.parametrize("kind", list(PACKED_TYPES), ids=lambda k: k.name)
+def test_blocks_decode_bit_identically_to_ggml(kind: GGMLQuantizationType, tmp_path: Path) -> None:
+    """Each packed type, written to a GGUF file with the gguf package and read back, decodes to exactly the
+    weights gguf-py's dequantization gives."""
+    rows, cols = 12, 512
+    raw = random_blocks(kind, rows, cols, np.random.default_rng(int(kind)))
+    writer = GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    writer.add_tensor("w", raw, raw_dtype=kind)
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        write()
+    writer.close()
+    (t,) = GGUFReader(tmp_path / "t.gguf").tensors
+    codes, scale, offset = decode_blocks(t.data, kind, rows, cols)
+    bits, group = layout_of(kind)
+    nibbles = bits == 4
+    assert codes.dtype == (np.uint8 if nibbles else np.int8)
+    assert codes.shape == (rows, cols // group, group // 2 if nibbles else group)
+    assert scale.shape == offset.shape == (rows, cols // group, 1)
+    packed = PackedTensor(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(offset), bits)
+    ref = np.asarray(dequantize(t.data, kind), dtype=np.float32).reshape(rows, cols)
+    assert torch.equal(packed.dequantize(), torch.from_numpy(ref))
+    codes_seen = torch.unique(unpack_codes(packed.codes).to(torch.int16))
+    assert len(codes_seen) <= 2**bits  # a code fits its format's bit width
 
 
 def test_default_model_blocks_decode_bit_identically() -> None:
@@ -47,6 +76,37 @@ def test_default_model_blocks_decode_bit_identically() -> None:
             assert torch.equal(packed.dequantize(), torch.from_numpy(ref)), t.name
             checked += 1
     assert checked >= 8  # the Q8_0 embedding and layer 0's Q4_1 projections
+
+
+def _packed(kind: GGMLQuantizationType, rows: int, cols: int, seed: int) -> PackedTensor:
+    raw = random_blocks(kind, rows, cols, np.random.default_rng(seed))
+    parts = (torch.from_numpy(a) for a in decode_blocks(raw, kind, rows, cols))
+    return PackedTensor(*parts, bits=layout_of(kind)[0])
+
+
+def test_a_fused_layer_of_mixed_formats_takes_the_widest_layout() -> None:
+    """q and k in Q4_K with v in Q6_K (as Q4_K_M files store them) share one layer of 6-bit codes in groups of 16;
+    a layer of 4-bit parts keeps its codes two to a byte."""
+    q, k, v = (
+        _packed(GGMLQuantizationType.Q4_K, 32, 256, 1),
+        _packed(GGMLQuantizationType.Q4_K, 16, 256, 2),
+        _packed(GGMLQuantizationType.Q6_K, 16, 256, 3),
+    )
+    layer = PackedLinear(256, 64, bits=6, group=16)
+    for offset, part in ((0, q), (32, k), (48, v)):
+        layer.load_rows(offset, part)
+    assert layer.codes.dtype == torch.int8 and layer.codes.shape == (64, 16, 16)
+    weight = torch.cat([q.dequantize(), k.dequantize(), v.dequantize()])
+    assert torch.equal(layer.weight, weight)
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(layer(x), x @ weight.t(), rtol=1e-5, atol=1e-5)
+    four = PackedLinear(256, 48, bits=4)
+    four.load_rows(0, q)
+    four.load_rows(32, k)
+    assert four.codes.dtype == torch.uint8 and four.nbytes < 0.6 * layer.nbytes * 48 / 64
+    assert torch.equal(four.weight, torch.cat([q.dequantize(), k.dequantize()]))
+    with pytest.raises(ValueError, match="cannot store 6-bit codes in groups of 16 as groups of 32"):
+        PackedLinear(256, 16, bits=6).load_rows(0, v)
 
 
 def test_packed_linear_fills_fused_rows_and_multiplies_like_linear() -> None:
@@ -75,8 +135,11 @@ def packed_llm() -> LLM:
 def test_packed_model_holds_less_memory_and_logits_match(packed_llm: LLM, llm: LLM) -> None:
     packed, reference = packed_llm.engine.model, llm.engine.model
     layers = [m for m in packed.modules() if isinstance(m, PackedLinear)]
-    assert len(layers) == 4 * packed.config.num_layers  # qkv, o, gate_up and down of every layer
-    assert resident_weight_bytes(packed) < 0.5 * resident_weight_bytes(reference)
+    assert len(layers) == 4 * packed.config.num_layers + 1  # qkv, o, gate_up and down of every layer, and the head
+    assert isinstance(packed.model.embed_tokens, PackedEmbedding) and packed.lm_head.tied
+    assert packed.lm_head.codes is packed.model.embed_tokens.codes  # the tied head holds no copy
+    file_bytes = Path(resolve_model_path("default")).stat().st_size
+    assert resident_weight_bytes(packed) <= 1.3 * file_bytes < 0.25 * resident_weight_bytes(reference)
     ids, x = torch.arange(100, 110), torch.randn(10, packed.config.hidden_size)
     with torch.inference_mode():
         for mine, theirs in zip(packed.model.layers, reference.model.layers, strict=True):
@@ -97,10 +160,15 @@ def test_packed_greedy_tokens_equal_the_dequantized_reference(packed_llm: LLM, l
 def test_packed_graph_mode_matches_eager_and_fuses_the_dequantization(tmp_path: Path, llm: LLM) -> None:
     graph = LLM(quantization="packed", enable_piecewise_graph=True, capture_sizes=[1, 2, 4], cache_dir=str(tmp_path))
     executor = graph.engine.executor
-    record = executor.kernel_choices["static_sizes"]
-    assert set(record["times_us"]["1"]) == {DEQUANT_BLAS, FUSED}
-    wins = [int(r) for r, t in record["times_us"].items() if t[FUSED] < t[DEQUANT_BLAS]]
-    assert record["static_sizes"] == (wins if 1 in wins else [])  # the rule, on what was measured here
+    records = executor.kernel_choices["packed_kernels"]
+    assert len(records) == 5  # qkv, o, gate_up, down and the tied head: every packed layout is timed
+    for record in records.values():
+        assert {DEQUANT_BLAS, FUSED} <= set(record["times_us"]["1"]) and FUSED not in record["times_us"]["32"]
+    packed_ops = [
+        k for p in executor.pieces if p.compiled is not None for k in kernels_in(p.compiled.source_code or "")
+    ]
+    # the op stays whole inside the pieces: one extern call per packed layer (the head runs outside them)
+    assert sum(k.is_extern and "packed_linear" in k.name for k in packed_ops) == 4 * 30
     params = SamplingParams(max_tokens=12, temperature=0)
     assert [o.token_ids for o in graph.generate(PROMPTS, params)] == [
         o.token_ids for o in llm.generate(PROMPTS, params)
@@ -112,16 +180,32 @@ def test_packed_needs_a_gguf(tmp_path: Path) -> None:
         LLM(str(_tiny_hf_dir(tmp_path)), quantization="packed")
 
 
-def test_the_choice_times_both_candidates_and_is_cached(tmp_path: Path) -> None:
-    layer = PackedLinear(64, 96)
-    layer.load_rows(0, PackedTensor(torch.randint(-8, 8, (96, 2, 32), dtype=torch.int8), torch.rand(96, 2, 1),
-                                    torch.randn(96, 2, 1)))  # fmt: skip
-    cache = KernelChoiceCache(tmp_path)
-    first = choose_packed_static_sizes(layer, [1, 2, 4], make_compiler("inductor"), cache)
-    assert first["source"] == "timed" and set(first["times_us"]) == {"1", "2"}
-    assert all(t[FUSED] > 0 and t[DEQUANT_BLAS] > 0 for t in first["times_us"].values())
-    again = choose_packed_static_sizes(layer, [1, 2, 4], make_compiler("inductor"), KernelChoiceCache(tmp_path))
-    assert again["source"] != "timed" and again["static_sizes"] == first["static_sizes"]
+def test_the_table_times_each_shape_once_picks_the_fastest_and_is_cached(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(PackedLinear(64, 96, bits=4), PackedLinear(64, 96, bits=4), PackedLinear(96, 64))
+    for i, layer in enumerate(model):
+        q = _packed(
+            GGMLQuantizationType.Q4_1 if layer.bits == 4 else GGMLQuantizationType.Q8_0,
+            layer.out_features,
+            layer.in_features,
+            i,
+        )
+        layer.load_rows(0, q)
+    first = PackedKernelTable(model, make_compiler("inductor"), KernelChoiceCache(tmp_path))
+    assert len(first.records) == 2  # two layers of one shape share an entry
+    four = first.records["96x64 4-bit/32 float32"]
+    assert four["source"] == "timed" and set(four["times_us"]) == {"1", "2", "32"}
+    assert set(four["times_us"]["1"]) == {DEQUANT_BLAS, COMPILED_DEQUANT, FUSED, INT4PACK}
+    assert FUSED not in four["times_us"]["32"] and INT4PACK not in str(first.records["64x96 8-bit/32 float32"])
+    for record in first.records.values():
+        for rows, times in record["times_us"].items():
+            assert record["winners"][rows] == min(times, key=times.__getitem__) and min(times.values()) > 0
+    again = PackedKernelTable(model, make_compiler("inductor"), KernelChoiceCache(tmp_path))
+    assert all(r["source"] == "cache" for r in again.records.values())
+    assert {k: r["winners"] for k, r in again.records.items()} == {k: r["winners"] for k, r in first.records.items()}
+    again.install()
+    for rows in (1, 2, 3, 32):  # every kernel the table installed computes what the plain forward computes
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(model[0](x), x @ model[0].weight.t(), rtol=1e-4, atol=1e-4)
 
 
 def _tiny_hf_dir(tmp_path: Path) -> Path:
@@ -129,10 +213,15 @@ def _tiny_hf_dir(tmp_path: Path) -> Path:
     return tmp_path / "tiny"
 
 
-def test_the_shipped_recipe_compiles_packed_and_its_fusion_group_holds(tmp_path: Path) -> None:
-    """The dequantization of a packed weight is read through by the fusion contract: mlp_fusion (required) holds."""
-    recipe = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m.yaml"
-    llm = LLM(recipe=str(recipe), quantization="packed", capture_sizes=[1, 4], cache_dir=str(tmp_path))
+def test_the_shipped_recipe_runs_packed_and_its_fusion_group_holds(tmp_path: Path) -> None:
+    """The shipped recipe with `quantization: {weights: int4}` over its Q4_1 file runs the blocks packed, and the
+    fusion contract reads through the packed product: mlp_fusion (required) holds."""
+    shipped = Path(__file__).resolve().parents[2] / "recipes" / "smollm2-135m.yaml"
+    text = shipped.read_text().replace("quantization: {weights: none}", "quantization: {weights: int4}")
+    assert "weights: int4" in text
+    (tmp_path / "recipe.yaml").write_text(text)
+    llm = LLM(recipe=str(tmp_path / "recipe.yaml"), capture_sizes=[1, 4], cache_dir=str(tmp_path))
+    assert isinstance(llm.engine.model.model.layers[0].mlp.gate_up_proj, PackedLinear)
     (mlp,) = llm.engine.executor.fusion
-    assert mlp.realised and mlp.kernels[0] == "extern_kernels.mm"
+    assert mlp.realised and mlp.kernels[0] == "torch.ops.kiln.packed_linear.default"  # the packed product, whole
     assert "silu" in mlp.kernels[1] and "reads the GEMM output of gate_proj, up_proj (gate_up_proj)" in mlp.reason

@@ -19,55 +19,15 @@ from gguf.quants import dequantize
 from kiln.config import ModelConfig
 from kiln.errors import ModelLoadError
 from kiln.model.loader.base import CheckpointHeader, ConfigFields
-from kiln.quant.gguf_blocks import PACKED_TYPES, decode_blocks
+from kiln.model.loader.gguf_names import GLOBAL_NAMES, LAYER_NAMES, ROPE_FREQS, gguf_to_hf_name, hf_to_gguf_name
+from kiln.quant.gguf_blocks import PACKED_TYPES, decode_blocks, layout_of
 from kiln.quant.linear import PackedTensor
 
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# read packed (kiln.quant.gguf_blocks.PACKED_TYPES) or dequantized to float; with --quantization packed, the
+# quantized types outside PACKED_TYPES load dequantized (and the log says so)
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES += ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
-
-# GGUF tensor name (after `blk.N.`) -> HF parameter name (after `model.layers.N.`)
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES_TO_GGUF = {hf: gguf for gguf, hf in _LAYER_NAMES.items()}
-_GLOBAL_NAMES_TO_GGUF = {hf: gguf for gguf, hf in _GLOBAL_NAMES.items()}
-ROPE_FREQS = "rope_freqs.weight"  # llama 3.1-style per-frequency rope factors; kiln folds them into its rotary tables
-
-
-def gguf_to_hf_name(name: str) -> str | None:
-    """HF parameter name of a GGUF tensor, or None for tensors with no HF counterpart (rope_freqs, unknown ones)."""
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
-    return None
-
-
-def hf_to_gguf_name(name: str) -> str:
-    """GGUF name of an HF parameter name (the name itself when GGUF has no counterpart)."""
-    if name in _GLOBAL_NAMES_TO_GGUF:
-        return _GLOBAL_NAMES_TO_GGUF[name]
-    parts = name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER_NAMES_TO_GGUF:
-        return f"blk.{parts[2]}.{_LAYER_NAMES_TO_GGUF[parts[3]]}"
-    return name
 
 
 def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -136,8 +96,7 @@ class GGUFCheckpoint:
             (name, ty), more = bad[0], f" and {len(bad) - 1} more" if len(bad) > 1 else ""
             raise ModelLoadError(
                 self.path,
-                f"unsupported quantization type {ty} (tensor {name}{more}); "
-                f"kiln dequantizes {', '.join(SUPPORTED_TYPES)}",
+                f"unsupported tensor type {ty} (tensor {name}{more}); kiln reads {', '.join(SUPPORTED_TYPES)}",
             )
 
     def _check_names(self) -> None:
@@ -146,8 +105,8 @@ class GGUFCheckpoint:
             more = f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""
             raise ModelLoadError(
                 self.path,
-                f"unknown tensor {unknown[0]}{more}: kiln reads {', '.join(_GLOBAL_NAMES)}, "
-                f"{ROPE_FREQS} and blk.N.{{{', '.join(_LAYER_NAMES)}}}",
+                f"unknown tensor {unknown[0]}{more}: kiln reads {', '.join(GLOBAL_NAMES)}, "
+                f"{ROPE_FREQS} and blk.N.{{{', '.join(LAYER_NAMES)}}}",
             )
 
     @cached_property
@@ -230,18 +189,29 @@ class GGUFCheckpoint:
             raise ModelLoadError(self.path, f"tensor {ROPE_FREQS} has shape {_shape(t)}, expected {expected}")
         return torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(expected))
 
-    def is_packed(self, hf_name: str) -> bool:
-        """Whether `weights(packed=True)` yields this tensor packed (a 2-D Q4_0, Q4_1 or Q8_0 weight)."""
+    def packed_layout(self, hf_name: str) -> tuple[int, int] | None:
+        """(bits per code, group size) when `weights(packed=True)` yields this tensor packed (a 2-D weight in one
+        of kiln.quant's PACKED_TYPES), else None."""
         t = self._tensors_by_hf_name.get(hf_name)
-        return t is not None and t.tensor_type in PACKED_TYPES and len(t.shape) == 2
+        if t is None or t.tensor_type not in PACKED_TYPES or len(t.shape) != 2:
+            return None
+        return layout_of(t.tensor_type)
+
+    def dequantized_types(self) -> dict[str, int]:
+        """Quantized types this file holds that kiln cannot keep packed (they load dequantized): type -> count."""
+        counts: dict[str, int] = {}
+        for t in self.reader.tensors:
+            if t.tensor_type.name.startswith("Q") and t.tensor_type not in PACKED_TYPES:
+                counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+        return counts
 
     @cached_property
     def _tensors_by_hf_name(self) -> dict[str, ReaderTensor]:
         return {n: t for t in self.reader.tensors if (n := gguf_to_hf_name(t.name)) is not None}
 
     def weights(self, packed: bool = False) -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
-        """Yield (HF name, float32 tensor) pairs, dequantized one at a time; with `packed`, Q4_0 / Q4_1 / Q8_0
-        weights come as PackedTensor instead (kiln.quant), bit-identical once dequantized."""
+        """Yield (HF name, float32 tensor) pairs, dequantized one at a time; with `packed`, weights in
+        kiln.quant's PACKED_TYPES come as PackedTensor instead, bit-identical once dequantized."""
         self._check_types()
         self._check_names()
         cfg = self.config
@@ -249,7 +219,7 @@ class GGUFCheckpoint:
             name = gguf_to_hf_name(t.name)
             if name is None:
                 continue
-            if packed and self.is_packed(name):
+            if packed and self.packed_layout(name) is not None:
                 yield name, self._packed(t, name)
                 continue
             try:
@@ -273,7 +243,8 @@ class GGUFCheckpoint:
         num_heads = heads.get(".".join(suffix[-2:]))
         if num_heads is not None:  # the rows permute as they do dequantized: codes, scale and offset alike
             parts = tuple(self._unpermute(t.name, a, num_heads) for a in parts)
-        return PackedTensor(*(torch.from_numpy(np.ascontiguousarray(a)) for a in parts))
+        bits, _ = layout_of(t.tensor_type)
+        return PackedTensor(*(torch.from_numpy(np.ascontiguousarray(a)) for a in parts), bits=bits)
 
     def _unpermute(self, name: str, array: np.ndarray, num_heads: int) -> np.ndarray:
         if array.shape[0] % (2 * num_heads):

@@ -1,0 +1,47 @@
+"""GGUF tensor names <-> HF parameter names (llama.cpp's naming of the Llama family)."""
+
+from __future__ import annotations
+
+# GGUF tensor name (after `blk.N.`) -> HF parameter name (after `model.layers.N.`)
+LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+LAYER_NAMES_TO_GGUF = {hf: gguf for gguf, hf in LAYER_NAMES.items()}
+GLOBAL_NAMES_TO_GGUF = {hf: gguf for gguf, hf in GLOBAL_NAMES.items()}
+ROPE_FREQS = "rope_freqs.weight"  # llama 3.1-style per-frequency rope factors; kiln folds them into its rotary tables
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """HF parameter name of a GGUF tensor, or None for tensors with no HF counterpart (rope_freqs, unknown ones)."""
+    if name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def hf_to_gguf_name(name: str) -> str:
+    """GGUF name of an HF parameter name (the name itself when GGUF has no counterpart)."""
+    if name in GLOBAL_NAMES_TO_GGUF:
+        return GLOBAL_NAMES_TO_GGUF[name]
+    parts = name.split(".", 3)
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in LAYER_NAMES_TO_GGUF:
+        return f"blk.{parts[2]}.{LAYER_NAMES_TO_GGUF[parts[3]]}"
+    return name
