@@ -92,6 +92,7 @@ class FusionGroupConfig:
     ops: tuple[str, ...]
     required: bool = True  # not realised after compiling: True fails the compile, False logs a warning
     where: str = ""  # "recipe.yaml:18" when it came from a recipe, for messages
+    all_ops_quantized: str | None = None  # "int4" | "int8": the group's weight ops must run packed at most this wide
 
 
 @dataclass(frozen=True)

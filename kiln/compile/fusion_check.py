@@ -5,6 +5,9 @@ holds each group (kiln.compile.fusion says what realised means). A realised grou
 unrealised required group fails the compile with a FusionGroupError citing its recipe line; an optional one logs a
 warning. A group with no generated code to check (the eager compiler, eager pieces) is logged as not checked: the
 contract binds code generation, and there is none to bind.
+
+`check_quantized` holds groups to their `all_ops_quantized` claim on the loaded model, in every mode: each weight op
+of the group (gate_proj lives in the fused gate_up_proj) must run packed codes no wider than the claim.
 """
 
 from __future__ import annotations
@@ -12,9 +15,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from torch import nn
+
 from kiln.compile.fusion import FusionReport, fusion_reports
 from kiln.config import FusionGroupConfig, GraphConfig
 from kiln.errors import KilnError
+from kiln.quant.linear import PackedEmbedding, PackedLinear
 
 if TYPE_CHECKING:
     from kiln.compile.piece import Piece
@@ -55,3 +61,40 @@ def _problem(group: FusionGroupConfig, report: FusionReport) -> str:
     if group.required:
         text += f"; remove {report.broken_by} from the group, or set required: false to compile without it"
     return text
+
+
+# module ops -> the fused module kiln runs them in
+_FUSED_INTO = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj"}
+_FUSED_INTO |= {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+def check_quantized(model: nn.Module, groups: tuple[FusionGroupConfig, ...]) -> None:
+    """Raise FusionGroupError for groups whose `all_ops_quantized` claim the model's weights break."""
+    problems = []
+    for group in groups:
+        if group.all_ops_quantized is None:
+            continue
+        limit = int(group.all_ops_quantized.removeprefix("int"))
+        for op in group.ops:
+            home = _FUSED_INTO.get(op, op)
+            found = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == home]
+            wide = next(((n, m) for n, m in found if not _packed_within(m, limit)), None)
+            if wide is not None:
+                where = f"{group.where}: " if group.where else ""
+                runs = f"{wide[1].bits}-bit codes" if _is_packed(wide[1]) else "unquantized weights"
+                problems.append(
+                    f"{where}fusion group {group.name} claims all_ops_quantized: {group.all_ops_quantized}, but {op} "
+                    f"runs {runs} ({wide[0]}); set quantization.weights, or drop the claim"
+                )
+                break
+    if problems:
+        raise FusionGroupError(problems)
+
+
+def _is_packed(module: nn.Module) -> bool:
+    return isinstance(module, (PackedLinear, PackedEmbedding))
+
+
+def _packed_within(module: nn.Module, bits: int) -> bool:
+    has_weight = any(True for _ in module.parameters(recurse=False)) or _is_packed(module)
+    return not has_weight or (_is_packed(module) and module.bits <= bits)

@@ -76,7 +76,9 @@ def _fusion_groups(groups: Iterable[Any], path: str = "", lines: tuple[int, ...]
     for i, g in enumerate(groups):
         where = f"{path}:{lines[i]}" if path and i < len(lines) else path
         ops = tuple(str(op) for op in _field(g, "ops"))
-        out.append(FusionGroupConfig(str(_field(g, "name")), ops, bool(_field(g, "required", True)), where))
+        quantized = _field(g, "all_ops_quantized")
+        name, required = str(_field(g, "name")), bool(_field(g, "required", True))
+        out.append(FusionGroupConfig(name, ops, required, where, None if quantized is None else str(quantized)))
     return tuple(out)
 
 

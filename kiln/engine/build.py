@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from kiln.compile.executor import GraphExecutor
+from kiln.compile.fusion_check import check_quantized
 from kiln.config import EngineConfig
 from kiln.engine.core import EngineCore
 from kiln.engine.model_runner import StepObserver
@@ -49,5 +50,6 @@ def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> 
     checkpoint = open_checkpoint(config.model)
     max_model_len = config.max_model_len or EngineCore.default_max_model_len(checkpoint.config)
     model = build_model(checkpoint, parse_dtype(config.dtype), max_model_len, config.device, config.quantization)
+    check_quantized(model, config.graph.fusion_groups)
     tokenizer = load_tokenizer(checkpoint)
     return EngineCore(config, model, tokenizer, make_executor(config), checkpoint.path, observer)

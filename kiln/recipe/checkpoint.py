@@ -17,7 +17,7 @@ from kiln.recipe.expr import ExprError
 from kiln.recipe.schema import RecipeSpec
 from kiln.recipe.source import SourceDoc
 
-QUANTIZED = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+QUANTIZED = {t: t.lower() for t in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q2_K", "Q3_K")}
 FLOATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 

@@ -53,8 +53,8 @@ KEYS: dict[str, dict[str, CommunityKey]] = {
     "quantization": {"scheme": _to("quantization.weights")},
     "fusion_groups[]": {
         "constraint": _dropped(
-            "kiln fusion groups carry no conditions (all_ops_quantized holds when quantization.weights is set: "
-            "kiln quantizes every linear layer)"
+            "kiln fusion groups carry no conditions (all_ops_quantized becomes the group's all_ops_quantized: "
+            "the recipe's weight scheme)"
         )
     },
     **{f"input_constraints.{name}": {"constraints": _to("input_constraints.constraints")} for name in TENSORS},

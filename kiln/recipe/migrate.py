@@ -157,15 +157,19 @@ def _capture_sizes(defaults: list[int], constraints: object) -> list[int]:
 
 
 def _decide_quantized(carrier: Carrier, where: Where, group: str) -> None:
-    """all_ops_quantized holds by construction when weights are quantized: kiln quantizes every linear layer."""
+    """all_ops_quantized becomes the group's claim of the recipe's weight scheme (checked on the loaded model)."""
     quantization = carrier.tree.get("quantization")
     weights = quantization.get("weights") if isinstance(quantization, CommentedMap) else None
     if weights in (None, "none"):
         message = (
-            f"all_ops_quantized not carried (group {group}): quantization.weights is not set; kiln quantizes "
-            "every linear layer or none"
+            f"all_ops_quantized not carried (group {group}): quantization.weights is not set, so the group's "
+            "weights run unquantized"
         )
         carrier.note(where, message)
+        return
+    for entry in carrier.tree.get("fusion_groups") or []:
+        if isinstance(entry, CommentedMap) and entry.get("name") == group:
+            entry["all_ops_quantized"] = weights
 
 
 def _relative_to(path: str, file: str, out: str | None) -> str:

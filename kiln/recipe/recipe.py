@@ -54,12 +54,13 @@ class Recipe:
 
     @property
     def quantization(self) -> str:
-        """How the engine runs the weights (EngineConfig.quantization): int4 over a Q4_0/Q4_1 file, or int8 over a
-        Q8_0 one, keeps the file's blocks (the same format); otherwise int8/int4 quantize at load."""
+        """How the engine runs the weights (EngineConfig.quantization): int4 over a Q4_0/Q4_1/Q4_K file, or int8
+        over a Q8_0/Q5_K/Q6_K one, keeps the file's blocks (codes of 4, or of 5 to 8 bits); otherwise int8/int4
+        quantize at load."""
         weights, source = self.spec.quantization.weights, self.spec.weights.source_quantization
         if weights == "none":
             return "none"
-        same = {"int4": ("q4_0", "q4_1"), "int8": ("q8_0",)}[weights]
+        same = {"int4": ("q4_0", "q4_1", "q4_k"), "int8": ("q8_0", "q5_k", "q6_k")}[weights]
         return "packed" if source in same else weights
 
     @property

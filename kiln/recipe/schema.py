@@ -49,9 +49,9 @@ class InputConstraints(Section):
 
 class Weights(Section):
     dtype: DType = Field("float32", description="The dtype weights are materialised in at run time.")
-    source_quantization: Literal["none", "q8_0", "q4_0", "q4_1"] = Field(
-        "none", description="What the checkpoint really holds for its layer weights (none = float tensors)."
-    )
+    source_quantization: Literal[
+        "none", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q2_k", "q3_k"
+    ] = Field("none", description="What the checkpoint really holds for its layer weights (none = float tensors).")
 
 
 class Quantization(Section):
@@ -64,6 +64,11 @@ class FusionGroup(Section):
     ops: list[str] = Field(min_length=1, description="Model modules (gate_proj, ...) and functional ops (silu, mul).")
     required: bool = Field(
         True, description="true: a compile that does not realise the group fails; false: it only warns."
+    )
+    all_ops_quantized: Literal["int4", "int8"] | None = Field(
+        None,
+        description="Every weight op of the group runs packed codes of at most this width; checked on the loaded "
+        "model (an engine whose group runs float or wider weights fails to start).",
     )
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
+from kiln.compile.fusion_check import FusionGroupError
 from kiln.engine.args import EngineArgs
 from kiln.quant.linear import PackedLinear
 
@@ -70,3 +71,36 @@ def test_the_recipe_quantization_runs(tmp_path: Path, weights: str, engine_mode:
     assert len(packed) == 4 * llm.engine.model_config.num_layers and {m.scheme for m in packed} == {scheme}
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=6, temperature=0))[0]
     assert "Paris" in out.text
+
+
+QUANTIZED_GROUP = """\
+recipe_version: 1
+model: {name: smollm2-135m-instruct}
+weights: {dtype: float32, source_quantization: q4_1}
+quantization: {weights: %s}
+fusion_groups:
+  - {name: mlp, ops: [gate_proj, up_proj, silu, mul], required: false, all_ops_quantized: %s}
+input_constraints: {constraints: [num_tokens <= 512, seq_len <= 256, batch_size <= 8]}
+hardware: {device: cpu}
+"""
+
+
+@pytest.mark.parametrize(
+    ("weights", "claim", "runs"),
+    [("none", "int4", "unquantized weights"), ("int8", "int4", "8-bit codes"), ("int4", "int4", None)],
+)
+def test_all_ops_quantized_is_checked_against_the_loaded_weights(
+    tmp_path: Path, weights: str, claim: str, runs: str | None
+) -> None:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(QUANTIZED_GROUP % (weights, claim))
+    if runs is None:  # int4 over the Q4_1 file: the blocks run packed, 4-bit
+        llm = LLM(recipe=str(path))
+        assert llm.engine.model.model.layers[0].mlp.gate_up_proj.bits == 4
+        return
+    with pytest.raises(FusionGroupError) as err:
+        LLM(recipe=str(path))
+    assert str(err.value) == (
+        f"{path}:6: fusion group mlp claims all_ops_quantized: int4, but gate_proj runs {runs} "
+        "(model.layers.0.mlp.gate_up_proj); set quantization.weights, or drop the claim"
+    )

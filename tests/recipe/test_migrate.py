@@ -115,6 +115,7 @@ def test_all_ops_quantized_is_carried_when_quantization_is_set() -> None:
         (4, 73, "max_latency_us not carried: kiln fusion groups carry no conditions (group mlp)")
     ]
     assert "quantization: {weights: int8}" in migration.text
+    assert "all_ops_quantized: int8" in migration.text  # the claim, made checkable: the scheme the group runs
 
 
 def test_a_field_set_twice_and_unknown_keys_are_notes() -> None:
