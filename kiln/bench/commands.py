@@ -1,8 +1,9 @@
 """Handlers of `kiln bench` and `kiln loadtest`.
 
-The bench: each mode's engine (built from the engine flags) run closed-loop per batch size, then HF transformers
-on the same prompts when asked; a report with ratios, optionally as JSON. The random prompts are seeded by the
-engine's --seed. The load test: kiln.bench.loadtest against a running server, reported by loadtest_report."""
+The bench: each mode's engine (built from the engine flags) run closed-loop per batch size, the machine's read
+bandwidth measured once for kiln's batch-1 roofline, then every --compare system (kiln.bench.anchors) on the same
+model and prompts; a report with ratios, optionally as JSON. The random prompts are seeded by the engine's --seed.
+The load test: kiln.bench.loadtest against a running server, reported by loadtest_report."""
 
 from __future__ import annotations
 
@@ -18,13 +19,14 @@ from typing import Any
 
 import torch
 
-from kiln.bench.hf_runner import load_hf_model, run_hf, warm_up_hf
+from kiln.bench.anchors import ANCHORS, AnchorSetup
 from kiln.bench.kiln_runner import run_kiln, warm_up_kiln
 from kiln.bench.loadtest import LoadTestConfig, parse_range, run_loadtest
 from kiln.bench.loadtest_report import format_report, plot_latency_over_time, summarize
 from kiln.bench.metrics import RunResult, compute_ratios, random_prompts
 from kiln.bench.modes import engine_args_for_mode
 from kiln.bench.report import print_report
+from kiln.bench.roofline import Roofline, read_bandwidth_gbs
 from kiln.engine.llm import LLM
 from kiln.errors import ConfigError, KilnError
 
@@ -34,8 +36,11 @@ logger = logging.getLogger("kiln")
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.output_len < 2:
         raise ConfigError(f"--output-len {args.output_len}: need >= 2 tokens to measure time per output token")
+    anchors = {name: ANCHORS[name] for name in args.compare}
     results: list[RunResult] = []
     prompts: list[list[int]] = []
+    batches: dict[int, list[list[int]]] = {}
+    roofline: Roofline | None = None
     model_path = ""
     device = "cpu"
     for mode in args.modes:
@@ -43,31 +48,49 @@ def cmd_bench(args: argparse.Namespace) -> int:
         model_path = llm.engine.checkpoint_path
         device = str(next(llm.engine.model.parameters()).device)
         if not prompts:
+            for anchor in anchors.values():
+                anchor.check(model_path)
             vocab = llm.engine.model_config.vocab_size
             prompts = random_prompts(args.num_requests, args.input_len, vocab, _prompt_seed(args))
+            batches = {bs: prompts[: _num_requests(args, bs)] for bs in args.batch_sizes}
         warm_up_kiln(llm, prompts[0])
-        for bs in args.batch_sizes:
-            results.append(run_kiln(llm, mode, prompts[: _num_requests(args, bs)], args.output_len, bs))
+        for bs, batch in batches.items():
+            results.append(run_kiln(llm, mode, batch, args.output_len, bs))
+        if roofline is None:
+            # NOTE: measured after the engine has set torch's thread count, with the thread count kiln ran with.
+            roofline = Roofline.measure(llm.engine.model, model_path, read_bandwidth_gbs())
         del llm
         gc.collect()
-    if args.compare == "hf":
-        # NOTE: same process, so HF runs with the thread count the engine set (or torch's default).
-        model = load_hf_model(model_path, args.dtype, device)
-        warm_up_hf(model, prompts[0])
-        for bs in args.batch_sizes:
-            hf = run_hf(model, prompts[: _num_requests(args, bs)], args.output_len, bs)
-            results.append(hf)
-            for r in results:
-                if r.system == "kiln" and r.batch_size == bs:
-                    r.hf_match = sum(a == b for a, b in zip(r.token_ids, hf.token_ids, strict=True))
+    assert roofline is not None  # the parser gives at least one mode
+    for r in results:
+        if r.system == "kiln" and r.batch_size == 1:
+            r.roofline_efficiency = roofline.efficiency(r.mean_tpot_s)
+    setup = AnchorSetup(model_path, args.dtype, device, torch.get_num_threads(), batches, args.output_len)
+    for anchor in anchors.values():
+        results += anchor.run(setup)
+    _count_hf_matches(results)
     ratios = compute_ratios(results)
-    print_report(results, ratios)
+    print_report(results, ratios, roofline=roofline)
     if args.json:
-        report = {"config": _config(args, model_path), "results": [r.to_row() for r in results], "ratios": ratios}
+        report = {
+            "config": _config(args, model_path),
+            "roofline": roofline.to_dict(),
+            "results": [r.to_row() for r in results],
+            "ratios": ratios,
+        }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
         logger.info("Wrote %s", args.json)
     return 0
+
+
+def _count_hf_matches(results: list[RunResult]) -> None:
+    """Per kiln run, how many requests' greedy tokens equal HF's at the same batch size."""
+    hf_runs = {r.batch_size: r for r in results if r.system == "hf"}
+    for r in results:
+        hf = hf_runs.get(r.batch_size)
+        if r.system == "kiln" and hf is not None:
+            r.hf_match = sum(a == b for a, b in zip(r.token_ids, hf.token_ids, strict=True))
 
 
 def _prompt_seed(args: argparse.Namespace) -> int:
@@ -89,7 +112,7 @@ def _config(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
         "output_len": args.output_len,
         "batch_sizes": args.batch_sizes,
         "modes": args.modes,
-        "compare": args.compare,
+        "compare": list(dict.fromkeys(args.compare)),
         "seed": _prompt_seed(args),
         "num_threads": torch.get_num_threads(),
         "max_num_seqs": args.max_num_seqs,

@@ -18,17 +18,23 @@ from kiln.model.dtypes import parse_dtype
 logger = logging.getLogger("kiln")
 
 
-def load_hf_model(path: str, dtype: str, device: str) -> Any:
-    """The checkpoint kiln loaded (a .gguf file, dequantized by transformers, or an HF directory), on kiln's device."""
+def auto_model_class() -> Any:
+    """transformers' AutoModelForCausalLM, or a KilnError saying how to install transformers."""
     try:
         from transformers import AutoModelForCausalLM
     except ImportError as exc:
         raise KilnError("--compare hf needs HF transformers: pip install 'kiln-infer[hf]'") from exc
+    return AutoModelForCausalLM
+
+
+def load_hf_model(path: str, dtype: str, device: str) -> Any:
+    """The checkpoint kiln loaded (a .gguf file, dequantized by transformers, or an HF directory), on kiln's device."""
+    auto_model = auto_model_class()
     start = time.monotonic()
     if os.path.isdir(path):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype))
+        model = auto_model.from_pretrained(path, dtype=parse_dtype(dtype))
     else:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto_model.from_pretrained(
             os.path.dirname(path), gguf_file=os.path.basename(path), dtype=parse_dtype(dtype)
         )
     logger.info("Loaded HF transformers model from %s in %.2f s", path, time.monotonic() - start)

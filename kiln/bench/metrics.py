@@ -13,7 +13,7 @@ RATIO_METRICS = ("output_tok_s", "prefill_tok_s", "decode_tok_s_per_seq")
 
 
 def random_prompts(num_prompts: int, input_len: int, vocab_size: int, seed: int) -> list[list[int]]:
-    """Seeded random token ids, exactly `input_len` per prompt; kiln and HF get the same lists."""
+    """Seeded random token ids, exactly `input_len` per prompt; kiln and every anchor get the same lists."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (num_prompts, input_len), generator=gen).tolist()
 
@@ -24,10 +24,11 @@ class RunResult:
 
     `wall_s` is the generation run alone; `prefill_s` is the wall time of a separate prefill-only run
     (one output token per request) at the same concurrency. Per request: time to first token and
-    time per output token after the first.
+    time per output token after the first. `roofline_efficiency` (kiln at batch 1, kiln.bench.roofline): the
+    roofline time per token over the mean measured one.
     """
 
-    system: str  # "kiln" | "hf"
+    system: str  # "kiln" or an anchor's name ("hf", "llama.cpp")
     mode: str
     batch_size: int
     input_len: int
@@ -38,6 +39,7 @@ class RunResult:
     tpot_s: list[float]
     token_ids: list[list[int]]
     hf_match: int | None = None  # requests whose greedy tokens equal HF's, when compared
+    roofline_efficiency: float | None = None
 
     @property
     def num_requests(self) -> int:
@@ -52,8 +54,12 @@ class RunResult:
         return self.num_requests * self.input_len / self.prefill_s
 
     @property
+    def mean_tpot_s(self) -> float:
+        return float(np.mean(self.tpot_s))
+
+    @property
     def decode_tok_s_per_seq(self) -> float:
-        return 1.0 / float(np.mean(self.tpot_s))
+        return 1.0 / self.mean_tpot_s
 
     def to_row(self) -> dict[str, Any]:
         return {
@@ -68,7 +74,11 @@ class RunResult:
             "ttft_ms": _summary_ms(self.ttft_s),
             "tpot_ms": _summary_ms(self.tpot_s),
             "wall_s": self.wall_s,
-        } | ({} if self.hf_match is None else {"hf_match": self.hf_match})
+        } | _present(hf_match=self.hf_match, roofline_efficiency=self.roofline_efficiency)
+
+
+def _present(**fields: Any) -> dict[str, Any]:
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def _summary_ms(seconds: list[float]) -> dict[str, float]:
@@ -77,17 +87,19 @@ def _summary_ms(seconds: list[float]) -> dict[str, float]:
 
 
 def compute_ratios(results: list[RunResult]) -> dict[str, dict[str, Any]]:
-    """`"<mode>/hf"`: kiln over HF per batch size, plus `best` (best batched throughput of each);
-    `"<mode>/eager"`: each graph mode over eager per batch size."""
+    """`"<mode>/<anchor>"`: kiln over each anchor (hf, llama.cpp) per batch size, plus `best` (best batched
+    throughput of each); `"<mode>/eager"`: each graph mode over eager per batch size."""
     by_key = {(r.system, r.mode, r.batch_size): r for r in results}
+    anchors = dict.fromkeys(r.system for r in results if r.system != "kiln")
     ratios: dict[str, dict[str, Any]] = {}
-    hf_runs = [r for r in results if r.system == "hf"]
     for mode in dict.fromkeys(r.mode for r in results if r.system == "kiln"):
         kiln_runs = [r for r in results if r.system == "kiln" and r.mode == mode]
-        if hf_runs:
-            entry = _per_batch(kiln_runs, lambda bs: by_key.get(("hf", "eager", bs)))
-            entry["best"] = max(r.output_tok_s for r in kiln_runs) / max(r.output_tok_s for r in hf_runs)
-            ratios[f"{mode}/hf"] = entry
+        for anchor in anchors:
+            # NOTE: an anchor has one run per batch size; its mode only says how it ran (llama.cpp's differs by bs).
+            anchor_runs = {r.batch_size: r for r in results if r.system == anchor}
+            entry = _per_batch(kiln_runs, anchor_runs.get)
+            entry["best"] = max(r.output_tok_s for r in kiln_runs) / max(r.output_tok_s for r in anchor_runs.values())
+            ratios[f"{mode}/{anchor}"] = entry
         if mode != "eager" and any(k[:2] == ("kiln", "eager") for k in by_key):
             ratios[f"{mode}/eager"] = _per_batch(kiln_runs, lambda bs: by_key.get(("kiln", "eager", bs)))
     return ratios

@@ -8,21 +8,31 @@ from rich.console import Console
 from rich.table import Table
 
 from kiln.bench.metrics import RATIO_METRICS, RunResult
+from kiln.bench.roofline import Roofline
 
 
-def print_report(results: list[RunResult], ratios: dict[str, dict[str, Any]], console: Console | None = None) -> None:
+def print_report(
+    results: list[RunResult],
+    ratios: dict[str, dict[str, Any]],
+    console: Console | None = None,
+    *,
+    roofline: Roofline | None = None,
+) -> None:
     # NOTE: a piped or logged report keeps its width instead of wrapping at 80 columns.
-    console = console or Console(width=None if Console().is_terminal else 140)
+    console = console or Console(width=None if Console().is_terminal else 160)
     table = Table(title="kiln bench (TTFT / TPOT in ms: mean/p50/p90)")
     for name in ("system", "bs", "reqs", "out tok/s", "prefill tok/s", "decode tok/s/seq", "TTFT", "TPOT", "wall s"):
         table.add_column(name, justify="left" if name == "system" else "right")
     compared = any(r.hf_match is not None for r in results)
     if compared:
         table.add_column("=HF", justify="right")
-    for r in sorted(results, key=lambda r: (r.batch_size, r.system != "kiln", r.mode)):
+    has_roofline = any(r.roofline_efficiency is not None for r in results)
+    if has_roofline:
+        table.add_column("roofline", justify="right")
+    for r in sorted(results, key=lambda r: (r.batch_size, r.system != "kiln", r.system, r.mode)):
         row = r.to_row()
         cells = [
-            f"kiln {r.mode}" if r.system == "kiln" else r.system,
+            f"{r.system} {r.mode}",
             str(r.batch_size),
             str(r.num_requests),
             f"{r.output_tok_s:.1f}",
@@ -34,10 +44,28 @@ def print_report(results: list[RunResult], ratios: dict[str, dict[str, Any]], co
         ]
         if compared:
             cells.append("" if r.hf_match is None else f"{r.hf_match}/{r.num_requests}")
+        if has_roofline:
+            cells.append("" if r.roofline_efficiency is None else f"{r.roofline_efficiency:.0%}")
         table.add_row(*cells)
     console.print(table)
+    if roofline is not None:
+        console.print(_roofline_summary(roofline))
     if ratios:
         console.print(_ratio_table(ratios))
+
+
+def _roofline_summary(roofline: Roofline) -> str:
+    """One line: kiln's weight bytes (resident, per decode token, the GGUF file's) and the batch-1 roofline."""
+    file = ""
+    if roofline.gguf_file_bytes is not None:
+        file = f" ({roofline.resident_over_file:.2f}x the {roofline.gguf_file_bytes / 1e6:.1f} MB GGUF file)"
+    tpot_ms = roofline.roofline_tpot_s * 1000.0
+    return (
+        f"kiln weights: {roofline.resident_weight_bytes / 1e6:.1f} MB resident{file}, "
+        f"{roofline.streamed_bytes_per_token / 1e6:.1f} MB read per decode token; read bandwidth "
+        f"{roofline.read_bandwidth_gbs:.1f} GB/s -> batch-1 roofline {tpot_ms:.2f} ms/token "
+        f"({1000.0 / tpot_ms:.1f} tok/s); roofline column = roofline ms/token over mean TPOT"
+    )
 
 
 def _triple(summary: dict[str, float]) -> str:

@@ -48,9 +48,10 @@ class EngineArgs:
     dtype: str = _arg("float32", "weight and activation dtype", choices=DTYPE_NAMES)
     device: str = _arg("cpu", "where the model runs", choices=("cpu", "cuda"))
     quantization: str = _arg(
-        "none",
-        "none: dequantize weights to --dtype; packed: keep a GGUF's Q4_0/Q4_1/Q8_0 decoder weights packed; "
-        "int8/int4: quantize the decoder's linear weights at load (groups of 32)",
+        "auto",
+        "auto: packed for a block-quantized GGUF, else none; none: dequantize weights to --dtype (the reference); "
+        "packed: keep a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks packed; int8/int4: quantize the decoder's "
+        "linear weights at load (groups of 32)",
         choices=QUANTIZATION_NAMES,
     )
     max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: min(model context, 8192))")

@@ -45,6 +45,9 @@ def build_model(
     config = checkpoint.config
     start = time.perf_counter()
     model = MODEL_CLASSES[config.architecture](config, max_positions, checkpoint.rope_freq_factors())
+    if quantization == "auto":
+        quantization = "packed" if _has_blocks(checkpoint) else "none"
+        logger.info("Quantization auto: %s", "the file's blocks stay packed" if quantization == "packed" else "none")
     packed = quantization == "packed"
     if packed:
         if not isinstance(checkpoint, GGUFCheckpoint):
@@ -89,6 +92,13 @@ def build_model(
         time.perf_counter() - start,
     )
     return model
+
+
+def _has_blocks(checkpoint: Checkpoint) -> bool:
+    """A GGUF holding weights kiln keeps packed."""
+    if not isinstance(checkpoint, GGUFCheckpoint):
+        return False
+    return any(checkpoint.packed_layout(name) is not None for name in checkpoint.weight_shapes())
 
 
 def resident_weight_bytes(model: nn.Module) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,15 @@ def test_bench_writes_json(tmp_path: Path) -> None:
     report = _check_report(out, expected_rows=2)
     assert {(r["system"], r["mode"]) for r in report["results"]} == {("kiln", "eager")}
     assert report["ratios"] == {}
+    roofline = report["roofline"]
+    file_bytes = os.path.getsize(report["config"]["model"])  # the default model is a .gguf file
+    assert roofline["gguf_file_bytes"] == file_bytes and roofline["read_bandwidth_gbs"] > 0
+    assert roofline["resident_over_file"] == pytest.approx(roofline["resident_weight_bytes"] / file_bytes)
+    # SmolLM2 ties its embedding to the logits head, so a decode step reads every resident weight byte
+    assert roofline["streamed_bytes_per_token"] == roofline["resident_weight_bytes"] > 0
+    bs1, bs2 = sorted(report["results"], key=lambda r: r["batch_size"])
+    assert bs1["roofline_efficiency"] == pytest.approx(roofline["roofline_tpot_ms"] / bs1["tpot_ms"]["mean"])
+    assert "roofline_efficiency" not in bs2
 
 
 def test_bench_compare_hf_matches_greedy_tokens(tmp_path: Path) -> None:

@@ -67,8 +67,10 @@ def test_the_recipe_quantization_runs(tmp_path: Path, weights: str, engine_mode:
     path.write_text(text.replace("memory_plan:", f"quantization: {{weights: {weights}, group_size: 32}}\nmemory_plan:"))
     llm = LLM(recipe=str(path))
     assert llm.engine.config.quantization == engine_mode
-    packed = [m for m in llm.engine.model.modules() if isinstance(m, PackedLinear)]
+    packed = [m for m in llm.engine.model.model.layers.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == 4 * llm.engine.model_config.num_layers and {m.scheme for m in packed} == {scheme}
+    # the file's blocks include the Q8_0 embedding and its tied head; load-time int8 leaves them in float
+    assert isinstance(llm.engine.model.lm_head, PackedLinear) == (engine_mode == "packed")
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=6, temperature=0))[0]
     assert "Paris" in out.text
 

@@ -10,6 +10,7 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.quant.linear import PackedLinear
+from kiln.quant.ops import unpack_codes
 from kiln.quant.quantize import quantize
 from tests.engine.tiny_models import write_hf_model
 
@@ -41,8 +42,10 @@ def test_quantize_matches_the_reference_and_its_error_bound(scheme: str) -> None
     assert torch.equal(got[3, :32], w[3, :32])
     half_step = packed.scale.expand(-1, -1, 32).reshape(24, 96) / 2
     assert bool(((got - w).abs() <= half_step + 1e-6).all())
+    codes = unpack_codes(packed.codes)
+    assert codes.dtype == (torch.int8 if scheme == "int8" else torch.uint8)  # int4: two codes to a byte
     levels = 255 if scheme == "int8" else 16
-    assert int(packed.codes.min()) >= -128 and len(torch.unique(packed.codes)) <= levels
+    assert len(torch.unique(codes)) <= levels and (scheme == "int8" or int(codes.max()) <= 15)
 
 
 def test_unknown_scheme_is_refused() -> None:

@@ -140,7 +140,7 @@ def test_32_concurrent_clients(server: LiveServer, reference: dict[str, str]) ->
 
 def test_disconnecting_clients_free_their_kv_blocks(server: LiveServer) -> None:
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    long_request = {"model": "default", "prompt": PROMPTS[1], "max_tokens": 400, "temperature": 0}
+    long_request = {"model": "default", "prompt": PROMPTS[1], "max_tokens": 480, "temperature": 0, "ignore_eos": True}
     before = server.metrics().get('kiln_request_finished_total{finish_reason="abort"}', 0.0)
     for _ in range(3):  # streaming clients that read two events and hang up
         with httpx.stream("POST", f"{server.base_url}/completions", json={**long_request, "stream": True},
@@ -150,7 +150,7 @@ def test_disconnecting_clients_free_their_kv_blocks(server: LiveServer) -> None:
             next(line for line in events if line.startswith("data: "))
     with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
         httpx.post(f"{server.base_url}/completions", json=long_request, headers=headers, timeout=2)
-    m = server.wait_idle(timeout=30)  # 400 tokens each would take far longer: the requests were aborted
+    m = server.wait_idle(timeout=30)  # 480 tokens each would take far longer: the requests were aborted
     assert m['kiln_request_finished_total{finish_reason="abort"}'] - before == 4
 
 
