@@ -21,24 +21,12 @@ def run_kiln(llm: LLM, mode: str, prompts: list[list[int]], output_len: int, bat
     after a prefill-only pass (one output token each) at the same concurrency."""
     prefill_s, _ = _closed_loop(llm, prompts, 1, batch_size, f"kiln {mode} bs={batch_size} prefill")
     wall_s, outputs = _closed_loop(llm, prompts, output_len, batch_size, f"kiln {mode} bs={batch_size}")
-    ttft, tpot = [], []
+    done = []
     for out in outputs:
         m = out.metrics
         assert m.first_token_time is not None and m.finished_time is not None
-        ttft.append(m.first_token_time - m.arrival_time)
-        tpot.append((m.finished_time - m.first_token_time) / (output_len - 1))
-    return RunResult(
-        system="kiln",
-        mode=mode,
-        batch_size=batch_size,
-        input_len=len(prompts[0]),
-        output_len=output_len,
-        wall_s=wall_s,
-        prefill_s=prefill_s,
-        ttft_s=ttft,
-        tpot_s=tpot,
-        token_ids=[out.token_ids for out in outputs],
-    )
+        done.append((m.arrival_time, m.first_token_time, m.finished_time, out.token_ids))
+    return RunResult.closed_loop("kiln", mode, batch_size, prompts, output_len, wall_s, prefill_s, done)
 
 
 def warm_up_kiln(llm: LLM, prompt: list[int]) -> None:

@@ -69,18 +69,8 @@ def _run(ctx: _Context, prompts: list[list[int]], output_len: int, batch_size: i
     mode = "sequential" if batch_size == 1 else "batched"
     prefill_s, _ = _closed_loop(ctx, prompts, 1, batch_size, f"llama.cpp {mode} bs={batch_size} prefill")
     wall_s, requests = _closed_loop(ctx, prompts, output_len, batch_size, f"llama.cpp {mode} bs={batch_size}")
-    return RunResult(
-        system="llama.cpp",
-        mode=mode,
-        batch_size=batch_size,
-        input_len=len(prompts[0]),
-        output_len=output_len,
-        wall_s=wall_s,
-        prefill_s=prefill_s,
-        ttft_s=[r.first_token_time - r.arrival_time for r in requests],
-        tpot_s=[(r.finished_time - r.first_token_time) / (output_len - 1) for r in requests],
-        token_ids=[r.token_ids for r in requests],
-    )
+    done = [(r.arrival_time, r.first_token_time, r.finished_time, r.token_ids) for r in requests]
+    return RunResult.closed_loop("llama.cpp", mode, batch_size, prompts, output_len, wall_s, prefill_s, done)
 
 
 @dataclass

@@ -41,6 +41,25 @@ class RunResult:
     hf_match: int | None = None  # requests whose greedy tokens equal HF's, when compared
     roofline_efficiency: float | None = None
 
+    @classmethod
+    def closed_loop(
+        cls, system: str, mode: str, batch_size: int, prompts: list[list[int]], output_len: int, wall_s: float,
+        prefill_s: float, requests: list[tuple[float, float, float, list[int]]],
+    ) -> RunResult:  # fmt: skip
+        """A run from its requests' (arrival, first token, finished times, token ids)."""
+        return cls(
+            system=system,
+            mode=mode,
+            batch_size=batch_size,
+            input_len=len(prompts[0]),
+            output_len=output_len,
+            wall_s=wall_s,
+            prefill_s=prefill_s,
+            ttft_s=[first - arrival for arrival, first, _, _ in requests],
+            tpot_s=[(finished - first) / (output_len - 1) for _, first, finished, _ in requests],
+            token_ids=[ids for *_, ids in requests],
+        )
+
     @property
     def num_requests(self) -> int:
         return len(self.ttft_s)
