@@ -132,6 +132,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"  # "cpu" | "cuda"
     quantization: str = "auto"  # one of QUANTIZATION_NAMES (kiln.quant)
+    quantization_group_size: int = 32  # values per scale/offset group when int8/int4 quantize at load
     max_model_len: int | None = None  # None: min(model context, DEFAULT_MAX_MODEL_LEN)
     seed: int | None = None  # None: unseeded requests get fresh OS randomness
     num_threads: int | None = None

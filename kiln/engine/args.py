@@ -54,6 +54,9 @@ class EngineArgs:
         "linear weights at load (groups of 32)",
         choices=QUANTIZATION_NAMES,
     )
+    quantization_group_size: int = _arg(
+        32, "values per scale/offset group of --quantization int8|int4 (even, dividing the layers' input sizes)"
+    )
     max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: min(model context, 8192))")
     seed: int | None = _arg(
         None, "engine seed: requests without a seed draw theirs from it (default: fresh randomness every start)"
@@ -145,6 +148,7 @@ class EngineArgs:
             dtype=self.dtype,
             device=self.device,
             quantization=self.quantization,
+            quantization_group_size=self.quantization_group_size,
             max_model_len=self.max_model_len,
             seed=self.seed,
             num_threads=self.num_threads,

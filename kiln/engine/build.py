@@ -49,7 +49,14 @@ def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> 
     apply_device_settings(config)
     checkpoint = open_checkpoint(config.model)
     max_model_len = config.max_model_len or EngineCore.default_max_model_len(checkpoint.config)
-    model = build_model(checkpoint, parse_dtype(config.dtype), max_model_len, config.device, config.quantization)
+    model = build_model(
+        checkpoint,
+        parse_dtype(config.dtype),
+        max_model_len,
+        config.device,
+        config.quantization,
+        config.quantization_group_size,
+    )
     check_quantized(model, config.graph.fusion_groups)
     tokenizer = load_tokenizer(checkpoint)
     return EngineCore(config, model, tokenizer, make_executor(config), checkpoint.path, observer)

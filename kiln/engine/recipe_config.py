@@ -34,6 +34,7 @@ def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
         config,
         device=recipe.device,
         quantization=recipe.quantization,
+        quantization_group_size=recipe.quantization_group_size,
         dtype=recipe.dtype,
         max_model_len=max_model_len,
         cache=cache,
@@ -49,6 +50,7 @@ def _log_changes(before: EngineConfig, after: EngineConfig, path: str) -> None:
     pairs = [
         ("device", before.device, after.device),
         ("quantization", before.quantization, after.quantization),
+        ("quantization group size", before.quantization_group_size, after.quantization_group_size),
         ("dtype", before.dtype, after.dtype),
         ("max_model_len", before.max_model_len, after.max_model_len),
         ("kv_cache.dtype", before.cache.dtype, after.cache.dtype),

@@ -113,7 +113,7 @@ class LlamaForCausalLM(nn.Module):
                     scheme = getattr(layer, "scheme", "gguf")
                     if not isinstance(tensor, PackedTensor) and scheme == "gguf":
                         raise WeightMismatch(name, "is not block-quantized, but its layer was built packed")
-                    part = tensor if isinstance(tensor, PackedTensor) else quantize(tensor, scheme)
+                    part = tensor if isinstance(tensor, PackedTensor) else quantize(tensor, scheme, layer.group)
                     layer.load_rows(slot.offset, part)
                 else:
                     value = tensor.dequantize() if isinstance(tensor, PackedTensor) else tensor

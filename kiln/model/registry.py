@@ -34,7 +34,12 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
 
 
 def build_model(
-    checkpoint: Checkpoint, dtype: torch.dtype, max_positions: int, device: str = "cpu", quantization: str = "none"
+    checkpoint: Checkpoint,
+    dtype: torch.dtype,
+    max_positions: int,
+    device: str = "cpu",
+    quantization: str = "none",
+    group_size: int = GROUP,
 ) -> LlamaForCausalLM:
     """Instantiate the model for `checkpoint` and load its weights in `dtype`: dequantized (`quantization`
     "none"), or, with "packed", a GGUF's block-quantized weights kept packed (kiln.quant).
@@ -60,7 +65,9 @@ def build_model(
         for kind, count in checkpoint.dequantized_types().items():
             logger.info("%d %s tensors are not kept packed (kiln packs %s): dequantized", count, kind, PACKED_NAMES)
     elif quantization in ("int8", "int4"):
-        layout = (BITS[quantization], GROUP)
+        if group_size < 2 or group_size % 2:
+            raise ConfigError(f"--quantization-group-size {group_size}: expected an even number of values, such as 32")
+        layout = (BITS[quantization], group_size)
         packed_names = pack_model(model, lambda _name: layout, quantization)
         logger.info("Quantizing %d of the decoder's linear weights to %s at load", len(packed_names), quantization)
     bar = tqdm(total=checkpoint.num_tensors, desc="Loading weights", unit="tensor", leave=False, delay=0.5)

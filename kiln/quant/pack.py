@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 from torch import nn
 
-from kiln.quant.gguf_blocks import GROUP
 from kiln.quant.linear import PackedEmbedding, PackedLinear
 
 Layout = Callable[[str], tuple[int, int] | None]  # HF tensor name -> (bits, group) when stored packed
@@ -47,11 +46,11 @@ def _pack_linears(model: nn.Module, layout: Layout, scheme: str) -> list[str]:
         parts.setdefault(slot.param, []).append(hf_name)
     replaced = []
     for name, module in list(model.model.layers.named_modules(prefix="model.layers")):
-        if not isinstance(module, nn.Linear) or module.bias is not None or module.in_features % GROUP:
+        if not isinstance(module, nn.Linear) or module.bias is not None:
             continue
         weight = f"{name}.weight"
         layouts = [layout(p) for p in parts.get(weight, [])]
-        if not layouts or None in layouts:
+        if not layouts or None in layouts or any(module.in_features % g for _, g in layouts):
             continue
         bits = max(b for b, _ in layouts)
         group = min(g for _, g in layouts)

@@ -1,5 +1,6 @@
 """Load-time weight-only quantization of float weights into kiln's packed form (`--quantization int8|int4`):
-per group of 32 values along the input dimension, `w ≈ code * scale + offset`.
+per group of 32 values (`--quantization-group-size`, the recipe's `quantization.group_size`) along the input
+dimension, `w ≈ code * scale + offset`.
 
 - int8, symmetric: scale = max|w| / 127, code = round(w / scale) in [-127, 127], offset = 0.
 - int4, asymmetric: scale = (max - min) / 15, code = round((w - min) / scale) in [0, 15] (two to a byte) and
@@ -17,10 +18,10 @@ from kiln.quant.linear import PackedTensor
 BITS = {"int8": 8, "int4": 4}
 
 
-def quantize(weight: torch.Tensor, scheme: str) -> PackedTensor:
-    """`weight` [rows, cols] (cols a multiple of 32) packed under `scheme` ("int8" | "int4")."""
+def quantize(weight: torch.Tensor, scheme: str, group: int = GROUP) -> PackedTensor:
+    """`weight` [rows, cols] (cols a multiple of the even `group`) packed under `scheme` ("int8" | "int4")."""
     rows, cols = weight.shape
-    w = weight.detach().float().reshape(rows, cols // GROUP, GROUP)
+    w = weight.detach().float().reshape(rows, cols // group, group)
     if scheme == "int8":
         scale = w.abs().amax(-1, keepdim=True) / 127
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -31,5 +32,5 @@ def quantize(weight: torch.Tensor, scheme: str) -> PackedTensor:
         scale = (high - low) / 15
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = torch.round((w - low) / scale).clamp(0, 15).to(torch.uint8)
-        return PackedTensor(q[..., : GROUP // 2] | (q[..., GROUP // 2 :] << 4), scale, low, bits=4)
+        return PackedTensor(q[..., : group // 2] | (q[..., group // 2 :] << 4), scale, low, bits=4)
     raise ValueError(f"unknown quantization scheme {scheme!r}: expected one of {', '.join(BITS)}")

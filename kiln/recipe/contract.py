@@ -21,15 +21,29 @@ from kiln.recipe.source import SourceDoc
 SIZE_TOLERANCE = 1.35
 
 
+def quantization_mode(spec: RecipeSpec) -> str:
+    """How the engine runs the recipe's weights (EngineConfig.quantization): int4 over a Q4_0/Q4_1/Q4_K file, or
+    int8 over a Q8_0/Q5_K/Q6_K one, keeps the file's blocks ("packed"); otherwise int8/int4 quantize at load."""
+    weights, source = spec.quantization.weights, spec.weights.source_quantization
+    if weights == "none":
+        return "none"
+    same = {"int4": ("q4_0", "q4_1", "q4_k"), "int8": ("q8_0", "q5_k", "q6_k")}[weights]
+    return "packed" if source in same else weights
+
+
 def check_refused(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
     """Fields whose value kiln would silently not honour."""
     out = []
     q = spec.quantization
-    if q.weights != "none" and q.group_size != GROUP:
+    file_group = 16 if spec.weights.source_quantization == "q6_k" else GROUP
+    if quantization_mode(spec) == "packed" and q.group_size != file_group:
         message = (
-            f"quantization.group_size {q.group_size} is not supported: kiln packs weights in groups of {GROUP} "
-            f"values; set group_size: {GROUP}"
+            f"quantization.group_size {q.group_size} is not what runs: the file's {spec.weights.source_quantization} "
+            f"blocks stay packed in their own groups of {file_group}; set group_size: {file_group}"
         )
+        out.append(doc.diagnostic("error", message, ("quantization", "group_size")))
+    elif q.weights != "none" and q.group_size % 2:
+        message = f"quantization.group_size {q.group_size} is odd: kiln stores 4-bit codes two to a byte; pick 32"
         out.append(doc.diagnostic("error", message, ("quantization", "group_size")))
     elif q.weights == "none" and ("quantization", "group_size") in doc.values:
         message = "quantization.group_size has no effect without quantized weights (quantization.weights is none)"

@@ -16,7 +16,7 @@ from kiln.recipe.analysis import analyze
 from kiln.recipe.capacity import check_capture_sizes, check_kv_capacity
 from kiln.recipe.checkpoint import check_model_constraints, check_weights, model_ops, model_symbols, open_header
 from kiln.recipe.constraints import CONSTRAINTS_PATH, Constraint, parse_constraints
-from kiln.recipe.contract import check_hardware, check_identity, check_refused
+from kiln.recipe.contract import check_hardware, check_identity, check_refused, quantization_mode
 from kiln.recipe.diagnostics import Diagnostic, RecipeError, has_errors, sort_diagnostics
 from kiln.recipe.guards import RecipeGuards
 from kiln.recipe.machine import this_machine
@@ -54,14 +54,12 @@ class Recipe:
 
     @property
     def quantization(self) -> str:
-        """How the engine runs the weights (EngineConfig.quantization): int4 over a Q4_0/Q4_1/Q4_K file, or int8
-        over a Q8_0/Q5_K/Q6_K one, keeps the file's blocks (codes of 4, or of 5 to 8 bits); otherwise int8/int4
-        quantize at load."""
-        weights, source = self.spec.quantization.weights, self.spec.weights.source_quantization
-        if weights == "none":
-            return "none"
-        same = {"int4": ("q4_0", "q4_1", "q4_k"), "int8": ("q8_0", "q5_k", "q6_k")}[weights]
-        return "packed" if source in same else weights
+        """How the engine runs the weights (kiln.recipe.contract.quantization_mode)."""
+        return quantization_mode(self.spec)
+
+    @property
+    def quantization_group_size(self) -> int:
+        return self.spec.quantization.group_size
 
     @property
     def kv_cache_dtype(self) -> str:

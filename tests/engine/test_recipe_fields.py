@@ -59,16 +59,21 @@ def test_dtypes_and_kv_plan_change_the_engine(tmp_path: Path) -> None:
     assert out.finish_reason == "length" and "Paris" in out.text  # a bf16 model with a bf16 cache still answers
 
 
-@pytest.mark.parametrize(("weights", "engine_mode", "scheme"), [("int4", "packed", "gguf"), ("int8", "int8", "int8")])
-def test_the_recipe_quantization_runs(tmp_path: Path, weights: str, engine_mode: str, scheme: str) -> None:
-    """int4 over the Q4_1 file keeps its blocks; int8 quantizes the dequantized weights at load."""
+@pytest.mark.parametrize(
+    ("weights", "group", "engine_mode", "scheme"), [("int4", 32, "packed", "gguf"), ("int8", 64, "int8", "int8")]
+)
+def test_the_recipe_quantization_runs(tmp_path: Path, weights: str, group: int, engine_mode: str, scheme: str) -> None:
+    """int4 over the Q4_1 file keeps its blocks; int8 quantizes the dequantized weights at load, in the recipe's
+    group size."""
     path = tmp_path / "recipe.yaml"
     text = (FIELDS % ("false", "null", "false")).replace("dtype: bfloat16, source", "dtype: float32, source")
-    path.write_text(text.replace("memory_plan:", f"quantization: {{weights: {weights}, group_size: 32}}\nmemory_plan:"))
+    quant = f"quantization: {{weights: {weights}, group_size: {group}}}"
+    path.write_text(text.replace("memory_plan:", f"{quant}\nmemory_plan:"))
     llm = LLM(recipe=str(path))
     assert llm.engine.config.quantization == engine_mode
     packed = [m for m in llm.engine.model.model.layers.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == 4 * llm.engine.model_config.num_layers and {m.scheme for m in packed} == {scheme}
+    assert {m.group for m in packed} == {group} and {m.scale.shape[1] * group for m in packed} == {576, 1536}
     # the file's blocks include the Q8_0 embedding and its tied head; load-time int8 leaves them in float
     assert isinstance(llm.engine.model.lm_head, PackedLinear) == (engine_mode == "packed")
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=6, temperature=0))[0]

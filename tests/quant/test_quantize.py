@@ -15,32 +15,33 @@ from kiln.quant.quantize import quantize
 from tests.engine.tiny_models import write_hf_model
 
 
-def reference_qdq(w: torch.Tensor, scheme: str) -> torch.Tensor:
-    """Quantize-dequantize per 32 values along each row, the textbook way."""
+def reference_qdq(w: torch.Tensor, scheme: str, group: int = 32) -> torch.Tensor:
+    """Quantize-dequantize per `group` values along each row, the textbook way."""
     out = torch.empty_like(w)
     for r in range(w.shape[0]):
-        for g in range(0, w.shape[1], 32):
-            v = w[r, g : g + 32]
+        for g in range(0, w.shape[1], group):
+            v = w[r, g : g + group]
             if scheme == "int8":
                 s = v.abs().max() / 127 if v.abs().max() > 0 else torch.tensor(1.0)
-                out[r, g : g + 32] = torch.round(v / s).clamp(-127, 127) * s
+                out[r, g : g + group] = torch.round(v / s).clamp(-127, 127) * s
             else:
                 lo, hi = v.min(), v.max()
                 s = (hi - lo) / 15 if hi > lo else torch.tensor(1.0)
-                out[r, g : g + 32] = (torch.round((v - lo) / s).clamp(0, 15) - 8) * s + (lo + 8 * s)
+                out[r, g : g + group] = (torch.round((v - lo) / s).clamp(0, 15) - 8) * s + (lo + 8 * s)
     return out
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_quantize_matches_the_reference_and_its_error_bound(scheme: str) -> None:
+@pytest.mark.parametrize(("scheme", "group"), [("int8", 32), ("int4", 32), ("int8", 48), ("int4", 16)])
+def test_quantize_matches_the_reference_and_its_error_bound(scheme: str, group: int) -> None:
     torch.manual_seed(0)
     w = torch.randn(24, 96) * torch.rand(24, 1) * 3
-    w[3, :32] = 0.25  # a constant group is reproduced exactly
-    packed = quantize(w, scheme)
+    w[3, :group] = 0.25  # a constant group is reproduced exactly
+    packed = quantize(w, scheme, group)
+    assert packed.group == group and packed.scale.shape == (24, 96 // group, 1)
     got = packed.dequantize()
-    torch.testing.assert_close(got, reference_qdq(w, scheme), rtol=0, atol=1e-6)
-    assert torch.equal(got[3, :32], w[3, :32])
-    half_step = packed.scale.expand(-1, -1, 32).reshape(24, 96) / 2
+    torch.testing.assert_close(got, reference_qdq(w, scheme, group), rtol=0, atol=1e-6)
+    assert torch.equal(got[3, :group], w[3, :group])
+    half_step = packed.scale.expand(-1, -1, group).reshape(24, 96) / 2
     assert bool(((got - w).abs() <= half_step + 1e-6).all())
     codes = unpack_codes(packed.codes)
     assert codes.dtype == (torch.int8 if scheme == "int8" else torch.uint8)  # int4: two codes to a byte

@@ -22,8 +22,9 @@ BOUNDS = "input_constraints: {constraints: [num_tokens <= 2048, seq_len <= 2048]
         (
             "quantization: {weights: int4, group_size: 64}",
             43,
-            "quantization.group_size 64 is not supported: kiln packs weights in groups of 32",
+            "quantization.group_size 64 is not what runs: the file's q4_1 blocks stay packed in their own groups of 32",
         ),
+        ("quantization: {weights: int8, group_size: 3}", 43, "quantization.group_size 3 is odd: kiln stores 4-bit"),
         ("quantization: {group_size: 64}", 28, "quantization.group_size has no effect without quantized weights"),
         ("memory_plan: {kv_cache: {layout: contiguous}}", 34, "memory_plan.kv_cache.layout: contiguous is not"),
         (
