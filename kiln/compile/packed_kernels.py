@@ -77,6 +77,7 @@ class PackedKernelTable:
 
     def install(self) -> None:
         """Register each layout's winners for `torch.ops.kiln.packed_linear` (compiled ones built here)."""
+        _INT4PACKED.clear()  # repacked codes are keyed by address: none may outlive the engine that made them
         for layer in self.distinct.values():
             for rows in ROWS:
                 kernel = self._make(self.winner(layer, rows), layer, rows)

@@ -6,7 +6,8 @@ layouts (kiln.executor.layout; cached per machine) for the largest decoder weigh
 the faster for the decoder layers, and, when the column-major head wins, keeps a transposed copy of the head for
 one-row logits (more rows use the plain head). Packed layers (kiln.quant) run the kernels their table timed
 fastest here for each row count (kiln.compile.packed_kernels). `keep_layout=True` (the debugger's eager reference)
-changes nothing: packed layers then run their plain dequantize-then-BLAS forward.
+changes nothing; its packed layers run the kernels registered in this process for the op (kiln.quant.ops), the
+dequantize-then-BLAS reference where none is.
 """
 
 from __future__ import annotations
