@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from kiln.bench.hf_runner import auto_model_class, load_hf_model, run_hf, warm_up_hf
@@ -21,15 +22,15 @@ class AnchorSetup:
     output_len: int
 
 
-class Anchor:
+class Anchor(ABC):
     """A system to compare kiln with. `check` runs as soon as kiln has loaded the model, before any timing, so a
     missing dependency or an unfit model fails in seconds; `run` returns one RunResult per batch size."""
 
-    def check(self, model_path: str) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def check(self, model_path: str) -> None: ...
 
-    def run(self, setup: AnchorSetup) -> list[RunResult]:
-        raise NotImplementedError
+    @abstractmethod
+    def run(self, setup: AnchorSetup) -> list[RunResult]: ...
 
 
 class HFAnchor(Anchor):
