@@ -30,7 +30,7 @@ from tqdm import tqdm
 from kiln.compile.compiler import PieceCompiler
 from kiln.compile.logits_head import trace_static
 from kiln.executor.kernel_choice import KernelChoiceCache, stream_count
-from kiln.quant.linear import PackedEmbedding, PackedLinear
+from kiln.quant.linear import PackedLinear
 from kiln.quant.ops import GEMV_ROWS, KERNELS, MANY, Kernel, dequant_blas, dequantize_codes, kernel_key, reduction
 
 logger = logging.getLogger("kiln")
@@ -45,10 +45,6 @@ ROWS = (*range(1, GEMV_ROWS + 1), MANY_ROWS)
 
 def packed_layers(model: nn.Module) -> list[PackedLinear]:
     return [m for m in model.modules() if isinstance(m, PackedLinear)]
-
-
-def has_packed(model: nn.Module) -> bool:
-    return any(isinstance(m, (PackedLinear, PackedEmbedding)) for m in model.modules())
 
 
 def layer_key(layer: PackedLinear) -> dict[str, object]:

@@ -65,8 +65,7 @@ _LIB.define("packed_linear(Tensor x, Tensor codes, Tensor scale, Tensor offset) 
 
 
 def packed_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    kernel = KERNELS.get((codes.shape, codes.dtype, scale.dtype, x.shape[0] if x.shape[0] <= GEMV_ROWS else MANY))
-    return (kernel or dequant_blas)(x, codes, scale, offset)
+    return KERNELS.get(kernel_key(codes, scale, x.shape[0]), dequant_blas)(x, codes, scale, offset)
 
 
 _LIB.impl("packed_linear", packed_linear, "CompositeExplicitAutograd")
