@@ -19,6 +19,11 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16")
 # reference); packed: keep a GGUF's blocks packed (kiln.quant); int8 / int4: quantize every decoder linear weight at
 # load, group-wise (kiln.quant.quantize)
 QUANTIZATION_NAMES = ("auto", "none", "packed", "int8", "int4")
+# vLLM's cudagraph modes (kiln.compile.dispatch): piecewise: pieces split at attention, captured per size; full: the
+# whole forward as one graph (decode-only steps replay the full decode graph, mixed steps run the whole forward
+# compiled); full_and_piecewise: decode-only steps replay the full decode graph, mixed steps the pieces;
+# full_decode_only: decode-only steps replay the full decode graph, mixed steps run the pieces uncaptured
+GRAPH_MODES = ("full_and_piecewise", "piecewise", "full", "full_decode_only")
 DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
 
 
@@ -100,8 +105,7 @@ class FusionGroupConfig:
 class GraphConfig:
     """Graph-mode settings: from the recipe, else flags (built and validated by `kiln.compile.settings`)."""
 
-    piecewise: bool = True
-    full_graph: bool = False  # the whole forward as one graph, captured for decode-only batches
+    mode: str = "full_and_piecewise"  # one of GRAPH_MODES
     splitting_ops: tuple[str, ...] = ("kiln.attention",)
     capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     # capture sizes also compiled for their static num_tokens; None: automatic (CPU + inductor: sizes <= 2,
@@ -118,6 +122,21 @@ class GraphConfig:
         # no recipe, no promise: the default group is reported (and warned about), never a failed compile
         FusionGroupConfig("mlp_fusion", ("gate_proj", "up_proj", "silu", "mul"), required=False),
     )
+    max_model_len: int | None = None  # set by the engine build: the table width of a CUDA full decode graph
+
+    @property
+    def full_decode(self) -> bool:
+        """Decode-only steps replay the full decode graph (attention inside)."""
+        return self.mode != "piecewise"
+
+    @property
+    def is_full_graph(self) -> bool:
+        """Mixed steps run the whole forward as one graph (no split at attention)."""
+        return self.mode == "full"
+
+    @property
+    def captures_pieces(self) -> bool:
+        return self.mode in ("piecewise", "full_and_piecewise")
 
 
 @dataclass(frozen=True)
@@ -139,12 +158,12 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     recipe: Any = field(default=None, compare=False)  # a validated kiln.recipe.Recipe, or None
-    enable_piecewise_graph: bool = False
+    enable_piecewise_graph: bool = False  # graph mode on (its kind: graph.mode); off: the eager executor
     graph: GraphConfig = field(default_factory=GraphConfig)
 
     @property
     def is_graph_mode(self) -> bool:
-        return self.enable_piecewise_graph or self.graph.full_graph
+        return self.enable_piecewise_graph
 
     @property
     def executor(self) -> str:

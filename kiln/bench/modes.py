@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
+from kiln.config import GRAPH_MODES
 from kiln.engine.args import EngineArgs
 
-# The EngineArgs each mode sets. NOTE: every graph flag is set, so that `--modes eager` stays eager even
-# beside --enable-piecewise-graph.
-MODE_ARGS: dict[str, dict[str, bool]] = {
-    "eager": {"enable_piecewise_graph": False, "full_graph": False},
-    "piecewise": {"enable_piecewise_graph": True, "full_graph": False},
-    "full": {"enable_piecewise_graph": False, "full_graph": True},
+# The EngineArgs each mode sets: eager, or graph mode of each kind vLLM names (kiln.config.GRAPH_MODES). NOTE: every
+# graph flag is set, so that `--modes eager` stays eager even beside --enable-piecewise-graph.
+MODE_ARGS: dict[str, dict[str, Any]] = {
+    "eager": {"enable_piecewise_graph": False, "full_graph": False, "graph_mode": None},
+    **{mode: {"enable_piecewise_graph": True, "full_graph": False, "graph_mode": mode} for mode in GRAPH_MODES},
 }
 
 

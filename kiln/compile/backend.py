@@ -18,21 +18,31 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule
 
 from kiln.compile.diagnose import explain_trace_failure
-from kiln.model.attention import kv_cache_block_size
-from kiln.model.forward_context import AttentionMetadata, ForwardContext, set_forward_context
+from kiln.model.attention import kv_cache_block_size, null_block
+from kiln.model.forward_context import AttentionMetadata, DecodeInputs, ForwardContext, set_forward_context
 
 logger = logging.getLogger("kiln")
 
 INPUT_IDS, POSITIONS, NUM_TOKENS = "input_ids", "positions", "num_tokens"
+# a full decode graph's per-step inputs besides input_ids (kiln.model.graph_attention)
+SEQ_LENS, BLOCK_TABLE, NUM_BLOCKS = "seq_lens", "block_table", "num_blocks"
 
 
 @dataclass
 class TracedForward:
     gm: GraphModule
-    # per placeholder: INPUT_IDS | POSITIONS | NUM_TOKENS, or None for a bound value (parameter, buffer)
+    # per placeholder: a per-step input (INPUT_IDS, POSITIONS, NUM_TOKENS; a decode graph's SEQ_LENS, BLOCK_TABLE,
+    # NUM_BLOCKS), or None for a bound value (parameter, buffer, KV cache)
     slots: list[str | None]
     bound: list[Any]  # the value of each bound placeholder (None where slots[i] is set)
     trace_s: float
+
+    def slot_index(self, slot: str) -> int | None:
+        return self.slots.index(slot) if slot in self.slots else None
+
+    def args_for(self, values: dict[str, Any]) -> list[Any]:
+        """The placeholders' values for one step: `values` by slot, the bound ones as traced."""
+        return [values[slot] if slot else value for slot, value in zip(self.slots, self.bound, strict=True)]
 
 
 def padding_context(num_tokens: int, kv_caches: list[torch.Tensor], device: torch.device) -> ForwardContext:
@@ -51,14 +61,27 @@ def padding_context(num_tokens: int, kv_caches: list[torch.Tensor], device: torc
     return ForwardContext(meta, kv_caches)
 
 
+def decode_sample(sample_size: int, kv_caches: list[torch.Tensor], device: torch.device) -> DecodeInputs:
+    """Decode inputs to trace with: padding rows on the null block, the table width symbolic and never equal to
+    num_tokens (dynamo would give equal sizes one symbol)."""
+    seq_lens = torch.ones(sample_size, dtype=torch.long, device=device)
+    table = torch.full((sample_size, sample_size + 1), null_block(kv_caches[0]), dtype=torch.long, device=device)
+    torch._dynamo.mark_dynamic(seq_lens, 0)
+    torch._dynamo.mark_dynamic(table, 0)
+    torch._dynamo.mark_dynamic(table, 1)
+    return DecodeInputs(seq_lens, table)
+
+
 def trace_forward(
     forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     model: nn.Module,
     kv_caches: list[torch.Tensor],
     device: torch.device,
     sample_size: int = 8,
+    decode: bool = False,
 ) -> TracedForward:
-    """Trace `forward(input_ids, positions)` (the model, or a wrapper of it) into one FX graph.
+    """Trace `forward(input_ids, positions)` (the model, or a wrapper of it) into one FX graph; with `decode`,
+    a full decode graph whose attention is traced (kiln.model.graph_attention) over the decode inputs.
 
     A graph break or an op dynamo cannot trace raises GraphTraceError naming the module path and the op.
     """
@@ -78,6 +101,8 @@ def trace_forward(
     torch._dynamo.mark_dynamic(positions, 0)
     compiled = torch.compile(forward, backend=kiln_backend, fullgraph=True)
     ctx = padding_context(sample_size, kv_caches, device)
+    if decode:
+        ctx.decode = decode_sample(sample_size, kv_caches, device)
     start = time.perf_counter()
     with torch.inference_mode(), set_forward_context(ctx):
         try:
@@ -92,21 +117,28 @@ def trace_forward(
     trace_s = time.perf_counter() - start
     gm, inputs = recorded["gm"], recorded["inputs"]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    size_symbol = placeholders[[x is input_ids for x in inputs].index(True)].meta["example_value"].shape[0]
+    tensors = {id(input_ids): INPUT_IDS, id(positions): POSITIONS}
+    if ctx.decode is not None:
+        tensors.update({id(ctx.decode.seq_lens): SEQ_LENS, id(ctx.decode.block_table): BLOCK_TABLE})
+    symbols = {}
+    for node, value in zip(placeholders, inputs, strict=True):
+        if tensors.get(id(value)) in (INPUT_IDS, BLOCK_TABLE):
+            dim = 0 if tensors[id(value)] == INPUT_IDS else 1
+            symbols[str(node.meta["example_value"].shape[dim])] = NUM_TOKENS if dim == 0 else NUM_BLOCKS
     slots: list[str | None] = []
     bound: list[Any] = []
     for node, value in zip(placeholders, inputs, strict=True):
         example = node.meta.get("example_value")
-        if value is input_ids or value is positions:
-            slots.append(INPUT_IDS if value is input_ids else POSITIONS)
+        if id(value) in tensors:
+            slots.append(tensors[id(value)])
             bound.append(None)
         elif isinstance(example, torch.SymInt):
-            if str(example) != str(size_symbol):
+            if str(example) not in symbols:
                 raise RuntimeError(
                     f"traced forward has a symbolic input {node.name}={example} other than num_tokens "
-                    f"({size_symbol}): kiln graph mode supports one dynamic dimension"
+                    f"({', '.join(symbols)}): kiln graph mode supports one dynamic dimension"
                 )
-            slots.append(NUM_TOKENS)
+            slots.append(symbols[str(example)])
             bound.append(None)
         elif isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
             slots.append(None)

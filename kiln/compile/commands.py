@@ -18,10 +18,7 @@ from kiln.log import setup_logging
 def cmd_compile(args: argparse.Namespace) -> int:
     setup_logging()
     out = Path(args.out)
-    full_graph = bool(args.full_graph)
-    engine_args = EngineArgs.from_cli_args(
-        args, enable_piecewise_graph=not full_graph, full_graph=full_graph, dump_dir=str(out)
-    )
+    engine_args = EngineArgs.from_cli_args(args, enable_piecewise_graph=True, dump_dir=str(out))
     try:
         engine = build_engine(engine_args.create_engine_config())
     except GraphTraceError as exc:

@@ -1,19 +1,27 @@
-"""Run-time dispatch: per step, replay the captures of the batch's padded size or run the pieces dynamically.
+"""Run-time dispatch: per step, the full decode graph, the pieces' captures, or the pieces run dynamically.
 
-`pad_to(n)` is the smallest captured size >= n (n itself above the largest). A step at a captured size copies
-its inputs into that size's static buffers and runs the split graph, whose pieces replay; in full-graph mode only
-decode-only batches replay (attention lives inside the graph). Any other step runs the dynamic compiled code.
+`pad_to(n)` is the smallest capture size >= n (n itself above the largest). Then, in order:
+- a decode-only step at a size the full decode graph has (and a block table it can take) replays it (`full`);
+- a step at a size the pieces captured runs the split graph, whose pieces replay (`piecewise`);
+- any other step runs the dynamic compiled code (`dynamic`); in full-graph mode, the whole forward compiled.
+Each step's choice and, when the full decode graph was passed over, the reason, are counted and logged (debug).
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 
 import torch
 
 from kiln.compile.build import PiecewiseGraph
+from kiln.compile.full_graph import FullDecodeGraph
 from kiln.executor.counters import CompileCounters
-from kiln.model.forward_context import AttentionMetadata
+from kiln.model.forward_context import ModelInputs
+
+logger = logging.getLogger("kiln")
+
+FULL, PIECEWISE, DYNAMIC = "full", "piecewise", "dynamic"
 
 
 class Dispatcher:
@@ -22,25 +30,49 @@ class Dispatcher:
         graph: PiecewiseGraph,
         static_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]],
         counters: CompileCounters,
+        full: FullDecodeGraph | None = None,
     ) -> None:
         self.graph = graph
         self.static_inputs = static_inputs  # owned by the Capturer, filled as sizes are captured
         self.counters = counters
+        self.full = full
+        self.last: tuple[str, str] = ("", "")  # (graph that ran the last step, why the full graph did not)
 
     def pad_to(self, num_tokens: int) -> int:
-        sizes = sorted(self.static_inputs)
+        sizes = sorted(set(self.static_inputs) | set(self.full.sizes if self.full is not None else ()))
         i = bisect.bisect_left(sizes, num_tokens)
         return sizes[i] if i < len(sizes) else num_tokens
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def run(self, batch: ModelInputs) -> torch.Tensor:
+        input_ids, meta = batch.input_ids, batch.metadata
         n = input_ids.shape[0]
         self.counters.padding_tokens += n - meta.num_actual_tokens
+        reason = ""
+        if self.full is not None:
+            if meta.num_decodes != meta.num_seqs:
+                reason = f"mixed batch: {meta.num_seqs - meta.num_decodes} prefill"
+                self.counters.full_fallbacks_mixed += 1
+            elif not self.full.fits(batch, n):
+                reason = f"{n} tokens or {meta.block_tables.shape[1]} blocks per sequence are not captured"
+                self.counters.full_fallbacks_size += 1
+            else:
+                self.counters.full_replays += 1
+                self._log(FULL, n, meta.num_actual_tokens, reason)
+                return self.full.run(batch, n)
         static = self.static_inputs.get(n)
-        if static is not None and (not self.graph.is_full_graph or meta.num_decodes == meta.num_seqs):
+        if static is not None and not self.graph.is_full_graph:
             self.counters.replays += 1
+            self._log(PIECEWISE, n, meta.num_actual_tokens, reason)
             ids, pos = static
             ids.copy_(input_ids)
-            pos.copy_(positions)
+            pos.copy_(batch.positions)
             return self.graph.run(ids, pos)
         self.counters.dynamic_fallbacks += 1
-        return self.graph.run_dynamic(input_ids, positions)
+        self._log(DYNAMIC, n, meta.num_actual_tokens, reason)
+        return self.graph.run_dynamic(input_ids, batch.positions)
+
+    def _log(self, kind: str, padded: int, real: int, reason: str) -> None:
+        self.last = (kind, reason)
+        if logger.isEnabledFor(logging.DEBUG):
+            why = f" (not the full graph: {reason})" if reason else ""
+            logger.debug("step: %s graph, num_tokens=%d padded=%d%s", kind, real, padded, why)

@@ -28,6 +28,7 @@ from kiln.compile.build import PiecewiseGraph, build_graph
 from kiln.compile.capturer import Capturer
 from kiln.compile.compiler import make_compiler
 from kiln.compile.dispatch import Dispatcher
+from kiln.compile.full_graph import FullDecodeGraph
 from kiln.compile.fusion import FusionReport
 from kiln.compile.fusion_check import check_fusion
 from kiln.compile.kernel_choice import choose_kernels
@@ -54,7 +55,9 @@ class GraphExecutor(Executor):
         self.config = config
         self.capture_sizes = sorted(config.capture_sizes)
         self.compiler = make_compiler(config.compiler)
-        self.is_full_graph = config.full_graph or not config.piecewise
+        self.mode = config.mode
+        self.is_full_graph = config.is_full_graph
+        self.full: FullDecodeGraph | None = None  # decode-only steps' full graph (config.full_decode)
         self.build_seconds = 0.0
         self.fusion: list[FusionReport] = []  # per recipe fusion group, checked once the pieces are compiled
 
@@ -77,8 +80,16 @@ class GraphExecutor(Executor):
         )
         self.set_trace_level(max(read_env().debug, self.config.debug))
         self.capturer = Capturer(self.graph, kv_caches, self.device, self.counters)
-        self.dispatcher = Dispatcher(self.graph, self.capturer.static_inputs, self.counters)
         default = PieceMode(self.config.default_piece_mode)
+        if self.config.full_decode and self.capture_sizes:
+            self.full = FullDecodeGraph(
+                model, kv_caches, self.device, self.counters, self.capture_sizes, self.config.max_model_len, sample
+            )
+            self.full.piece.debug = self.pieces[0].debug
+            self.full.set_mode(default, self.store, self.capturer.pool)
+        if default is PieceMode.CAPTURED and not self.config.captures_pieces:
+            default = PieceMode.COMPILED  # full / full_decode_only: mixed steps run the pieces uncaptured
+        self.dispatcher = Dispatcher(self.graph, self.capturer.static_inputs, self.counters, self.full)
         modes = {i: default for i in range(len(self.pieces))}
         modes.update(self._checked_modes(dict(self.config.piece_modes)))
         self.set_piece_modes(modes)
@@ -86,7 +97,8 @@ class GraphExecutor(Executor):
         self.head = self._compile_logits_head(model)
         self.build_seconds = time.perf_counter() - start
         logger.info(
-            "Graph mode ready in %.2f s: %d pieces (%d distinct), %d compiled, %d from cache, %d captures [%s]%s",
+            "Graph mode %s ready in %.2f s: %d pieces (%d distinct), %d compiled, %d from cache, %d captures [%s]%s%s",
+            self.mode,
             self.build_seconds,
             len(self.pieces),
             len({p.info.structure_key for p in self.pieces}),
@@ -95,6 +107,7 @@ class GraphExecutor(Executor):
             self.counters.pieces_captured,
             format_piece_modes(self.piece_modes),
             self._static_summary(),
+            self._full_summary(),
         )
         if self.config.dump_dir:
             write_artifacts(self, Path(self.config.dump_dir))
@@ -105,6 +118,17 @@ class GraphExecutor(Executor):
         c = self.counters
         sizes = list(self.compile_sizes)
         return f"; static sizes {sizes}: {c.static_compiles} compiled, {c.static_cache_hits} from cache"
+
+    def _full_summary(self) -> str:
+        if self.full is None:
+            return ""
+        how = "CUDA graphs" if self.full.piece.captures else f"{self.full.mode.value} on persistent buffers"
+        return f"; full decode graph for sizes {self.full.sizes} ({how})"
+
+    def set_full_mode(self, mode: PieceMode | str) -> None:
+        """The full decode graph's mode (eager: its traced graph op by op); no-op without one."""
+        if self.full is not None:
+            self.full.set_mode(PieceMode(mode), self.store, self.capturer.pool)
 
     def _compile_logits_head(self, model: nn.Module) -> CompiledProduct | None:
         if not isinstance(model.lm_head, nn.Linear):
@@ -176,6 +200,8 @@ class GraphExecutor(Executor):
                 piece.rewrite(new, compiled_only)
                 changed.append(piece.index)
         self.set_piece_modes({i: self.pieces[i].mode for i in changed})
+        if self.full is not None and self.full.rewrite(transform):
+            self.set_full_mode(self.full.mode)
         return changed
 
     def recapture(self, index: int) -> None:
@@ -193,6 +219,8 @@ class GraphExecutor(Executor):
         """Trace mode (kiln.debug.trace): log every piece launch and check replay inputs when level >= 1."""
         for piece in self.pieces:
             piece.debug = level
+        if self.full is not None:
+            self.full.piece.debug = level
 
     # -- run ---------------------------------------------------------------------------------------------
     @property
@@ -207,7 +235,7 @@ class GraphExecutor(Executor):
         return self.dispatcher.pad_to(num_tokens)
 
     def forward(self, batch: ModelInputs) -> torch.Tensor:
-        return self.dispatcher.run(batch.input_ids, batch.positions, batch.metadata)
+        return self.dispatcher.run(batch)
 
     def compute_logits(self, hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
         """fp32 logits for `hidden[rows]`: one row through the compiled GEMV head (or the transposed head copy,

@@ -12,15 +12,15 @@ from dataclasses import fields, replace
 from typing import Any
 
 from kiln.compile.modes import PieceMode, parse_piece_modes
-from kiln.config import COMPILER_NAMES, FusionGroupConfig, GraphConfig
+from kiln.config import COMPILER_NAMES, GRAPH_MODES, FusionGroupConfig, GraphConfig
 from kiln.errors import ConfigError
 
 logger = logging.getLogger("kiln")
-_RECIPE_FIELDS = ("piecewise", "splitting_ops", "capture_sizes", "compile_sizes", "compiler")
+_RECIPE_FIELDS = ("mode", "splitting_ops", "capture_sizes", "compile_sizes", "compiler")
 
 
 def graph_config_from(recipe: Any | None = None, **cli_overrides: Any) -> GraphConfig:
-    """A GraphConfig from a recipe (any object with `piecewise`, `splitting_ops`, `capture_sizes`, `compiler`,
+    """A GraphConfig from a recipe (any object with `graph_mode`, `splitting_ops`, `capture_sizes`, `compiler`,
     `hash`, `fusion_groups` of {name, ops, required}; optionally `path` and `fusion_lines`, the line of each group)
     or defaults, then CLI overrides (None = not given).
 
@@ -31,7 +31,7 @@ def graph_config_from(recipe: Any | None = None, **cli_overrides: Any) -> GraphC
     if recipe is not None:
         base = replace(
             base,
-            piecewise=bool(recipe.piecewise),
+            mode=str(recipe.graph_mode),
             splitting_ops=tuple(recipe.splitting_ops),
             capture_sizes=tuple(recipe.capture_sizes),
             compile_sizes=_optional_sizes(getattr(recipe, "compile_sizes", None)),
@@ -110,5 +110,7 @@ def _validate(config: GraphConfig) -> None:
                 f"compile sizes {list(config.compile_sizes)} need the inductor compiler; the "
                 f"{config.compiler} compiler runs the traced graph as is (set compile sizes to none)"
             )
-    if not config.splitting_ops and config.piecewise and not config.full_graph:
-        raise ConfigError("piecewise graph mode needs at least one splitting op (default: kiln.attention)")
+    if config.mode not in GRAPH_MODES:
+        raise ConfigError(f"graph mode {config.mode!r}: expected one of {', '.join(GRAPH_MODES)}")
+    if not config.splitting_ops and not config.is_full_graph:
+        raise ConfigError(f"graph mode {config.mode} needs at least one splitting op (default: kiln.attention)")

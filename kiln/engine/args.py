@@ -17,7 +17,15 @@ from typing import Any
 
 from kiln.compile.modes import PieceMode
 from kiln.compile.settings import graph_config_from
-from kiln.config import COMPILER_NAMES, DTYPE_NAMES, QUANTIZATION_NAMES, CacheConfig, EngineConfig, SchedulerConfig
+from kiln.config import (
+    COMPILER_NAMES,
+    DTYPE_NAMES,
+    GRAPH_MODES,
+    QUANTIZATION_NAMES,
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+)
 from kiln.errors import ConfigError
 
 
@@ -71,8 +79,17 @@ class EngineArgs:
     enable_chunked_prefill: bool = _arg(
         True, "split long prompts over steps", group="scheduler", action=argparse.BooleanOptionalAction
     )
-    enable_piecewise_graph: bool = _arg(False, "split at attention, compile, capture", group="graph mode")
-    full_graph: bool = _arg(False, "the whole forward as one graph (decode batches)", group="graph mode")
+    enable_piecewise_graph: bool = _arg(
+        False, "graph mode: split at attention, compile, capture (its kind: --graph-mode)", group="graph mode"
+    )
+    graph_mode: str | None = _arg(
+        None,
+        "which graphs run, as vLLM names them (default full_and_piecewise: decode-only steps replay one full "
+        "graph per size, attention included; mixed steps the pieces); implies graph mode",
+        group="graph mode",
+        choices=GRAPH_MODES,
+    )
+    full_graph: bool = _arg(False, "the same as --graph-mode full", group="graph mode")
     compiler: str | None = _arg(None, "piece compiler (default inductor)", group="graph mode", choices=COMPILER_NAMES)
     capture_sizes: Sequence[int] | None = _arg(
         None, "num_tokens sizes to capture, e.g. 1,2,4,8,16,32", group="graph mode", type=parse_sizes
@@ -134,7 +151,7 @@ class EngineArgs:
             recipe = load_recipe(self.recipe, model=self.model)
         graph = graph_config_from(
             recipe,
-            full_graph=self.full_graph or None,
+            mode="full" if self.full_graph else self.graph_mode,
             compiler=self.compiler,
             capture_sizes=self.capture_sizes,
             compile_sizes=self.compile_sizes,
@@ -154,7 +171,7 @@ class EngineArgs:
             num_threads=self.num_threads,
             cache=CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_gb),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill),
-            enable_piecewise_graph=self.enable_piecewise_graph,
+            enable_piecewise_graph=self.enable_piecewise_graph or self.full_graph or self.graph_mode is not None,
             graph=graph,
         )
         if recipe is None:

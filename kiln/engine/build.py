@@ -9,6 +9,7 @@ and one entry here, chosen by `EngineConfig.executor`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -59,4 +60,6 @@ def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> 
     )
     check_quantized(model, config.graph.fusion_groups)
     tokenizer = load_tokenizer(checkpoint)
-    return EngineCore(config, model, tokenizer, make_executor(config), checkpoint.path, observer)
+    graph = replace(config.graph, max_model_len=max_model_len)
+    executor = make_executor(replace(config, graph=graph))
+    return EngineCore(config, model, tokenizer, executor, checkpoint.path, observer)

@@ -108,23 +108,28 @@ class ModelRunner:
         padded, batch_size = self.shaper.check(n, len(sched.scheduled), seq_lens)
         pad = padded - n
         dev = self.device
+        # NOTE: built on the host first: a full decode graph uploads these in one copy (kiln.compile.decode_buffers)
+        host_ids = torch.tensor(input_ids + [0] * pad, dtype=torch.long)
+        host_lens = torch.tensor(seq_lens, dtype=torch.long)
+        host_tables = torch.tensor(tables, dtype=torch.long)
         meta = AttentionMetadata(
             num_actual_tokens=n,
             num_decodes=num_decodes,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.long, device=dev),
+            seq_lens_tensor=host_lens.to(dev),
+            block_tables=host_tables.to(dev),
             block_size=bs,
         )
         return ModelInputs(
-            input_ids=torch.tensor(input_ids + [0] * pad, dtype=torch.long, device=dev),
+            input_ids=host_ids.to(dev),
             positions=torch.tensor(positions + [0] * pad, dtype=torch.long, device=dev),
             metadata=meta,
             sample_indices=sample_indices,
             sample_request_ids=sample_ids,
             batch_size=batch_size,
+            host=(host_ids, host_lens, host_tables),
         )
 
     @torch.inference_mode()

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, fields
 
 @dataclass
 class CompileCounters:
-    graphs_traced: int = 0  # dynamo traces of the forward (1 per engine: num_tokens is symbolic)
+    graphs_traced: int = 0  # dynamo traces of the forward (num_tokens symbolic): the split one, the decode one
     pieces_seen: int = 0  # pieces after the split (N+1 for N splitting ops)
     splitting_ops_seen: int = 0
     pieces_compiled: int = 0  # compiler runs for the dynamic shape (identical pieces compile once)
@@ -17,9 +17,13 @@ class CompileCounters:
     cache_misses: int = 0  # dynamic compiles not in the cache
     cache_rejected: int = 0  # corrupt or stale entries detected and rebuilt
     pieces_captured: int = 0  # (piece, capture size) pairs captured
-    replays: int = 0  # forwards at a captured size
+    replays: int = 0  # forwards through the pieces at a captured size
+    full_graphs_captured: int = 0  # full decode graphs captured (CUDA: one per capture size)
+    full_replays: int = 0  # decode-only forwards through the full decode graph
+    full_fallbacks_mixed: int = 0  # steps the full decode graph could not take: a prefill in the batch
+    full_fallbacks_size: int = 0  # ... more tokens than the largest capture size (or a table wider than captured)
     piece_replays: int = 0  # piece executions through a capture
-    dynamic_fallbacks: int = 0  # forwards above the largest capture size (or not capturable)
+    dynamic_fallbacks: int = 0  # forwards through pieces not captured at their size (or not capturable)
     padding_tokens: int = 0  # tokens added to reach a capture size
 
     def as_dict(self) -> dict[str, int]:

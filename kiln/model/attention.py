@@ -26,7 +26,9 @@ SPLITTING_OP = "kiln.attention"
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    return (2, num_kv_heads, num_blocks, block_size, head_dim)
+    """`num_blocks` usable blocks plus the null block (the last), which no sequence owns: padding rows of a
+    captured decode graph write and read there (kiln.model.graph_attention)."""
+    return (2, num_kv_heads, num_blocks + 1, block_size, head_dim)
 
 
 def allocate_kv_caches(
@@ -38,8 +40,13 @@ def allocate_kv_caches(
 
 
 def kv_cache_num_blocks(kv_cache: torch.Tensor) -> int:
-    """Blocks in one layer's cache (laid out by `kv_cache_shape`)."""
-    return kv_cache.shape[2]
+    """Usable blocks in one layer's cache (laid out by `kv_cache_shape`), the null block not counted."""
+    return kv_cache.shape[2] - 1
+
+
+def null_block(kv_cache: torch.Tensor) -> int:
+    """The block no sequence owns (`kv_cache_shape`): padding rows of a decode graph point at it."""
+    return kv_cache.shape[2] - 1
 
 
 def kv_cache_block_size(kv_cache: torch.Tensor) -> int:

@@ -59,12 +59,24 @@ class ModelInputs:
     sample_indices: list[int]  # flattened index of the last token of each sequence that samples
     sample_request_ids: list[str]
     batch_size: int = 0  # sequences the step is shaped for: the real ones plus recipe padding (0: not shaped)
+    # (input_ids, seq_lens, block_tables) of the real sequences, on the host: what a full decode graph uploads
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class DecodeInputs:
+    """The layout of a decode-only step as a full decode graph reads it (kiln.model.graph_attention): views of
+    the executor's persistent buffers, one row per token (padding rows included)."""
+
+    seq_lens: torch.Tensor  # [num_tokens] int64: context + the new token; padding rows: 1
+    block_table: torch.Tensor  # [num_tokens, num_blocks] int64; padding rows: the null block
 
 
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata
-    kv_caches: list[torch.Tensor]  # per layer: [2, num_kv_heads, num_blocks, block_size, head_dim]
+    kv_caches: list[torch.Tensor]  # per layer: [2, num_kv_heads, num_blocks + 1, block_size, head_dim]
+    decode: DecodeInputs | None = None  # set while a full decode graph runs (or is traced): attention is traced
 
 
 _current: ForwardContext | None = None

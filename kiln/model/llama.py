@@ -14,6 +14,7 @@ from torch import nn
 
 import kiln.model.attention  # noqa: F401  (registers torch.ops.kiln.attention)
 from kiln.config import ModelConfig
+from kiln.model.graph_attention import attend
 from kiln.model.layers import MLP, RMSNorm, RotaryEmbedding
 from kiln.quant.linear import PackedEmbedding, PackedLinear, PackedTensor
 from kiln.quant.quantize import quantize
@@ -39,7 +40,7 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k)
-        out = torch.ops.kiln.attention(q, k.contiguous(), v.contiguous(), self.layer_idx)
+        out = attend(q, k.contiguous(), v.contiguous(), self.layer_idx)
         return self.o_proj(out)
 
 

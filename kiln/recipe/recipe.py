@@ -90,6 +90,12 @@ class Recipe:
         return self.spec.graph.piecewise
 
     @property
+    def graph_mode(self) -> str:
+        """graph.mode, or what graph.piecewise implies when it is not set."""
+        graph = self.spec.graph
+        return graph.mode or ("full_and_piecewise" if graph.piecewise else "full")
+
+    @property
     def splitting_ops(self) -> list[str]:
         return list(self.spec.graph.splitting_ops)
 

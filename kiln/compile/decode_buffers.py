@@ -1,0 +1,75 @@
+"""Persistent inputs of the full decode graphs: input ids, sequence lengths and block-table rows of one step.
+
+They live in one int64 device buffer sized for the largest capture size, laid out `[ids | seq_lens | table]`,
+and are updated in place each step with one host->device copy from a staging buffer (pinned on CUDA; on CPU the
+staging buffer is the buffer itself). A size's views of it never move, so a CUDA graph captured over them
+replays on the next step's values. Positions and KV slots are not uploaded: the graph derives them from
+`seq_lens` and the table (kiln.model.graph_attention).
+
+The table width (blocks per sequence) is the step's on CPU, where the compiled graph takes it as a symbol; on
+CUDA it is fixed at `max_blocks` for capture, and rows are padded with the null block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.model.forward_context import AttentionMetadata, DecodeInputs, ModelInputs
+
+
+class DecodeBuffers:
+    def __init__(self, max_tokens: int, max_blocks: int, null_block: int, device: torch.device) -> None:
+        self.max_tokens = max_tokens
+        self.max_blocks = max_blocks  # the table width of a CUDA capture; on CPU the buffer grows past it
+        self.null_block = null_block
+        self.device = device
+        self.fixed_width = device.type == "cuda"
+        self.uploads = 0  # host->device copies made (one per step)
+        self._allocate(max_blocks)
+
+    def _allocate(self, width: int) -> None:
+        numel = self.max_tokens * (2 + width)
+        pinned = self.device.type == "cuda"
+        self.staging = torch.zeros(numel, dtype=torch.long, pin_memory=pinned)
+        self.buffer = self.staging if self.device.type == "cpu" else torch.zeros_like(self.staging, device=self.device)
+        self.capacity = width
+
+    def views(self, size: int, width: int) -> tuple[torch.Tensor, DecodeInputs]:
+        """The device views a graph of `size` tokens and `width` table columns reads: (input_ids, decode inputs)."""
+        return self._views(self.buffer, size, width)
+
+    def _views(self, buf: torch.Tensor, size: int, width: int) -> tuple[torch.Tensor, DecodeInputs]:
+        m = self.max_tokens
+        table = buf[2 * m : 2 * m + size * width].view(size, width)
+        return buf[:size], DecodeInputs(buf[m : m + size], table)
+
+    def width_for(self, meta: AttentionMetadata) -> int:
+        """Table columns this step's graph reads: the batch's own on CPU, the captured width on CUDA."""
+        return self.max_blocks if self.fixed_width else meta.block_tables.shape[1]
+
+    def fits(self, meta: AttentionMetadata) -> bool:
+        """Whether this step's block tables fit a captured table (always on CPU, where the buffer grows)."""
+        return not self.fixed_width or meta.block_tables.shape[1] <= self.max_blocks
+
+    def load(self, batch: ModelInputs, size: int) -> tuple[torch.Tensor, DecodeInputs, int]:
+        """Write one decode-only step (padded to `size` tokens) into the buffer: (input_ids, decode inputs, width)
+        views for the graph. Only the step's host-side tensors are read; one copy goes to the device."""
+        meta = batch.metadata
+        # NOTE: inputs built by hand (tests) may lack host copies: their device tensors stand in
+        host_ids, host_lens, host_table = batch.host or (batch.input_ids, meta.seq_lens_tensor, meta.block_tables)
+        n, width = meta.num_actual_tokens, self.width_for(meta)
+        if width > self.capacity:
+            self._allocate(width)
+        ids, decode = self._views(self.staging, size, width)
+        ids[:n].copy_(host_ids[:n])
+        ids[n:].zero_()
+        decode.seq_lens[:n].copy_(host_lens)
+        decode.seq_lens[n:].fill_(1)
+        decode.block_table.fill_(self.null_block)
+        decode.block_table[:n, : host_table.shape[1]].copy_(host_table)
+        if self.buffer is not self.staging:
+            used = 2 * self.max_tokens + size * width
+            self.buffer[:used].copy_(self.staging[:used], non_blocking=True)
+        self.uploads += 1
+        ids, decode = self._views(self.buffer, size, width)
+        return ids, decode, width

@@ -1,0 +1,143 @@
+"""The full decode graph: the whole forward of a decode-only step, attention included, as one compiled graph.
+
+vLLM's FULL cudagraph for decode batches, built the kiln way: the forward is traced once more with the forward
+context's `DecodeInputs` set, so attention is the traced decode attention of kiln.model.graph_attention (no
+opaque op, `fullgraph=True`), and positions come from the persistent `seq_lens`. The graph is compiled once
+through the compiled-piece store for a symbolic num_tokens and table width, so no size and no context length
+ever recompiles. Per step, `DecodeBuffers` takes the step's inputs in one copy, and the graph runs on its views:
+- CUDA: one CUDA graph per capture size, recorded over those views at the captured table width;
+- CPU (no CUDA graphs): the compiled graph called on the same persistent views, at the step's table width.
+
+It is a `Piece` (kiln.compile.piece), so it has the pieces' modes (`eager` runs the traced graph op by op, the
+debugger's reference), hooks and rewrites (taps, faults), and trace-mode logging.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.compile.backend import BLOCK_TABLE, INPUT_IDS, NUM_BLOCKS, NUM_TOKENS, SEQ_LENS, trace_forward
+from kiln.compile.capture import available_memory_gb, make_capture
+from kiln.compile.decode_buffers import DecodeBuffers
+from kiln.compile.modes import PieceMode
+from kiln.compile.piece import Piece
+from kiln.compile.split import PieceGraph, module_paths, structure_key
+from kiln.compile.store import CompiledPieceStore
+from kiln.executor.counters import CompileCounters
+from kiln.model.attention import kv_cache_block_size, kv_cache_num_blocks, null_block
+from kiln.model.forward_context import ModelInputs, get_forward_context
+from kiln.model.graph_attention import decode_positions
+
+logger = logging.getLogger("kiln")
+
+LABEL = "the full decode graph"
+
+
+class DecodeForward(nn.Module):
+    """`model.forward` for a decode-only step: positions derived from the persistent sequence lengths."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        decode = get_forward_context().decode
+        assert decode is not None, "a decode graph is traced with DecodeInputs in the forward context"
+        torch._check(decode.seq_lens.shape[0] == input_ids.shape[0])
+        return self.model(input_ids, decode_positions(decode.seq_lens))
+
+
+class FullDecodeGraph:
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_caches: list[torch.Tensor],
+        device: torch.device,
+        counters: CompileCounters,
+        sizes: list[int],
+        max_model_len: int | None,
+        sample_size: int,
+    ) -> None:
+        self.device = device
+        self.counters = counters
+        self.sizes = sorted(sizes)
+        self.traced = trace_forward(DecodeForward(model), model, kv_caches, device, sample_size, decode=True)
+        counters.graphs_traced += 1
+        gm = self.traced.gm
+        self.piece = Piece(PieceGraph(0, "full_decode", gm, structure_key(gm), module_paths(gm)), counters)
+        size_slot = NUM_TOKENS if NUM_TOKENS in self.traced.slots else INPUT_IDS
+        self.piece.size_arg, self.piece.size_is_int = self.traced.slots.index(size_slot), size_slot == NUM_TOKENS
+        block_size = kv_cache_block_size(kv_caches[0])
+        blocks = kv_cache_num_blocks(kv_caches[0])
+        max_blocks = min(blocks, math.ceil(max_model_len / block_size)) if max_model_len else blocks
+        self.buffers = DecodeBuffers(self.sizes[-1], max_blocks, null_block(kv_caches[0]), device)
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    @property
+    def mode(self) -> PieceMode:
+        return self.piece.mode
+
+    def compile(self, store: CompiledPieceStore) -> None:
+        if self.piece.compiled is None:
+            key = f"full_decode:{self.piece.info.structure_key}" if self.piece.persistent else None
+            source = self.piece.compile_source
+            self.piece.compiled = store.get(source, LABEL, persistent=self.piece.persistent, key=key)
+
+    def set_mode(self, mode: PieceMode, store: CompiledPieceStore, pool: Any) -> None:
+        """Eager (the traced graph op by op), compiled, or captured (CUDA graphs per size; on CPU, compiled on the
+        persistent buffers)."""
+        if mode is not PieceMode.EAGER:
+            self.compile(store)
+        self.piece.mode = mode
+        if mode is PieceMode.CAPTURED and self.device.type == "cuda" and not self.piece.captures:
+            self._capture(pool)
+
+    def _capture(self, pool: Any) -> None:
+        width = self.buffers.max_blocks
+        for size in reversed(self.sizes):
+            args = self._args(*self.buffers.views(size, width), size, width)
+            compiled = self.piece.compiled
+            assert compiled is not None
+            self.piece.captures[size] = make_capture(self.device, compiled.fn, args, [], set(), pool)
+            self.counters.full_graphs_captured += 1
+        logger.info(
+            "Capturing full decode graphs (sizes %s, %d table blocks, avail_mem=%.2f GB): 100%%",
+            self.sizes,
+            width,
+            available_memory_gb(self.device),
+        )
+
+    def rewrite(self, transform: Any) -> bool:
+        """Apply a piece transform (kiln.compile.executor.PieceTransform) to the graph; True if it changed."""
+        new = transform(self.piece)
+        if new is None:
+            return False
+        self.piece.rewrite(new)
+        return True
+
+    def _args(self, ids: torch.Tensor, decode: Any, size: int, width: int) -> list[Any]:
+        values = {
+            INPUT_IDS: ids,
+            SEQ_LENS: decode.seq_lens,
+            BLOCK_TABLE: decode.block_table,
+            NUM_TOKENS: size,
+            NUM_BLOCKS: width,
+        }
+        return self.traced.args_for(values)
+
+    def fits(self, batch: ModelInputs, size: int) -> bool:
+        return size in self.sizes and self.buffers.fits(batch.metadata)
+
+    def run(self, batch: ModelInputs, size: int) -> torch.Tensor:
+        """Hidden states [size, hidden] of a decode-only step padded to capture size `size`."""
+        ids, decode, width = self.buffers.load(batch, size)
+        out = self.piece(*self._args(ids, decode, size, width))
+        return out[0] if self.piece.returns_tuple else out
