@@ -48,7 +48,7 @@ class Dispatcher:
         n = input_ids.shape[0]
         self.counters.padding_tokens += n - meta.num_actual_tokens
         reason = ""
-        if self.full is not None:
+        if self.full is not None and self.full.enabled:
             if meta.num_decodes != meta.num_seqs:
                 reason = f"mixed batch: {meta.num_seqs - meta.num_decodes} prefill"
                 self.counters.full_fallbacks_mixed += 1

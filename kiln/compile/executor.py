@@ -200,9 +200,14 @@ class GraphExecutor(Executor):
                 piece.rewrite(new, compiled_only)
                 changed.append(piece.index)
         self.set_piece_modes({i: self.pieces[i].mode for i in changed})
-        if self.full is not None and self.full.rewrite(transform):
-            self.set_full_mode(self.full.mode)
         return changed
+
+    def rebuild_full(self, graph: GraphModule) -> None:
+        """Run `graph` as the full decode graph from now on (same inputs, its outputs first, extras allowed):
+        compiled again outside the on-disk cache and captured again in its current mode."""
+        assert self.full is not None, "rebuild_full needs a graph mode with a full decode graph"
+        self.full.piece.rewrite(graph)
+        self.set_full_mode(self.full.mode)
 
     def recapture(self, index: int) -> None:
         """Drop a piece's captures and capture it again if it runs captured."""

@@ -66,6 +66,7 @@ class FullDecodeGraph:
         self.device = device
         self.counters = counters
         self.sizes = sorted(sizes)
+        self.enabled = True  # False: decode-only steps run the pieces (the debugger's bisection localizes there)
         self.traced = trace_forward(DecodeForward(model), model, kv_caches, device, sample_size, decode=True)
         counters.graphs_traced += 1
         gm = self.traced.gm
@@ -114,14 +115,6 @@ class FullDecodeGraph:
             width,
             available_memory_gb(self.device),
         )
-
-    def rewrite(self, transform: Any) -> bool:
-        """Apply a piece transform (kiln.compile.executor.PieceTransform) to the graph; True if it changed."""
-        new = transform(self.piece)
-        if new is None:
-            return False
-        self.piece.rewrite(new)
-        return True
 
     def _args(self, ids: torch.Tensor, decode: Any, size: int, width: int) -> list[Any]:
         values = {

@@ -104,7 +104,17 @@ def cmd_bisect(args: argparse.Namespace) -> int:
         def fails(modes: dict) -> bool:
             return run_diff(session, reference, "captured", "eager", modes).first_divergence is not None
 
+    full_fails = False
+    if session.graph.full is not None and not args.check:  # round 0: the full decode graph, before its pieces
+        full_fails = run_diff(session, reference, "captured", "eager").first_divergence is not None
+        verdict = "FAIL" if full_fails else "pass"
+        log(f"round 0: the full decode graph for decode steps, every piece captured: {verdict}")
     result = Bisector(len(session.graph.pieces), fails, log).run()
+    if full_fails and not result.rounds[0].failed:
+        result.verdict = (
+            "the full decode graph fails but its pieces, every one captured, do not: the fault is in the full "
+            "decode graph (traced attention or its compile); work around with --graph-mode piecewise"
+        )
     culprits = []
     for idx in result.culprits:
         piece = session.graph.pieces[idx]

@@ -120,7 +120,10 @@ class DebugSession:
     def __init__(self, engine: EngineCore, args: EngineArgs, recorder: TapRecorder) -> None:
         graph = engine.executor
         if not isinstance(graph, GraphExecutor) or graph.is_full_graph:
-            raise ConfigError("kiln debug works on piecewise graph mode: the recipe or flags select full-graph mode")
+            raise ConfigError(
+                "kiln debug needs the pieces (graph mode full_and_piecewise, piecewise or full_decode_only): "
+                "the recipe or flags select graph mode full"
+            )
         self.engine = engine
         self.model = engine.model
         self.graph: GraphExecutor = graph
@@ -146,6 +149,12 @@ class DebugSession:
         graph.rebuild(lambda p: with_extra_outputs(p.graph, taps[p.index]) if p.index in taps else None)
         for piece, probe in zip(graph.pieces, self.probes, strict=True):
             graph.set_piece_hooks(piece.index, after=probe)
+        if graph.full is not None:  # decode steps run the full decode graph: the same taps, in its one graph
+            full = graph.full.piece
+            located_full = locate_boundaries([full], model_boundaries(self.model))
+            tapped = [b.name for b in self.boundaries if b.name in located_full]
+            graph.rebuild_full(with_extra_outputs(full.graph, [located_full[n][1] for n in tapped]))
+            full.after = TapProbe(tapped, full.num_outputs, recorder)
         graph.set_trace_level(trace_level(self.recipe))
 
     # -- construction ----------------------------------------------------------------------------------------
@@ -171,6 +180,10 @@ class DebugSession:
         modes: dict[int, PieceMode] = {p.index: PieceMode(mode) for p in self.graph.pieces}
         modes.update(overrides or {})
         self.graph.set_piece_modes(dict(modes))
+        if self.graph.full is not None:
+            # per-piece overrides localize a problem to pieces: decode steps then run the pieces too
+            self.graph.full.enabled = not overrides
+            self.graph.set_full_mode(mode)
         return modes
 
     # -- runs --------------------------------------------------------------------------------------------------

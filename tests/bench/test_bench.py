@@ -15,6 +15,7 @@ import kiln.cli as kiln_cli
 from kiln.bench.metrics import RunResult, compute_ratios, random_prompts
 from kiln.bench.modes import engine_args_for_mode
 from kiln.bench.report import print_report
+from kiln.engine.args import EngineArgs
 
 SMALL = ["--num-requests", "2", "--num-requests-bs1", "1", "--input-len", "8", "--output-len", "4"]
 SMALL += ["--batch-sizes", "1,2", "--num-kv-blocks", "64"]
@@ -53,13 +54,25 @@ def test_random_prompts_are_seeded_and_exact_length() -> None:
 def test_each_mode_sets_its_graph_flags_over_the_users() -> None:
     args = kiln_cli.build_parser().parse_args(["bench", "--enable-piecewise-graph", "--compiler", "eager"])
     eager = engine_args_for_mode(args, "eager")
-    piecewise = engine_args_for_mode(args, "piecewise")
-    full = engine_args_for_mode(args, "full")
-    assert (eager.enable_piecewise_graph, eager.full_graph) == (False, False)  # eager stays eager beside the flag
-    assert (piecewise.enable_piecewise_graph, piecewise.full_graph) == (True, False)
-    assert (full.enable_piecewise_graph, full.full_graph) == (False, True)
-    assert {eager.compiler, piecewise.compiler, full.compiler} == {"eager"}  # the other flags are kept
-    assert not eager.create_engine_config().is_graph_mode and full.create_engine_config().graph.full_graph
+    assert not eager.create_engine_config().is_graph_mode  # eager stays eager beside the flag
+    for mode in ("piecewise", "full", "full_and_piecewise", "full_decode_only"):
+        engine = engine_args_for_mode(args, mode)
+        config = engine.create_engine_config()
+        assert config.is_graph_mode and config.graph.mode == mode
+        assert engine.compiler == "eager"  # the other flags are kept
+    assert engine_args_for_mode(args, "full").create_engine_config().graph.is_full_graph
+
+
+def test_graph_mode_flags() -> None:
+    parser = kiln_cli.build_parser()
+    default = EngineArgs.from_cli_args(parser.parse_args(["serve", "--enable-piecewise-graph"]))
+    assert default.create_engine_config().graph.mode == "full_and_piecewise"
+    alias = EngineArgs.from_cli_args(parser.parse_args(["serve", "--full-graph"])).create_engine_config()
+    assert alias.is_graph_mode and alias.graph.mode == "full"
+    named = EngineArgs.from_cli_args(parser.parse_args(["serve", "--graph-mode", "piecewise"])).create_engine_config()
+    assert named.is_graph_mode and named.graph.mode == "piecewise" and not named.graph.full_decode
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--graph-mode", "full_cudagraph"])
 
 
 def test_unknown_mode_is_rejected_by_the_parser() -> None:

@@ -60,14 +60,23 @@ def make_runner(model: LlamaForCausalLM, executor: Executor | None = None) -> Mo
 def graph_runner(model: LlamaForCausalLM, cache_dir: Path, **overrides: object) -> tuple[ModelRunner, GraphExecutor]:
     overrides.setdefault("capture_sizes", (1, 2, 4))
     overrides.setdefault("compile_sizes", ())  # static compiles have their own tests (test_static_sizes.py)
+    overrides.setdefault("mode", "piecewise")  # the full decode graph has its own tests (test_graph_modes.py)
     graph = GraphExecutor(graph_config_from(None, cache_dir=str(cache_dir), **overrides))
     return make_runner(model, graph), graph
 
 
-def generate(runner: ModelRunner, prompts: list[list[int]], max_tokens: int, max_num_seqs: int = 8) -> list[list[int]]:
-    """Greedy continuous-batching generation through `runner` (prefill and decode steps, as the engine runs)."""
+def generate(
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    max_tokens: int,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 256,
+) -> list[list[int]]:
+    """Greedy continuous-batching generation through `runner` (prefill and decode steps, as the engine runs); a
+    small `max_num_batched_tokens` chunks prompts, so steps mix decodes and prefill chunks."""
     pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256), pool)
+    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    scheduler = Scheduler(config, pool)
     requests = [
         Request(str(i), None, p, SamplingParams(temperature=0.0, max_tokens=max_tokens), None)
         for i, p in enumerate(prompts)
