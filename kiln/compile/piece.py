@@ -38,6 +38,7 @@ class Piece(nn.Module):
     def __init__(self, info: PieceGraph, counters: CompileCounters) -> None:
         super().__init__()
         self.index = info.index
+        self.label = f"piece {info.index}"  # how logs and errors name it
         self.info = info
         self.graph: GraphModule = info.graph  # what eager mode runs
         self.compile_source: GraphModule = info.graph  # what compiled code is built from (a fault may differ)
@@ -65,7 +66,7 @@ class Piece(nn.Module):
         if not returns_tuple(graph):
             _return_tuple(graph)
         if _num_outputs(graph) < self.num_outputs:
-            raise ValueError(f"piece {self.index}: a rewrite must keep the piece's {self.num_outputs} outputs first")
+            raise ValueError(f"{self.label}: a rewrite must keep the piece's {self.num_outputs} outputs first")
         if not compiled_only:
             self.graph = graph
         self.compile_source = graph
@@ -116,7 +117,7 @@ class Piece(nn.Module):
         capture = self.captures.get(n) if self.mode is PieceMode.CAPTURED else None
         if capture is not None:
             launch = "replay"
-            capture.check_bound_inputs(f"piece {self.index} ({self.describe()}) num_tokens={n}")
+            capture.check_bound_inputs(f"{self.label} ({self.describe()}) num_tokens={n}")
         elif self.mode is PieceMode.CAPTURED and self.capture_hook is not None:
             launch = "capture"
         else:
@@ -131,8 +132,8 @@ class Piece(nn.Module):
         if sync:
             torch.cuda.synchronize(device)
         logger.info(
-            "piece %d (%s) mode=%s launch=%s num_tokens=%d padded=%d time=%.3f ms",
-            self.index,
+            "%s (%s) mode=%s launch=%s num_tokens=%d padded=%d time=%.3f ms",
+            self.label,
             self.describe(),
             self.mode.value,
             launch,
@@ -145,7 +146,7 @@ class Piece(nn.Module):
     def _compiled_fn(self) -> Callable[..., Sequence[torch.Tensor]]:
         if self.compiled is None:
             raise RuntimeError(
-                f"piece {self.index} ({self.describe()}) runs mode {self.mode.value} but was never compiled: "
+                f"{self.label} ({self.describe()}) runs mode {self.mode.value} but was never compiled: "
                 "set its mode through GraphExecutor.set_piece_modes, which compiles what is missing"
             )
         return self.compiled.fn

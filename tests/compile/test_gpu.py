@@ -29,8 +29,35 @@ def test_cuda_graph_pieces_match_eager(compiler: str, cache_dir: Path) -> None:
 
 
 def test_full_graph_on_cuda_runs_uncaptured(cache_dir: Path) -> None:
+    """Mode full: mixed steps run the whole forward (the attention op inside) compiled, uncaptured."""
     model = tiny_model(num_layers=2, device="cuda")
     expected = generate(make_runner(model), PROMPTS, 4)
-    runner, graph = graph_runner(model, cache_dir, compiler="eager", full_graph=True)
-    graph.counters.expect(pieces_seen=1, pieces_captured=0)
+    runner, graph = graph_runner(model, cache_dir, compiler="eager", mode="full")
+    graph.counters.expect(pieces_seen=1, pieces_captured=0, full_graphs_captured=3)
     assert generate(runner, PROMPTS, 4) == expected
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_full_decode_graph_is_a_cuda_graph_and_never_syncs(compiler: str, cache_dir: Path) -> None:
+    """full_and_piecewise on CUDA: one CUDA graph per capture size replays every decode-only step, no host sync."""
+    model = tiny_model(num_layers=3, device="cuda")
+    expected = generate(make_runner(model), PROMPTS, 5)
+    runner, graph = graph_runner(model, cache_dir, compiler=compiler, mode="full_and_piecewise")
+    graph.counters.expect(full_graphs_captured=3, pieces_captured=12)
+    assert all(isinstance(c, CudaGraphCapture) for c in graph.full.piece.captures.values())
+    assert graph.full.buffers.staging.is_pinned()
+    forward = runner.forward
+
+    def strict_forward(inputs):  # the sampler may sync (logits to the host); the forward must not
+        decode_only = inputs.metadata.num_decodes == inputs.metadata.num_seqs
+        if not decode_only:
+            return forward(inputs)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return forward(inputs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    runner.forward = strict_forward
+    assert generate(runner, PROMPTS, 5) == expected
+    graph.counters.expect(full_replays=4, full_fallbacks_mixed=1, dynamic_fallbacks=1)

@@ -66,7 +66,7 @@ def test_layer_fault_is_the_first_divergence_and_bisect_finds_its_piece(
 def test_stale_input_is_found_as_a_capture_fault(
     piece: int, open_tiny: Callable[..., DebugSession], tiny_reference: Reference
 ) -> None:
-    session = open_tiny()
+    session = open_tiny(graph_mode="piecewise")  # decode steps replay the pieces' captures, where the fault is
     inject(session, parse_fault(f"piece={piece}:stale-input"))
     report, result = diff_and_bisect(session, tiny_reference)
     first = report.first_divergence

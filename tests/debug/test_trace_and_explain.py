@@ -32,7 +32,7 @@ def test_trace_mode_logs_one_line_per_piece_launch(
     open_tiny: Callable[..., DebugSession], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KILN_DEBUG", "1")
-    session = open_tiny()
+    session = open_tiny(graph_mode="piecewise")
     session.set_modes("captured")  # captures now, so the run below only replays
     handler = Lines()
     logger = logging.getLogger("kiln")
@@ -51,11 +51,33 @@ def test_trace_mode_logs_one_line_per_piece_launch(
     assert "num_tokens=1 padded=1" in launches[-1]
 
 
+def test_trace_mode_logs_the_full_decode_graph_launches(
+    open_tiny: Callable[..., DebugSession], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KILN_DEBUG", "1")
+    session = open_tiny()  # full_and_piecewise: the prefill runs the pieces, every decode step the full graph
+    session.set_modes("captured")
+    handler = Lines()
+    logger = logging.getLogger("kiln")
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        session.run("captured", PROMPT, NUM_DECODE)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    pieces = [line for line in handler.lines if line.startswith("piece ")]
+    full = [line for line in handler.lines if line.startswith("full decode graph ")]
+    assert len(pieces) == NUM_LAYERS + 1 and len(full) == NUM_DECODE
+    assert ".. model.norm) mode=captured launch=dynamic num_tokens=1 padded=1" in full[0]
+
+
 def test_trace_mode_fails_loudly_when_a_replay_reads_other_memory(
     open_tiny: Callable[..., DebugSession], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KILN_DEBUG", "1")
-    session = open_tiny()
+    session = open_tiny(graph_mode="piecewise")
     session.set_modes("captured")
     capture = session.graph.pieces[2].captures[1]
     i, buf = capture.inputs[0]
