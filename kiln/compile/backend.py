@@ -61,13 +61,16 @@ def padding_context(num_tokens: int, kv_caches: list[torch.Tensor], device: torc
     return ForwardContext(meta, kv_caches)
 
 
-def decode_sample(sample_size: int, kv_caches: list[torch.Tensor], device: torch.device) -> DecodeInputs:
+def decode_sample(
+    sample_size: int, kv_caches: list[torch.Tensor], device: torch.device, dynamic_tokens: bool = True
+) -> DecodeInputs:
     """Decode inputs to trace with: padding rows on the null block, the table width symbolic and never equal to
     num_tokens (dynamo would give equal sizes one symbol)."""
     seq_lens = torch.ones(sample_size, dtype=torch.long, device=device)
     table = torch.full((sample_size, sample_size + 1), null_block(kv_caches[0]), dtype=torch.long, device=device)
-    torch._dynamo.mark_dynamic(seq_lens, 0)
-    torch._dynamo.mark_dynamic(table, 0)
+    if dynamic_tokens:
+        torch._dynamo.mark_dynamic(seq_lens, 0)
+        torch._dynamo.mark_dynamic(table, 0)
     torch._dynamo.mark_dynamic(table, 1)
     return DecodeInputs(seq_lens, table)
 
@@ -79,13 +82,16 @@ def trace_forward(
     device: torch.device,
     sample_size: int = 8,
     decode: bool = False,
+    static_size: int | None = None,
 ) -> TracedForward:
     """Trace `forward(input_ids, positions)` (the model, or a wrapper of it) into one FX graph; with `decode`,
-    a full decode graph whose attention is traced (kiln.model.graph_attention) over the decode inputs.
+    a full decode graph whose attention is traced (kiln.model.graph_attention) over the decode inputs; with
+    `static_size`, num_tokens is that constant (the table width stays symbolic).
 
     A graph break or an op dynamo cannot trace raises GraphTraceError naming the module path and the op.
     """
     recorded: dict[str, Any] = {}
+    sample_size = static_size or sample_size
 
     def kiln_backend(gm: GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         recorded["gm"] = gm
@@ -97,12 +103,13 @@ def trace_forward(
     torch._dynamo.reset()
     input_ids = torch.zeros(sample_size, dtype=torch.long, device=device)
     positions = torch.zeros(sample_size, dtype=torch.long, device=device)
-    torch._dynamo.mark_dynamic(input_ids, 0)
-    torch._dynamo.mark_dynamic(positions, 0)
+    if static_size is None:
+        torch._dynamo.mark_dynamic(input_ids, 0)
+        torch._dynamo.mark_dynamic(positions, 0)
     compiled = torch.compile(forward, backend=kiln_backend, fullgraph=True)
     ctx = padding_context(sample_size, kv_caches, device)
     if decode:
-        ctx.decode = decode_sample(sample_size, kv_caches, device)
+        ctx.decode = decode_sample(sample_size, kv_caches, device, dynamic_tokens=static_size is None)
     start = time.perf_counter()
     with torch.inference_mode(), set_forward_context(ctx):
         try:

@@ -85,7 +85,8 @@ class GraphExecutor(Executor):
             self.full = FullDecodeGraph(
                 model, kv_caches, self.device, self.counters, self.capture_sizes, self.config.max_model_len, sample
             )
-            self.full.piece.debug = self.pieces[0].debug
+            for piece in self.full.pieces:
+                piece.debug = self.pieces[0].debug
             self.full.set_mode(default, self.store, self.capturer.pool)
         if default is PieceMode.CAPTURED and not self.config.captures_pieces:
             default = PieceMode.COMPILED  # full / full_decode_only: mixed steps run the pieces uncaptured
@@ -97,9 +98,10 @@ class GraphExecutor(Executor):
         self.head = self._compile_logits_head(model)
         self.build_seconds = time.perf_counter() - start
         logger.info(
-            "Graph mode %s ready in %.2f s: %d pieces (%d distinct), %d compiled, %d from cache, %d captures [%s]%s%s",
-            self.mode,
+            "Graph mode ready in %.2f s (%s): %d pieces (%d distinct), %d compiled, %d from cache, %d captures "
+            "[%s]%s%s",
             self.build_seconds,
+            self.mode,
             len(self.pieces),
             len({p.info.structure_key for p in self.pieces}),
             self.counters.pieces_compiled,
@@ -202,11 +204,12 @@ class GraphExecutor(Executor):
         self.set_piece_modes({i: self.pieces[i].mode for i in changed})
         return changed
 
-    def rebuild_full(self, graph: GraphModule) -> None:
-        """Run `graph` as the full decode graph from now on (same inputs, its outputs first, extras allowed):
-        compiled again outside the on-disk cache and captured again in its current mode."""
+    def rebuild_full(self, transform: Callable[[Piece], GraphModule]) -> None:
+        """Rewrite every full decode graph (the one for any size and the static-size ones) with `transform`, as
+        `rebuild` does pieces: compiled again outside the on-disk cache, captured again in its current mode."""
         assert self.full is not None, "rebuild_full needs a graph mode with a full decode graph"
-        self.full.piece.rewrite(graph)
+        for piece in self.full.pieces:
+            piece.rewrite(transform(piece))
         self.set_full_mode(self.full.mode)
 
     def recapture(self, index: int) -> None:
@@ -224,8 +227,8 @@ class GraphExecutor(Executor):
         """Trace mode (kiln.debug.trace): log every piece launch and check replay inputs when level >= 1."""
         for piece in self.pieces:
             piece.debug = level
-        if self.full is not None:
-            self.full.piece.debug = level
+        for piece in self.full.pieces if self.full is not None else ():
+            piece.debug = level
 
     # -- run ---------------------------------------------------------------------------------------------
     @property

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+from functools import partial
 from typing import Any
 
 import torch
@@ -40,8 +41,9 @@ from kiln.compile.split import PieceGraph, module_paths, structure_key
 from kiln.compile.store import CompiledPieceStore
 from kiln.executor.counters import CompileCounters
 from kiln.model.attention import kv_cache_block_size, kv_cache_num_blocks, null_block
-from kiln.model.forward_context import ModelInputs
-from kiln.model.graph_attention import decode_positions
+from kiln.model.forward_context import DecodeInputs, ModelInputs
+from kiln.quant.linear import PackedLinear
+from kiln.quant.ops import INLINE
 
 logger = logging.getLogger("kiln")
 
@@ -55,14 +57,41 @@ def derive_positions(traced: TracedForward) -> None:
     if POSITIONS not in slots:
         return
     pos, lens = placeholders[slots.index(POSITIONS)], placeholders[slots.index(SEQ_LENS)]
+    # NOTE: decode_positions (kiln.model.graph_attention) as torch calls: AOT autograd caches known targets only
     with gm.graph.inserting_after(placeholders[-1]):
-        derived = gm.graph.call_function(decode_positions, (lens,))
-    derived.meta = dict(pos.meta)
+        clamped = gm.graph.call_function(torch.clamp, (lens,), {"min": 1})
+    with gm.graph.inserting_after(clamped):
+        derived = gm.graph.call_function(torch.sub, (clamped, 1))
+    clamped.meta, derived.meta = dict(pos.meta), dict(pos.meta)
     pos.replace_all_uses_with(derived)
     gm.graph.erase_node(pos)
     gm.recompile()
     i = slots.index(POSITIONS)
     del traced.slots[i], traced.bound[i]
+
+
+class DecodeVariant:
+    """One traced full decode graph (for any num_tokens, or one static size) as a Piece."""
+
+    def __init__(self, traced: TracedForward, counters: CompileCounters, static_size: int | None) -> None:
+        derive_positions(traced)
+        self.traced, self.static_size = traced, static_size
+        gm = traced.gm
+        self.piece = Piece(PieceGraph(0, "full_decode", gm, structure_key(gm), module_paths(gm)), counters)
+        self.piece.label = "full decode graph" + ("" if static_size is None else f" (num_tokens={static_size})")
+        if static_size is None:
+            self.piece.size_arg, self.piece.size_is_int = traced.slots.index(NUM_TOKENS), True
+        self.key = f"full_decode:{self.piece.info.structure_key}"
+
+    def args(self, ids: torch.Tensor, decode: DecodeInputs, size: int, width: int) -> list[Any]:
+        values = {
+            INPUT_IDS: ids,
+            SEQ_LENS: decode.seq_lens,
+            BLOCK_TABLE: decode.block_table,
+            NUM_TOKENS: size,
+            NUM_BLOCKS: width,
+        }
+        return self.traced.args_for(values)
 
 
 class FullDecodeGraph:
@@ -80,49 +109,59 @@ class FullDecodeGraph:
         self.counters = counters
         self.sizes = sorted(sizes)
         self.enabled = True  # False: decode-only steps run the pieces (the debugger's bisection localizes there)
-        self.traced = trace_forward(model, model, kv_caches, device, sample_size, decode=True)
-        derive_positions(self.traced)
+        trace = partial(trace_forward, model, model, kv_caches, device, sample_size, decode=True)
+        self.variants: dict[int | None, DecodeVariant] = {None: DecodeVariant(trace(), counters, None)}
         counters.graphs_traced += 1
-        gm = self.traced.gm
-        self.piece = Piece(PieceGraph(0, "full_decode", gm, structure_key(gm), module_paths(gm)), counters)
-        self.piece.label = "full decode graph"
-        size_slot = NUM_TOKENS if NUM_TOKENS in self.traced.slots else INPUT_IDS
-        self.piece.size_arg, self.piece.size_is_int = self.traced.slots.index(size_slot), size_slot == NUM_TOKENS
+        for size in static_sizes(model, self.sizes):
+            self.variants[size] = DecodeVariant(trace(static_size=size), counters, size)
+            counters.graphs_traced += 1
         block_size = kv_cache_block_size(kv_caches[0])
         blocks = kv_cache_num_blocks(kv_caches[0])
         max_blocks = min(blocks, math.ceil(max_model_len / block_size)) if max_model_len else blocks
         self.buffers = DecodeBuffers(self.sizes[-1], max_blocks, null_block(kv_caches[0]), device)
 
     @property
-    def max_size(self) -> int:
-        return self.sizes[-1]
+    def pieces(self) -> list[Piece]:
+        return [v.piece for v in self.variants.values()]
+
+    @property
+    def piece(self) -> Piece:
+        """The graph for any num_tokens (static-size variants beside it: `pieces`)."""
+        return self.variants[None].piece
 
     @property
     def mode(self) -> PieceMode:
         return self.piece.mode
 
+    def variant(self, size: int) -> DecodeVariant:
+        return self.variants.get(size) or self.variants[None]
+
     def compile(self, store: CompiledPieceStore) -> None:
-        if self.piece.compiled is None:
-            key = f"full_decode:{self.piece.info.structure_key}" if self.piece.persistent else None
-            source = self.piece.compile_source
-            self.piece.compiled = store.get(source, LABEL, persistent=self.piece.persistent, key=key)
+        for v in self.variants.values():
+            piece = v.piece
+            if piece.compiled is None:
+                label = f"the {piece.label}"
+                key = v.key if piece.persistent else None
+                piece.compiled = store.get(piece.compile_source, label, persistent=piece.persistent, key=key)
 
     def set_mode(self, mode: PieceMode, store: CompiledPieceStore, pool: Any) -> None:
         """Eager (the traced graph op by op), compiled, or captured (CUDA graphs per size; on CPU, compiled on the
         persistent buffers)."""
         if mode is not PieceMode.EAGER:
             self.compile(store)
-        self.piece.mode = mode
+        for piece in self.pieces:
+            piece.mode = mode
         if mode is PieceMode.CAPTURED and self.device.type == "cuda" and not self.piece.captures:
             self._capture(pool)
 
     def _capture(self, pool: Any) -> None:
         width = self.buffers.max_blocks
         for size in reversed(self.sizes):
-            args = self._args(*self.buffers.views(size, width), size, width)
-            compiled = self.piece.compiled
+            v = self.variant(size)
+            compiled = v.piece.compiled
             assert compiled is not None
-            self.piece.captures[size] = make_capture(self.device, compiled.fn, args, [], set(), pool)
+            args = v.args(*self.buffers.views(size, width), size, width)
+            v.piece.captures[size] = make_capture(self.device, compiled.fn, args, [], set(), pool)
             self.counters.full_graphs_captured += 1
         logger.info(
             "Capturing full decode graphs (sizes %s, %d table blocks, avail_mem=%.2f GB): 100%%",
@@ -131,21 +170,20 @@ class FullDecodeGraph:
             available_memory_gb(self.device),
         )
 
-    def _args(self, ids: torch.Tensor, decode: Any, size: int, width: int) -> list[Any]:
-        values = {
-            INPUT_IDS: ids,
-            SEQ_LENS: decode.seq_lens,
-            BLOCK_TABLE: decode.block_table,
-            NUM_TOKENS: size,
-            NUM_BLOCKS: width,
-        }
-        return self.traced.args_for(values)
-
     def fits(self, batch: ModelInputs, size: int) -> bool:
         return size in self.sizes and self.buffers.fits(batch.metadata)
 
     def run(self, batch: ModelInputs, size: int) -> torch.Tensor:
         """Hidden states [size, hidden] of a decode-only step padded to capture size `size`."""
         ids, decode, width = self.buffers.load(batch, size)
-        out = self.piece(*self._args(ids, decode, size, width))
-        return out[0] if self.piece.returns_tuple else out
+        v = self.variant(size)
+        out = v.piece(*v.args(ids, decode, size, width))
+        return out[0] if v.piece.returns_tuple else out
+
+
+def static_sizes(model: nn.Module, sizes: list[int]) -> list[int]:
+    """Capture sizes that get a decode graph of their own: those at which some packed product's timed winner is the
+    fused reduction, which a static-size trace writes inline (kiln.quant.ops.inlined)."""
+    layouts = {(m.codes.shape, m.codes.dtype, m.scale.dtype) for m in model.modules() if isinstance(m, PackedLinear)}
+    inlined = {key[3] for key in INLINE if key[:3] in layouts}
+    return [size for size in sizes if size in inlined]

@@ -31,7 +31,17 @@ from kiln.compile.compiler import PieceCompiler
 from kiln.compile.logits_head import trace_static
 from kiln.executor.kernel_choice import KernelChoiceCache, stream_count
 from kiln.quant.linear import PackedLinear
-from kiln.quant.ops import GEMV_ROWS, KERNELS, MANY, Kernel, dequant_blas, dequantize_codes, kernel_key, reduction
+from kiln.quant.ops import (
+    GEMV_ROWS,
+    INLINE,
+    KERNELS,
+    MANY,
+    Kernel,
+    dequant_blas,
+    dequantize_codes,
+    kernel_key,
+    reduction,
+)
 
 logger = logging.getLogger("kiln")
 
@@ -76,8 +86,10 @@ class PackedKernelTable:
         _INT4PACKED.clear()  # repacked codes are keyed by address: none may outlive the engine that made them
         for layer in self.distinct.values():
             for rows in ROWS:
-                kernel = self._make(self.winner(layer, rows), layer, rows)
-                KERNELS[kernel_key(layer.codes, layer.scale, rows if rows <= GEMV_ROWS else MANY)] = kernel
+                name = self.winner(layer, rows)
+                key = kernel_key(layer.codes, layer.scale, rows if rows <= GEMV_ROWS else MANY)
+                KERNELS[key] = self._make(name, layer, rows)
+                (INLINE.add if name == FUSED else INLINE.discard)(key)
 
     def _make(self, name: str, layer: PackedLinear, rows: int) -> Kernel:
         if name == FUSED:

@@ -31,7 +31,7 @@ def graph_config_from(recipe: Any | None = None, **cli_overrides: Any) -> GraphC
     if recipe is not None:
         base = replace(
             base,
-            mode=str(recipe.graph_mode),
+            mode=str(getattr(recipe, "graph_mode", None) or ("full_and_piecewise" if recipe.piecewise else "full")),
             splitting_ops=tuple(recipe.splitting_ops),
             capture_sizes=tuple(recipe.capture_sizes),
             compile_sizes=_optional_sizes(getattr(recipe, "compile_sizes", None)),

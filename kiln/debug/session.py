@@ -28,9 +28,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
+from torch.fx import GraphModule
 
 from kiln.compile.executor import GraphExecutor
 from kiln.compile.modes import PieceMode
+from kiln.compile.piece import Piece
 from kiln.config import EngineConfig
 from kiln.debug.taps import (
     LOGITS,
@@ -149,13 +151,15 @@ class DebugSession:
         graph.rebuild(lambda p: with_extra_outputs(p.graph, taps[p.index]) if p.index in taps else None)
         for piece, probe in zip(graph.pieces, self.probes, strict=True):
             graph.set_piece_hooks(piece.index, after=probe)
-        if graph.full is not None:  # decode steps run the full decode graph: the same taps, in its one graph
-            full = graph.full.piece
-            located_full = locate_boundaries([full], model_boundaries(self.model))
-            tapped = [b.name for b in self.boundaries if b.name in located_full]
-            graph.rebuild_full(with_extra_outputs(full.graph, [located_full[n][1] for n in tapped]))
-            full.after = TapProbe(tapped, full.num_outputs, recorder)
+        if graph.full is not None:  # decode steps run a full decode graph: the same taps, in each of them
+            graph.rebuild_full(self._tap_full)
         graph.set_trace_level(trace_level(self.recipe))
+
+    def _tap_full(self, full: Piece) -> GraphModule:
+        located = locate_boundaries([full], model_boundaries(self.model))
+        tapped = [b.name for b in self.boundaries if b.name in located]
+        full.after = TapProbe(tapped, full.num_outputs, self.recorder)
+        return with_extra_outputs(full.graph, [located[n][1] for n in tapped])
 
     # -- construction ----------------------------------------------------------------------------------------
     @classmethod

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kiln.quant.gguf_blocks import GROUP
-from kiln.quant.ops import dequantize_codes, unpack_codes
+from kiln.quant.ops import dequantize_codes, inlined, reduction, unpack_codes
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,10 @@ class PackedLinear(_Packed):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        out = torch.ops.kiln.packed_linear(flat, self.codes, self.scale, self.offset)
+        if inlined(flat, self.codes, self.scale):
+            out = reduction(flat, self.codes, self.scale, self.offset)
+        else:
+            out = torch.ops.kiln.packed_linear(flat, self.codes, self.scale, self.offset)
         out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 

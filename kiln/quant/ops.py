@@ -19,6 +19,9 @@ MANY = 0
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # (codes shape, codes dtype, scale dtype, rows or MANY) -> kernel(x, codes, scale, offset)
 KERNELS: dict[tuple[torch.Size, torch.dtype, torch.dtype, int], Kernel] = {}
+# the KERNELS keys whose timed winner is the fused reduction: a graph traced for that static row count writes the
+# reduction inline (inductor compiles it into the graph: no op call, no Python between kernels)
+INLINE: set[tuple[torch.Size, torch.dtype, torch.dtype, int]] = set()
 
 
 def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -35,6 +38,13 @@ def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Ten
 
 def kernel_key(codes: torch.Tensor, scale: torch.Tensor, rows: int) -> tuple:
     return codes.shape, codes.dtype, scale.dtype, rows if rows <= GEMV_ROWS else MANY
+
+
+def inlined(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether a graph being traced writes this product inline: a static row count whose winner is the fused
+    reduction (never in eager, where the reduction would materialise the product's every term)."""
+    rows = x.shape[0]
+    return torch.compiler.is_compiling() and isinstance(rows, int) and kernel_key(codes, scale, rows) in INLINE
 
 
 def dequant_blas(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:

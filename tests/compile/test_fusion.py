@@ -68,7 +68,9 @@ def test_default_model_realises_mlp_fusion_and_matches_eager(
     tmp_path: Path, kiln_log: pytest.LogCaptureFixture
 ) -> None:
     """The shipped recipe's required group (a compile that missed it would fail) plus residual add + norm."""
-    args = EngineArgs(recipe=str(RECIPE), capture_sizes=[1, 4], compile_sizes=[], cache_dir=str(tmp_path))
+    args = EngineArgs(
+        recipe=str(RECIPE), graph_mode="piecewise", capture_sizes=[1, 4], compile_sizes=[], cache_dir=str(tmp_path)
+    )
     config = args.create_engine_config()
     assert [(g.name, g.required) for g in config.graph.fusion_groups] == [("mlp_fusion", True)]
     groups = (*config.graph.fusion_groups, FusionGroupConfig("norm", ("add", "rms_norm"), required=False))

@@ -25,7 +25,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def piecewise(tmp_path_factory: pytest.TempPathFactory) -> LLM:
     cache = tmp_path_factory.mktemp("kiln-cache")
-    return LLM("default", dtype="float32", seed=0, enable_piecewise_graph=True, cache_dir=str(cache))
+    return LLM("default", dtype="float32", seed=0, graph_mode="piecewise", cache_dir=str(cache))
 
 
 @pytest.mark.parametrize("batch", [1, 3, 5])

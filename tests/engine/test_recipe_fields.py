@@ -48,13 +48,14 @@ def test_graph_fields_and_device_reach_the_engine_config(tmp_path: Path, caplog:
 
 
 def test_dtypes_and_kv_plan_change_the_engine(tmp_path: Path) -> None:
-    llm = LLM(recipe=write(tmp_path))
+    llm = LLM(recipe=write(tmp_path), graph_mode="piecewise")
     engine = llm.engine
     assert next(engine.model.parameters()).dtype == torch.bfloat16  # weights.dtype
     assert {t.dtype for t in engine.runner.kv_caches} == {torch.bfloat16}  # kv_cache.dtype
     assert (engine.pool.block_size, engine.pool.num_blocks) == (8, 64)  # block_size, max_pages
     per_token = 2 * engine.model_config.num_kv_heads * engine.model_config.head_dim * 2  # K and V, 2 bytes each
-    assert engine.runner.kv_cache_bytes == engine.model_config.num_layers * 64 * 8 * per_token
+    # 64 blocks and the null block (padding rows of a full decode graph write there)
+    assert engine.runner.kv_cache_bytes == engine.model_config.num_layers * (64 + 1) * 8 * per_token
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=6, temperature=0))[0]
     assert out.finish_reason == "length" and "Paris" in out.text  # a bf16 model with a bf16 cache still answers
 
@@ -69,7 +70,7 @@ def test_the_recipe_quantization_runs(tmp_path: Path, weights: str, group: int, 
     text = (FIELDS % ("false", "null", "false")).replace("dtype: bfloat16, source", "dtype: float32, source")
     quant = f"quantization: {{weights: {weights}, group_size: {group}}}"
     path.write_text(text.replace("memory_plan:", f"{quant}\nmemory_plan:"))
-    llm = LLM(recipe=str(path))
+    llm = LLM(recipe=str(path), graph_mode="piecewise")
     assert llm.engine.config.quantization == engine_mode
     packed = [m for m in llm.engine.model.model.layers.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == 4 * llm.engine.model_config.num_layers and {m.scheme for m in packed} == {scheme}
@@ -102,11 +103,11 @@ def test_all_ops_quantized_is_checked_against_the_loaded_weights(
     path = tmp_path / "recipe.yaml"
     path.write_text(QUANTIZED_GROUP % (weights, claim))
     if runs is None:  # int4 over the Q4_1 file: the blocks run packed, 4-bit
-        llm = LLM(recipe=str(path))
+        llm = LLM(recipe=str(path), graph_mode="piecewise")
         assert llm.engine.model.model.layers[0].mlp.gate_up_proj.bits == 4
         return
     with pytest.raises(FusionGroupError) as err:
-        LLM(recipe=str(path))
+        LLM(recipe=str(path), graph_mode="piecewise")
     assert str(err.value) == (
         f"{path}:6: fusion group mlp claims all_ops_quantized: int4, but gate_proj runs {runs} "
         "(model.layers.0.mlp.gate_up_proj); set quantization.weights, or drop the claim"

@@ -18,7 +18,7 @@ def test_unknown_key_suggests_the_near_miss(header, write, only_error) -> None:
     err = only_error(path)
     assert (err.line, err.col) == (4, 26)
     assert err.message.startswith("unknown key 'compilr' in graph; did you mean 'compiler'?")
-    assert "expected one of: capture_sizes, compile_sizes, compiler, piecewise, splitting_ops" in err.message
+    assert "expected one of: capture_sizes, compile_sizes, compiler, mode, piecewise, splitting_ops" in err.message
 
 
 def test_unknown_top_level_section(header, write, only_error) -> None:
