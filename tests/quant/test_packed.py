@@ -186,10 +186,23 @@ def test_packed_graph_mode_matches_eager_and_fuses_the_dequantization(tmp_path: 
     ]
     # the op stays whole inside the pieces: one extern call per packed layer (the head runs outside them)
     assert sum(k.is_extern and "packed_linear" in k.name for k in packed_ops) == 4 * 30
+    # full_and_piecewise: a static-size decode graph where every timed winner at that row count is the fused
+    # reduction, with the products inline; the graph for any size calls the op
+    full = executor.full
+    winners = {size: {r["winners"][str(size)] for r in records.values()} for size in (1, 2)}
+    assert set(full.variants) - {None} == {size for size, won in winners.items() if FUSED in won}
+
+    def op_calls(piece) -> int:
+        return sum("packed_linear" in str(n.target) for n in piece.graph.graph.nodes)
+
+    assert op_calls(full.piece) == 4 * 30
+    for size, variant in full.variants.items():
+        assert size is None or op_calls(variant.piece) < 4 * 30  # the products that won inline are inline
     params = SamplingParams(max_tokens=12, temperature=0)
     assert [o.token_ids for o in graph.generate(PROMPTS, params)] == [
         o.token_ids for o in llm.generate(PROMPTS, params)
     ]
+    assert executor.counters.full_replays > 0
 
 
 def test_packed_needs_a_gguf(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kiln.recipe import recipe_json_schema
+from kiln.recipe import load_recipe, recipe_json_schema
 from kiln.recipe.cli import main
 
 # NOTE: validation reports every error in one pass; these bounds keep the constraint checks quiet, so each test
@@ -77,3 +77,12 @@ def test_checked_in_schema_is_current() -> None:
     assert json.loads(path.read_text()) == recipe_json_schema(), (
         "run: kiln recipe schema --out recipes/recipe.schema.json"
     )
+
+
+def test_graph_mode_is_read_and_checked_against_piecewise(header, write, only_error) -> None:
+    recipe = load_recipe(write(header + "graph: {piecewise: true, mode: full_decode_only}\n" + BOUNDS))
+    assert recipe.graph_mode == "full_decode_only"
+    assert load_recipe(write(header + "graph: {piecewise: false}\n" + BOUNDS)).graph_mode == "full"
+    assert load_recipe(write(header + BOUNDS)).graph_mode == "full_and_piecewise"
+    err = only_error(write(header + "graph: {piecewise: false, mode: piecewise}\n" + BOUNDS))
+    assert err.line == 4 and "graph.mode piecewise runs pieces, but graph.piecewise is false" in err.message
