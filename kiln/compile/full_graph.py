@@ -181,9 +181,14 @@ class FullDecodeGraph:
         return out[0] if v.piece.returns_tuple else out
 
 
+# NOTE: each static variant is one more whole-model compile (~70 s cold on 2 cores, cached after): only batch-1
+# decode, where ~120 op calls a step cost as much as a fifth of it, gets one
+STATIC_SIZES = (1,)
+
+
 def static_sizes(model: nn.Module, sizes: list[int]) -> list[int]:
-    """Capture sizes that get a decode graph of their own: those at which some packed product's timed winner is the
-    fused reduction, which a static-size trace writes inline (kiln.quant.ops.inlined)."""
+    """Capture sizes that get a decode graph of their own (of STATIC_SIZES): those at which some packed product's
+    timed winner is the fused reduction, which a static-size trace writes inline (kiln.quant.ops.inlined)."""
     layouts = {(m.codes.shape, m.codes.dtype, m.scale.dtype) for m in model.modules() if isinstance(m, PackedLinear)}
     inlined = {key[3] for key in INLINE if key[:3] in layouts}
-    return [size for size in sizes if size in inlined]
+    return [size for size in sizes if size in inlined and size in STATIC_SIZES]

@@ -13,6 +13,7 @@ from gguf.quants import dequantize, quantize
 
 from kiln import LLM, SamplingParams
 from kiln.compile.compiler import make_compiler
+from kiln.compile.full_graph import STATIC_SIZES
 from kiln.compile.kernels import kernels_in
 from kiln.compile.packed_kernels import COMPILED_DEQUANT, DEQUANT_BLAS, FUSED, INT4PACK, PackedKernelTable
 from kiln.errors import ConfigError
@@ -189,7 +190,7 @@ def test_packed_graph_mode_matches_eager_and_fuses_the_dequantization(tmp_path: 
     # full_and_piecewise: a static-size decode graph where every timed winner at that row count is the fused
     # reduction, with the products inline; the graph for any size calls the op
     full = executor.full
-    winners = {size: {r["winners"][str(size)] for r in records.values()} for size in (1, 2)}
+    winners = {size: {r["winners"][str(size)] for r in records.values()} for size in STATIC_SIZES}
     assert set(full.variants) - {None} == {size for size, won in winners.items() if FUSED in won}
 
     def op_calls(piece) -> int:
