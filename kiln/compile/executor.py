@@ -83,7 +83,14 @@ class GraphExecutor(Executor):
         default = PieceMode(self.config.default_piece_mode)
         if self.config.full_decode and self.capture_sizes:
             self.full = FullDecodeGraph(
-                model, kv_caches, self.device, self.counters, self.capture_sizes, self.config.max_model_len, sample
+                model,
+                kv_caches,
+                self.device,
+                self.counters,
+                self.capture_sizes,
+                self.config.max_model_len,
+                sample,
+                tuple(self.compile_sizes),
             )
             for piece in self.full.pieces:
                 piece.debug = self.pieces[0].debug

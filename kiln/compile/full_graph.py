@@ -104,7 +104,10 @@ class FullDecodeGraph:
         sizes: list[int],
         max_model_len: int | None,
         sample_size: int,
+        gemv_sizes: tuple[int, ...] = (),
     ) -> None:
+        """`gemv_sizes`: the static compile sizes the kernel choice kept (fp32 weight products as GEMV reductions,
+        kiln.compile.passes.DecodeGemv): each gets a static-size graph too."""
         self.device = device
         self.counters = counters
         self.sizes = sorted(sizes)
@@ -112,7 +115,7 @@ class FullDecodeGraph:
         trace = partial(trace_forward, model, model, kv_caches, device, sample_size, decode=True)
         self.variants: dict[int | None, DecodeVariant] = {None: DecodeVariant(trace(), counters, None)}
         counters.graphs_traced += 1
-        for size in static_sizes(model, self.sizes):
+        for size in static_sizes(model, self.sizes, gemv_sizes):
             self.variants[size] = DecodeVariant(trace(static_size=size), counters, size)
             counters.graphs_traced += 1
         block_size = kv_cache_block_size(kv_caches[0])
@@ -181,14 +184,15 @@ class FullDecodeGraph:
         return out[0] if v.piece.returns_tuple else out
 
 
-# NOTE: each static variant is one more whole-model compile (~70 s cold on 2 cores, cached after): only batch-1
-# decode, where ~120 op calls a step cost as much as a fifth of it, gets one
+# NOTE: each static variant is one more whole-model compile (~70 s cold on 2 cores, cached after): for packed
+# products only batch-1 decode, where ~120 op calls a step cost as much as a fifth of it, gets one
 STATIC_SIZES = (1,)
 
 
-def static_sizes(model: nn.Module, sizes: list[int]) -> list[int]:
-    """Capture sizes that get a decode graph of their own (of STATIC_SIZES): those at which some packed product's
-    timed winner is the fused reduction, which a static-size trace writes inline (kiln.quant.ops.inlined)."""
+def static_sizes(model: nn.Module, sizes: list[int], gemv_sizes: tuple[int, ...] = ()) -> list[int]:
+    """Capture sizes that get a decode graph of their own: the timed GEMV sizes, and those of STATIC_SIZES at which
+    some packed product's timed winner is the fused reduction, which a static-size trace writes inline
+    (kiln.quant.ops.inlined)."""
     layouts = {(m.codes.shape, m.codes.dtype, m.scale.dtype) for m in model.modules() if isinstance(m, PackedLinear)}
     inlined = {key[3] for key in INLINE if key[:3] in layouts}
-    return [size for size in sizes if size in inlined and size in STATIC_SIZES]
+    return [size for size in sizes if (size in inlined and size in STATIC_SIZES) or size in gemv_sizes]

@@ -151,3 +151,22 @@ def test_padding_rows_touch_only_the_null_block(model: torch.nn.Module, cache_di
         real = torch.ones_like(changed)
         real[null] = False
         torch.testing.assert_close(after[:, :, real], other[:, :, real], rtol=0, atol=1e-5)  # K/V as the op wrote
+
+
+def test_timed_gemv_sizes_get_a_static_full_graph(model: torch.nn.Module, cache_dir: Path) -> None:
+    """fp32 weights with a static compile size kept by the kernel choice: batch-1 decode runs a full graph for
+    num_tokens=1 whose weight products are GEMV reductions (not BLAS calls), with eager's logits."""
+    eager, got = LogitsRecorder(), LogitsRecorder()
+    ref = make_runner(model)
+    ref.observer = eager
+    runner, graph = graph_runner(model, cache_dir, compiler="inductor", mode="full_and_piecewise", compile_sizes=(1,))
+    runner.observer = got
+    assert set(graph.full.variants) == {None, 1}
+    static, dynamic = graph.full.variants[1].piece, graph.full.piece
+    assert "extern_kernels.mm" in dynamic.compiled.source_code
+    assert "extern_kernels.mm" not in static.compiled.source_code
+    prompt = random_prompts([6], seed=5)
+    assert generate(runner, prompt, 6) == generate(ref, prompt, 6)
+    for g, w in zip(got.logits, eager.logits, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-4)
+    graph.counters.expect(full_replays=5, graphs_traced=3)
