@@ -28,12 +28,8 @@ class Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def test_trace_mode_logs_one_line_per_piece_launch(
-    open_tiny: Callable[..., DebugSession], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("KILN_DEBUG", "1")
-    session = open_tiny(graph_mode="piecewise")
-    session.set_modes("captured")  # captures now, so the run below only replays
+def logged_run(session: DebugSession) -> list[str]:
+    """The kiln log lines of one captured run (prefill and NUM_DECODE decode steps)."""
     handler = Lines()
     logger = logging.getLogger("kiln")
     logger.addHandler(handler)
@@ -44,7 +40,17 @@ def test_trace_mode_logs_one_line_per_piece_launch(
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-    launches = [line for line in handler.lines if line.startswith("piece ")]
+    return handler.lines
+
+
+def test_trace_mode_logs_one_line_per_piece_launch(
+    open_tiny: Callable[..., DebugSession], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KILN_DEBUG", "1")
+    session = open_tiny(graph_mode="piecewise")
+    session.set_modes("captured")  # captures now, so the run below only replays
+    lines = logged_run(session)
+    launches = [line for line in lines if line.startswith("piece ")]
     assert len(launches) == (NUM_LAYERS + 1) * (NUM_DECODE + 1)
     assert launches[0].startswith("piece 0 (model.embed_tokens .. model.layers.0.self_attn.rotary_emb) mode=captured")
     assert "launch=replay num_tokens=7 padded=8 time=" in launches[0] and launches[0].endswith(" ms")
@@ -57,18 +63,9 @@ def test_trace_mode_logs_the_full_decode_graph_launches(
     monkeypatch.setenv("KILN_DEBUG", "1")
     session = open_tiny()  # full_and_piecewise: the prefill runs the pieces, every decode step the full graph
     session.set_modes("captured")
-    handler = Lines()
-    logger = logging.getLogger("kiln")
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
-        session.run("captured", PROMPT, NUM_DECODE)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-    pieces = [line for line in handler.lines if line.startswith("piece ")]
-    full = [line for line in handler.lines if line.startswith("full decode graph ")]
+    lines = logged_run(session)
+    pieces = [line for line in lines if line.startswith("piece ")]
+    full = [line for line in lines if line.startswith("full decode graph ")]
     assert len(pieces) == NUM_LAYERS + 1 and len(full) == NUM_DECODE
     assert ".. model.norm) mode=captured launch=dynamic num_tokens=1 padded=1" in full[0]
 
