@@ -74,7 +74,8 @@ class GraphExecutor(Executor):
         self.store = CompiledPieceStore(
             self.compiler, cache_root, self.config.recipe_hash, kv_caches, self.device, self.counters
         )
-        sample = max(2, min(self.capture_sizes[-1] if self.capture_sizes else 8, 8))
+        # NOTE: at least 3: a packed model traced at 2 tokens specialises num_tokens (dynamo constraint violation)
+        sample = max(3, min(self.capture_sizes[-1] if self.capture_sizes else 8, 8))
         self.graph: PiecewiseGraph = build_graph(
             model, kv_caches, self.device, self.config.splitting_ops, self.is_full_graph, self.counters, sample
         )

@@ -206,6 +206,16 @@ def test_packed_graph_mode_matches_eager_and_fuses_the_dequantization(tmp_path: 
     assert executor.counters.full_replays > 0
 
 
+def test_packed_graph_mode_with_only_batch_1_captured(tmp_path: Path, llm: LLM) -> None:
+    """Capture sizes [1]: the forward is still traced for a symbolic num_tokens (traced at 3 tokens, not 2)."""
+    graph = LLM(quantization="packed", graph_mode="piecewise", capture_sizes=[1], cache_dir=str(tmp_path))
+    params = SamplingParams(max_tokens=4, temperature=0)
+    assert [o.token_ids for o in graph.generate(PROMPTS[:1], params)] == [
+        o.token_ids for o in llm.generate(PROMPTS[:1], params)
+    ]
+    assert graph.engine.executor.counters.replays == 3
+
+
 def test_packed_needs_a_gguf(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--quantization packed keeps a block-quantized GGUF's weights packed"):
         LLM(str(_tiny_hf_dir(tmp_path)), quantization="packed")
