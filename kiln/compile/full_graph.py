@@ -47,8 +47,6 @@ from kiln.quant.ops import INLINE
 
 logger = logging.getLogger("kiln")
 
-LABEL = "the full decode graph"
-
 
 def derive_positions(traced: TracedForward) -> None:
     """Replace the graph's `positions` input with positions derived from the persistent `seq_lens` (in place)."""
