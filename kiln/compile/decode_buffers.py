@@ -29,9 +29,9 @@ class DecodeBuffers:
 
     def _allocate(self, width: int) -> None:
         numel = self.max_tokens * (2 + width)
-        pinned = self.device.type == "cuda"
-        self.staging = torch.zeros(numel, dtype=torch.long, pin_memory=pinned)
-        self.buffer = self.staging if self.device.type == "cpu" else torch.zeros_like(self.staging, device=self.device)
+        # NOTE: only CUDA has a separate device buffer (and a pinned staging buffer); fixed_width says CUDA
+        self.staging = torch.zeros(numel, dtype=torch.long, pin_memory=self.fixed_width)
+        self.buffer = self.staging.to(self.device) if self.fixed_width else self.staging
         self.capacity = width
 
     def views(self, size: int, width: int) -> tuple[torch.Tensor, DecodeInputs]:
