@@ -56,6 +56,8 @@ def flex_decode(q, k, v, kv_cache, seq_lens, table):
         block_mask=mask,
         enable_gqa=True,
         scale=1.0,
+        # NOTE: triton's tiles must divide the 16-token pages (the default tiles are 64-128)
+        kernel_options={"BLOCK_M": BLOCK, "BLOCK_N": BLOCK} if q.is_cuda else None,
     )
     return out.transpose(1, 2).reshape(n, HEADS * HEAD_DIM)
 
@@ -65,9 +67,15 @@ def gather_decode(q, k, v, kv_cache, seq_lens, table):
 
 
 def timed(fn, args, device: str, iters: int) -> float:
+    """Mean µs per call; on CUDA of a CUDA graph replaying the call (device time, as in a captured decode graph)."""
     for _ in range(3):
         fn(*args)
     if device == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(*args)
+        fn = graph.replay
+        args = ()
         torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(iters):

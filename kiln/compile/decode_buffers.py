@@ -6,8 +6,10 @@ staging buffer is the buffer itself). A size's views of it never move, so a CUDA
 replays on the next step's values. Positions and KV slots are not uploaded: the graph derives them from
 `seq_lens` and the table (kiln.model.graph_attention).
 
-The table width (blocks per sequence) is the step's on CPU, where the compiled graph takes it as a symbol; on
-CUDA it is fixed at `max_blocks` for capture, and rows are padded with the null block.
+The table width (blocks per sequence) is the step's on CPU, where the compiled graph takes it as a symbol. On
+CUDA a graph is captured per width bucket (`widths`: powers of two up to `max_blocks`), so a step reads the
+smallest captured table that holds its blocks, not one sized for `max_model_len`; rows are padded with the null
+block.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class DecodeBuffers:
         self.null_block = null_block
         self.device = device
         self.fixed_width = device.type == "cuda"
+        self.widths = width_buckets(max_blocks)
         self.uploads = 0  # host->device copies made (one per step)
         self._allocate(max_blocks)
 
@@ -44,8 +47,10 @@ class DecodeBuffers:
         return buf[:size], DecodeInputs(buf[m : m + size], table)
 
     def width_for(self, meta: AttentionMetadata) -> int:
-        """Table columns this step's graph reads: the batch's own on CPU, the captured width on CUDA."""
-        return self.max_blocks if self.fixed_width else meta.block_tables.shape[1]
+        """Table columns this step's graph reads: the batch's own on CPU, the smallest captured width that holds
+        them on CUDA."""
+        width = meta.block_tables.shape[1]
+        return next(w for w in self.widths if w >= width) if self.fixed_width else width
 
     def fits(self, meta: AttentionMetadata) -> bool:
         """Whether this step's block tables fit a captured table (always on CPU, where the buffer grows)."""
@@ -73,3 +78,17 @@ class DecodeBuffers:
         self.uploads += 1
         ids, decode = self._views(self.buffer, size, width)
         return ids, decode, width
+
+
+# NOTE: the narrowest captured table: below it, gathering a few null blocks costs less than another capture
+MIN_WIDTH = 8
+
+
+def width_buckets(max_blocks: int) -> list[int]:
+    """Captured table widths: powers of two from MIN_WIDTH below `max_blocks`, then `max_blocks` itself."""
+    widths = []
+    width = MIN_WIDTH
+    while width < max_blocks:
+        widths.append(width)
+        width *= 2
+    return [*widths, max_blocks]

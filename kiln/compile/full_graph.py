@@ -79,6 +79,9 @@ class DecodeVariant:
         self.piece.label = "full decode graph" + ("" if static_size is None else f" (num_tokens={static_size})")
         if static_size is None:
             self.piece.size_arg, self.piece.size_is_int = traced.slots.index(NUM_TOKENS), True
+        table = traced.slots.index(BLOCK_TABLE)
+        # CUDA graphs are captured per (num_tokens, table width) (DecodeBuffers.widths)
+        self.piece.capture_key = lambda args: (self.piece.num_tokens(args), args[table].shape[1])
         self.key = f"full_decode:{self.piece.info.structure_key}"
 
     def args(self, ids: torch.Tensor, decode: DecodeInputs, size: int, width: int) -> list[Any]:
@@ -156,18 +159,20 @@ class FullDecodeGraph:
             self._capture(pool)
 
     def _capture(self, pool: Any) -> None:
-        width = self.buffers.max_blocks
-        for size in reversed(self.sizes):
-            v = self.variant(size)
-            compiled = v.piece.compiled
-            assert compiled is not None
-            args = v.args(*self.buffers.views(size, width), size, width)
-            v.piece.captures[size] = make_capture(self.device, compiled.fn, args, [], set(), pool)
-            self.counters.full_graphs_captured += 1
+        """One CUDA graph per capture size and table width bucket, widest and largest first (they share a pool)."""
+        widths = self.buffers.widths
+        for width in reversed(widths):
+            for size in reversed(self.sizes):
+                v = self.variant(size)
+                compiled = v.piece.compiled
+                assert compiled is not None
+                args = v.args(*self.buffers.views(size, width), size, width)
+                v.piece.captures[(size, width)] = make_capture(self.device, compiled.fn, args, [], set(), pool)
+                self.counters.full_graphs_captured += 1
         logger.info(
-            "Capturing full decode graphs (sizes %s, %d table blocks, avail_mem=%.2f GB): 100%%",
+            "Capturing full decode graphs (sizes %s x table widths %s blocks, avail_mem=%.2f GB): 100%%",
             self.sizes,
-            width,
+            widths,
             available_memory_gb(self.device),
         )
 

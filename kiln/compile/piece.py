@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +47,8 @@ class Piece(nn.Module):
         self.mode = PieceMode.CAPTURED
         self.compiled: CompiledPiece | None = None
         self.static_compiled: dict[int, CompiledPiece] = {}  # num_tokens -> compiled for that static size
-        self.captures: dict[int, Capture] = {}
+        self.captures: dict[Hashable, Capture] = {}  # by `capture_key(args)`: num_tokens unless set otherwise
+        self.capture_key: Callable[[Sequence[Any]], Hashable] = self.num_tokens
         # set while capturing: called with the real arguments of one forward at that size
         self.capture_hook: Callable[[Piece, tuple[Any, ...]], Sequence[torch.Tensor]] | None = None
         self.returns_tuple = returns_tuple(self.graph)
@@ -92,7 +93,7 @@ class Piece(nn.Module):
     def _launch(self, args: Sequence[Any]) -> Any:
         mode = self.mode
         if mode is PieceMode.CAPTURED:
-            capture = self.captures.get(self.num_tokens(args))
+            capture = self.captures.get(self.capture_key(args))
             if capture is not None:
                 self.counters.piece_replays += 1
                 out = capture(args)
@@ -114,7 +115,7 @@ class Piece(nn.Module):
     def _traced_forward(self, args: tuple[Any, ...]) -> Any:
         """KILN_DEBUG (trace mode): check a replay's input buffers, run, and log the launch with its time."""
         n = self.num_tokens(args)
-        capture = self.captures.get(n) if self.mode is PieceMode.CAPTURED else None
+        capture = self.captures.get(self.capture_key(args)) if self.mode is PieceMode.CAPTURED else None
         if capture is not None:
             launch = "replay"
             capture.check_bound_inputs(f"{self.label} ({self.describe()}) num_tokens={n}")

@@ -33,7 +33,7 @@ def test_full_graph_on_cuda_runs_uncaptured(cache_dir: Path) -> None:
     model = tiny_model(num_layers=2, device="cuda")
     expected = generate(make_runner(model), PROMPTS, 4)
     runner, graph = graph_runner(model, cache_dir, compiler="eager", mode="full")
-    graph.counters.expect(pieces_seen=1, pieces_captured=0, full_graphs_captured=3)
+    graph.counters.expect(pieces_seen=1, pieces_captured=0, full_graphs_captured=3 * len(graph.full.buffers.widths))
     assert generate(runner, PROMPTS, 4) == expected
 
 
@@ -43,7 +43,9 @@ def test_full_decode_graph_is_a_cuda_graph_and_never_syncs(compiler: str, cache_
     model = tiny_model(num_layers=3, device="cuda")
     expected = generate(make_runner(model), PROMPTS, 5)
     runner, graph = graph_runner(model, cache_dir, compiler=compiler, mode="full_and_piecewise")
-    graph.counters.expect(full_graphs_captured=3, pieces_captured=12)
+    widths = graph.full.buffers.widths  # one CUDA graph per size and table-width bucket
+    graph.counters.expect(full_graphs_captured=3 * len(widths), pieces_captured=12)
+    assert set(graph.full.piece.captures) == {(n, w) for n in (1, 2, 4) for w in widths}
     assert all(isinstance(c, CudaGraphCapture) for c in graph.full.piece.captures.values())
     assert graph.full.buffers.staging.is_pinned()
     forward = runner.forward

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln.compile.decode_buffers import width_buckets
 from kiln.config import GRAPH_MODES
 from kiln.engine.model_runner import StepObserver
 from kiln.model.attention import null_block
@@ -170,3 +171,11 @@ def test_timed_gemv_sizes_get_a_static_full_graph(model: torch.nn.Module, cache_
     for g, w in zip(got.logits, eager.logits, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=1e-4)
     graph.counters.expect(full_replays=5, graphs_traced=3)
+
+
+def test_cuda_table_widths_are_power_of_two_buckets_up_to_the_longest_context() -> None:
+    """CUDA captures one decode graph per width bucket, so a short context never gathers max_model_len's blocks."""
+    assert width_buckets(512) == [8, 16, 32, 64, 128, 256, 512]
+    assert width_buckets(100) == [8, 16, 32, 64, 100]
+    assert width_buckets(8) == [8]
+    assert width_buckets(3) == [3]

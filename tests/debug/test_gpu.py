@@ -45,7 +45,8 @@ def test_cuda_stale_input_and_address_check(monkeypatch: pytest.MonkeyPatch) -> 
     assert bisect(session, reference) == [1]
 
     monkeypatch.setenv("KILN_DEBUG", "1")
-    traced = DebugSession.open(tiny_options(device="cuda"))
+    # piecewise: decode steps replay piece 2's size-1 capture (a full decode graph would run them instead)
+    traced = DebugSession.open(tiny_options(device="cuda", graph_mode="piecewise"))
     traced.set_modes("captured")
     capture = traced.graph.pieces[2].captures[1]
     i, buf = capture.inputs[0]
