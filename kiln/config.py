@@ -29,9 +29,13 @@ DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16"
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture hyper-parameters of a Llama-family decoder, as read from a checkpoint header."""
+    """Architecture hyper-parameters of a decoder, as read from a checkpoint header.
 
-    architecture: str  # "llama" | "qwen2" | "mistral"
+    The fields every family shares are typed here; a family's own settings (soft-capping, query scale, per-head
+    norms...) are in `extra`, read and checked by its config reader (kiln.model.loader.families).
+    """
+
+    architecture: str  # a registered family: "llama", "qwen3", "gemma2", "mixtral", ... (kiln.model.loader.families)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -49,6 +53,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    hidden_act: str = "silu"  # the gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    sliding_window: int = 0  # tokens a sliding-window layer looks back (0: none)
+    # per layer "sliding_attention" | "full_attention"; empty: every layer slides when sliding_window is set
+    layer_types: tuple[str, ...] = ()
+    num_experts: int = 0  # mixture-of-experts layers: experts per layer (0: dense MLPs)
+    num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
+    moe_intermediate_size: int = 0  # each expert's MLP width
+    extra: dict[str, Any] = field(default_factory=dict)  # the family's own settings, checked by its reader
 
     @property
     def q_size(self) -> int:
@@ -58,13 +70,24 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def layer_window(self, layer: int) -> int:
+        """The sliding window of decoder layer `layer` in tokens (0: global attention)."""
+        if not self.sliding_window:
+            return 0
+        sliding = not self.layer_types or self.layer_types[layer] == "sliding_attention"
+        return self.sliding_window if sliding else 0
+
     def num_params(self) -> int:
-        """Parameter count (embedding counted once when tied)."""
+        """Parameter count (embedding counted once when tied; per-head and extra norms not counted)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
-        layer = attn + 3 * h * i + 2 * h
+        mlp = 3 * h * i
+        if self.num_experts:
+            shared = self.extra.get("shared_expert_intermediate_size", 0)
+            mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h) + 3 * h * shared + (h if shared else 0)
+        layer = attn + mlp + 2 * h
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * layer + h + head
 

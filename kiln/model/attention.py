@@ -5,6 +5,14 @@ sequence's blocks. Decodes (one query each) run batched over gathered blocks; pr
 run per sequence with a causal mask offset by the cached context. Padding rows (past `num_actual_tokens`)
 produce zeros and never touch the cache.
 
+Sliding-window attention (Mistral, Gemma 2, Qwen2): with `window` W > 0 a query at position i sees key j iff
+j <= i and i - j < W; W = 0 is global attention and costs nothing extra. The window is per layer (an op
+argument), so one model may mix sliding and global layers.
+
+Attention-logit soft-capping (Gemma 2): with `softcap` C > 0 the scaled scores s become tanh(s / C) * C before the
+mask and the softmax. SDPA cannot do that, so prefill then takes an explicit matmul-softmax path; C = 0 (the
+default) leaves every path as it is.
+
 The cache may hold a narrower dtype than the model computes in (a recipe's `kv_cache.dtype`): new K/V are
 rounded to it when written and widened back when read.
 
@@ -62,20 +70,61 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     kv_cache.view(2, num_kv_heads, -1, head_dim).index_copy_(2, slot_mapping, new)
 
 
-def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def causal_mask(q_len: int, seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """[q_len, seq_len] bool, True where the query may look: the queries are the last `q_len` of `seq_len`
+    positions, each seeing the keys at or before it and, with `window` > 0, fewer than `window` back."""
+    rows = torch.arange(q_len, device=device)[:, None] + (seq_len - q_len)
+    cols = torch.arange(seq_len, device=device)[None, :]
+    mask = cols <= rows
+    if window:
+        mask &= cols > rows - window
+    return mask
+
+
+def sequence_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, softcap: float
+) -> torch.Tensor:
+    """One sequence: q [H, L, D], k and v [Hkv, S, D], `mask` [L, S] bool (None: plain causal, L == S) -> [H, L, D]."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    num_kv_heads, seq_len, head_dim = k.shape
+    if mask is None:
+        mask = causal_mask(q.shape[1], seq_len, 0, q.device)
+    qg = q.unflatten(0, (num_kv_heads, -1))  # [Hkv, G, L, D]: the query heads sharing each KV head
+    scores = torch.matmul(qg, k[:, None].transpose(-1, -2)).float() * head_dim**-0.5  # [Hkv, G, L, S]
+    scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1).to(q.dtype), v[:, None]).flatten(0, 1)
+
+
+def decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, window: int, softcap: float = 0.0
+) -> torch.Tensor:
     """q: [num_decodes, heads, head_dim] -> [num_decodes, heads * head_dim]."""
     _, num_kv_heads, _, _, head_dim = kv_cache.shape
     nd, num_heads, _ = q.shape
     table, mask = meta.decode_layout
+    if window:
+        # NOTE: the step's mask is shared by every layer, so a sliding layer adds its own term here: keys before
+        # position seq_len - window are out of its reach (the query sits at seq_len - 1).
+        too_old = torch.arange(mask.shape[-1], device=mask.device) < meta.seq_lens_tensor[:nd, None] - window
+        mask = mask.masked_fill(too_old[None, :, None, :], float("-inf"))
     kv = kv_cache.index_select(2, table).view(2, num_kv_heads, nd, -1, head_dim).to(q.dtype)  # [2, Hkv, nd, L, D]
     qg = q.view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)  # [Hkv, nd, G, D]
-    scores = torch.matmul(qg, kv[0].transpose(-1, -2)).float() * head_dim**-0.5 + mask  # [Hkv, nd, G, L]
-    out = torch.matmul(scores.softmax(-1).to(q.dtype), kv[1])  # [Hkv, nd, G, D]
+    scores = torch.matmul(qg, kv[0].transpose(-1, -2)).float() * head_dim**-0.5  # [Hkv, nd, G, L]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    out = torch.matmul((scores + mask).softmax(-1).to(q.dtype), kv[1])  # [Hkv, nd, G, D]
     return out.transpose(0, 1).reshape(nd, num_heads * head_dim)
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
     num_heads = q.shape[1] // head_dim
@@ -84,10 +133,10 @@ def paged_attention(
     qh = q[:n].view(n, num_heads, head_dim)
     nd = meta.num_decodes
     if nd == n == q.shape[0]:  # decode-only, unpadded: no output copy
-        return decode_attention(qh, kv_cache, meta)
+        return decode_attention(qh, kv_cache, meta, window, softcap)
     out = q.new_zeros(q.shape)
     if nd:
-        out[:nd] = decode_attention(qh[:nd], kv_cache, meta)
+        out[:nd] = decode_attention(qh[:nd], kv_cache, meta, window, softcap)
     for i in range(nd, meta.num_seqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         q_len, seq_len = end - start, meta.seq_lens[i]
@@ -95,28 +144,32 @@ def paged_attention(
         if q_len == seq_len:  # whole prompt in this step: attend over the new K/V directly
             ki = k[start:end].view(q_len, -1, head_dim).transpose(0, 1)
             vi = v[start:end].view(q_len, -1, head_dim).transpose(0, 1)
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+            mask = causal_mask(q_len, q_len, window, q.device) if window else None
+            o = sequence_attention(qi, ki, vi, mask, softcap)
         else:  # a chunk after cached context: causal mask offset by the context length
             blocks = meta.block_tables[i, : -(-seq_len // block_size)]
             kv = kv_cache.index_select(2, blocks).view(2, num_kv_heads, -1, head_dim)[:, :, :seq_len].to(q.dtype)
-            rows = torch.arange(q_len, device=q.device)[:, None] + (seq_len - q_len)
-            mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
-            o = F.scaled_dot_product_attention(qi, kv[0], kv[1], attn_mask=mask, enable_gqa=True)
+            o = sequence_attention(qi, kv[0], kv[1], causal_mask(q_len, seq_len, window, q.device), softcap)
         out[start:end] = o.transpose(0, 1).reshape(q_len, num_heads * head_dim)
     return out
 
 
 @torch.library.custom_op("kiln::attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, window: int = 0, softcap: float = 0.0
+) -> torch.Tensor:
     """q: [num_tokens, heads*head_dim]; k, v: [num_tokens, kv_heads*head_dim] -> [num_tokens, heads*head_dim].
 
     Metadata and the layer's cache come from the forward context, so the op's graph signature depends
-    only on `num_tokens` (symbolic in graph mode).
+    only on `num_tokens` (symbolic in graph mode). `window` > 0: the layer's sliding window; `softcap` > 0: its
+    attention-logit soft-cap (module docstring).
     """
     ctx = get_forward_context()
-    return paged_attention(q, k, v, ctx.kv_caches[layer_idx], ctx.attn_metadata)
+    return paged_attention(q, k, v, ctx.kv_caches[layer_idx], ctx.attn_metadata, window, softcap)
 
 
 @attention.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
+def _(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, window: int = 0, softcap: float = 0.0
+) -> torch.Tensor:
     return torch.empty_like(q)

@@ -9,7 +9,10 @@ Positions and KV slots are derived from them here, on the device, never rebuilt 
 written as element-wise products and sums over the block-table gather (not `matmul`), so inductor fuses the
 gather into its reductions and never materialises the gathered K/V; `fullgraph=True` tracing holds (no opaque
 op, no graph break). Padding rows attend to the null block's first slot, so their outputs are finite and the
-cache blocks of real sequences are never touched.
+cache blocks of real sequences are never touched. A sliding-window layer (`window` > 0, the semantics of
+kiln.model.attention) also hides the keys more than `window - 1` positions before each query; the window is a
+Python int, so each layer's graph is traced with its own constant. So is `softcap` (> 0: the scores are
+soft-capped, tanh(s / softcap) * softcap, before the mask, as in the op).
 
 `attend` is what the model calls: this path while a decode graph is traced (the forward context carries
 `DecodeInputs`), else the opaque paged-attention op (kiln.model.attention), the piecewise splitting point.
@@ -35,7 +38,13 @@ def decode_slots(seq_lens: torch.Tensor, block_table: torch.Tensor, block_size: 
 
 
 def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, decode: DecodeInputs
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    decode: DecodeInputs,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q: [n, heads*head_dim]; k, v: [n, kv_heads*head_dim] -> [n, heads*head_dim]. Writes k, v to the cache."""
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
@@ -52,15 +61,23 @@ def decode_attention(
     kv = kv_cache[:, :, table].view(2, num_kv_heads, n, width, head_dim).to(q.dtype)  # [2, Hkv, n, L, D]
     qg = q.view(n, num_kv_heads, group, head_dim).transpose(0, 1)  # [Hkv, n, G, D]
     scores = (qg[:, :, :, None, :] * kv[0][:, :, None]).sum(-1).float() * head_dim**-0.5  # [Hkv, n, G, L]
-    hidden = torch.arange(width, device=q.device)[None, :] >= seq_lens.clamp(min=1)[:, None]  # [n, L]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    logical, lens = torch.arange(width, device=q.device)[None, :], seq_lens.clamp(min=1)[:, None]
+    hidden = logical >= lens  # [n, L]
+    if window:
+        hidden = hidden | (logical < lens - window)  # before decode_positions - window + 1
     probs = scores.masked_fill(hidden[None, :, None, :], float("-inf")).softmax(-1).to(q.dtype)
     out = (probs[..., None] * kv[1][:, :, None]).sum(-2)  # [Hkv, n, G, D]
     return out.transpose(0, 1).reshape(n, num_heads * head_dim)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> torch.Tensor:
-    """The model's attention call: traced decode attention inside a decode graph, else the paged-attention op."""
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, window: int = 0, softcap: float = 0.0
+) -> torch.Tensor:
+    """The model's attention call: traced decode attention inside a decode graph, else the paged-attention op.
+    `window` > 0: the layer's sliding window (0: global attention); `softcap` > 0: its attention-logit soft-cap."""
     ctx = get_forward_context()
     if ctx.decode is not None:
-        return decode_attention(q, k, v, ctx.kv_caches[layer_idx], ctx.decode)
-    return torch.ops.kiln.attention(q, k, v, layer_idx)
+        return decode_attention(q, k, v, ctx.kv_caches[layer_idx], ctx.decode, window, softcap)
+    return torch.ops.kiln.attention(q, k, v, layer_idx, window, softcap)

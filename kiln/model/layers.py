@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -43,12 +45,14 @@ def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None)
         inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         is_medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         inv_freq = torch.where(is_medium, smoothed, inv_freq)
+    elif kind == "longrope":  # the short factors; RotaryEmbedding switches to the long ones past the original length
+        inv_freq = inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32)
     elif kind == "freq_factors":
         if freq_factors is None:
             raise ValueError("rope_type freq_factors needs the checkpoint's rope_freqs tensor")
         inv_freq = inv_freq / freq_factors.float()
     elif kind != "default":
-        raise ConfigError(f"unsupported rope scaling {kind!r}: kiln runs linear, llama3 and GGUF rope_freqs")
+        raise ConfigError(f"unsupported rope scaling {kind!r}: kiln runs linear, llama3, longrope and GGUF rope_freqs")
     return inv_freq, position_scale
 
 
@@ -60,9 +64,19 @@ class RotaryEmbedding(nn.Module):
         inv_freq, scale = rope_inv_freq(config, freq_factors)
         t = torch.arange(max_positions, dtype=torch.int64).float() * scale
         freqs = torch.outer(t, inv_freq)
+        magnitude = 1.0
+        scaling = config.rope_scaling or {}
+        if scaling.get("rope_type") == "longrope":
+            # NOTE: per position, as vLLM does: positions past the pretraining length take the long factors (HF
+            # switches every position of a forward once the sequence passes it; equal below that length)
+            long = torch.outer(
+                t, inv_freq * torch.tensor(scaling["short_factor"]) / torch.tensor(scaling["long_factor"])
+            )
+            freqs = torch.where(t[:, None] >= scaling["original_max_position_embeddings"], long, freqs)
+            magnitude = scaling["attention_factor"]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_cache", emb.cos(), persistent=False)
-        self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        self.register_buffer("cos_cache", emb.cos() * magnitude, persistent=False)
+        self.register_buffer("sin_cache", emb.sin() * magnitude, persistent=False)
         self.head_dim = config.head_dim
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,15 +95,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused in one matmul."""
+# a gated MLP's activation (kiln's name, kiln.model.loader.base.ACTIVATIONS) -> the function of its gate half
+GLU_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": nn.functional.silu,  # SwiGLU: Llama, Qwen, Mistral, Phi-3, the MoE families
+    "gelu_tanh": partial(nn.functional.gelu, approximate="tanh"),  # GeGLU: Gemma
+}
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+
+class MLP(nn.Module):
+    """A gated MLP, down(act(gate(x)) * up(x)), gate and up fused in one matmul (SwiGLU unless `activation`)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu") -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.intermediate_size = intermediate_size
+        self.act = GLU_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)

@@ -14,8 +14,9 @@ from torch import nn
 from tqdm import tqdm
 
 from kiln.errors import ConfigError, ModelLoadError
-from kiln.model.llama import LlamaForCausalLM, WeightMismatch
+from kiln.model.causal_lm import CausalLM, WeightMismatch
 from kiln.model.loader import Checkpoint, GGUFCheckpoint
+from kiln.model.loader.families import family_of
 from kiln.model.tokenizer import KilnTokenizer
 from kiln.quant.gguf_blocks import GROUP, PACKED_TYPES
 from kiln.quant.linear import PackedEmbedding, PackedLinear
@@ -25,13 +26,6 @@ from kiln.quant.quantize import BITS
 logger = logging.getLogger("kiln")
 PACKED_NAMES = ", ".join(kind.name for kind in PACKED_TYPES)
 
-# architecture -> model class; every supported family shares the Llama implementation today.
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
-    "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,
-    "qwen2": LlamaForCausalLM,
-}
-
 
 def build_model(
     checkpoint: Checkpoint,
@@ -40,7 +34,7 @@ def build_model(
     device: str = "cpu",
     quantization: str = "none",
     group_size: int = GROUP,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Instantiate the model for `checkpoint` and load its weights in `dtype`: dequantized (`quantization`
     "none"), or, with "packed", a GGUF's block-quantized weights kept packed (kiln.quant).
 
@@ -49,7 +43,7 @@ def build_model(
     """
     config = checkpoint.config
     start = time.perf_counter()
-    model = MODEL_CLASSES[config.architecture](config, max_positions, checkpoint.rope_freq_factors())
+    model = family_of(config.architecture).model_class()(config, max_positions, checkpoint.rope_freq_factors())
     if quantization == "auto":
         quantization = "packed" if _has_blocks(checkpoint) else "none"
         logger.info("Quantization auto: %s", "the file's blocks stay packed" if quantization == "packed" else "none")

@@ -40,13 +40,17 @@ def pack_model(model: nn.Module, layout: Layout, scheme: str = "gguf") -> list[s
     return replaced
 
 
+# NOTE: mixture-of-experts routers stay in full precision: a rounded router logit picks other experts
+ROUTERS = (".mlp.gate", ".mlp.shared_expert_gate")
+
+
 def _pack_linears(model: nn.Module, layout: Layout, scheme: str) -> list[str]:
     parts: dict[str, list[str]] = {}
     for hf_name, slot in model.checkpoint_slots().items():
         parts.setdefault(slot.param, []).append(hf_name)
     replaced = []
     for name, module in list(model.model.layers.named_modules(prefix="model.layers")):
-        if not isinstance(module, nn.Linear) or module.bias is not None:
+        if not isinstance(module, nn.Linear) or module.bias is not None or name.endswith(ROUTERS):
             continue
         weight = f"{name}.weight"
         layouts = [layout(p) for p in parts.get(weight, [])]

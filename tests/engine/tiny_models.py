@@ -12,6 +12,17 @@ import torch
 
 from kiln.model.loader import default_model_path
 
+# family -> HF (config class, model class), built from transformers' own code (nothing is downloaded)
+HF_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
@@ -23,19 +34,20 @@ def default_tokenizer_json() -> str:
     return KilnTokenizer.from_gguf(GGUFCheckpoint(default_model_path())).tokenizer.to_str()
 
 
-def write_hf_model(directory: Path, family: str, vocab_size: int = 256, **overrides) -> torch.nn.Module:
-    """Save a tiny random HF transformers model (llama | qwen2 | mistral) with a tokenizer; returns the HF model."""
+def write_hf_model(
+    directory: Path, family: str, vocab_size: int = 256, perturb: float = 0.0, **overrides
+) -> torch.nn.Module:
+    """Save a tiny random HF transformers model (a `HF_CLASSES` family) with a tokenizer; returns the HF model.
+    `perturb` > 0 adds that much noise to every parameter (HF initialises norms to one and routers to zero)."""
     import transformers
 
-    classes = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-    }
-    config_cls, model_cls = classes[family]
+    config_cls, model_cls = (getattr(transformers, name) for name in HF_CLASSES[family])
     torch.manual_seed(0)
     config = config_cls(vocab_size=vocab_size, max_position_embeddings=512, **{**TINY, **overrides})
     model = model_cls(config).eval()
+    with torch.no_grad():
+        for param in model.parameters() if perturb else ():
+            param.add_(torch.randn_like(param) * perturb)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)
     tok = json.loads(default_tokenizer_json())

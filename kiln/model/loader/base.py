@@ -58,6 +58,10 @@ class CheckpointHeader:
         return 4 * self.config.num_params()
 
 
+# HF activation names of gated MLPs -> kiln's (kiln.model.layers.MLP, kiln.model.moe)
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
 class ConfigFields:
     """Typed reads of a checkpoint's hyper-parameters (config.json keys, GGUF metadata keys).
 
@@ -120,6 +124,31 @@ class ConfigFields:
         if not isinstance(value, str):
             raise self.error(key, f"must be a string, found {value!r}")
         return value
+
+    def activation(self, key: str, default: str) -> str:
+        """A gated MLP's activation by its HF name, as kiln names it ("silu" or "gelu_tanh")."""
+        name = self.text(key, default)
+        if name not in ACTIVATIONS:
+            raise self.error(key, f"is {name!r}; kiln runs {', '.join(ACTIVATIONS)}")
+        return ACTIVATIONS[name]
+
+    def int_list(self, key: str, length: int) -> tuple[int, ...]:
+        """A list of `length` integers >= 0 (absent: empty)."""
+        value = self.lookup(key)
+        if value is None:
+            return ()
+        if not isinstance(value, list) or len(value) != length or not all(_is_int(v) and v >= 0 for v in value):
+            raise self.error(key, f"must be a list of {length} integers >= 0, found {value!r:.80}")
+        return tuple(int(v) for v in value)
+
+    def choices(self, key: str, length: int, allowed: tuple[str, ...]) -> tuple[str, ...]:
+        """A list of `length` strings, each one of `allowed` (absent: empty)."""
+        value = self.lookup(key)
+        if value is None:
+            return ()
+        if not isinstance(value, list) or len(value) != length or not all(v in allowed for v in value):
+            raise self.error(key, f"must be a list of {length} values from {', '.join(allowed)}, found {value!r:.80}")
+        return tuple(value)
 
     def head_dim(self, hidden_key: str, hidden: int, heads_key: str, heads: int, head_dim_key: str) -> int:
         """`head_dim_key` when present, else hidden / heads, which must then divide evenly."""

@@ -20,14 +20,10 @@ from safetensors import SafetensorError, safe_open
 from kiln.config import ModelConfig
 from kiln.errors import ModelLoadError
 from kiln.model.loader.base import CheckpointHeader, ConfigFields
+from kiln.model.loader.families import FAMILIES
 
-HF_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
 SUPPORTED_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}  # safetensors dtype -> bytes per element
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 LLAMA3_OPTIONAL = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -152,17 +148,20 @@ class HFCheckpoint:
         archs = c.get("architectures") or []
         if not isinstance(archs, list):
             raise fields.error("architectures", f"must be a list of model class names, found {archs!r}")
-        arch = next((HF_ARCHITECTURES[a] for a in archs if isinstance(a, str) and a in HF_ARCHITECTURES), None)
-        if arch is None:
+        family = next((FAMILIES[a] for a in archs if isinstance(a, str) and a in FAMILIES), None)
+        if family is None:
             raise ModelLoadError(
                 str(self.config_path),
-                f"unsupported architecture {archs}: kiln runs {', '.join(HF_ARCHITECTURES)}",
+                f"unsupported architecture {archs}: kiln runs {', '.join(FAMILIES)} "
+                "(kiln.models.register adds your own)",
             )
         hidden = fields.positive_int("hidden_size")
         num_heads = fields.positive_int("num_attention_heads")
         rope_theta, rope_scaling = self._rope(fields)
-        return ModelConfig(
-            architecture=arch,
+        reader = family.reader()
+        own = reader(fields) if reader is not None else {}
+        shared = dict(
+            architecture=family.architecture,
             vocab_size=fields.positive_int("vocab_size"),
             hidden_size=hidden,
             intermediate_size=fields.positive_int("intermediate_size"),
@@ -175,11 +174,13 @@ class HFCheckpoint:
             rope_scaling=rope_scaling,
             max_position_embeddings=fields.positive_int("max_position_embeddings", 2048),
             tie_word_embeddings=fields.flag("tie_word_embeddings", False),
-            attention_bias=fields.flag("attention_bias", arch == "qwen2"),
+            attention_bias=fields.flag("attention_bias", False),
             bos_token_id=fields.token_id("bos_token_id"),
             eos_token_ids=fields.token_ids("eos_token_id"),
             name=fields.text("_name_or_path", "") or self.dir.name,
+            hidden_act=fields.activation("hidden_act", "silu"),
         )
+        return ModelConfig(**{**shared, **own})
 
     def _rope(self, fields: ConfigFields) -> tuple[float, dict | None]:
         """(rope_theta, scaling dict or None) from `rope_parameters` (transformers >= 5, theta inside) or from the
@@ -199,11 +200,47 @@ class HFCheckpoint:
             return rope_theta, None
         if kind not in ROPE_TYPES:
             raise scaling.error("rope_type", f"is {kind!r}; kiln runs {', '.join(ROPE_TYPES)}")
+        if kind == "longrope":
+            return rope_theta, self._longrope(fields, scaling, rope)
         scaling.positive_float("factor")
         for optional in LLAMA3_OPTIONAL if kind == "llama3" else ():
             if rope.get(optional) is not None:
                 scaling.positive_float(optional)
         return rope_theta, {k: v for k, v in rope.items() if k != "rope_theta"}
+
+    def _longrope(self, fields: ConfigFields, scaling: ConfigFields, rope: dict) -> dict:
+        """Phi-3's long-rope: per-frequency short and long factors, an attention factor from the context ratio."""
+        heads = fields.positive_int("num_attention_heads")
+        head_dim = fields.head_dim(
+            "hidden_size", fields.positive_int("hidden_size"), "num_attention_heads", heads, "head_dim"
+        )
+        if fields.lookup("partial_rotary_factor") not in (None, 1, 1.0):
+            raise fields.error("partial_rotary_factor", "must be 1.0: kiln rotates whole heads")
+        factors = {}
+        for key in ("short_factor", "long_factor"):
+            value = rope.get(key)
+            if (
+                not isinstance(value, list)
+                or len(value) != head_dim // 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in value)
+            ):
+                raise scaling.error(key, f"must be a list of {head_dim // 2} positive numbers (head_dim / 2)")
+            factors[key] = [float(v) for v in value]
+        # NOTE: Phi-3 keeps the pretraining context length at the top level; newer configs put it in the rope dict
+        original = rope.get("original_max_position_embeddings") or fields.positive_int(
+            "original_max_position_embeddings"
+        )
+        longest = fields.positive_int("max_position_embeddings", 2048)
+        factor = rope.get("factor") or longest / original
+        attention = rope.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        return {
+            "rope_type": "longrope",
+            "original_max_position_embeddings": int(original),
+            "attention_factor": attention,
+            **factors,
+        }
 
     def header(self) -> CheckpointHeader:
         return CheckpointHeader(

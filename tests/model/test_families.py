@@ -1,0 +1,83 @@
+"""Model families beyond Llama: tiny random models built with HF transformers' own classes (nothing downloaded),
+saved as safetensors, loaded by kiln: prompt-batch logits and greedy decodes equal HF's, piecewise graph mode
+gives eager's tokens, and identical layers compile once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln import LLM, SamplingParams
+from tests.engine.tiny_models import write_hf_model
+
+LAYERS = 4
+WINDOW = 6  # shorter than the long prompt, not a multiple of the block size
+LONG = [5, 17, 42, 7, 99, 3, 61, 250, 11, 8, 130, 77, 19, 64, 200, 33, 2, 91, 45, 120]
+SHORT = [9, 180, 4, 66, 23, 150, 12]
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+FAMILIES = {
+    "qwen3": dict(head_dim=16),
+    "mistral": dict(sliding_window=WINDOW),
+    "phi3": dict(
+        pad_token_id=0,
+        sliding_window=WINDOW,
+        original_max_position_embeddings=64,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)], "long_factor": [2.0] * 8},
+    ),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+    "qwen2_moe": dict(**MOE, shared_expert_intermediate_size=64),
+    "qwen3_moe": dict(**MOE, head_dim=16, norm_topk_prob=True),
+}
+
+
+def write_family(directory: Path, family: str) -> torch.nn.Module:
+    return write_hf_model(directory, family, perturb=0.05, num_hidden_layers=LAYERS, **FAMILIES[family])
+
+
+def kiln_batch_logits(path: str, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """One prefill step over every prompt: each prompt's rows of logits."""
+    engine = LLM(path, num_kv_blocks=32).engine
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=1, temperature=0))
+    sched = engine.scheduler.schedule()
+    assert len(sched.scheduled) == len(prompts)  # one step, one batch
+    logits = engine.model.compute_logits(engine.runner.forward(engine.runner.prepare(sched)))
+    return list(logits[: sum(map(len, prompts))].split([len(p) for p in prompts]))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_and_greedy_decode_match_transformers(tmp_path: Path, family: str) -> None:
+    hf = write_family(tmp_path, family)
+    got = kiln_batch_logits(str(tmp_path), [LONG, SHORT])
+    with torch.no_grad():
+        for ids, logits in zip([LONG, SHORT], got, strict=True):
+            expected = hf(torch.tensor([ids])).logits[0]
+            assert (logits - expected).abs().max().item() < 1e-4
+        # decode steps past the window: HF's greedy continuation
+        expected_tokens = hf.generate(torch.tensor([LONG]), max_new_tokens=8, do_sample=False)[0, len(LONG) :]
+    out = LLM(str(tmp_path), num_kv_blocks=32).generate([LONG], SamplingParams(max_tokens=8, temperature=0))
+    assert out[0].token_ids == expected_tokens.tolist()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3", "qwen2_moe"])
+def test_piecewise_gives_eager_tokens_and_identical_layers_compile_once(tmp_path: Path, family: str) -> None:
+    write_family(tmp_path, family)
+    params = SamplingParams(max_tokens=6, temperature=0)
+    prompts = [LONG, SHORT]
+    eager = [o.token_ids for o in LLM(str(tmp_path), num_kv_blocks=32).generate(prompts, params)]
+    graph = LLM(str(tmp_path), num_kv_blocks=32, graph_mode="piecewise", compiler="eager", capture_sizes=(1, 2, 4))
+    assert [o.token_ids for o in graph.generate(prompts, params)] == eager
+    counters = graph.engine.executor.counters
+    # LAYERS + 1 pieces split at attention: the first, the last and one shared by the LAYERS - 1 middle ones
+    counters.expect(pieces_seen=LAYERS + 1, pieces_compiled=3)
+    assert counters.replays > 0
+
+
+def test_the_checkpoint_family_is_read_from_config_json(tmp_path: Path) -> None:
+    write_family(tmp_path, "qwen2_moe")
+    config = LLM(str(tmp_path), num_kv_blocks=32).engine.model.config
+    assert (config.architecture, config.num_experts, config.num_experts_per_tok) == ("qwen2_moe", 4, 2)
+    assert config.extra["shared_expert_intermediate_size"] == 64
+    assert config.attention_bias and not config.extra["norm_topk_prob"]
