@@ -24,7 +24,7 @@ FAMILIES = {
         pad_token_id=0,
         sliding_window=WINDOW,
         original_max_position_embeddings=64,
-        rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)], "long_factor": [2.0] * 8},
+        rope_scaling={"rope_type": "longrope", "short_factor": [1 + i / 8 for i in range(8)], "long_factor": [2.0] * 8},
     ),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
     "qwen2_moe": dict(**MOE, shared_expert_intermediate_size=64),

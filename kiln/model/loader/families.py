@@ -10,6 +10,8 @@ file and field named on error). `kiln.models.register` is the public way in.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +69,43 @@ def register(
         raise ConfigError(f"register {hf_architecture}: architecture key {family.architecture!r} is {owner}'s")
     FAMILIES[hf_architecture] = family
     return family
+
+
+PLUGIN_ENV = "KILN_MODEL_PLUGINS"  # comma list of modules that call kiln.models.register when imported
+ENTRY_POINT_GROUP = "kiln.models"  # or a package's entry points: each loaded (a module, or a function called)
+_plugins_loaded = False
+
+
+def load_plugins() -> None:
+    """Import the model plugins named by KILN_MODEL_PLUGINS and the `kiln.models` entry points, once per process."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for name in filter(None, (m.strip() for m in os.environ.get(PLUGIN_ENV, "").split(","))):
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # a broken plugin is a clear error, not a traceback from deep in the loader
+            raise ConfigError(
+                f"{PLUGIN_ENV}: cannot import model plugin {name!r} ({type(exc).__name__}: {exc})"
+            ) from exc
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            loaded = entry.load()
+        except Exception as exc:
+            raise ConfigError(f"entry point {entry.name} = {entry.value} ({ENTRY_POINT_GROUP}): {exc}") from exc
+        if callable(loaded) and not isinstance(loaded, type):
+            loaded()
+
+
+def find(hf_architectures: list[object]) -> Family | None:
+    """The family of the first registered name in config.json's `architectures` (plugins loaded when needed)."""
+    for attempt in range(2):
+        found = next((FAMILIES[a] for a in hf_architectures if isinstance(a, str) and a in FAMILIES), None)
+        if found is not None or attempt:
+            return found
+        load_plugins()
+    return None
 
 
 def family_of(architecture: str) -> Family:
