@@ -81,3 +81,37 @@ def test_the_checkpoint_family_is_read_from_config_json(tmp_path: Path) -> None:
     assert (config.architecture, config.num_experts, config.num_experts_per_tok) == ("qwen2_moe", 4, 2)
     assert config.extra["shared_expert_intermediate_size"] == 64
     assert config.attention_bias and not config.extra["norm_topk_prob"]
+
+
+def _one_expert(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every token to expert 0 (its other choices weighted zero): the most skewed routing there is."""
+    weights = torch.zeros(router_logits.shape[0], top_k)
+    weights[:, 0] = 1.0
+    return weights, torch.zeros(router_logits.shape[0], top_k, dtype=torch.long)
+
+
+def test_moe_layers_sit_in_captured_pieces_and_no_routing_recompiles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inductor pieces hold the kiln.moe op; spread and one-expert routing replay the same captures."""
+    import kiln.model.moe as moe
+
+    write_family(tmp_path, "qwen3_moe")
+    params = SamplingParams(max_tokens=6, temperature=0)
+    prompts = [LONG, SHORT, LONG[:5]]
+    eager = LLM(str(tmp_path), num_kv_blocks=32)
+    graph = LLM(str(tmp_path), num_kv_blocks=32, graph_mode="piecewise", capture_sizes=(1, 2, 4))
+    executor = graph.engine.executor
+    assert all(any(str(n.target) == "kiln.moe" for n in p.graph.graph.nodes) for p in executor.pieces[1:])
+    built = dict(executor.counters.as_dict())
+    spread = [o.token_ids for o in eager.generate(prompts, params)]
+    assert [o.token_ids for o in graph.generate(prompts, params)] == spread
+    replays = executor.counters.replays
+    monkeypatch.setattr(moe, "route", _one_expert)
+    skewed = [o.token_ids for o in eager.generate(prompts, params)]
+    assert skewed != spread  # the routing really changed what the layers compute
+    assert [o.token_ids for o in graph.generate(prompts, params)] == skewed
+    after = executor.counters
+    assert after.replays > replays  # decode steps replayed the captured pieces under the new routing
+    for name in ("pieces_compiled", "static_compiles", "graphs_traced", "pieces_captured"):
+        assert getattr(after, name) == built[name], name  # nothing traced, compiled or captured again
