@@ -31,6 +31,8 @@ def model_symbols(config: ModelConfig) -> dict[str, int]:
         "intermediate_size": config.intermediate_size,
         "vocab_size": config.vocab_size,
         "num_layers": config.num_layers,
+        "num_experts": config.num_experts,
+        "top_k": config.num_experts_per_tok,
     }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 
+from kiln.config import ModelConfig
 from kiln.model.loader import CheckpointHeader
 from kiln.quant.gguf_blocks import GROUP
 from kiln.recipe.diagnostics import Diagnostic
@@ -127,6 +128,7 @@ def check_identity(doc: SourceDoc, spec: RecipeSpec, header: CheckpointHeader) -
     if arch is not None and _squash(config.architecture) not in _squash(arch):
         message = f"model.architecture {arch!r} does not match the checkpoint: {what}"
         out.append(doc.diagnostic("error", message, ("model", "architecture")))
+    out += _check_experts(doc, spec, config, what)
     name = spec.model.name
     family = _family(name)
     known = _squash(f"{config.name} {file} {os.path.basename(os.path.dirname(header.path))}")
@@ -137,6 +139,21 @@ def check_identity(doc: SourceDoc, spec: RecipeSpec, header: CheckpointHeader) -
         why = f"'{family}' is not in its name" if wrong_family else f"{size / 1e6:g}M parameters is not its size"
         message = f"model.name {name!r} does not match the checkpoint ({why}): {what}; fix model.name or model.path"
         out.append(doc.diagnostic("error", message, ("model", "name")))
+    return out
+
+
+def _check_experts(doc: SourceDoc, spec: RecipeSpec, config: ModelConfig, what: str) -> list[Diagnostic]:
+    """`model.num_experts` and `model.top_k` against the checkpoint's mixture-of-experts layers."""
+    out = []
+    for field, stated, actual in (
+        ("num_experts", spec.model.num_experts, config.num_experts),
+        ("top_k", spec.model.top_k, config.num_experts_per_tok),
+    ):
+        if stated is None or stated == actual:
+            continue
+        has = f"{actual} ({what})" if actual else f"no mixture-of-experts layers ({what})"
+        message = f"model.{field} is {stated}, but the checkpoint has {has}"
+        out.append(doc.diagnostic("error", message, ("model", field)))
     return out
 
 

@@ -22,6 +22,8 @@ MODEL_SYMBOLS = (
     "intermediate_size",
     "vocab_size",
     "num_layers",
+    "num_experts",
+    "top_k",
 )
 SYMBOLS = RUNTIME_SYMBOLS + MODEL_SYMBOLS
 MAX_LENGTH = 1000

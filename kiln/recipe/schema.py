@@ -29,6 +29,14 @@ class ModelSection(Section):
         None,
         description='Checked against the checkpoint\'s architecture ("llama", "LlamaForCausalLM"); null: not checked.',
     )
+    num_experts: int | None = Field(
+        None,
+        ge=1,
+        description="Mixture-of-experts: experts per layer, checked against the checkpoint; null: unchecked.",
+    )
+    top_k: int | None = Field(
+        None, ge=1, description="Mixture-of-experts: experts each token is routed to, checked against the checkpoint."
+    )
 
 
 class TensorSpec(Section):

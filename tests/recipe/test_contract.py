@@ -184,3 +184,18 @@ def test_a_fusion_group_without_generated_code(header, write, diagnostics_of, re
         (found,) = diagnostics_of(path)
     assert (found.line, found.col, found.severity) == (6, 17, severity)
     assert found.message.startswith("fusion group mlp cannot be realised: graph.compiler is eager, so no code is")
+
+
+def test_mixture_of_experts_counts_are_checked_against_the_checkpoint(write, only_error, tmp_path) -> None:
+    from tests.engine.tiny_models import write_hf_model
+
+    write_hf_model(tmp_path / "moe", "qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    text = "recipe_version: 1\nmodel: {name: moe, path: moe, num_experts: %d, top_k: 2}\n"
+    err = only_error(write(text % 8 + BOUNDS))
+    assert (err.line, err.col) == (2, 44)
+    assert err.message.startswith("model.num_experts is 8, but the checkpoint has 4 (")
+    bounds = "input_constraints: {constraints: [num_tokens <= 2048, seq_len <= 2048, top_k < num_experts]}\n"
+    recipe = load_recipe(write(text % 4 + bounds))
+    assert (recipe.spec.model.num_experts, recipe.spec.model.top_k) == (4, 2)
+    dense = "recipe_version: 1\nmodel: {name: SmolLM2-135M, top_k: 2}\nweights: {source_quantization: q4_1}\n"
+    assert only_error(write(dense + BOUNDS)).message.startswith("model.top_k is 2, but the checkpoint has no mixture")
