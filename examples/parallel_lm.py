@@ -8,7 +8,7 @@ and store q/k/v and gate/up already fused. `register()` runs at import, so
 
 serves a checkpoint whose config.json says `"architectures": ["ParallelLMForCausalLM"]`.
 
-    python -m examples.parallel_lm DIR     # writes a small random checkpoint there
+    python -m examples.parallel_lm DIR [--draft]     # writes a small random checkpoint there
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch import nn
 from kiln import models
 
 ARCHITECTURE = "ParallelLMForCausalLM"
+DRAFT = "ParallelLMDraftForCausalLM"  # the same model before bring-up fixed its graph break
 
 
 def read_config(fields: models.ConfigFields) -> dict[str, Any]:
@@ -94,6 +95,23 @@ class ParallelLMForCausalLM(models.CausalLM):
         }
 
 
+class DraftBlock(Block):
+    """The first draft of the block (docs/bring-up.md): it checks its positions on the host, a data-dependent
+    branch that `kiln debug explain` reports as a graph break."""
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        if positions.max() >= self.self_attn.rotary_emb.cos_cache.shape[0]:
+            raise ValueError("a position past the rotary table")
+        return super().forward(positions, hidden)
+
+
+class ParallelLMDraftForCausalLM(ParallelLMForCausalLM):
+    def __init__(self, config: models.ModelConfig, max_positions: int, freq_factors: Any = None) -> None:
+        super().__init__(config, max_positions)
+        rotary = self.model.rotary_emb
+        self.model.layers = nn.ModuleList(DraftBlock(config, i, rotary) for i in range(config.num_layers))
+
+
 def checkpoint_names(model: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
     """(checkpoint name, kiln parameter name, parameter) for every parameter of a ParallelLM model."""
     renames = {
@@ -158,7 +176,9 @@ def write_checkpoint(directory: Path, config: dict[str, Any] | None = None, toke
 
 
 models.register(ARCHITECTURE, ParallelLMForCausalLM, architecture="parallel_lm", read_config=read_config)
+models.register(DRAFT, ParallelLMDraftForCausalLM, architecture="parallel_lm_draft", read_config=read_config)
 
 if __name__ == "__main__":
-    write_checkpoint(Path(sys.argv[1]))
-    print(f"wrote a random ParallelLM checkpoint to {sys.argv[1]}")
+    draft = "--draft" in sys.argv[2:]
+    write_checkpoint(Path(sys.argv[1]), {"architectures": [DRAFT]} if draft else None)
+    print(f"wrote a random ParallelLM{' (draft)' if draft else ''} checkpoint to {sys.argv[1]}")

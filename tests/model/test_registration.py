@@ -32,8 +32,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
-def reference_logits(directory: Path, ids: list[int]) -> torch.Tensor:
-    """ParallelLM written out in plain PyTorch from the checkpoint's own tensor names (no kiln code)."""
+def reference_logits(directory: Path, ids: list[int], double_norm: bool = False) -> torch.Tensor:
+    """ParallelLM written out in plain PyTorch from the checkpoint's own tensor names (no kiln code);
+    `double_norm`: each block first replaces its input by the normed input (`DoubleNormLM`)."""
     w = load_file(directory / "model.safetensors")
     c = json.loads((directory / "config.json").read_text())
     heads, kv_heads, n = c["num_attention_heads"], c["num_key_value_heads"], len(ids)
@@ -52,6 +53,7 @@ def reference_logits(directory: Path, ids: list[int]) -> torch.Tensor:
     h = w["transformer.wte.weight"][ids]
     for i in range(c["num_hidden_layers"]):
         p = f"transformer.h.{i}."
+        h = norm(h, w[p + "ln.weight"]) if double_norm else h
         x = norm(h, w[p + "ln.weight"])
         q, k, v = (x @ w[p + "attn.wqkv.weight"].T).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
         q, k, v = (t.view(n, -1, d).transpose(0, 1) for t in (q, k, v))
@@ -66,10 +68,13 @@ def test_a_registered_architecture_matches_its_reference(checkpoint: Path) -> No
     engine = LLM(str(checkpoint), num_kv_blocks=16).engine
     assert type(engine.model).__name__ == "ParallelLMForCausalLM"
     assert engine.model.config.architecture == "parallel_lm" and engine.model.config.extra["parallel_residual"]
-    engine.add_request("r", PROMPT, SamplingParams(max_tokens=1, temperature=0))
+    assert (prompt_logits(engine, PROMPT) - reference_logits(checkpoint, PROMPT)).abs().max().item() < 1e-4
+
+
+def prompt_logits(engine: object, ids: list[int]) -> torch.Tensor:
+    engine.add_request("r", ids, SamplingParams(max_tokens=1, temperature=0))
     inputs = engine.runner.prepare(engine.scheduler.schedule())
-    got = engine.model.compute_logits(engine.runner.forward(inputs)[: len(PROMPT)])
-    assert (got - reference_logits(checkpoint, PROMPT)).abs().max().item() < 1e-4
+    return engine.model.compute_logits(engine.runner.forward(inputs)[: len(ids)])
 
 
 def test_a_registered_architecture_runs_piecewise_with_eager_tokens(checkpoint: Path) -> None:
@@ -80,34 +85,44 @@ def test_a_registered_architecture_runs_piecewise_with_eager_tokens(checkpoint: 
     graph.engine.executor.counters.expect(pieces_seen=4, pieces_compiled=3)
 
 
-class PositionCheckedBlock(parallel_lm.Block):
-    """A block that checks its positions on the host: a data-dependent branch, so a graph break."""
-
+class DoubleNormBlock(parallel_lm.Block):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        if positions.max() >= 4096:
-            raise ValueError("position past the rotary table")
-        return super().forward(positions, hidden)
+        return super().forward(positions, self.norm(hidden))
 
 
-class CheckedParallelLM(parallel_lm.ParallelLMForCausalLM):
+class DoubleNormLM(parallel_lm.ParallelLMForCausalLM):
+    """A variant defined here: every block normalises its input twice."""
+
     def __init__(self, config: models.ModelConfig, max_positions: int, freq_factors: object = None) -> None:
         super().__init__(config, max_positions)
         rotary = self.model.rotary_emb
-        self.model.layers = torch.nn.ModuleList(PositionCheckedBlock(config, i, rotary) for i in range(3))
+        self.model.layers = torch.nn.ModuleList(DoubleNormBlock(config, i, rotary) for i in range(config.num_layers))
 
 
-def test_explain_finds_the_graph_break_of_a_model_defined_here(checkpoint: Path, tmp_path: Path) -> None:
-    models.register("CheckedParallelLM", CheckedParallelLM, read_config=parallel_lm.read_config)
-    config = json.loads((checkpoint / "config.json").read_text()) | {"architectures": ["CheckedParallelLM"]}
+def test_a_model_class_defined_here_registers_and_loads(checkpoint: Path, tmp_path: Path) -> None:
+    models.register("DoubleNormLM", DoubleNormLM, read_config=parallel_lm.read_config)
+    config = json.loads((checkpoint / "config.json").read_text()) | {"architectures": ["DoubleNormLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").symlink_to(checkpoint / "model.safetensors")
+    (tmp_path / "tokenizer.json").symlink_to(checkpoint / "tokenizer.json")
+    engine = LLM(str(tmp_path), num_kv_blocks=16).engine
+    assert type(engine.model) is DoubleNormLM and engine.model.config.architecture == "DoubleNormLM"
+    got = prompt_logits(engine, PROMPT)
+    assert (got - reference_logits(checkpoint, PROMPT, double_norm=True)).abs().max().item() < 1e-4
+    assert (got - reference_logits(checkpoint, PROMPT)).abs().max().item() > 1e-2  # not ParallelLM's forward
+
+
+def test_explain_finds_the_graph_break_of_the_draft(checkpoint: Path, tmp_path: Path) -> None:
+    config = json.loads((checkpoint / "config.json").read_text()) | {"architectures": [parallel_lm.DRAFT]}
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors").symlink_to(checkpoint / "model.safetensors")
     ckpt = open_checkpoint(str(tmp_path))
-    model = models.FAMILIES["CheckedParallelLM"].model_class()(ckpt.config, 64)
+    model = models.FAMILIES[parallel_lm.DRAFT].model_class()(ckpt.config, 64)
     model.load_weights(ckpt.weights())
     explanation = explain_model(model.eval(), allocate_kv_caches(ckpt.config, 2, 16, torch.float32, "cpu"), ())
     breaks = [f for f in explanation.findings if f.kind == "graph break"]
     assert breaks and breaks[0].module_path.startswith("model.layers.0")
-    assert "test_registration.py" in breaks[0].location
+    assert "parallel_lm.py" in breaks[0].location
 
 
 def test_an_unknown_architecture_names_the_ways_to_register(checkpoint: Path, tmp_path: Path) -> None:
@@ -127,4 +142,4 @@ def test_a_broken_plugin_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_a_kiln_architecture_key_cannot_be_taken() -> None:
     with pytest.raises(ConfigError, match="'llama' is LlamaForCausalLM's"):
-        models.register("OtherForCausalLM", CheckedParallelLM, architecture="llama")
+        models.register("OtherForCausalLM", DoubleNormLM, architecture="llama")
