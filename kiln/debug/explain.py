@@ -36,9 +36,10 @@ _HINTS = (
         "implementation so the graph keeps it as one opaque node",
     ),
     (
-        ("data-dependent", "data dependent", ".item()", "tensor.item"),
-        "do not read tensor values on the host inside forward (`.item()`, `if tensor:`); keep shapes and control "
-        "flow static, or compute the value in the runner and pass it in",
+        ("data-dependent", "data dependent", ".item()", "tensor.item", "generic_jump"),
+        "a Python branch on a tensor's value: do not read tensor values on the host inside forward (`.item()`, "
+        "`if tensor:`); keep shapes and control flow static (torch.where, torch._check), or compute the value in "
+        "the runner and pass it in",
     ),
 )
 _DEFAULT_HINT = (

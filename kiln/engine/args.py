@@ -52,7 +52,9 @@ def _arg(default: Any, help: str, group: str = "engine", **argparse_kwargs: Any)
 
 @dataclass(frozen=True)
 class EngineArgs:
-    model: str = _arg("default", "a .gguf file, an HF directory, or 'default' (SmolLM2-135M)")
+    model: str = _arg(
+        "default", "a .gguf file, an HF directory, or 'default' (SmolLM2-135M; with --recipe, its model.path)"
+    )
     dtype: str = _arg("float32", "weight and activation dtype", choices=DTYPE_NAMES)
     device: str = _arg("cpu", "where the model runs", choices=("cpu", "cuda"))
     quantization: str = _arg(
@@ -148,7 +150,8 @@ class EngineArgs:
             # NOTE: lazy: pydantic and z3 load only when a recipe is used (and never for `kiln --help`).
             from kiln.recipe import load_recipe
 
-            recipe = load_recipe(self.recipe, model=self.model)
+            # NOTE: --model left at "default" runs the checkpoint the recipe names (model.path)
+            recipe = load_recipe(self.recipe, model=None if self.model == "default" else self.model)
         graph = graph_config_from(
             recipe,
             mode="full" if self.full_graph else self.graph_mode,

@@ -32,6 +32,7 @@ def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
         max_model_len = min(max_model_len or recipe.max_model_len, recipe.max_model_len)
     resolved = replace(
         config,
+        model=recipe.model_path,  # the checkpoint the recipe was checked against is the one that runs
         device=recipe.device,
         quantization=recipe.quantization,
         quantization_group_size=recipe.quantization_group_size,

@@ -143,3 +143,17 @@ def test_a_broken_plugin_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> 
 def test_a_kiln_architecture_key_cannot_be_taken() -> None:
     with pytest.raises(ConfigError, match="'llama' is LlamaForCausalLM's"):
         models.register("OtherForCausalLM", DoubleNormLM, architecture="llama")
+
+
+def test_the_recipe_of_a_registered_architecture_validates_and_names_what_runs(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """The example's recipe, checked against the registered family's header; its model.path is what runs."""
+    from kiln.engine.args import EngineArgs
+
+    recipe = Path(parallel_lm.__file__).with_suffix(".yaml").read_text()
+    (tmp_path / "parallel_lm.yaml").write_text(recipe)
+    (tmp_path / "parallel-lm").symlink_to(checkpoint)
+    config = EngineArgs(recipe=str(tmp_path / "parallel_lm.yaml")).create_engine_config()
+    assert Path(config.model).resolve() == checkpoint.resolve()
+    assert config.recipe is not None and config.recipe.model_values["num_layers"] == SMALL["num_hidden_layers"]
