@@ -115,3 +115,23 @@ def test_moe_layers_sit_in_captured_pieces_and_no_routing_recompiles(
     assert after.replays > replays  # decode steps replayed the captured pieces under the new routing
     for name in ("pieces_compiled", "static_compiles", "graphs_traced", "pieces_captured"):
         assert getattr(after, name) == built[name], name  # nothing traced, compiled or captured again
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mistral"])
+def test_the_debugger_diffs_a_family_boundary_by_boundary(tmp_path: Path, family: str) -> None:
+    """Taps on every layer boundary of a MoE (and a sliding-window) model: captured graph mode agrees with eager
+    at each one; a fault injected into one layer's MLP is the first divergence."""
+    from kiln.debug.diff import build_reference, run_diff
+    from kiln.debug.faults import inject, parse_fault
+    from kiln.debug.session import DebugSession
+    from kiln.engine.args import EngineArgs
+
+    write_family(tmp_path, family)
+    options = EngineArgs(model=str(tmp_path), compiler="eager", capture_sizes=(1, 2, 4, 8), num_kv_blocks=32)
+    session = DebugSession.open(options)
+    reference = build_reference(session, LONG[:11], 4)
+    report = run_diff(session, reference, "captured")
+    assert report.first_divergence is None, report.first_divergence
+    inject(session, parse_fault("layer=2:mlp"))
+    first = run_diff(session, reference, "captured").first_divergence
+    assert first is not None and first.name == "layers.2.mlp"
