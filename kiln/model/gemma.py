@@ -27,7 +27,7 @@ from kiln.config import ModelConfig
 from kiln.model.causal_lm import CausalLM
 from kiln.model.family_configs import sliding_fields
 from kiln.model.graph_attention import attend
-from kiln.model.layers import MLP, RotaryEmbedding
+from kiln.model.layers import MLP, RotaryEmbedding, per_head
 from kiln.model.loader.base import ConfigFields
 
 __all__ = ["GemmaForCausalLM", "read_gemma2", "read_gemma3"]
@@ -84,9 +84,7 @@ class GemmaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
-            n = q.shape[0]
-            q = self.q_norm(q.reshape(n, -1, self.head_dim)).view(n, self.q_size)
-            k = self.k_norm(k.reshape(n, -1, self.head_dim)).view(n, self.kv_size)
+            q, k = per_head(self.q_norm, q, self.head_dim), per_head(self.k_norm, k, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
         if self.q_scale != 1.0:
             q = q * self.q_scale

@@ -26,6 +26,12 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+def per_head(norm: nn.Module, x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """`norm` over each head of x [tokens, heads * head_dim] (Qwen3's and Gemma 3's q/k norms)."""
+    n = x.shape[0]
+    return norm(x.reshape(n, -1, head_dim)).view(n, x.shape[1])
+
+
 def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and a position scale for the config's rope scaling (none, linear, llama3, GGUF factors)."""
     dim = config.head_dim

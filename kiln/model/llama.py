@@ -18,7 +18,7 @@ import kiln.model.attention  # noqa: F401  (registers torch.ops.kiln.attention)
 from kiln.config import ModelConfig
 from kiln.model.causal_lm import CausalLM, WeightMismatch, WeightSlot
 from kiln.model.graph_attention import attend
-from kiln.model.layers import MLP, RMSNorm, RotaryEmbedding
+from kiln.model.layers import MLP, RMSNorm, RotaryEmbedding, per_head
 from kiln.model.moe import FusedMoE
 
 __all__ = ["LlamaForCausalLM", "WeightMismatch"]
@@ -41,9 +41,7 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
-            n = q.shape[0]
-            q = self.q_norm(q.reshape(n, -1, self.head_dim)).view(n, self.q_size)
-            k = self.k_norm(k.reshape(n, -1, self.head_dim)).view(n, self.kv_size)
+            q, k = per_head(self.q_norm, q, self.head_dim), per_head(self.k_norm, k, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
         out = attend(q, k.contiguous(), v.contiguous(), self.layer_idx, self.window)
         return self.o_proj(out)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
+from tests.engine.parity import kiln_batch_logits
 from tests.engine.tiny_models import write_hf_model
 
 LAYERS = 4
@@ -34,17 +35,6 @@ FAMILIES = {
 
 def write_family(directory: Path, family: str) -> torch.nn.Module:
     return write_hf_model(directory, family, perturb=0.05, num_hidden_layers=LAYERS, **FAMILIES[family])
-
-
-def kiln_batch_logits(path: str, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """One prefill step over every prompt: each prompt's rows of logits."""
-    engine = LLM(path, num_kv_blocks=32).engine
-    for i, ids in enumerate(prompts):
-        engine.add_request(str(i), ids, SamplingParams(max_tokens=1, temperature=0))
-    sched = engine.scheduler.schedule()
-    assert len(sched.scheduled) == len(prompts)  # one step, one batch
-    logits = engine.model.compute_logits(engine.runner.forward(engine.runner.prepare(sched)))
-    return list(logits[: sum(map(len, prompts))].split([len(p) for p in prompts]))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

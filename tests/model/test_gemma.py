@@ -18,6 +18,7 @@ from kiln.model.gemma import read_gemma2, read_gemma3
 from kiln.model.graph_attention import decode_attention
 from kiln.model.loader import open_checkpoint
 from kiln.model.loader.base import ConfigFields
+from tests.engine.parity import kiln_batch_logits
 from tests.engine.tiny_models import default_tokenizer_json
 from tests.model.test_sliding_window import (
     HEAD_DIM,
@@ -70,17 +71,6 @@ def write_gemma(directory: Path, family: str, **changes: object) -> torch.nn.Mod
     (directory / "tokenizer.json").write_text(default_tokenizer_json())
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": None}))
     return model
-
-
-def kiln_batch_logits(path: str, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """One prefill step over every prompt: each prompt's rows of logits."""
-    engine = LLM(path, num_kv_blocks=32).engine
-    for i, ids in enumerate(prompts):
-        engine.add_request(str(i), ids, SamplingParams(max_tokens=1, temperature=0))
-    sched = engine.scheduler.schedule()
-    assert len(sched.scheduled) == len(prompts)  # one step, one batch
-    logits = engine.model.compute_logits(engine.runner.forward(engine.runner.prepare(sched)))
-    return list(logits[: sum(map(len, prompts))].split([len(p) for p in prompts]))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

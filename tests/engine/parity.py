@@ -1,0 +1,18 @@
+"""kiln's logits for prompts, read off one engine step, for parity tests against HF transformers."""
+
+from __future__ import annotations
+
+import torch
+
+from kiln import LLM, SamplingParams
+
+
+def kiln_batch_logits(path: str, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """One prefill step over every prompt: each prompt's rows of logits."""
+    engine = LLM(path, num_kv_blocks=32).engine
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=1, temperature=0))
+    sched = engine.scheduler.schedule()
+    assert len(sched.scheduled) == len(prompts)  # one step, one batch
+    logits = engine.model.compute_logits(engine.runner.forward(engine.runner.prepare(sched)))
+    return list(logits[: sum(map(len, prompts))].split([len(p) for p in prompts]))
