@@ -77,6 +77,16 @@ class ModelConfig:
         sliding = not self.layer_types or self.layer_types[layer] == "sliding_attention"
         return self.sliding_window if sliding else 0
 
+    @property
+    def uniform_sliding_window(self) -> int:
+        """The window W when every decoder layer slides with the same W > 0, else 0 (no window, or a global layer).
+
+        Only then is a sequence's KV behind the window dead for every layer, so its blocks may be released
+        (kiln.engine.kv_window); a global layer (Gemma) still reads every block.
+        """
+        windows = {self.layer_window(i) for i in range(self.num_layers)}
+        return windows.pop() if len(windows) == 1 else 0
+
     def num_params(self) -> int:
         """Parameter count (embedding counted once when tied; per-head and extra norms not counted)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size

@@ -95,6 +95,16 @@ class DecodeVariant:
         return self.traced.args_for(values)
 
 
+def max_table_width(window: int, num_blocks: int, block_size: int, max_model_len: int | None) -> int:
+    """Blocks in the widest block table of a decode step: a sequence holds at most the pool's blocks, but under a
+    sliding window on every layer its released entries stay in the table (as the null block, kiln.engine.kv_window),
+    so only `max_model_len` bounds the width (None: the pool's blocks, wider steps run the pieces)."""
+    if not max_model_len:
+        return num_blocks
+    width = math.ceil(max_model_len / block_size)
+    return width if window else min(num_blocks, width)
+
+
 class FullDecodeGraph:
     def __init__(
         self,
@@ -121,7 +131,7 @@ class FullDecodeGraph:
             counters.graphs_traced += 1
         block_size = kv_cache_block_size(kv_caches[0])
         blocks = kv_cache_num_blocks(kv_caches[0])
-        max_blocks = min(blocks, math.ceil(max_model_len / block_size)) if max_model_len else blocks
+        max_blocks = max_table_width(model.config.uniform_sliding_window, blocks, block_size, max_model_len)
         self.buffers = DecodeBuffers(self.sizes[-1], max_blocks, null_block(kv_caches[0]), device)
 
     @property

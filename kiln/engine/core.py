@@ -16,6 +16,7 @@ from torch import nn
 from kiln.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, ModelConfig
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.kv_cache import BlockPool
+from kiln.engine.kv_window import max_decode_blocks
 from kiln.engine.model_runner import ModelRunner, ModelRunnerOutput, StepObserver
 from kiln.engine.request import Request, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
@@ -67,7 +68,7 @@ class EngineCore:
         )
         if self.recipe is not None and not self.shaper.fits(1, 1):  # the executor is prepared: pad_to is known
             self.shaper.check(1, 1, [])  # raises RecipeViolation naming the constraints that forbid every step
-        self.scheduler = Scheduler(config.scheduler, self.pool, self.shaper)
+        self.scheduler = Scheduler(config.scheduler, self.pool, self.shaper, mc.uniform_sliding_window)
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.2f GB %s), max_model_len=%d",
             num_blocks,
@@ -77,6 +78,13 @@ class EngineCore:
             str(kv_dtype).removeprefix("torch."),
             self.max_model_len,
         )
+        if window := mc.uniform_sliding_window:
+            logger.info(
+                "KV cache: sliding window %d on every layer: blocks behind the window are released (at most %d "
+                "blocks per decoding sequence)",
+                window,
+                max_decode_blocks(window, cc.block_size),
+            )
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._seed_rng = torch.Generator().manual_seed(config.seed if config.seed is not None else secrets.randbits(63))
@@ -138,9 +146,9 @@ class EngineCore:
                 request_id,
                 "max_tokens",
             )
-        if self.pool.blocks_for(total) > self.pool.num_blocks:
+        if (needed := self.scheduler.max_blocks_held(total)) > self.pool.num_blocks:
             raise RequestError(
-                f"{total} tokens need {self.pool.blocks_for(total)} KV blocks but the cache holds "
+                f"{total} tokens need {needed} KV blocks at once but the cache holds "
                 f"{self.pool.num_blocks}; lower max_tokens or enlarge the KV cache",
                 request_id,
                 "max_tokens",
@@ -221,7 +229,7 @@ class EngineCore:
         now = time.monotonic()
         for s in sched.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
+            self.scheduler.advance(req, s.num_new_tokens)
             if req.request_id in result.errors:
                 outputs.append(self.fail(req.request_id, result.errors[req.request_id]))
                 continue

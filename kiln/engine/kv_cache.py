@@ -1,6 +1,8 @@
 """Paged KV cache bookkeeping: a pool of fixed-size blocks with a free list and reference counts.
 
-Pure Python; the tensors the blocks index live in the model runner.
+Pure Python; the tensors the blocks index live in the model runner. Their cache has one block more, the null block
+(id `num_blocks`, kiln.model.attention.null_block): the pool never hands it out, and a sliding-window sequence's
+released entries hold it (kiln.engine.kv_window), so `free` skips it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ class BlockPool:
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
         self._ref_counts = [0] * num_blocks
+
+    @property
+    def null_block(self) -> int:
+        """The id of the cache's null block, which no sequence owns."""
+        return self.num_blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -49,12 +56,17 @@ class BlockPool:
 
     def incref(self, blocks: list[int]) -> None:
         for b in blocks:
+            if b == self.null_block:
+                raise KilnError(f"block {b} is the null block and cannot be shared")
             if self._ref_counts[b] == 0:
                 raise KilnError(f"block {b} is free and cannot be shared")
             self._ref_counts[b] += 1
 
     def free(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; null-block entries (released behind a sliding window) are skipped."""
         for b in blocks:
+            if b == self.null_block:
+                continue
             if self._ref_counts[b] <= 0:
                 raise KilnError(f"block {b} freed twice")
             self._ref_counts[b] -= 1

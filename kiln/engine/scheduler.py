@@ -6,6 +6,10 @@ admitted running request is preempted: its blocks are freed and it rejoins the f
 queue to be recomputed from its prompt and the tokens it has already produced. Under a recipe's step
 constraints a request joins a step only with as many tokens as keep the step paddable to an allowed
 shape (kiln.engine.step_shape). The scheduler never touches tensors.
+
+With a sliding window on every layer (`window` > 0, kiln.engine.kv_window), `advance` frees the blocks behind
+the window after each step (their entries become the pool's null block), and no step gives a sequence more live
+blocks than the pool holds, so a long generation, or a recompute after preemption, needs a bounded number of blocks.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass, field
 
 from kiln.config import SchedulerConfig
 from kiln.engine.kv_cache import BlockPool
+from kiln.engine.kv_window import chunk_limit, max_decode_blocks, num_dead_blocks
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.step_shape import StepShaper
 
@@ -48,10 +53,14 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_pool: BlockPool, shaper: StepShaper | None = None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_pool: BlockPool, shaper: StepShaper | None = None, window: int = 0
+    ) -> None:
+        """`window` > 0: every layer of the model slides with this window, so blocks behind it are released."""
         self.config = config
         self.pool = block_pool
         self.shaper = shaper
+        self.window = window
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -70,7 +79,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = self._fit(scheduled, min(req.num_tokens - req.num_computed_tokens, budget))
+            num_new = self._fit(scheduled, self._cap(req, min(req.num_tokens - req.num_computed_tokens, budget)))
             if num_new == 0:  # no allowed step shape holds it next to the others: it runs in a later step
                 i += 1
                 continue
@@ -85,7 +94,7 @@ class Scheduler:
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            fitted = self._fit(scheduled, num_new)
+            fitted = self._fit(scheduled, self._cap(req, num_new))
             if fitted == 0 or (fitted < num_new and not self.config.enable_chunked_prefill):
                 break
             num_new = fitted
@@ -110,6 +119,35 @@ class Scheduler:
             return wanted
         before = sum(s.num_new_tokens for s in scheduled)
         return self.shaper.largest_fit(before, len(scheduled) + 1, wanted)
+
+    def _cap(self, req: Request, wanted: int) -> int:
+        """Under a window, at most the new tokens that keep `req` within the pool's blocks (its dead ones released):
+        a prompt or a recompute longer than the pool is prefilled in chunks when chunked prefill is on."""
+        if not self.window:
+            return wanted
+        return min(
+            wanted, chunk_limit(req.num_computed_tokens, self.window, self.pool.block_size, self.pool.num_blocks)
+        )
+
+    def max_blocks_held(self, num_tokens: int) -> int:
+        """The most blocks a request of `num_tokens` tokens holds at once (it is admissible iff the pool has them):
+        all its blocks; under a window with chunked prefill, only a decoding sequence's live blocks (`_cap`)."""
+        all_blocks = self.pool.blocks_for(num_tokens)
+        if not (self.window and self.config.enable_chunked_prefill):
+            return all_blocks
+        return min(all_blocks, max_decode_blocks(self.window, self.pool.block_size))
+
+    def advance(self, req: Request, num_new: int) -> None:
+        """Record `num_new` more computed tokens of `req` and, under a window, free the blocks no later query sees."""
+        req.num_computed_tokens += num_new
+        dead = num_dead_blocks(req.num_computed_tokens, self.window, self.pool.block_size)
+        null = self.pool.null_block
+        first = dead
+        while first > 0 and req.block_ids[first - 1] != null:  # released entries form a prefix: walk back to it
+            first -= 1
+        if first < dead:
+            self.pool.free(req.block_ids[first:dead])
+            req.block_ids[first:dead] = [null] * (dead - first)
 
     def _grow(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Give `req` blocks for `num_new` more tokens, preempting from the back; False if `req` was preempted."""

@@ -1,4 +1,4 @@
-"""The block pool alone: free list, ref counts, exhaustion."""
+"""The block pool alone: free list, ref counts, exhaustion, the null block."""
 
 from __future__ import annotations
 
@@ -31,3 +31,14 @@ def test_exhaustion_and_double_free_are_errors() -> None:
         pool.free(blocks)
     with pytest.raises(KilnError, match="is free and cannot be shared"):
         pool.incref(blocks)
+
+
+def test_null_block_is_never_handed_out_and_free_skips_it() -> None:
+    pool = BlockPool(num_blocks=3, block_size=4)
+    assert pool.null_block == 3  # the cache's last block (kiln.model.attention.null_block)
+    blocks = pool.allocate(3)
+    assert pool.null_block not in blocks
+    pool.free([pool.null_block, *blocks, pool.null_block])  # a sliding-window table: released entries are null
+    assert pool.num_free_blocks == 3
+    with pytest.raises(KilnError, match="null block and cannot be shared"):
+        pool.incref([pool.null_block])
