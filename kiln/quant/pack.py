@@ -2,7 +2,8 @@
 
 - `--quantization packed` (a GGUF): every decoder linear layer whose checkpoint parts (q, k and v of a fused
   qkv_proj) are all stored in a packed type, the embedding when it is, and the logits head: tied to the packed
-  embedding, or packed itself when the file stores it so. Parts of one fused layer in different formats share the
+  embedding, or packed itself when the file stores it so (a head that is more than a linear layer, and an
+  embedding tied to it, stay unpacked). Parts of one fused layer in different formats share the
   widest layout: Q4_K q and k with a Q6_K v become 6-bit int8 codes in groups of 16.
 - `--quantization int8|int4`: every decoder linear layer without a bias whose input size is a multiple of 32; the
   embedding and the head stay in the model dtype.
@@ -26,15 +27,19 @@ def pack_model(model: nn.Module, layout: Layout, scheme: str = "gguf") -> list[s
     if scheme != "gguf":
         return replaced
     embedding = layout(EMBEDDING)
-    if embedding is not None:
+    tied = model.config.tie_word_embeddings
+    # NOTE: a head that is not a plain linear (Gemma's soft-capped head) computes more than a PackedLinear would,
+    # so it stays as built, in the model dtype, and so does the embedding whose weight it shares
+    plain_head = isinstance(model.lm_head, nn.Linear)
+    if embedding is not None and (plain_head or not tied):
         table = model.model.embed_tokens
         bits, group = embedding
         model.model.embed_tokens = PackedEmbedding(table.num_embeddings, table.embedding_dim, bits, group)
         replaced.append(EMBEDDING)
-        if model.config.tie_word_embeddings:
+        if tied:
             model.lm_head = PackedLinear.tied_to(model.model.embed_tokens)
     head = layout(HEAD)
-    if head is not None and not model.config.tie_word_embeddings:
+    if head is not None and not tied and plain_head:
         model.lm_head = PackedLinear.like(model.lm_head, scheme, *head)
         replaced.append(HEAD)
     return replaced

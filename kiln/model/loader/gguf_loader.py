@@ -19,7 +19,8 @@ from gguf.quants import dequantize
 from kiln.config import ModelConfig
 from kiln.errors import ModelLoadError
 from kiln.model.loader.base import CheckpointHeader, ConfigFields
-from kiln.model.loader.gguf_names import GLOBAL_NAMES, LAYER_NAMES, ROPE_FREQS, gguf_to_hf_name, hf_to_gguf_name
+from kiln.model.loader.gguf_families import GGUF_FAMILIES, GGUFFamily, HFTensor, gguf_name, hf_tensors, known_names
+from kiln.model.loader.gguf_names import ROPE_FREQS
 from kiln.quant.gguf_blocks import PACKED_TYPES, decode_blocks, layout_of
 from kiln.quant.linear import PackedTensor
 
@@ -27,7 +28,7 @@ from kiln.quant.linear import PackedTensor
 # quantized types outside PACKED_TYPES load dequantized (and the log says so)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED_TYPES += ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
-SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
+SUPPORTED_ARCHS = tuple(GGUF_FAMILIES)
 
 
 def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -87,6 +88,15 @@ class GGUFCheckpoint:
         return arch
 
     @cached_property
+    def family(self) -> GGUFFamily:
+        return GGUF_FAMILIES[self.architecture]
+
+    @cached_property
+    def _hf_tensors(self) -> dict[str, list[HFTensor]]:
+        """GGUF tensor name -> the HF tensors it loads as ([] for none)."""
+        return {t.name: hf_tensors(self.family, t.name, _shape(t)) for t in self.reader.tensors}
+
+    @cached_property
     def tensor_types(self) -> dict[str, str]:
         return {t.name: t.tensor_type.name for t in self.reader.tensors}
 
@@ -100,13 +110,13 @@ class GGUFCheckpoint:
             )
 
     def _check_names(self) -> None:
-        unknown = [t.name for t in self.reader.tensors if t.name != ROPE_FREQS and gguf_to_hf_name(t.name) is None]
+        unknown = [name for name, hf in self._hf_tensors.items() if name != ROPE_FREQS and not hf]
         if unknown:
             more = f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""
             raise ModelLoadError(
                 self.path,
-                f"unknown tensor {unknown[0]}{more}: kiln reads {', '.join(GLOBAL_NAMES)}, "
-                f"{ROPE_FREQS} and blk.N.{{{', '.join(LAYER_NAMES)}}}",
+                f"unknown tensor {unknown[0]}{more}: kiln reads {self.architecture} files' "
+                f"{', '.join(known_names(self.family))} and {ROPE_FREQS}",
             )
 
     @cached_property
@@ -117,8 +127,8 @@ class GGUFCheckpoint:
         hidden = fields.positive_int(f"{a}.embedding_length")
         heads_key = f"{a}.attention.head_count"
         num_heads = fields.positive_int(heads_key)
-        return ModelConfig(
-            architecture=a,
+        shared = dict(
+            architecture=self.family.architecture,
             vocab_size=fields.positive_int(f"{a}.vocab_size", self._vocab_from_tokens()),
             hidden_size=hidden,
             intermediate_size=fields.positive_int(f"{a}.feed_forward_length"),
@@ -138,6 +148,8 @@ class GGUFCheckpoint:
             eos_token_ids=fields.token_ids("tokenizer.ggml.eos_token_id"),
             name=fields.text("general.name", os.path.basename(self.path)),
         )
+        own = self.family.read_own(ConfigFields(self.path, lambda k: self.field(f"{a}.{k}"), f"{a}."), shared, tensors)
+        return ModelConfig(**{**shared, **own})
 
     def _vocab_from_tokens(self) -> int | None:
         """The token list's length: the vocabulary size when `{arch}.vocab_size` is absent."""
@@ -169,14 +181,14 @@ class GGUFCheckpoint:
         checks as `weights()`)."""
         self._check_types()
         self._check_names()
-        return {name: _shape(t) for t in self.reader.tensors if (name := gguf_to_hf_name(t.name)) is not None}
+        return {hf.name: hf.shape for tensors in self._hf_tensors.values() for hf in tensors}
 
     def file_of(self, name: str) -> str:
         return self.path
 
     def tensor_label(self, name: str) -> str:
         """How messages name an HF-named tensor: by its name in this file."""
-        return hf_to_gguf_name(name)
+        return gguf_name(self.family, name)
 
     def rope_freq_factors(self) -> torch.Tensor | None:
         """The rope_freqs tensor (one factor per rotary frequency), or None when the file has none."""
@@ -207,40 +219,56 @@ class GGUFCheckpoint:
 
     @cached_property
     def _tensors_by_hf_name(self) -> dict[str, ReaderTensor]:
-        return {n: t for t in self.reader.tensors if (n := gguf_to_hf_name(t.name)) is not None}
+        by_name = {t.name: t for t in self.reader.tensors}
+        return {hf.name: by_name[n] for n, tensors in self._hf_tensors.items() for hf in tensors if hf.expert is None}
 
     def weights(self, packed: bool = False) -> Iterator[tuple[str, torch.Tensor | PackedTensor]]:
         """Yield (HF name, float32 tensor) pairs, dequantized one at a time; with `packed`, weights in
         kiln.quant's PACKED_TYPES come as PackedTensor instead, bit-identical once dequantized."""
         self._check_types()
         self._check_names()
-        cfg = self.config
         for t in self.reader.tensors:
-            name = gguf_to_hf_name(t.name)
-            if name is None:
+            targets = self._hf_tensors[t.name]
+            if packed and len(targets) == 1 and self.packed_layout(targets[0].name) is not None:
+                yield targets[0].name, self._packed(t)
                 continue
-            if packed and self.packed_layout(name) is not None:
-                yield name, self._packed(t, name)
+            if not targets:
                 continue
-            try:
-                array = dequantize(t.data, t.tensor_type)
-            except (ValueError, TypeError) as exc:
-                raise ModelLoadError(self.path, f"cannot dequantize tensor {t.name} ({exc})") from None
-            array = np.asarray(array, dtype=np.float32).reshape(_shape(t))
-            if t.name.endswith(("attn_q.weight", "attn_q.bias")):
-                array = self._unpermute(t.name, array, cfg.num_heads)
-            elif t.name.endswith(("attn_k.weight", "attn_k.bias")):
-                array = self._unpermute(t.name, array, cfg.num_kv_heads)
-            if not array.flags.writeable or not array.flags.c_contiguous:
-                array = np.array(array, copy=True, order="C")
-            yield name, torch.from_numpy(array)
+            array = self._dequantized(t)
+            for hf in targets:
+                part = (array if hf.expert is None else array[hf.expert]).reshape(hf.shape)  # expert: one of a stack
+                if not part.flags.writeable or not part.flags.c_contiguous:
+                    part = np.array(part, copy=True, order="C")
+                yield hf.name, torch.from_numpy(part)
 
-    def _packed(self, t: ReaderTensor, name: str) -> PackedTensor:
+    def _dequantized(self, t: ReaderTensor) -> np.ndarray:
+        """Tensor `t` as float32 with the family's value transforms undone (q/k row order, Gemma's 1 + w norms)."""
+        try:
+            array = dequantize(t.data, t.tensor_type)
+        except (ValueError, TypeError) as exc:
+            raise ModelLoadError(self.path, f"cannot dequantize tensor {t.name} ({exc})") from None
+        array = np.asarray(array, dtype=np.float32).reshape(_shape(t))
+        num_heads = self._permuted_heads(t.name)
+        if num_heads is not None:
+            array = self._unpermute(t.name, array, num_heads)
+        if self.family.norm_plus_one and t.name.endswith("norm.weight"):
+            array = array - 1.0  # NOTE: what transformers' Gemma2TensorProcessor does to every *norm.weight
+        return array
+
+    def _permuted_heads(self, name: str) -> int | None:
+        """The heads whose rows llama.cpp interleaved in tensor `name`, or None when it did not permute it."""
+        if not self.family.permuted_qk:
+            return None
+        if name.endswith(("attn_q.weight", "attn_q.bias")):
+            return self.config.num_heads
+        if name.endswith(("attn_k.weight", "attn_k.bias")):
+            return self.config.num_kv_heads
+        return None
+
+    def _packed(self, t: ReaderTensor) -> PackedTensor:
         rows, cols = _shape(t)
         parts = decode_blocks(t.data, t.tensor_type, rows, cols)
-        heads = {"attn_q.weight": self.config.num_heads, "attn_k.weight": self.config.num_kv_heads}
-        suffix = t.name.rsplit(".", 2)
-        num_heads = heads.get(".".join(suffix[-2:]))
+        num_heads = self._permuted_heads(t.name)
         if num_heads is not None:  # the rows permute as they do dequantized: codes, scale and offset alike
             parts = tuple(self._unpermute(t.name, a, num_heads) for a in parts)
         bits, _ = layout_of(t.tensor_type)

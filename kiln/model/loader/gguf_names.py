@@ -1,4 +1,5 @@
-"""GGUF tensor names <-> HF parameter names (llama.cpp's naming of the Llama family)."""
+"""GGUF tensor names -> HF parameter names (llama.cpp's naming of the Llama family; other families' in
+kiln.model.loader.gguf_families)."""
 
 from __future__ import annotations
 
@@ -22,26 +23,15 @@ GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-LAYER_NAMES_TO_GGUF = {hf: gguf for gguf, hf in LAYER_NAMES.items()}
-GLOBAL_NAMES_TO_GGUF = {hf: gguf for gguf, hf in GLOBAL_NAMES.items()}
 ROPE_FREQS = "rope_freqs.weight"  # llama 3.1-style per-frequency rope factors; kiln folds them into its rotary tables
 
 
 def gguf_to_hf_name(name: str) -> str | None:
-    """HF parameter name of a GGUF tensor, or None for tensors with no HF counterpart (rope_freqs, unknown ones)."""
+    """HF parameter name of a GGUF tensor in Llama's naming, or None for tensors with no HF counterpart
+    (rope_freqs, unknown ones)."""
     if name in GLOBAL_NAMES:
         return GLOBAL_NAMES[name]
     parts = name.split(".", 2)
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_NAMES:
         return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
     return None
-
-
-def hf_to_gguf_name(name: str) -> str:
-    """GGUF name of an HF parameter name (the name itself when GGUF has no counterpart)."""
-    if name in GLOBAL_NAMES_TO_GGUF:
-        return GLOBAL_NAMES_TO_GGUF[name]
-    parts = name.split(".", 3)
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in LAYER_NAMES_TO_GGUF:
-        return f"blk.{parts[2]}.{LAYER_NAMES_TO_GGUF[parts[3]]}"
-    return name
