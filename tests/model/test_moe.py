@@ -139,7 +139,6 @@ def hf_model(family: str, overrides: dict[str, object]) -> torch.nn.Module:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(HF_CASES))
 def test_fused_moe_matches_hf_block(tmp_path: Path, case: str) -> None:
-    pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
     family, overrides = HF_CASES[case]
