@@ -51,7 +51,7 @@ def test_logits_and_greedy_decode_match_transformers(tmp_path: Path, family: str
     assert out[0].token_ids == expected_tokens.tolist()
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3", "qwen2_moe"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_piecewise_gives_eager_tokens_and_identical_layers_compile_once(tmp_path: Path, family: str) -> None:
     write_family(tmp_path, family)
     params = SamplingParams(max_tokens=6, temperature=0)
