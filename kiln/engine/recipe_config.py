@@ -16,9 +16,9 @@ logger = logging.getLogger("kiln")
 
 
 def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
-    """`config` as the recipe requires: its device, quantization, dtype, KV cache plan and bounds win over flags,
-    and it may switch piecewise graph mode on. `config.graph` must already come from
-    `graph_config_from(recipe, ...)`."""
+    """`config` as the recipe requires: its device, quantization, dtype, KV cache plan, bounds and parallel layout
+    (tensor and pipeline sizes, each stage's layers) win over flags, and it may switch piecewise graph mode on.
+    `config.graph` must already come from `graph_config_from(recipe, ...)`."""
     cache = replace(
         config.cache, dtype=recipe.kv_cache_dtype, block_size=recipe.block_size, num_blocks=recipe.max_pages
     )
@@ -30,6 +30,13 @@ def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
     max_model_len = config.max_model_len
     if recipe.max_model_len is not None:
         max_model_len = min(max_model_len or recipe.max_model_len, recipe.max_model_len)
+    # NOTE: the recipe's layout is the one validated against the model: its stages replace any even split.
+    parallel = replace(
+        config.parallel,
+        tensor=recipe.tensor_parallel,
+        pipeline=recipe.pipeline_parallel,
+        stage_layers=recipe.stage_layers,
+    )
     resolved = replace(
         config,
         model=recipe.model_path,  # the checkpoint the recipe was checked against is the one that runs
@@ -42,6 +49,7 @@ def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
         scheduler=sched,
         recipe=recipe,
         enable_piecewise_graph=config.enable_piecewise_graph or recipe.piecewise,
+        parallel=parallel,
     )
     _log_changes(config, resolved, recipe.path)
     return resolved
@@ -60,6 +68,9 @@ def _log_changes(before: EngineConfig, after: EngineConfig, path: str) -> None:
         ("max_num_seqs", before.scheduler.max_num_seqs, after.scheduler.max_num_seqs),
         ("max_num_batched_tokens", before.scheduler.max_num_batched_tokens, after.scheduler.max_num_batched_tokens),
         ("piecewise graph", before.enable_piecewise_graph, after.enable_piecewise_graph),
+        ("parallel.tensor", before.parallel.tensor, after.parallel.tensor),
+        ("parallel.pipeline", before.parallel.pipeline, after.parallel.pipeline),
+        ("parallel.stage_layers", before.parallel.stage_layers, after.parallel.stage_layers),
     ]
     for name, old, new in pairs:
         if old != new:

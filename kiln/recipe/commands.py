@@ -8,11 +8,13 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import asdict
 
 from kiln.errors import KilnError
 from kiln.recipe.diagnostics import Diagnostic, RecipeError
 from kiln.recipe.init_recipe import init_recipe_text
 from kiln.recipe.migrate import migrate_text
+from kiln.recipe.placement import Placement, StageLoad, format_bytes, recipe_placement
 from kiln.recipe.recipe import Recipe, load_recipe
 from kiln.recipe.schema import recipe_json_schema
 
@@ -29,10 +31,13 @@ def validate_command(args: argparse.Namespace) -> int:
         diagnostics = recipe.diagnostics
     except RecipeError as exc:
         diagnostics = exc.diagnostics
+    placement = recipe_placement(recipe) if recipe is not None else None
     if args.json:
-        print(json.dumps(_json_result(args.recipe, recipe, diagnostics), indent=2))
+        print(json.dumps(_json_result(args.recipe, recipe, diagnostics, placement), indent=2))
     else:
         _print_text(recipe, diagnostics)
+        if recipe is not None and placement is not None:
+            _print_placement(recipe, placement)
     return EXIT_OK if recipe is not None else EXIT_INVALID
 
 
@@ -100,8 +105,59 @@ def _print_text(recipe: Recipe | None, diagnostics: list[Diagnostic]) -> None:
     print(f"[INFO] Recipe hash: {recipe.hash}")
 
 
-def _json_result(file: str, recipe: Recipe | None, diagnostics: list[Diagnostic]) -> dict:
+def _print_placement(recipe: Recipe, placement: Placement) -> None:
+    """The load report: one line for one device; otherwise a line per stage and a warning when unbalanced."""
+    kv = (
+        f"KV for {placement.kv_tokens} tokens (max_pages {recipe.max_pages} x block_size {recipe.block_size}, "
+        f"{recipe.kv_cache_dtype})"
+    )
+    if placement.world_size == 1:
+        (stage,) = placement.stages
+        print(
+            f"[INFO] Placement: one device holds all {len(stage.layers)} decoder layers: weights "
+            f"{format_bytes(stage.held_bytes)}, {kv} {format_bytes(stage.kv_bytes)}"
+        )
+        return
+    stages, tensor = placement.pipeline, placement.tensor
+    print(
+        f"[INFO] Placement: {stages} pipeline stage{'s' * (stages != 1)} x {tensor} tensor rank{'s' * (tensor != 1)}"
+        f" = {placement.world_size} devices; {kv}; weights at run time, each checkpoint tensor counted once "
+        f"({format_bytes(placement.total_weight_bytes)} in all)"
+    )
+    for stage in placement.stages:
+        print(f"[INFO]   {_stage_line(placement, stage)}")
+    if placement.warning is not None:
+        print(f"[WARNING] {placement.warning}")
+
+
+def _stage_line(placement: Placement, stage: StageLoad) -> str:
+    """What one stage holds: its layers, the tensors outside them, its weight and KV bytes."""
+    first, last = stage.device_id == 0, stage.device_id == placement.pipeline - 1
+    extras = ["embedding", *placement.other_tensors] if first else []
+    if last:
+        extras.append("final norm" if placement.tied_head else "final norm, lm_head")
+    holds = f"decoder_layer_{stage.layers[0]}..{stage.layers[-1]} ({len(stage.layers)} layers)"
+    holds += "".join(f" + {extra}" for extra in extras)
+    weights = format_bytes(stage.weight_bytes)
+    if stage.head_copy_bytes:
+        weights += f" + {format_bytes(stage.head_copy_bytes)} (the tied embedding again, as its head)"
+    if placement.tensor == 1:
+        return f"device {stage.device_id}: {holds}: weights {weights}, KV {format_bytes(stage.kv_bytes)}"
+    return (
+        f"stage {stage.device_id} ({placement.tensor} devices): {holds}: weights {weights}, "
+        f"{format_bytes(stage.weight_bytes_per_device)} per device of the stage; KV {format_bytes(stage.kv_bytes)}, "
+        f"{format_bytes(stage.kv_bytes_per_device)} per device of the stage"
+    )
+
+
+def _json_result(
+    file: str, recipe: Recipe | None, diagnostics: list[Diagnostic], placement: Placement | None = None
+) -> dict:
     result: dict = {"file": file, "valid": recipe is not None, "diagnostics": [d.to_json() for d in diagnostics]}
+    if placement is not None:
+        stages = [{**asdict(s), "layers": list(s.layers)} for s in placement.stages]
+        result["placement"] = {"tensor": placement.tensor, "kv_tokens": placement.kv_tokens, "stages": stages}
+        result["placement"]["warning"] = placement.warning
     if recipe is not None:
         result.update(
             hash=recipe.hash,

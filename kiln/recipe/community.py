@@ -29,7 +29,11 @@ def _dropped(why: str) -> CommunityKey:
 
 
 # Community sections whose keys all move into one kiln section (looked up there in KEYS).
-SECTIONS = {"hardware_preference": "hardware", "device_affinity": "hardware", "memory_pool_config": "hardware"}
+SECTIONS = {"hardware_preference": "hardware", "memory_pool_config": "hardware"}
+# Top-level keys kiln has too, kept as they are when they are lists: device_affinity, one {device_id,
+# kernel_groups} entry per pipeline stage. Written as a mapping of device settings (device, numa_node, device_ids),
+# their keys move into the kiln section named here instead.
+SECTIONS_WHEN_MAPPING = {"device_affinity": "hardware"}
 
 # Where a key sits, as a kiln section ("" the top level, "[]" any list item) -> community key -> where it goes.
 KEYS: dict[str, dict[str, CommunityKey]] = {
@@ -45,7 +49,10 @@ KEYS: dict[str, dict[str, CommunityKey]] = {
         "pool_size_gb": _to("hardware.memory_budget_gb"),
         "memory_bandwidth_optimized": _dropped("kiln chooses kernels by timing them"),
         "power_limit_watts": _dropped("kiln does not manage device power"),
-        "device_ids": _dropped("kiln runs on one device; choose it with CUDA_VISIBLE_DEVICES"),
+        "device_ids": _dropped(
+            "kiln numbers the devices it runs on from 0 (device_affinity's device_id is a pipeline stage, "
+            "parallel.tensor the devices per stage); choose the physical ones with CUDA_VISIBLE_DEVICES"
+        ),
         "numa_node": _dropped("kiln does not pin memory or threads to a NUMA node"),
         "allocator": _dropped("kiln allocates through torch's caching allocator"),
         "enable_defragmentation": _dropped("the paged KV cache is one fixed pool of pages; nothing fragments"),
@@ -83,3 +90,15 @@ def community_hint(path: KeyPath, key: str) -> str | None:
     if entry.kiln is None:
         return f"kiln has no such setting: {entry.why} ({MIGRATE_HINT})"
     return f"kiln spells it {entry.kiln} ({MIGRATE_HINT})"
+
+
+def community_shape_hint(path: KeyPath, value: object) -> str | None:
+    """For a kiln key written in its community mapping shape (`device_affinity: {device: cuda}`): where kiln keeps
+    those settings. None otherwise."""
+    if len(path) != 1 or path[0] not in SECTIONS_WHEN_MAPPING or not isinstance(value, dict):
+        return None
+    key = str(path[0])
+    return (
+        f"a mapping of device settings is the community shape of {key}: kiln keeps them in "
+        f"{SECTIONS_WHEN_MAPPING[key]} ({MIGRATE_HINT}); kiln's {key} lists pipeline stages"
+    )

@@ -84,7 +84,9 @@ def _fill_device(carrier: Carrier) -> None:
         hardware["device"] = "cuda"
         where = carrier.set_at.get("hardware.device", (1, 1))
         carrier.note(
-            where, f"device index {device!r} not carried: kiln runs on one device; pick it with CUDA_VISIBLE_DEVICES"
+            where,
+            f"device index {device!r} not carried: hardware.device names the kind of device; kiln numbers the ones "
+            "it runs on from 0 (see device_affinity, parallel): pick them with CUDA_VISIBLE_DEVICES",
         )
     elif "device" not in hardware:
         arch = hardware.get("arch")

@@ -10,7 +10,7 @@ from ruamel.yaml.comments import CommentedMap, CommentedSeq
 from ruamel.yaml.error import CommentMark
 from ruamel.yaml.tokens import CommentToken
 
-from kiln.recipe.community import SECTIONS, TENSORS, community_key
+from kiln.recipe.community import SECTIONS, SECTIONS_WHEN_MAPPING, TENSORS, community_key
 from kiln.recipe.schema_check import did_you_mean, dotted, fields_at
 from kiln.recipe.sections import INPUTS
 from kiln.recipe.source import KeyPath
@@ -53,6 +53,8 @@ class Carrier:
                 self.note(position(node, key), f"{key} not carried: {entry.why}")
             elif not kiln and key in SECTIONS:
                 self.carry_community_section(node, key, SECTIONS[key])
+            elif not kiln and key in SECTIONS_WHEN_MAPPING and isinstance(node[key], CommentedMap):
+                self.carry_community_section(node, key, SECTIONS_WHEN_MAPPING[key])
             elif entry is not None and entry.kiln == "recipe_version":
                 self.put("recipe_version", 1, node, key)
                 if str(node[key]) not in ("1", "1.0"):

@@ -25,6 +25,7 @@ from kiln.recipe.schema_check import validate_schema
 from kiln.recipe.sections import check_fusion_groups, check_graph, check_group_size, check_inputs, check_memory
 from kiln.recipe.solver import DEFAULT_BUDGET_S, SolverBudget, SolverBudgetExceeded
 from kiln.recipe.source import SourceDoc, parse_source
+from kiln.recipe.stages import StageLayers, check_parallel, pipeline_size, stage_layers_of
 
 logger = logging.getLogger("kiln")
 
@@ -122,6 +123,23 @@ class Recipe:
     def fusion_groups(self) -> list[FusionGroup]:
         return list(self.spec.fusion_groups)
 
+    @property
+    def tensor_parallel(self) -> int:
+        """Tensor-parallel ranks per pipeline stage (parallel.tensor)."""
+        return self.spec.parallel.tensor
+
+    @property
+    def pipeline_parallel(self) -> int:
+        """Pipeline stages: parallel.pipeline, else the number of device_affinity entries, else 1."""
+        return pipeline_size(self.spec)
+
+    @property
+    def stage_layers(self) -> StageLayers | None:
+        """Each pipeline stage's decoder layers (ascending), stages in device_id order; None without
+        device_affinity (the engine then splits the layers evenly). Validation proved them a partition of the
+        model's layers into consecutive runs in increasing order."""
+        return stage_layers_of(self.spec)
+
     @cached_property
     def guards(self) -> RecipeGuards:
         """Run-time checks of the constraints (built once; see RecipeGuards for which call checks what)."""
@@ -156,6 +174,8 @@ def load_recipe_text(
     diagnostics += check_fusion_groups(doc, spec, model_ops(header) if header else None)
     diagnostics += check_refused(doc, spec) + check_hardware(doc, spec, this_machine())
     broken = _sections_of(doc, schema_diagnostics)
+    if not broken & {"parallel", "device_affinity"}:
+        diagnostics += check_parallel(doc, spec, header.config.num_layers if header else None)
     if header is not None:
         diagnostics += check_weights(doc, spec, header) + check_model_constraints(doc, constraints, values, header)
         diagnostics += check_identity(doc, spec, header)
@@ -226,5 +246,15 @@ def recipe_hash(spec: RecipeSpec, constraints: list[Constraint]) -> str:
     formatting, comments and key order do not matter and any changed value does."""
     data = spec.model_dump(mode="json")
     data["input_constraints"]["constraints"] = [c.expr.normalized for c in constraints]
+    # NOTE: the placement as it runs (pipeline derived, stages by device_id); one device adds nothing, so recipes
+    # written before `parallel` existed keep their hash (and their compile-cache entries).
+    del data["parallel"], data["device_affinity"]
+    stages = stage_layers_of(spec)
+    if spec.parallel.tensor > 1 or pipeline_size(spec) > 1 or stages is not None:
+        data["parallel"] = {
+            "tensor": spec.parallel.tensor,
+            "pipeline": pipeline_size(spec),
+            "stage_layers": None if stages is None else [list(s) for s in stages],
+        }
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()

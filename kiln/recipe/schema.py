@@ -130,6 +130,28 @@ class Hardware(Section):
     )
 
 
+class Parallel(Section):
+    """How the model is split over devices; world size = tensor * pipeline."""
+
+    tensor: PositiveInt = Field(
+        1, description="Tensor-parallel ranks per pipeline stage: each holds a slice of every layer's heads and MLP."
+    )
+    pipeline: PositiveInt | None = Field(
+        None,
+        description="Pipeline stages, each holding a contiguous group of layers. null: the number of "
+        "device_affinity entries, or 1 without them.",
+    )
+
+
+class DeviceAffinity(Section):
+    """One pipeline stage and the decoder layers it holds (with parallel.tensor N the stage spans N devices)."""
+
+    device_id: int = Field(description="The pipeline stage, 0 .. pipeline - 1; stages run in device_id order.")
+    kernel_groups: list[str] = Field(
+        description='Its layers, "decoder_layer_<i>" (0-based): consecutive, and each layer in exactly one stage.'
+    )
+
+
 class Debug(Section):
     debug_mode: bool = False
 
@@ -146,6 +168,10 @@ class RecipeSpec(Section):
     memory_plan: MemoryPlan = Field(default_factory=MemoryPlan)
     graph: Graph = Field(default_factory=Graph)
     hardware: Hardware
+    parallel: Parallel = Field(default_factory=Parallel)
+    device_affinity: list[DeviceAffinity] | None = Field(
+        None, description="Which decoder layers each pipeline stage holds; null: layers split evenly over the stages."
+    )
     debug: Debug = Field(default_factory=Debug)
 
 

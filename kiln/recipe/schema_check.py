@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from kiln.recipe.community import community_hint
+from kiln.recipe.community import community_hint, community_shape_hint
 from kiln.recipe.diagnostics import Diagnostic, sort_diagnostics
 from kiln.recipe.schema import RecipeSpec
 from kiln.recipe.source import KeyPath, SourceDoc
@@ -149,7 +149,8 @@ def _diagnostic(doc: SourceDoc, errors: list[dict]) -> Diagnostic:
         reason = "expected " + " or ".join(dict.fromkeys(expected))
     else:
         reason = " or ".join(dict.fromkeys(_lower_first(e["msg"]) for e in errors))
-    return doc.diagnostic("error", f"{where}: {reason}, got {found}", path)
+    shape = community_shape_hint(path, err.get("input"))
+    return doc.diagnostic("error", f"{where}: {reason}, got {found}" + (f"; {shape}" if shape else ""), path)
 
 
 _EXPECTED = {
