@@ -173,6 +173,32 @@ class GraphConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over devices (kiln.distributed): `tensor` ranks share every layer (each holds a slice of
+    its heads and MLP), `pipeline` stages hold contiguous groups of layers. `stage_layers`, when given (a recipe's
+    `device_affinity`), lists the layers of each stage; None splits them evenly. World size = tensor * pipeline.
+
+    `nnodes`/`node_rank`/`master_addr`/`master_port` place the ranks on machines (as torchrun does); one node starts
+    its workers itself."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    stage_layers: tuple[tuple[int, ...], ...] | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free port (one node), 29500 (several)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor * self.pipeline
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine is built from (`kiln.engine.build.build_engine`), after the recipe's overlay.
 
@@ -193,6 +219,7 @@ class EngineConfig:
     recipe: Any = field(default=None, compare=False)  # a validated kiln.recipe.Recipe, or None
     enable_piecewise_graph: bool = False  # graph mode on (its kind: graph.mode); off: the eager executor
     graph: GraphConfig = field(default_factory=GraphConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property
     def is_graph_mode(self) -> bool:

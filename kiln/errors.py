@@ -28,3 +28,7 @@ class RequestError(KilnError):
         super().__init__(f"{message}{where}")
         self.request_id = request_id
         self.param = param
+
+
+class WorkerFailure(KilnError):
+    """A rank of a multi-device engine died or a collective failed: the engine cannot go on (kiln.distributed)."""

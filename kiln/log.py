@@ -18,11 +18,12 @@ class _StderrHandler(logging.StreamHandler):
         super().emit(record)
 
 
-def setup_logging(level: str | None = None) -> None:
+def setup_logging(level: str | None = None, prefix: str = "") -> None:
+    """kiln's log lines on stderr; `prefix` tags every line (a worker rank's `(rank 1) `)."""
     if any(isinstance(h, _StderrHandler) for h in logger.handlers):
         return
     handler = _StderrHandler()
-    handler.setFormatter(logging.Formatter("[%(levelname)s] %(message)s"))
+    handler.setFormatter(logging.Formatter(f"[%(levelname)s] {prefix}%(message)s"))
     logger.addHandler(handler)
     logger.setLevel(level or read_env().log_level)
     logger.propagate = False

@@ -24,6 +24,7 @@ from kiln.config import (
     QUANTIZATION_NAMES,
     CacheConfig,
     EngineConfig,
+    ParallelConfig,
     SchedulerConfig,
 )
 from kiln.errors import ConfigError
@@ -116,6 +117,22 @@ class EngineArgs:
         choices=tuple(m.value for m in PieceMode),
     )
 
+    tensor_parallel_size: int = _arg(
+        1,
+        "ranks that split every layer (heads, MLP, vocabulary) over torch.distributed",
+        "parallel",
+        type=_positive_int,
+    )
+    pipeline_parallel_size: int = _arg(
+        1, "stages of contiguous layers, one per rank group", "parallel", type=_positive_int
+    )
+    nnodes: int = _arg(1, "machines the ranks span (each runs kiln serve with its --node-rank)", "parallel")
+    node_rank: int = _arg(0, "this machine's index among --nnodes", "parallel")
+    master_addr: str = _arg("127.0.0.1", "address of node 0, where the ranks meet", "parallel")
+    master_port: int = _arg(
+        0, "port on node 0 where the ranks meet (0: a free one on one node, 29500 on several)", "parallel"
+    )
+
     # -- the CLI ---------------------------------------------------------------------------------------------
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -176,6 +193,14 @@ class EngineArgs:
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill),
             enable_piecewise_graph=self.enable_piecewise_graph or self.full_graph or self.graph_mode is not None,
             graph=graph,
+            parallel=ParallelConfig(
+                tensor=self.tensor_parallel_size,
+                pipeline=self.pipeline_parallel_size,
+                nnodes=self.nnodes,
+                node_rank=self.node_rank,
+                master_addr=self.master_addr,
+                master_port=self.master_port,
+            ),
         )
         if recipe is None:
             return config

@@ -32,7 +32,7 @@ from kiln.engine.core import INTERNAL_ERROR, EngineCore
 from kiln.engine.request import RequestOutput
 from kiln.engine.request_stream import EngineStats, EngineStoppedError, QueueFullError, RequestStream, settle
 from kiln.engine.sampling_params import SamplingParams
-from kiln.errors import KilnError
+from kiln.errors import KilnError, WorkerFailure
 
 logger = logging.getLogger("kiln")
 
@@ -70,6 +70,8 @@ class AsyncEngine:
         self._is_stopping = False
         self._loop_error: BaseException | None = None  # what ended the engine loop, if it died
         self._stats = EngineStats(num_kv_blocks=core.pool.num_blocks)
+        if core.workers is not None:  # a rank that dies wakes the loop, which then stops (WorkerFailure)
+            core.workers.on_failure(self._wakeup.set)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -191,6 +193,7 @@ class AsyncEngine:
     def _run(self) -> None:
         while not self._is_stopping:
             self._wakeup.clear()
+            self.core.check_alive()
             self._run_commands()
             if self.core.has_unfinished:
                 self._step()
@@ -228,6 +231,8 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.core.step()
+        except WorkerFailure:
+            raise  # another rank is gone: this engine cannot run any step again
         except Exception:
             # NOTE: EngineCore.step already isolates failures of a batch to the requests that fail alone; what
             # reaches here could not be traced to a request (the scheduler, or a lone request's step)

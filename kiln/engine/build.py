@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import torch
 
 from kiln.compile.executor import GraphExecutor
 from kiln.compile.fusion_check import check_quantized
 from kiln.config import EngineConfig
+from kiln.distributed.control import gather_vocab
+from kiln.distributed.state import rank_state
+from kiln.distributed.workers import follow, start_ranks
 from kiln.engine.core import EngineCore
 from kiln.engine.model_runner import StepObserver
 from kiln.env import read_env
@@ -24,6 +28,7 @@ from kiln.executor.base import Executor
 from kiln.executor.eager import EagerExecutor
 from kiln.model.dtypes import parse_dtype
 from kiln.model.loader import open_checkpoint
+from kiln.model.parallel import check_splittable
 from kiln.model.registry import build_model, load_tokenizer
 
 EXECUTORS: dict[str, Callable[[EngineConfig], Executor]] = {
@@ -46,9 +51,17 @@ def apply_device_settings(config: EngineConfig) -> None:
 
 
 def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> EngineCore:
-    """Load `config.model` and build an engine around it; `observer` sees every step (the debugger's taps)."""
+    """Load `config.model` and build an engine around it; `observer` sees every step (the debugger's taps).
+
+    With more than one rank (`config.parallel`) the first call starts the other ranks (kiln.distributed.workers)
+    and this process loads its own shard; a process that is not rank 0 follows rank 0's steps and exits when told.
+    """
     apply_device_settings(config)
     checkpoint = open_checkpoint(config.model)
+    state, workers = rank_state(), None
+    if config.parallel.is_distributed and state is None:
+        check_splittable(checkpoint.config, config.parallel.tensor)  # before any rank starts
+        state, workers = start_ranks(config, build_engine)
     max_model_len = config.max_model_len or EngineCore.default_max_model_len(checkpoint.config)
     model = build_model(
         checkpoint,
@@ -62,4 +75,15 @@ def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> 
     tokenizer = load_tokenizer(checkpoint)
     graph = replace(config.graph, max_model_len=max_model_len)
     executor = make_executor(replace(config, graph=graph))
-    return EngineCore(config, model, tokenizer, executor, checkpoint.path, observer)
+    core = EngineCore(config, model, tokenizer, executor, checkpoint.path, observer)
+    if state is None:
+        return core
+    if state.tp.is_split:
+        core.runner.gather_logits = partial(gather_vocab, vocab_size=checkpoint.config.vocab_size)
+    if state.is_driver and workers is not None:
+        core.attach_workers(workers)
+    elif workers is not None:  # the first rank of another node: it follows rank 0 like the ranks it started
+        follow(core, workers.channel)
+        workers.stop()
+        raise SystemExit(0)
+    return core

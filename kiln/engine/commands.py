@@ -31,11 +31,11 @@ def make_llm(args: argparse.Namespace) -> LLM:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)
-    llm = make_llm(args)
-    prompts = args.prompt
-    if args.chat:
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
-    outputs = llm.generate(prompts, params)
+    with make_llm(args) as llm:
+        prompts = args.prompt
+        if args.chat:
+            prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        outputs = llm.generate(prompts, params)
     failed = 0
     for user_prompt, out in zip(args.prompt, outputs, strict=True):
         if args.json:
@@ -59,8 +59,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    with make_llm(args) as llm:
+        return _chat(llm, args)
+
+
+def _chat(llm: LLM, args: argparse.Namespace) -> int:
     params = sampling_params(args)
-    llm = make_llm(args)
     history: list[dict[str, str]] = []
     if args.system:
         history.append({"role": "system", "content": args.system})

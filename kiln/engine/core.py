@@ -9,11 +9,13 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kiln.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, ModelConfig
+from kiln.distributed.control import agree_min
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.kv_cache import BlockPool
 from kiln.engine.kv_window import max_decode_blocks
@@ -22,11 +24,15 @@ from kiln.engine.request import Request, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
 from kiln.engine.step_shape import StepShaper
-from kiln.errors import RequestError
+from kiln.errors import RequestError, WorkerFailure
 from kiln.executor.base import Executor
 from kiln.model.dtypes import parse_dtype
+from kiln.model.parallel import local_kv_heads
 from kiln.model.tokenizer import KilnTokenizer
 from kiln.recipe.guards import RecipeViolation
+
+if TYPE_CHECKING:
+    from kiln.distributed.workers import Workers
 
 logger = logging.getLogger("kiln")
 
@@ -58,9 +64,8 @@ class EngineCore:
         cc = config.cache
         dtype = next(model.parameters()).dtype
         kv_dtype = dtype if cc.dtype == "auto" else parse_dtype(cc.dtype)
-        num_blocks = cc.num_blocks or max(
-            1, int(cc.kv_cache_memory_gb * 1e9) // (cc.block_size * mc.kv_bytes_per_token(kv_dtype))
-        )
+        per_token = mc.kv_bytes_per_token(kv_dtype) * local_kv_heads(model) // mc.num_kv_heads  # this rank's heads
+        num_blocks = agree_min(cc.num_blocks or max(1, int(cc.kv_cache_memory_gb * 1e9) // (cc.block_size * per_token)))
         self.pool = BlockPool(num_blocks, cc.block_size)
         self.shaper = self._step_shaper(config, executor)
         self.runner = ModelRunner(
@@ -87,6 +92,7 @@ class EngineCore:
             )
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.workers: Workers | None = None  # the other ranks, when this is rank 0 of a multi-device engine
         self._seed_rng = torch.Generator().manual_seed(config.seed if config.seed is not None else secrets.randbits(63))
         self.num_steps = 0
 
@@ -181,7 +187,24 @@ class EngineCore:
         return self.scheduler.has_unfinished
 
     # -- the step -----------------------------------------------------------------------------------
+    def attach_workers(self, workers: Workers) -> None:
+        """Run every step on the other ranks too (rank 0 of a multi-device engine)."""
+        self.workers = workers
+        self.runner.peers = workers.channel
+
+    def check_alive(self) -> None:
+        """WorkerFailure if another rank of this engine has died."""
+        if self.workers is not None:
+            self.workers.check()
+
+    def close(self) -> None:
+        """Stop the other ranks (a single-device engine holds nothing to release)."""
+        if self.workers is not None:
+            self.workers.stop()
+            self.workers = None
+
     def step(self) -> list[RequestOutput]:
+        self.check_alive()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -190,7 +213,11 @@ class EngineCore:
         except RecipeViolation as exc:  # the step's shape breaks the recipe: its requests fail, named by the line
             logger.error("step refused by the recipe: %s", exc)
             return [out for s in sched.scheduled if (out := self.fail(s.request.request_id, str(exc)))]
-        except Exception:
+        except Exception as exc:
+            if self.workers is not None:
+                # NOTE: the ranks run each step together; none can retry it alone, so the engine stops
+                self.workers.failure = self.workers.failure or f"rank 0's step failed: {type(exc).__name__}: {exc}"
+                raise WorkerFailure(self.workers.failure) from exc
             if len(sched.scheduled) == 1:
                 raise
             return self._isolate_failure(sched)

@@ -29,6 +29,10 @@ class LLM:
 
     A request that cannot be served (too long, invalid) comes back finished with `finish_reason="error"`
     and `.error` set; the other requests in the batch still run.
+
+    With `tensor_parallel_size` (or `pipeline_parallel_size`) above 1 the other ranks start as spawned processes,
+    which import the caller's main module again: guard the script's work with `if __name__ == "__main__":`, and
+    `close()` the LLM (or use it in a `with` block) to stop them.
     """
 
     def __init__(self, model: str = "default", *, config: EngineConfig | None = None, **options: Any) -> None:
@@ -38,6 +42,16 @@ class LLM:
         self.engine = build_engine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the other ranks of a multi-device engine (nothing to do on one device)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,

@@ -10,6 +10,7 @@ An optional `StepObserver` sees every executed step's batch and logits (the debu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,6 +24,7 @@ from kiln.executor.base import Executor
 from kiln.executor.counters import CompileCounters
 from kiln.model.attention import allocate_kv_caches, kv_cache_block_size, kv_cache_num_blocks
 from kiln.model.forward_context import AttentionMetadata, ForwardContext, ModelInputs, set_forward_context
+from kiln.model.parallel import local_kv_heads
 
 
 @dataclass
@@ -30,6 +32,28 @@ class ModelRunnerOutput:
     sampled: dict[str, int]
     logprobs: dict[str, dict[int, float]]
     errors: dict[str, str] = field(default_factory=dict)  # request id -> why its row could not be sampled
+
+
+@dataclass
+class StepPlan:
+    """One step's inputs as plain lists (built from the scheduler's output by `ModelRunner.plan`)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    num_decodes: int
+    padded: int
+    batch_size: int
+    sample_indices: list[int]
+    sample_request_ids: list[str]
+
+
+class StepPeers(Protocol):
+    def send(self, plan: StepPlan) -> None:
+        """Hand the step to the other ranks before this one runs it."""
 
 
 class StepObserver(Protocol):
@@ -58,8 +82,12 @@ class ModelRunner:
         self.eos_token_ids = list(eos_token_ids)
         self.observer = observer
         self.device = next(model.parameters()).device
-        self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, kv_dtype, self.device)
+        kv_heads = local_kv_heads(model)
+        self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, kv_dtype, self.device, kv_heads)
         self.sampler = Sampler()
+        # tensor parallelism: gathers the head's vocabulary slices; `peers` sends each step's plan to the other ranks
+        self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.peers: StepPeers | None = None
         executor.prepare(model, self.kv_caches)
 
     @property
@@ -78,7 +106,8 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv_caches)
 
-    def prepare(self, sched: SchedulerOutput) -> ModelInputs:
+    def plan(self, sched: SchedulerOutput) -> StepPlan:
+        """The step's inputs as plain lists: what a tensor- or pipeline-parallel driver sends its peers."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -91,8 +120,7 @@ class ModelRunner:
         for s in sched.scheduled:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
-            tokens = req.all_token_ids[start:end]
-            input_ids += tokens
+            input_ids += req.all_token_ids[start:end]
             positions += range(start, end)
             blocks = req.block_ids
             slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
@@ -104,33 +132,48 @@ class ModelRunner:
                 sample_ids.append(req.request_id)
         max_blocks = max(len(s.request.block_ids) for s in sched.scheduled)
         tables = [s.request.block_ids + [0] * (max_blocks - len(s.request.block_ids)) for s in sched.scheduled]
-        n = len(input_ids)
-        padded, batch_size = self.shaper.check(n, len(sched.scheduled), seq_lens)
-        pad = padded - n
+        padded, batch_size = self.shaper.check(len(input_ids), len(sched.scheduled), seq_lens)
+        return StepPlan(
+            input_ids, positions, slots, query_start_loc, seq_lens, tables, num_decodes, padded, batch_size,
+            sample_indices, sample_ids,
+        )  # fmt: skip
+
+    def prepare(self, sched: SchedulerOutput) -> ModelInputs:
+        return self.inputs(self.plan(sched))
+
+    def inputs(self, plan: StepPlan) -> ModelInputs:
+        """The step's tensors on the model's device, padded to the step's shape; the metadata covers real tokens."""
+        n = len(plan.input_ids)
+        pad = plan.padded - n
         dev = self.device
         # NOTE: built on the host first: a full decode graph uploads these in one copy (kiln.compile.decode_buffers)
-        host_ids = torch.tensor(input_ids + [0] * pad, dtype=torch.long)
-        host_lens = torch.tensor(seq_lens, dtype=torch.long)
-        host_tables = torch.tensor(tables, dtype=torch.long)
+        host_ids = torch.tensor(plan.input_ids + [0] * pad, dtype=torch.long)
+        host_lens = torch.tensor(plan.seq_lens, dtype=torch.long)
+        host_tables = torch.tensor(plan.block_tables, dtype=torch.long)
         meta = AttentionMetadata(
             num_actual_tokens=n,
-            num_decodes=num_decodes,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
+            num_decodes=plan.num_decodes,
+            slot_mapping=torch.tensor(plan.slots, dtype=torch.long, device=dev),
+            query_start_loc=plan.query_start_loc,
+            seq_lens=plan.seq_lens,
             seq_lens_tensor=host_lens.to(dev),
             block_tables=host_tables.to(dev),
-            block_size=bs,
+            block_size=self.block_size,
         )
         return ModelInputs(
             input_ids=host_ids.to(dev),
-            positions=torch.tensor(positions + [0] * pad, dtype=torch.long, device=dev),
+            positions=torch.tensor(plan.positions + [0] * pad, dtype=torch.long, device=dev),
             metadata=meta,
-            sample_indices=sample_indices,
-            sample_request_ids=sample_ids,
-            batch_size=batch_size,
+            sample_indices=plan.sample_indices,
+            sample_request_ids=plan.sample_request_ids,
+            batch_size=plan.batch_size,
             host=(host_ids, host_lens, host_tables),
         )
+
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """fp32 logits of `hidden[rows]` over the whole vocabulary (a vocab-parallel head's slices gathered)."""
+        logits = self.executor.compute_logits(hidden, rows)
+        return self.gather_logits(logits) if self.gather_logits is not None else logits
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
@@ -140,12 +183,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        inputs = self.prepare(sched)
+        plan = self.plan(sched)
+        if self.peers is not None:
+            self.peers.send(plan)  # the other ranks run the same step
+        inputs = self.inputs(plan)
         if self.observer is not None:
             self.observer.begin_step(inputs)
         hidden = self.forward(inputs)
         # NOTE: sampling runs on the host: per-request torch.Generator objects are CPU generators.
-        logits = self.executor.compute_logits(hidden, inputs.sample_indices).cpu() if inputs.sample_indices else None
+        logits = self.logits(hidden, inputs.sample_indices).cpu() if inputs.sample_indices else None
         if self.observer is not None:
             self.observer.end_step(logits)
         if logits is None:

@@ -40,10 +40,16 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
 
 
 def allocate_kv_caches(
-    config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+    config: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    num_kv_heads: int | None = None,
 ) -> list[torch.Tensor]:
-    """One zeroed cache per layer, laid out by `kv_cache_shape`."""
-    shape = kv_cache_shape(num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    """One zeroed cache per layer, laid out by `kv_cache_shape`, for `num_kv_heads` (default: all of the model's;
+    a tensor-parallel rank holds its own)."""
+    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads or config.num_kv_heads, config.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
 
 

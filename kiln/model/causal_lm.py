@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -19,6 +20,8 @@ from torch import nn
 from kiln.config import ModelConfig
 from kiln.quant.linear import PackedEmbedding, PackedLinear, PackedTensor
 from kiln.quant.quantize import quantize
+
+T = TypeVar("T", torch.Tensor, PackedTensor)
 
 # checkpoint tensors kiln accepts and ignores: it recomputes rotary tables (old HF checkpoints store inv_freq)
 _DERIVED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -68,6 +71,7 @@ class CausalLM(nn.Module):
                 continue
             _check_tensor(slots, seen, name, tuple(tensor.shape))
             slot = slots[name]
+            tensor = slot.take(tensor)  # this rank's shard under tensor parallelism (the whole tensor otherwise)
             with torch.no_grad():
                 if slot.param in packed:
                     layer = packed[slot.param]
@@ -113,7 +117,12 @@ class CausalLM(nn.Module):
                 shape = (rows, *param_shape[1:])
                 slots[param_name.replace(fused, part)] = WeightSlot(param_name, offset, shape)
                 offset += rows
-        return slots | extra
+        return {name: self.shard_slot(name, slot) for name, slot in (slots | extra).items()}
+
+    def shard_slot(self, name: str, slot: WeightSlot) -> WeightSlot:
+        """The slot of checkpoint tensor `name` when this rank holds a shard of its parameter (tensor parallelism:
+        the checkpoint's full shape, and which rows or columns to take); unchanged by default."""
+        return slot
 
     def part_rows(self, param_name: str, fused: str) -> tuple[int, ...]:
         """Rows of each checkpoint tensor stacked in fused parameter `param_name` (`fused_parts()[fused]`)."""
@@ -133,19 +142,37 @@ class CausalLM(nn.Module):
 
 
 @dataclass(frozen=True)
+class Shard:
+    """The part of a checkpoint tensor one tensor-parallel rank holds: `length` rows (dim 0) or columns (dim 1)
+    from `start`."""
+
+    dim: int
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
 class WeightSlot:
-    """Where one checkpoint tensor goes: rows [offset, offset + shape[0]) of parameter `param`, or of its
-    `expert`-th matrix when the parameter stacks experts."""
+    """Where one checkpoint tensor (of `shape`) goes: rows [offset, offset + shape[0]) of parameter `param`, or of
+    its `expert`-th matrix when the parameter stacks experts; with a `shard`, only that part of it."""
 
     param: str
     offset: int
     shape: tuple[int, ...]
     expert: int | None = None
+    shard: Shard | None = None
 
     def view(self, param: torch.Tensor) -> torch.Tensor:
-        """The slice of `param` this tensor fills."""
+        """The slice of `param` this tensor (or its shard) fills."""
         target = param if self.expert is None else param[self.expert]
-        return target.narrow(0, self.offset, self.shape[0])
+        rows = self.shard.length if self.shard is not None and self.shard.dim == 0 else self.shape[0]
+        return target.narrow(0, self.offset, rows)
+
+    def take(self, tensor: T) -> T:
+        """The part of the checkpoint tensor this slot holds (a torch tensor or a PackedTensor)."""
+        if self.shard is None:
+            return tensor
+        return tensor.narrow(self.shard.dim, self.shard.start, self.shard.length)
 
 
 class WeightMismatch(ValueError):

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from kiln.config import ModelConfig
+from kiln.distributed.sharding import SINGLE, TensorParallel
 from kiln.errors import ConfigError
+from kiln.model.parallel import reduce_partial
 
 
 class RMSNorm(nn.Module):
@@ -109,10 +111,17 @@ GLU_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class MLP(nn.Module):
-    """A gated MLP, down(act(gate(x)) * up(x)), gate and up fused in one matmul (SwiGLU unless `activation`)."""
+    """A gated MLP, down(act(gate(x)) * up(x)), gate and up fused in one matmul (SwiGLU unless `activation`).
 
-    def __init__(self, hidden_size: int, intermediate_size: int, activation: str = "silu") -> None:
+    Under tensor parallelism gate_up is column-parallel and down row-parallel: each rank holds 1/N of the
+    intermediate columns and the partial outputs are summed."""
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, activation: str = "silu", tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
+        _, intermediate_size = tp.span(intermediate_size, "the MLP's intermediate size")
+        self.tp = tp
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.intermediate_size = intermediate_size
@@ -120,4 +129,4 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return reduce_partial(self.down_proj(self.act(gate) * up), self.tp)

@@ -16,20 +16,32 @@ from torch import nn
 
 import kiln.model.attention  # noqa: F401  (registers torch.ops.kiln.attention)
 from kiln.config import ModelConfig
+from kiln.distributed.sharding import SINGLE, TensorParallel
+from kiln.distributed.state import tensor_parallel
 from kiln.model.causal_lm import CausalLM, WeightMismatch, WeightSlot
 from kiln.model.graph_attention import attend
 from kiln.model.layers import MLP, RMSNorm, RotaryEmbedding, per_head
 from kiln.model.moe import FusedMoE
+from kiln.model.parallel import check_splittable, embed, reduce_partial
+from kiln.model.tp_slots import shard_slot, split_part_rows
 
 __all__ = ["LlamaForCausalLM", "WeightMismatch"]
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    """Under tensor parallelism a rank holds some heads (kiln.distributed.sharding): qkv_proj is column-parallel,
+    o_proj row-parallel, and the rank's KV cache holds its KV heads only."""
+
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.window = config.layer_window(layer_idx)
-        self.q_size, self.kv_size, self.head_dim = config.q_size, config.kv_size, config.head_dim
+        self.tp = tp
+        heads = tp.heads(config.num_heads, config.num_kv_heads)
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = heads.q_count * config.head_dim, heads.kv_count * config.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.rotary_emb = rotary  # one shared instance: its cos/sin tables exist once
@@ -44,7 +56,7 @@ class Attention(nn.Module):
             q, k = per_head(self.q_norm, q, self.head_dim), per_head(self.k_norm, k, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
         out = attend(q, k.contiguous(), v.contiguous(), self.layer_idx, self.window)
-        return self.o_proj(out)
+        return reduce_partial(self.o_proj(out), self.tp)
 
 
 def is_sparse_layer(config: ModelConfig, layer_idx: int) -> bool:
@@ -55,9 +67,9 @@ def is_sparse_layer(config: ModelConfig, layer_idx: int) -> bool:
     return layer_idx not in config.extra.get("mlp_only_layers", ()) and (layer_idx + 1) % step == 0
 
 
-def make_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
+def make_mlp(config: ModelConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> nn.Module:
     if not is_sparse_layer(config, layer_idx):
-        return MLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        return MLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp)
     return FusedMoE(
         config.hidden_size,
         config.moe_intermediate_size,
@@ -70,12 +82,14 @@ def make_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx, rotary)
+        self.self_attn = Attention(config, layer_idx, rotary, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = make_mlp(config, layer_idx)
+        self.mlp = make_mlp(config, layer_idx, tp)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden))
@@ -83,15 +97,22 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, freq_factors: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_positions: int,
+        freq_factors: torch.Tensor | None = None,
+        tp: TensorParallel = SINGLE,
+    ) -> None:
         super().__init__()
+        self.tp, self.vocab_size = tp, config.vocab_size
         self.rotary_emb = RotaryEmbedding(config, max_positions, freq_factors)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary_emb) for i in range(config.num_layers))
+        self.embed_tokens = nn.Embedding(tp.vocab_span(config.vocab_size)[2], config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary_emb, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden = embed(self.embed_tokens, input_ids, self.tp, self.vocab_size)
         for layer in self.layers:
             hidden = layer(positions, hidden)
         return self.norm(hidden)
@@ -101,14 +122,25 @@ class LlamaForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig, max_positions: int, freq_factors: torch.Tensor | None = None) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, max_positions, freq_factors)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tp = tp = tensor_parallel()  # this process's tensor-parallel rank (size 1 unless distributed)
+        check_splittable(config, tp.size)
+        self.model = LlamaModel(config, max_positions, freq_factors, tp)
+        # a vocab-parallel head: each rank's logits for its vocabulary slice (gathered by the model runner)
+        self.lm_head = nn.Linear(config.hidden_size, tp.vocab_span(config.vocab_size)[2], bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def fused_parts(self) -> dict[str, tuple[str, ...]]:
         # Phi-3 stores qkv_proj and gate_up_proj fused, as kiln does
         return {} if self.config.extra.get("fused_checkpoint") else super().fused_parts()
+
+    def part_rows(self, param_name: str, fused: str) -> tuple[int, ...]:
+        if self.tp.is_split:
+            return split_part_rows(self.config, self.tp, fused)
+        return super().part_rows(param_name, fused)
+
+    def shard_slot(self, name: str, slot: WeightSlot) -> WeightSlot:
+        return shard_slot(self.config, self.tp, name, slot)
 
     def extra_slots(self) -> dict[str, WeightSlot]:
         """A mixture-of-experts layer's router, experts (stacked) and shared expert, by their checkpoint names."""

@@ -42,6 +42,15 @@ class PackedTensor:
     def dequantize(self) -> torch.Tensor:
         return dequantize_codes(self.codes, self.scale, self.offset).reshape(self.shape)
 
+    def narrow(self, dim: int, start: int, length: int) -> PackedTensor:
+        """Rows (dim 0) or whole groups of columns (dim 1) of this weight: a tensor-parallel rank's shard."""
+        if dim == 0:
+            return PackedTensor(*(t.narrow(0, start, length) for t in (self.codes, self.scale, self.offset)), self.bits)
+        if start % self.group or length % self.group:
+            raise ValueError(f"columns [{start}, {start + length}) do not fall on groups of {self.group} values")
+        g0, n = start // self.group, length // self.group
+        return PackedTensor(*(t.narrow(1, g0, n) for t in (self.codes, self.scale, self.offset)), self.bits)
+
     def as_layout(self, nibbles: bool, group: int) -> PackedTensor:
         """The same values with codes stored as nibbles or int8 and groups of `group` (dividing this group):
         how the parts of a fused layer whose formats differ (Q4_K q and k, Q6_K v) share one layout."""

@@ -133,6 +133,7 @@ def run_server(args: argparse.Namespace) -> int:
         finally:
             server.should_exit = True  # already set after a normal stop; ends uvicorn if the engine loop died
             http.join()
+            core.close()  # the other ranks of a multi-device engine
     if has_loop_died:
         logger.error("Server stopped: its engine loop died (the traceback is above)")
         return 1

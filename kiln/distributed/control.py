@@ -1,0 +1,44 @@
+"""Rank 0 to the other ranks, outside the forward: each step's plan, and start-up agreements (over the control
+group, kiln.distributed.state). Every rank of a multi-device engine runs the steps rank 0 schedules, in the same
+order, so their collectives pair up."""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+import torch.distributed as dist
+
+from kiln.distributed.ops import COMM
+from kiln.distributed.state import RankState, rank_state
+
+
+def agree_min(value: int) -> int:
+    """The smallest of every rank's `value` (the KV blocks each can hold: ranks may hold different KV heads)."""
+    state = rank_state()
+    if state is None:
+        return value
+    t = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=state.control_group)
+    return int(t.item())
+
+
+def gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Logits over the whole vocabulary from each tensor-parallel rank's slice (padding columns dropped)."""
+    return torch.ops.kiln.all_gather(logits, -1)[:, :vocab_size]
+
+
+class StepChannel:
+    """Broadcasts each step's plan (kiln.engine.model_runner.StepPlan) from rank 0; `None` tells the others to stop."""
+
+    def __init__(self, state: RankState) -> None:
+        self.state = state
+
+    def send(self, plan: object | None) -> None:
+        COMM.add("broadcast", len(pickle.dumps(plan)))
+        dist.broadcast_object_list([plan], src=0, group=self.state.control_group)
+
+    def recv(self) -> object | None:
+        box: list[object | None] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.state.control_group)
+        return box[0]

@@ -1,0 +1,125 @@
+"""This process's place in a multi-device run: its ranks and process groups (torch.distributed), set once per process.
+
+Ranks are laid out stage-major: rank = pipeline_stage * tensor_size + tensor_rank, so one pipeline stage's tensor
+group is consecutive ranks (on one node, consecutive devices). Two kinds of group:
+- the tensor group (gloo on CPU, NCCL on CUDA) carries the all-reduces and all-gathers of the forward;
+- the control group (always gloo, every rank, no timeout) carries the step's inputs from rank 0 and the start-up
+  agreements (KV blocks), host-side objects that should not round-trip through a GPU.
+
+A process that never calls `init_distributed` is the whole model: `tensor_parallel()` is size 1 and nothing here
+touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from kiln.config import ParallelConfig
+from kiln.distributed.sharding import SINGLE, TensorParallel
+
+logger = logging.getLogger("kiln")
+
+# how long a collective may wait for a peer before it fails: a dead or stuck rank becomes an error, never a hang
+COLLECTIVE_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True)
+class RankState:
+    rank: int
+    world_size: int
+    tp: TensorParallel
+    stage: int
+    num_stages: int
+    tp_group: dist.ProcessGroup
+    control_group: dist.ProcessGroup
+    device: str
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 runs the scheduler, sampling and the server; the others follow its steps."""
+        return self.rank == 0
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def stage_rank(self, stage: int) -> int:
+        """The rank holding the same tensor slice in pipeline stage `stage` (its send/recv peer)."""
+        return stage * self.tp.size + self.tp.rank
+
+
+_STATE: RankState | None = None
+
+
+def init_distributed(parallel: ParallelConfig, rank: int, device: str, port: int) -> RankState:
+    """Join the process group of `parallel.world_size` ranks at master_addr:port as `rank`, and make the groups."""
+    global _STATE
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{parallel.master_addr}:{port}",
+        rank=rank,
+        world_size=parallel.world_size,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    # NOTE: the other ranks wait on the control group while rank 0 has no requests, for as long as the server is
+    # idle: no timeout there (a dead peer still fails it at once: its sockets close)
+    control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+    stage, tp_rank = divmod(rank, parallel.tensor)
+    tp_group = None
+    for s in range(parallel.pipeline):  # NOTE: every rank creates every group, in the same order (torch requires it)
+        group = dist.new_group(list(range(s * parallel.tensor, (s + 1) * parallel.tensor)), backend=backend)
+        if s == stage:
+            tp_group = group
+    assert tp_group is not None
+    _STATE = RankState(
+        rank,
+        parallel.world_size,
+        TensorParallel(tp_rank, parallel.tensor),
+        stage,
+        parallel.pipeline,
+        tp_group,
+        control,
+        f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu",
+    )
+    logger.info(
+        "Rank %d of %d (pid %d): tensor rank %d of %d, pipeline stage %d of %d (%s)",
+        rank,
+        os.getpid(),
+        parallel.world_size,
+        tp_rank,
+        parallel.tensor,
+        stage,
+        parallel.pipeline,
+        backend,
+    )
+    return _STATE
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group (a process may then run single-device engines again)."""
+    global _STATE
+    if _STATE is not None and dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE = None
+
+
+def rank_state() -> RankState | None:
+    """This process's ranks and groups; None when it runs the whole model alone."""
+    return _STATE
+
+
+def tensor_parallel() -> TensorParallel:
+    return _STATE.tp if _STATE is not None else SINGLE

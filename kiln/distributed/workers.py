@@ -1,0 +1,217 @@
+"""Starting the ranks of a multi-device engine, following rank 0's steps, and noticing a rank that dies.
+
+One node: the process that runs `kiln serve` (or `LLM`, `kiln generate`) is rank 0; it starts the other ranks with
+torch.multiprocessing (spawn) before it loads its own shard. Several nodes: each node's `kiln serve --nnodes N
+--node-rank K --master-addr A --master-port P` starts its share of the ranks the same way, and torchrun's variables
+(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) are honoured when a launcher started every rank itself. Every rank
+builds the same engine on its shard; rank 0 schedules, samples and serves, and the others run each step it
+broadcasts (`follow`) until it says stop.
+
+A rank that dies is reported with its rank and last error (each worker sends its error up before exiting); rank 0
+then fails its engine (`WorkerFailure`), so a server answers 503 and exits non-zero instead of hanging.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing.connection
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from kiln.config import EngineConfig
+from kiln.distributed.control import StepChannel
+from kiln.distributed.state import RankState, init_distributed, shutdown_distributed
+from kiln.errors import ConfigError, WorkerFailure
+from kiln.log import setup_logging
+
+logger = logging.getLogger("kiln")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which ranks this node runs: [first, first + count); `port` is the rendezvous port."""
+
+    first: int
+    count: int
+    port: int
+
+
+def placement(config: EngineConfig) -> Placement:
+    """This node's ranks from the parallel flags, or from torchrun's variables when they are set."""
+    p = config.parallel
+    env_world = os.environ.get("WORLD_SIZE")
+    if env_world is not None and "RANK" in os.environ:  # started by torchrun (or another launcher): one rank each
+        if int(env_world) != p.world_size:
+            raise ConfigError(
+                f"WORLD_SIZE={env_world} from the launcher, but --tensor-parallel-size {p.tensor} x "
+                f"--pipeline-parallel-size {p.pipeline} needs {p.world_size} ranks; start {p.world_size} processes"
+            )
+        return Placement(int(os.environ["RANK"]), 1, int(os.environ.get("MASTER_PORT", p.master_port or 29500)))
+    if p.world_size % p.nnodes:
+        raise ConfigError(f"{p.world_size} ranks do not split evenly over --nnodes {p.nnodes}")
+    if not 0 <= p.node_rank < p.nnodes:
+        raise ConfigError(f"--node-rank {p.node_rank}: expected 0 to {p.nnodes - 1} for --nnodes {p.nnodes}")
+    if config.device == "cuda" and p.world_size // p.nnodes > torch.cuda.device_count():
+        raise ConfigError(
+            f"{p.world_size // p.nnodes} ranks per node need as many GPUs; torch sees {torch.cuda.device_count()}"
+        )
+    per_node = p.world_size // p.nnodes
+    return Placement(p.node_rank * per_node, per_node, _rendezvous_port(config))
+
+
+def _rendezvous_port(config: EngineConfig) -> int:
+    """--master-port, checked free on rank 0's node; 0 on one node picks a free port."""
+    p = config.parallel
+    if p.master_port == 0 and p.nnodes == 1:
+        with socket.socket() as s:
+            s.bind((p.master_addr, 0))
+            return s.getsockname()[1]
+    port = p.master_port or 29500
+    if p.node_rank == 0:
+        with socket.socket() as s:
+            try:
+                s.bind((p.master_addr, port))
+            except OSError as exc:
+                raise ConfigError(
+                    f"--master-port {port} on {p.master_addr} is in use ({exc.strerror}): pick a free port, or 0"
+                ) from None
+    return port
+
+
+class Workers:
+    """The ranks this process started, watched for an unexpected exit."""
+
+    def __init__(self, procs: dict[int, mp.Process], errors: mp.Queue, state: RankState) -> None:
+        self.procs = procs
+        self.errors = errors
+        self.state = state
+        self.channel = StepChannel(state)
+        self.failure: str | None = None
+        self._stopping = False
+        self._listeners: list[Callable[[], None]] = []
+        threading.Thread(target=self._watch, name="kiln-workers", daemon=True).start()
+
+    def on_failure(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+
+    def _watch(self) -> None:
+        sentinels = {p.sentinel: rank for rank, p in self.procs.items()}
+        if not sentinels:
+            return
+        ready = multiprocessing.connection.wait(list(sentinels))
+        if self._stopping:
+            return
+        rank = sentinels[ready[0]]
+        self.failure = f"rank {rank} exited with code {self.procs[rank].exitcode}: {self._last_error(rank)}"
+        logger.error("Worker %s; the engine stops", self.failure)
+        for listener in self._listeners:
+            listener()
+
+    def _last_error(self, rank: int) -> str:
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            try:
+                who, error = self.errors.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if who == rank:
+                return error
+        return "no error reported (killed by a signal?)"
+
+    def check(self) -> None:
+        """Raise WorkerFailure if a rank has died."""
+        if self.failure is not None:
+            raise WorkerFailure(self.failure)
+
+    def stop(self) -> None:
+        """Tell the other ranks to stop, wait for them, and leave the process group."""
+        self._stopping = True
+        if self.failure is None:
+            try:
+                self.channel.send(None)
+            except RuntimeError as exc:
+                logger.warning("could not tell the workers to stop: %s", exc)
+        for p in self.procs.values():
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+        shutdown_distributed()
+
+
+def start_ranks(config: EngineConfig, build: Callable[[EngineConfig], Any]) -> tuple[RankState, Workers]:
+    """Start this node's other ranks, each building its engine with `build` (kiln.engine.build.build_engine, a
+    module-level function spawn can pickle), and join the process group as this node's first rank."""
+    where = placement(config)
+    ctx = mp.get_context("spawn")
+    errors = ctx.Queue()
+    threads = config.num_threads or max(1, (os.cpu_count() or 1) // where.count)
+    config = replace(config, num_threads=threads)
+    procs = {}
+    for rank in range(where.first + 1, where.first + where.count):
+        proc = ctx.Process(target=_worker_main, args=(config, build, rank, where.port, errors), name=f"kiln-rank{rank}")
+        proc.start()
+        procs[rank] = proc
+    atexit.register(_terminate, procs)  # runs before multiprocessing's own exit hook, which would join them
+    torch.set_num_threads(threads)
+    state = init_distributed(config.parallel, where.first, config.device, where.port)
+    return state, Workers(procs, errors, state)
+
+
+def _terminate(procs: dict[int, mp.Process]) -> None:
+    for p in procs.values():
+        if p.is_alive():
+            p.terminate()
+
+
+def _worker_main(
+    config: EngineConfig, build: Callable[[EngineConfig], Any], rank: int, port: int, errors: mp.Queue
+) -> None:
+    setup_logging(prefix=f"(rank {rank}) ")
+    os.environ["TQDM_DISABLE"] = "1"  # rank 0's progress bars stand for every rank's
+    torch.set_num_threads(config.num_threads or 1)
+    _exit_with_parent()
+    try:
+        state = init_distributed(config.parallel, rank, config.device, port)
+        engine = build(config)
+        follow(engine, StepChannel(state))
+    except BaseException as exc:
+        errors.put((rank, f"{type(exc).__name__}: {exc}"))
+        logger.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)
+        raise SystemExit(1) from None
+    finally:
+        shutdown_distributed()
+
+
+def _exit_with_parent() -> None:
+    """A rank whose starter died (killed rank 0) must not linger holding memory: it exits too."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kiln-parent", daemon=True).start()
+
+
+def follow(engine: Any, channel: StepChannel) -> int:
+    """Run every step rank 0 broadcasts on `engine` (an EngineCore) until it sends None; returns the steps run."""
+    runner = engine.runner
+    steps = 0
+    with torch.inference_mode():
+        while (plan := channel.recv()) is not None:
+            hidden = runner.forward(runner.inputs(plan))
+            if plan.sample_indices:
+                runner.logits(hidden, plan.sample_indices)
+            steps += 1
+    return steps

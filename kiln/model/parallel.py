@@ -1,0 +1,51 @@
+"""Tensor-parallel pieces of a model's forward (kiln.distributed.sharding says which slice each rank holds): the
+all-reduce after a row-parallel layer and the vocab-parallel embedding. With one rank both are the plain forward."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kiln.distributed.ops  # noqa: F401  (registers torch.ops.kiln.all_reduce / all_gather)
+from kiln.config import ModelConfig
+from kiln.distributed.sharding import TensorParallel
+from kiln.errors import ConfigError
+
+
+def reduce_partial(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """The full output of a row-parallel layer from this rank's partial product (sum over the ranks)."""
+    return torch.ops.kiln.all_reduce(x) if tp.is_split else x
+
+
+def embed(embedding: nn.Module, input_ids: torch.Tensor, tp: TensorParallel, vocab_size: int) -> torch.Tensor:
+    """Rows of a vocab-parallel embedding: each rank looks up the ids in its slice, zeros elsewhere, summed."""
+    if not tp.is_split:
+        return embedding(input_ids)
+    start, rows, _ = tp.vocab_span(vocab_size)
+    local = input_ids - start
+    inside = (local >= 0) & (local < rows)
+    hidden = embedding(torch.where(inside, local, 0))
+    return reduce_partial(hidden * inside.unsqueeze(-1).to(hidden.dtype), tp)
+
+
+def local_kv_heads(model: nn.Module) -> int:
+    """The KV heads this rank's cache holds: its share under tensor parallelism, else all of the model's."""
+    config = model.config
+    tp: TensorParallel = getattr(model, "tp", None) or TensorParallel()
+    return tp.heads(config.num_heads, config.num_kv_heads).kv_count
+
+
+def check_splittable(config: ModelConfig, size: int) -> None:
+    """ConfigError, before anything loads, if `size` tensor-parallel ranks cannot split this model."""
+    if size == 1:
+        return
+    why = ""
+    if config.num_experts:
+        why = "kiln's tensor parallelism splits dense MLPs, not mixture-of-experts layers"
+    elif config.extra.get("fused_checkpoint"):
+        why = "its checkpoint stores q/k/v fused, which kiln does not split per rank"
+    if why:
+        raise ConfigError(f"{config.architecture} with --tensor-parallel-size {size}: {why}; use size 1")
+    for rank in range(size):
+        TensorParallel(rank, size).heads(config.num_heads, config.num_kv_heads)
+    TensorParallel(0, size).span(config.intermediate_size, "the MLP's intermediate size")
