@@ -97,8 +97,8 @@ def init_distributed(parallel: ParallelConfig, rank: int, device: str, port: int
     logger.info(
         "Rank %d of %d (pid %d): tensor rank %d of %d, pipeline stage %d of %d (%s)",
         rank,
-        os.getpid(),
         parallel.world_size,
+        os.getpid(),
         tp_rank,
         parallel.tensor,
         stage,

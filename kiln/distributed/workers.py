@@ -17,12 +17,12 @@ import atexit
 import logging
 import multiprocessing.connection
 import os
-import queue
 import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -91,11 +91,10 @@ def _rendezvous_port(config: EngineConfig) -> int:
 class Workers:
     """The ranks this process started, watched for an unexpected exit."""
 
-    def __init__(self, procs: dict[int, mp.Process], errors: mp.Queue, state: RankState) -> None:
+    def __init__(self, procs: dict[int, mp.Process], errors: dict[int, Connection]) -> None:
         self.procs = procs
         self.errors = errors
-        self.state = state
-        self.channel = StepChannel(state)
+        self.channel: StepChannel | None = None  # once this rank has joined the process group
         self.failure: str | None = None
         self._stopping = False
         self._listeners: list[Callable[[], None]] = []
@@ -112,31 +111,45 @@ class Workers:
         if self._stopping:
             return
         rank = sentinels[ready[0]]
+        self.procs[rank].join(timeout=1.0)  # reaps it: its exit code is known
         self.failure = f"rank {rank} exited with code {self.procs[rank].exitcode}: {self._last_error(rank)}"
         logger.error("Worker %s; the engine stops", self.failure)
         for listener in self._listeners:
             listener()
 
     def _last_error(self, rank: int) -> str:
-        deadline = time.monotonic() + 1.0
-        while time.monotonic() < deadline:
-            try:
-                who, error = self.errors.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if who == rank:
-                return error
+        pipe = self.errors[rank]
+        try:
+            if pipe.poll(1.0):
+                return pipe.recv()
+        except (EOFError, OSError):
+            pass
         return "no error reported (killed by a signal?)"
+
+    def blame(self, exc: BaseException) -> str:
+        """Why a step failed on rank 0: a collective fails when a peer dies, so give the watcher a moment to name
+        the rank that died; otherwise rank 0's own error."""
+        deadline = time.monotonic() + 3.0
+        while self.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.failure = self.failure or f"rank 0 failed: {type(exc).__name__}: {exc}"
+        return self.failure
 
     def check(self) -> None:
         """Raise WorkerFailure if a rank has died."""
         if self.failure is not None:
             raise WorkerFailure(self.failure)
 
+    def abort(self) -> None:
+        """This rank failed: end the ranks it started at once (they may be inside a collective) and leave."""
+        self._stopping = True
+        _terminate(self.procs)
+        self.stop()
+
     def stop(self) -> None:
         """Tell the other ranks to stop, wait for them, and leave the process group."""
         self._stopping = True
-        if self.failure is None:
+        if self.failure is None and self.channel is not None and all(p.is_alive() for p in self.procs.values()):
             try:
                 self.channel.send(None)
             except RuntimeError as exc:
@@ -145,6 +158,8 @@ class Workers:
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
+        for pipe in self.errors.values():
+            pipe.close()
         shutdown_distributed()
 
 
@@ -153,18 +168,35 @@ def start_ranks(config: EngineConfig, build: Callable[[EngineConfig], Any]) -> t
     module-level function spawn can pickle), and join the process group as this node's first rank."""
     where = placement(config)
     ctx = mp.get_context("spawn")
-    errors = ctx.Queue()
+    errors: dict[int, Connection] = {}
     threads = config.num_threads or max(1, (os.cpu_count() or 1) // where.count)
     config = replace(config, num_threads=threads)
     procs = {}
-    for rank in range(where.first + 1, where.first + where.count):
-        proc = ctx.Process(target=_worker_main, args=(config, build, rank, where.port, errors), name=f"kiln-rank{rank}")
-        proc.start()
-        procs[rank] = proc
+    # NOTE: rank 0's progress bars stand for every rank's; a spawned rank inherits the environment at start, and
+    # tqdm reads it when first imported
+    os.environ["TQDM_DISABLE"], quiet = "1", os.environ.get("TQDM_DISABLE")
+    try:
+        for rank in range(where.first + 1, where.first + where.count):
+            errors[rank], report = ctx.Pipe(duplex=False)
+            args = (config, build, rank, where.port, report)
+            procs[rank] = ctx.Process(target=_worker_main, args=args, name=f"kiln-rank{rank}")
+            procs[rank].start()
+    finally:
+        if quiet is None:
+            del os.environ["TQDM_DISABLE"]
+        else:
+            os.environ["TQDM_DISABLE"] = quiet
     atexit.register(_terminate, procs)  # runs before multiprocessing's own exit hook, which would join them
     torch.set_num_threads(threads)
-    state = init_distributed(config.parallel, where.first, config.device, where.port)
-    return state, Workers(procs, errors, state)
+    workers = Workers(procs, errors)  # watched from now on: a rank that fails to start is named
+    try:
+        state = init_distributed(config.parallel, where.first, config.device, where.port)
+    except Exception as exc:  # the rendezvous timed out or a rank died on the way
+        reason = workers.blame(exc)
+        workers.abort()
+        raise WorkerFailure(f"the ranks could not start: {reason}") from None
+    workers.channel = StepChannel(state)
+    return state, workers
 
 
 def _terminate(procs: dict[int, mp.Process]) -> None:
@@ -174,10 +206,9 @@ def _terminate(procs: dict[int, mp.Process]) -> None:
 
 
 def _worker_main(
-    config: EngineConfig, build: Callable[[EngineConfig], Any], rank: int, port: int, errors: mp.Queue
+    config: EngineConfig, build: Callable[[EngineConfig], Any], rank: int, port: int, report: Connection
 ) -> None:
     setup_logging(prefix=f"(rank {rank}) ")
-    os.environ["TQDM_DISABLE"] = "1"  # rank 0's progress bars stand for every rank's
     torch.set_num_threads(config.num_threads or 1)
     _exit_with_parent()
     try:
@@ -185,7 +216,7 @@ def _worker_main(
         engine = build(config)
         follow(engine, StepChannel(state))
     except BaseException as exc:
-        errors.put((rank, f"{type(exc).__name__}: {exc}"))
+        report.send(f"{type(exc).__name__}: {exc}")
         logger.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)
         raise SystemExit(1) from None
     finally:

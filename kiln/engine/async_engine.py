@@ -92,8 +92,16 @@ class AsyncEngine:
         except BaseException as exc:
             self._loop_error = exc
             self._is_accepting = False
-            logger.exception("the engine loop died: the server accepts no more requests (/health answers 503)")
-            self._call_in_loop(self._fail_streams)
+            if isinstance(exc, WorkerFailure):  # expected, and fully described by its message
+                logger.error(
+                    "the engine loop died (%s): the server accepts no more requests (/health answers 503)", exc
+                )
+            else:
+                logger.exception("the engine loop died: the server accepts no more requests (/health answers 503)")
+            if isinstance(exc, WorkerFailure):  # the engine, not the requests, failed: clients get a 503
+                self._call_in_loop(self._fail_streams, f"the engine stopped: worker {exc}", "abort")
+            else:
+                self._call_in_loop(self._fail_streams, INTERNAL_ERROR, "error")
             raise
         finally:
             self._loop_done.set()
@@ -286,10 +294,10 @@ class AsyncEngine:
                 self._streams.pop(out.request_id, None)
             stream.queue.put_nowait(out)
 
-    def _fail_streams(self) -> None:
+    def _fail_streams(self, message: str, reason: str) -> None:
         """The loop died: end every open stream with an error output, so no client waits forever."""
         for rid, stream in list(self._streams.items()):
-            stream.fail(rid, INTERNAL_ERROR)
+            stream.fail(rid, message, reason)
         self._streams.clear()
 
     def _cut_off(self, stream: RequestStream, out: RequestOutput, limit: int) -> RequestOutput:

@@ -27,7 +27,7 @@ from kiln.errors import ConfigError
 from kiln.executor.base import Executor
 from kiln.executor.eager import EagerExecutor
 from kiln.model.dtypes import parse_dtype
-from kiln.model.loader import open_checkpoint
+from kiln.model.loader import Checkpoint, open_checkpoint
 from kiln.model.parallel import check_splittable
 from kiln.model.registry import build_model, load_tokenizer
 
@@ -59,9 +59,34 @@ def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> 
     apply_device_settings(config)
     checkpoint = open_checkpoint(config.model)
     state, workers = rank_state(), None
+    if state is not None and state.is_driver:
+        raise ConfigError(
+            "a multi-device engine is already running in this process: close() it before building another"
+        )
     if config.parallel.is_distributed and state is None:
         check_splittable(checkpoint.config, config.parallel.tensor)  # before any rank starts
         state, workers = start_ranks(config, build_engine)
+    try:
+        core = _build_core(config, checkpoint, observer)
+    except BaseException:
+        if workers is not None:  # this rank failed: the ranks it started must not wait for it
+            workers.abort()
+        raise
+    if state is None:
+        return core
+    if state.tp.is_split:
+        core.runner.gather_logits = partial(gather_vocab, vocab_size=checkpoint.config.vocab_size)
+    if state.is_driver and workers is not None:
+        core.attach_workers(workers)
+    elif workers is not None:  # the first rank of another node: it follows rank 0 like the ranks it started
+        assert workers.channel is not None
+        follow(core, workers.channel)
+        workers.stop()
+        raise SystemExit(0)
+    return core
+
+
+def _build_core(config: EngineConfig, checkpoint: Checkpoint, observer: StepObserver | None) -> EngineCore:
     max_model_len = config.max_model_len or EngineCore.default_max_model_len(checkpoint.config)
     model = build_model(
         checkpoint,
@@ -75,15 +100,4 @@ def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> 
     tokenizer = load_tokenizer(checkpoint)
     graph = replace(config.graph, max_model_len=max_model_len)
     executor = make_executor(replace(config, graph=graph))
-    core = EngineCore(config, model, tokenizer, executor, checkpoint.path, observer)
-    if state is None:
-        return core
-    if state.tp.is_split:
-        core.runner.gather_logits = partial(gather_vocab, vocab_size=checkpoint.config.vocab_size)
-    if state.is_driver and workers is not None:
-        core.attach_workers(workers)
-    elif workers is not None:  # the first rank of another node: it follows rank 0 like the ranks it started
-        follow(core, workers.channel)
-        workers.stop()
-        raise SystemExit(0)
-    return core
+    return EngineCore(config, model, tokenizer, executor, checkpoint.path, observer)

@@ -216,8 +216,7 @@ class EngineCore:
         except Exception as exc:
             if self.workers is not None:
                 # NOTE: the ranks run each step together; none can retry it alone, so the engine stops
-                self.workers.failure = self.workers.failure or f"rank 0's step failed: {type(exc).__name__}: {exc}"
-                raise WorkerFailure(self.workers.failure) from exc
+                raise WorkerFailure(self.workers.blame(exc)) from exc
             if len(sched.scheduled) == 1:
                 raise
             return self._isolate_failure(sched)

@@ -30,13 +30,16 @@ def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
     max_model_len = config.max_model_len
     if recipe.max_model_len is not None:
         max_model_len = min(max_model_len or recipe.max_model_len, recipe.max_model_len)
-    # NOTE: the recipe's layout is the one validated against the model: its stages replace any even split.
-    parallel = replace(
-        config.parallel,
-        tensor=recipe.tensor_parallel,
-        pipeline=recipe.pipeline_parallel,
-        stage_layers=recipe.stage_layers,
-    )
+    # NOTE: a recipe that places the model (parallel, device_affinity) wins, as validated against the model; one
+    # that says nothing of placement leaves the --tensor/--pipeline-parallel-size flags as they are.
+    parallel = config.parallel
+    if "parallel" in recipe.spec.model_fields_set or recipe.spec.device_affinity is not None:
+        parallel = replace(
+            parallel,
+            tensor=recipe.tensor_parallel,
+            pipeline=recipe.pipeline_parallel,
+            stage_layers=recipe.stage_layers,
+        )
     resolved = replace(
         config,
         model=recipe.model_path,  # the checkpoint the recipe was checked against is the one that runs

@@ -60,10 +60,11 @@ class RequestStream:
             self.unfinished.discard(out.request_id)
         return out
 
-    def fail(self, request_id: str, message: str) -> None:
-        """End one of the stream's requests with an error output (its engine request is dealt with elsewhere)."""
+    def fail(self, request_id: str, message: str, reason: str = "error") -> None:
+        """End one of the stream's requests with an error output (its engine request is dealt with elsewhere);
+        `reason` "abort": the engine, not the request, could not go on (the server answers 503)."""
         self.queue.put_nowait(
-            RequestOutput(request_id, None, [], "", [], finished=True, finish_reason="error", error=message)
+            RequestOutput(request_id, None, [], "", [], finished=True, finish_reason=reason, error=message)
         )
 
     def close(self) -> None:

@@ -135,7 +135,7 @@ def run_server(args: argparse.Namespace) -> int:
             http.join()
             core.close()  # the other ranks of a multi-device engine
     if has_loop_died:
-        logger.error("Server stopped: its engine loop died (the traceback is above)")
+        logger.error("Server stopped: its engine loop died (the cause is above)")
         return 1
     if failure:
         logger.error("Could not serve on %s:%d (see the error above); pick another --host/--port", args.host, args.port)

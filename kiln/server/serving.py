@@ -272,7 +272,8 @@ def _raise_if_failed(out: RequestOutput, request_id: str) -> None:
         what = out.error or "the engine failed this request"
         raise APIError(500, f"{what} (request {request_id})", code="engine_error")
     if out.finish_reason == "abort":
-        raise APIError(503, f"request {out.request_id} was aborted: the server is shutting down", code="aborted")
+        why = out.error or "the server is shutting down"
+        raise APIError(503, f"request {out.request_id} was aborted: {why}", code="aborted")
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
