@@ -19,6 +19,7 @@ from typing import Any
 import psutil
 import torch
 
+from kiln.distributed.ops import live_collectives
 from kiln.errors import KilnError
 
 PieceFn = Callable[..., Sequence[torch.Tensor]]
@@ -103,7 +104,7 @@ class CudaGraphCapture(Capture):
                 fn(*self.args)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with live_collectives(), torch.cuda.graph(self.graph, pool=pool):  # records a multi-device step's NCCL calls
             outs = fn(*self.args)
         self.outputs = list(outs)
         self.latency_s = _time_cuda(self.replay)

@@ -5,6 +5,7 @@ order, so their collectives pair up."""
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,35 @@ def agree_min(value: int) -> int:
 def gather_vocab(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Logits over the whole vocabulary from each tensor-parallel rank's slice (padding columns dropped)."""
     return torch.ops.kiln.all_gather(logits, -1)[:, :vocab_size]
+
+
+Head = Callable[[torch.Tensor, list[int]], "torch.Tensor | None"]
+
+
+def distributed_head(state: RankState, compute: Head, vocab_size: int, last_stage: bool) -> Head:
+    """The logits head of one rank: the last pipeline stage computes the sampled rows' logits (gathering the
+    vocabulary slices of its tensor-parallel ranks) and, when rank 0 is elsewhere, its first tensor rank sends them
+    there; rank 0 receives them; any other rank returns None."""
+    source = state.stage_rank(state.num_stages - 1) - state.tp.rank  # the last stage's first tensor rank
+
+    def head(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+        if last_stage:
+            logits = compute(hidden, rows)
+            if state.tp.is_split:
+                logits = gather_vocab(logits, vocab_size)
+            if state.rank == source and not state.is_driver:
+                logits = logits.float().contiguous()
+                dist.send(logits, 0)
+                COMM.add("send", logits.numel() * 4)
+            return logits
+        if state.is_driver:
+            logits = torch.empty(len(rows), vocab_size, dtype=torch.float32, device=state.device)
+            dist.recv(logits, source)
+            COMM.add("recv", logits.numel() * 4)
+            return logits
+        return None
+
+    return head
 
 
 class StepChannel:

@@ -71,3 +71,36 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+
+
+def even_stage_layers(num_layers: int, pipeline: int) -> tuple[tuple[int, ...], ...]:
+    """Consecutive layers split as evenly as can be, the first stages taking one more where it does not divide."""
+    base, extra = divmod(num_layers, pipeline)
+    bounds = [s * base + min(s, extra) for s in range(pipeline + 1)]
+    return tuple(tuple(range(bounds[s], bounds[s + 1])) for s in range(pipeline))
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """This process's pipeline stage: the decoder layers it runs, and the ranks it receives from and sends to
+    (None: it is the first or the last stage)."""
+
+    stage: int = 0
+    num_stages: int = 1
+    layers: tuple[int, ...] | None = None  # None: every layer
+    prev_rank: int | None = None
+    next_rank: int | None = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def holds_layer(self, layer_idx: int) -> bool:
+        return self.layers is None or layer_idx in self.layers
+
+
+WHOLE = PipelineStage()

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.config import ParallelConfig
-from kiln.distributed.sharding import SINGLE, TensorParallel
+from kiln.distributed.sharding import SINGLE, WHOLE, PipelineStage, TensorParallel, even_stage_layers
 
 logger = logging.getLogger("kiln")
 
@@ -39,6 +39,7 @@ class RankState:
     tp_group: dist.ProcessGroup
     control_group: dist.ProcessGroup
     device: str
+    stage_layers: tuple[tuple[int, ...], ...] | None = None  # a recipe's placement; None: an even split
 
     @property
     def is_driver(self) -> bool:
@@ -84,6 +85,8 @@ def init_distributed(parallel: ParallelConfig, rank: int, device: str, port: int
         if s == stage:
             tp_group = group
     assert tp_group is not None
+    if backend == "nccl":  # NCCL sets its communicators up on first use, which must not happen inside a graph capture
+        dist.all_reduce(torch.zeros(1, device="cuda"), group=tp_group)
     _STATE = RankState(
         rank,
         parallel.world_size,
@@ -93,6 +96,7 @@ def init_distributed(parallel: ParallelConfig, rank: int, device: str, port: int
         tp_group,
         control,
         f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu",
+        parallel.stage_layers,
     )
     logger.info(
         "Rank %d of %d (pid %d): tensor rank %d of %d, pipeline stage %d of %d (%s)",
@@ -123,3 +127,14 @@ def rank_state() -> RankState | None:
 
 def tensor_parallel() -> TensorParallel:
     return _STATE.tp if _STATE is not None else SINGLE
+
+
+def pipeline_stage(num_layers: int) -> PipelineStage:
+    """This process's pipeline stage for a model of `num_layers` decoder layers (the whole model when alone)."""
+    s = _STATE
+    if s is None or s.num_stages == 1:
+        return WHOLE
+    layers = (s.stage_layers or even_stage_layers(num_layers, s.num_stages))[s.stage]
+    prev_rank = s.stage_rank(s.stage - 1) if s.stage > 0 else None
+    next_rank = s.stage_rank(s.stage + 1) if s.stage < s.num_stages - 1 else None
+    return PipelineStage(s.stage, s.num_stages, tuple(layers), prev_rank, next_rank)

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
 
 import torch
 
 from kiln.compile.executor import GraphExecutor
 from kiln.compile.fusion_check import check_quantized
 from kiln.config import EngineConfig
-from kiln.distributed.control import gather_vocab
+from kiln.distributed.control import distributed_head
 from kiln.distributed.state import rank_state
 from kiln.distributed.workers import follow, start_ranks
 from kiln.engine.core import EngineCore
@@ -28,7 +27,7 @@ from kiln.executor.base import Executor
 from kiln.executor.eager import EagerExecutor
 from kiln.model.dtypes import parse_dtype
 from kiln.model.loader import Checkpoint, open_checkpoint
-from kiln.model.parallel import check_splittable
+from kiln.model.parallel import check_parallel
 from kiln.model.registry import build_model, load_tokenizer
 
 EXECUTORS: dict[str, Callable[[EngineConfig], Executor]] = {
@@ -64,7 +63,7 @@ def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> 
             "a multi-device engine is already running in this process: close() it before building another"
         )
     if config.parallel.is_distributed and state is None:
-        check_splittable(checkpoint.config, config.parallel.tensor)  # before any rank starts
+        check_parallel(checkpoint.config, config.parallel)  # before any rank starts
         state, workers = start_ranks(config, build_engine)
     try:
         core = _build_core(config, checkpoint, observer)
@@ -74,8 +73,8 @@ def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> 
         raise
     if state is None:
         return core
-    if state.tp.is_split:
-        core.runner.gather_logits = partial(gather_vocab, vocab_size=checkpoint.config.vocab_size)
+    last_stage = getattr(core.model, "stage", None) is None or core.model.stage.is_last
+    core.runner.head = distributed_head(state, core.executor.compute_logits, checkpoint.config.vocab_size, last_stage)
     if state.is_driver and workers is not None:
         core.attach_workers(workers)
     elif workers is not None:  # the first rank of another node: it follows rank 0 like the ranks it started

@@ -27,7 +27,7 @@ from kiln.engine.step_shape import StepShaper
 from kiln.errors import RequestError, WorkerFailure
 from kiln.executor.base import Executor
 from kiln.model.dtypes import parse_dtype
-from kiln.model.parallel import local_kv_heads
+from kiln.model.parallel import held_layers, local_kv_heads
 from kiln.model.tokenizer import KilnTokenizer
 from kiln.recipe.guards import RecipeViolation
 
@@ -64,7 +64,10 @@ class EngineCore:
         cc = config.cache
         dtype = next(model.parameters()).dtype
         kv_dtype = dtype if cc.dtype == "auto" else parse_dtype(cc.dtype)
-        per_token = mc.kv_bytes_per_token(kv_dtype) * local_kv_heads(model) // mc.num_kv_heads  # this rank's heads
+        layers = len(held_layers(model) or range(mc.num_layers))  # this rank's heads of its stage's layers
+        per_token = (
+            mc.kv_bytes_per_token(kv_dtype) * local_kv_heads(model) * layers // (mc.num_kv_heads * mc.num_layers)
+        )
         num_blocks = agree_min(cc.num_blocks or max(1, int(cc.kv_cache_memory_gb * 1e9) // (cc.block_size * per_token)))
         self.pool = BlockPool(num_blocks, cc.block_size)
         self.shaper = self._step_shaper(config, executor)

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from kiln.distributed.ops import local_collectives
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kiln.engine.scheduler import SchedulerOutput
 from kiln.engine.step_shape import StepShaper
@@ -24,7 +25,7 @@ from kiln.executor.base import Executor
 from kiln.executor.counters import CompileCounters
 from kiln.model.attention import allocate_kv_caches, kv_cache_block_size, kv_cache_num_blocks
 from kiln.model.forward_context import AttentionMetadata, ForwardContext, ModelInputs, set_forward_context
-from kiln.model.parallel import local_kv_heads
+from kiln.model.parallel import held_layers, local_kv_heads
 
 
 @dataclass
@@ -82,13 +83,17 @@ class ModelRunner:
         self.eos_token_ids = list(eos_token_ids)
         self.observer = observer
         self.device = next(model.parameters()).device
-        kv_heads = local_kv_heads(model)
-        self.kv_caches = allocate_kv_caches(model.config, num_blocks, block_size, kv_dtype, self.device, kv_heads)
+        kv_heads, layers = local_kv_heads(model), held_layers(model)
+        self.kv_caches = allocate_kv_caches(
+            model.config, num_blocks, block_size, kv_dtype, self.device, kv_heads, layers
+        )
         self.sampler = Sampler()
-        # tensor parallelism: gathers the head's vocabulary slices; `peers` sends each step's plan to the other ranks
-        self.gather_logits: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # the logits of the sampled rows (a multi-device engine's head gathers them across ranks and stages), and
+        # the other ranks, which rank 0 sends each step's plan
+        self.head: Callable[[torch.Tensor, list[int]], torch.Tensor | None] = executor.compute_logits
         self.peers: StepPeers | None = None
-        executor.prepare(model, self.kv_caches)
+        with local_collectives():  # each rank prepares on its own (kiln.distributed.ops)
+            executor.prepare(model, self.kv_caches)
 
     @property
     def counters(self) -> CompileCounters:
@@ -170,10 +175,9 @@ class ModelRunner:
             host=(host_ids, host_lens, host_tables),
         )
 
-    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """fp32 logits of `hidden[rows]` over the whole vocabulary (a vocab-parallel head's slices gathered)."""
-        logits = self.executor.compute_logits(hidden, rows)
-        return self.gather_logits(logits) if self.gather_logits is not None else logits
+    def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+        """fp32 logits of `hidden[rows]` over the whole vocabulary (None on a rank that does not sample)."""
+        return self.head(hidden, rows)
 
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
@@ -191,7 +195,8 @@ class ModelRunner:
             self.observer.begin_step(inputs)
         hidden = self.forward(inputs)
         # NOTE: sampling runs on the host: per-request torch.Generator objects are CPU generators.
-        logits = self.logits(hidden, inputs.sample_indices).cpu() if inputs.sample_indices else None
+        logits = self.logits(hidden, inputs.sample_indices) if inputs.sample_indices else None
+        logits = logits.cpu() if logits is not None else None
         if self.observer is not None:
             self.observer.end_step(logits)
         if logits is None:

@@ -24,6 +24,8 @@ an attention layout (measured: 2.5x faster than SDPA over strided gathered K/V a
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.nn.functional as F
 
@@ -46,11 +48,20 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device | str,
     num_kv_heads: int | None = None,
+    layers: Collection[int] | None = None,
 ) -> list[torch.Tensor]:
     """One zeroed cache per layer, laid out by `kv_cache_shape`, for `num_kv_heads` (default: all of the model's;
-    a tensor-parallel rank holds its own)."""
-    shape = kv_cache_shape(num_blocks, block_size, num_kv_heads or config.num_kv_heads, config.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
+    a tensor-parallel rank holds its own). A layer outside `layers` (another pipeline stage's) gets a cache of no
+    heads: the same geometry, no memory."""
+    heads = num_kv_heads or config.num_kv_heads
+    return [
+        torch.zeros(
+            kv_cache_shape(num_blocks, block_size, heads if layers is None or i in layers else 0, config.head_dim),
+            dtype=dtype,
+            device=device,
+        )
+        for i in range(config.num_layers)
+    ]
 
 
 def kv_cache_num_blocks(kv_cache: torch.Tensor) -> int:

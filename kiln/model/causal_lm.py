@@ -39,6 +39,7 @@ class CausalLM(nn.Module):
     `self.lm_head`, and set `self.config`."""
 
     config: ModelConfig
+    splits_across_ranks = False  # True: the class builds a tensor-parallel shard and a pipeline stage when asked
 
     def fused_parts(self) -> dict[str, tuple[str, ...]]:
         """Fused parameters whose parts the checkpoint stores apart (default: `FUSED`)."""
@@ -135,10 +136,14 @@ class CausalLM(nn.Module):
         """Checkpoint tensors that map onto parameters in other ways (default: none)."""
         return {}
 
+    def holds(self, name: str) -> bool:
+        """Whether this process loads checkpoint tensor `name` (a pipeline stage holds some layers; default: all)."""
+        return True
+
     def _is_ignored(self, name: str) -> bool:
         # NOTE: tied checkpoints may still carry lm_head.weight (a copy of embed_tokens); the embedding wins.
         tied_head = name == "lm_head.weight" and self.config.tie_word_embeddings
-        return tied_head or name.endswith(_DERIVED_SUFFIXES)
+        return tied_head or name.endswith(_DERIVED_SUFFIXES) or not self.holds(name)
 
 
 @dataclass(frozen=True)

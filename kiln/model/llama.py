@@ -9,6 +9,7 @@ What differs between the families is read from the config (kiln.model.family_con
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import torch
@@ -16,8 +17,8 @@ from torch import nn
 
 import kiln.model.attention  # noqa: F401  (registers torch.ops.kiln.attention)
 from kiln.config import ModelConfig
-from kiln.distributed.sharding import SINGLE, TensorParallel
-from kiln.distributed.state import tensor_parallel
+from kiln.distributed.sharding import SINGLE, WHOLE, PipelineStage, TensorParallel
+from kiln.distributed.state import pipeline_stage, tensor_parallel
 from kiln.model.causal_lm import CausalLM, WeightMismatch, WeightSlot
 from kiln.model.graph_attention import attend
 from kiln.model.layers import MLP, RMSNorm, RotaryEmbedding, per_head
@@ -26,6 +27,8 @@ from kiln.model.parallel import check_splittable, embed, reduce_partial
 from kiln.model.tp_slots import shard_slot, split_part_rows
 
 __all__ = ["LlamaForCausalLM", "WeightMismatch"]
+
+LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 
 
 class Attention(nn.Module):
@@ -96,39 +99,64 @@ class DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+class MissingLayer(nn.Module):
+    """A decoder layer another pipeline stage runs: no weights here."""
+
+
 class LlamaModel(nn.Module):
+    """Under pipeline parallelism (`stage`) the model holds its stage's layers only: the first stage embeds, the
+    others receive the previous stage's hidden states; the last applies the final norm, the others send theirs on."""
+
     def __init__(
         self,
         config: ModelConfig,
         max_positions: int,
         freq_factors: torch.Tensor | None = None,
         tp: TensorParallel = SINGLE,
+        stage: PipelineStage = WHOLE,
     ) -> None:
         super().__init__()
-        self.tp, self.vocab_size = tp, config.vocab_size
+        self.tp, self.stage, self.vocab_size, self.hidden_size = tp, stage, config.vocab_size, config.hidden_size
         self.rotary_emb = RotaryEmbedding(config, max_positions, freq_factors)
-        self.embed_tokens = nn.Embedding(tp.vocab_span(config.vocab_size)[2], config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary_emb, tp) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_tokens: nn.Module | None = None
+        if stage.is_first or (stage.is_last and config.tie_word_embeddings):  # the last stage's tied head needs it
+            self.embed_tokens = nn.Embedding(tp.vocab_span(config.vocab_size)[2], config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, self.rotary_emb, tp) if stage.holds_layer(i) else MissingLayer()
+            for i in range(config.num_layers)
+        )
+        self.held = [i for i in range(config.num_layers) if stage.holds_layer(i)]
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = embed(self.embed_tokens, input_ids, self.tp, self.vocab_size)
-        for layer in self.layers:
-            hidden = layer(positions, hidden)
+        if self.stage.prev_rank is None:
+            hidden = embed(self.embed_tokens, input_ids, self.tp, self.vocab_size)
+        else:
+            dtype = self.layers[self.held[0]].input_layernorm.weight.dtype
+            hidden = torch.ops.kiln.recv_prev(input_ids, self.hidden_size, dtype, self.stage.prev_rank)
+        for i in self.held:
+            hidden = self.layers[i](positions, hidden)
+        if self.stage.next_rank is not None:
+            return torch.ops.kiln.send_next(hidden, self.stage.next_rank)
         return self.norm(hidden)
 
 
 class LlamaForCausalLM(CausalLM):
+    splits_across_ranks = True
+
     def __init__(self, config: ModelConfig, max_positions: int, freq_factors: torch.Tensor | None = None) -> None:
         super().__init__()
         self.config = config
         self.tp = tp = tensor_parallel()  # this process's tensor-parallel rank (size 1 unless distributed)
+        self.stage = stage = pipeline_stage(config.num_layers)  # and its pipeline stage (every layer unless split)
         check_splittable(config, tp.size)
-        self.model = LlamaModel(config, max_positions, freq_factors, tp)
+        self.model = LlamaModel(config, max_positions, freq_factors, tp, stage)
         # a vocab-parallel head: each rank's logits for its vocabulary slice (gathered by the model runner)
-        self.lm_head = nn.Linear(config.hidden_size, tp.vocab_span(config.vocab_size)[2], bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head: nn.Module | None = None
+        if stage.is_last:
+            self.lm_head = nn.Linear(config.hidden_size, tp.vocab_span(config.vocab_size)[2], bias=False)
+            if config.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
 
     def fused_parts(self) -> dict[str, tuple[str, ...]]:
         # Phi-3 stores qkv_proj and gate_up_proj fused, as kiln does
@@ -142,12 +170,25 @@ class LlamaForCausalLM(CausalLM):
     def shard_slot(self, name: str, slot: WeightSlot) -> WeightSlot:
         return shard_slot(self.config, self.tp, name, slot)
 
+    def holds(self, name: str) -> bool:
+        """Whether this pipeline stage loads checkpoint tensor `name` (its layers, and the embedding, final norm
+        and head where it has them)."""
+        if self.stage.layers is None:
+            return True
+        if found := LAYER_NAME.match(name):
+            return int(found.group(1)) in self.stage.layers
+        if name.startswith("model.embed_tokens."):
+            return self.model.embed_tokens is not None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return self.stage.is_last
+        return True
+
     def extra_slots(self) -> dict[str, WeightSlot]:
         """A mixture-of-experts layer's router, experts (stacked) and shared expert, by their checkpoint names."""
         slots: dict[str, WeightSlot] = {}
         naming = self.config.extra.get("moe_naming", "")
         for i, layer in enumerate(self.model.layers):
-            if isinstance(layer.mlp, FusedMoE):
+            if isinstance(getattr(layer, "mlp", None), FusedMoE):
                 prefix = f"model.layers.{i}"
                 for name, s in layer.mlp.checkpoint_slots(prefix, naming).items():
                     slots[name] = replace(s, param=f"{prefix}.mlp.{s.param}")

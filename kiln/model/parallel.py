@@ -7,9 +7,10 @@ import torch
 from torch import nn
 
 import kiln.distributed.ops  # noqa: F401  (registers torch.ops.kiln.all_reduce / all_gather)
-from kiln.config import ModelConfig
+from kiln.config import ModelConfig, ParallelConfig
 from kiln.distributed.sharding import TensorParallel
 from kiln.errors import ConfigError
+from kiln.model.loader.families import family_of
 
 
 def reduce_partial(x: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -35,6 +36,12 @@ def local_kv_heads(model: nn.Module) -> int:
     return tp.heads(config.num_heads, config.num_kv_heads).kv_count
 
 
+def held_layers(model: nn.Module) -> tuple[int, ...] | None:
+    """The decoder layers this pipeline stage runs (None: every layer)."""
+    stage = getattr(model, "stage", None)
+    return stage.layers if stage is not None else None
+
+
 def check_splittable(config: ModelConfig, size: int) -> None:
     """ConfigError, before anything loads, if `size` tensor-parallel ranks cannot split this model."""
     if size == 1:
@@ -49,3 +56,25 @@ def check_splittable(config: ModelConfig, size: int) -> None:
     for rank in range(size):
         TensorParallel(rank, size).heads(config.num_heads, config.num_kv_heads)
     TensorParallel(0, size).span(config.intermediate_size, "the MLP's intermediate size")
+
+
+def check_parallel(config: ModelConfig, parallel: ParallelConfig) -> None:
+    """ConfigError, before any rank starts, for a split this model cannot take: its family does not split, the
+    tensor size does not divide it, or the pipeline has more stages than layers."""
+    if not family_of(config.architecture).model_class().splits_across_ranks:
+        raise ConfigError(
+            f"{config.architecture}: kiln splits the Llama-shaped families across ranks (Llama, Mistral, Qwen2/3); "
+            "run this one with --tensor-parallel-size 1 --pipeline-parallel-size 1"
+        )
+    check_splittable(config, parallel.tensor)
+    if parallel.pipeline > config.num_layers:
+        raise ConfigError(
+            f"--pipeline-parallel-size {parallel.pipeline}: more stages than the model's {config.num_layers} layers"
+        )
+    if parallel.stage_layers is not None:
+        placed = sorted(i for stage in parallel.stage_layers for i in stage)
+        if placed != list(range(config.num_layers)) or len(parallel.stage_layers) != parallel.pipeline:
+            raise ConfigError(
+                f"the placement's {len(parallel.stage_layers)} stages do not place the model's {config.num_layers} "
+                "layers once each (validate the recipe against this model: kiln recipe validate R --model M)"
+            )

@@ -30,16 +30,17 @@ def pack_model(model: nn.Module, layout: Layout, scheme: str = "gguf") -> list[s
     tied = model.config.tie_word_embeddings
     # NOTE: a head that is not a plain linear (Gemma's soft-capped head) computes more than a PackedLinear would,
     # so it stays as built, in the model dtype, and so does the embedding whose weight it shares
-    plain_head = isinstance(model.lm_head, nn.Linear)
-    if embedding is not None and (plain_head or not tied):
-        table = model.model.embed_tokens
+    # (a pipeline stage may hold no head, or no embedding: kiln.model.llama)
+    plain_head = model.lm_head is None or isinstance(model.lm_head, nn.Linear)
+    table = model.model.embed_tokens
+    if embedding is not None and table is not None and (plain_head or not tied):
         bits, group = embedding
         model.model.embed_tokens = PackedEmbedding(table.num_embeddings, table.embedding_dim, bits, group)
         replaced.append(EMBEDDING)
-        if tied:
+        if tied and model.lm_head is not None:
             model.lm_head = PackedLinear.tied_to(model.model.embed_tokens)
     head = layout(HEAD)
-    if head is not None and not tied and plain_head:
+    if head is not None and not tied and isinstance(model.lm_head, nn.Linear):
         model.lm_head = PackedLinear.like(model.lm_head, scheme, *head)
         replaced.append(HEAD)
     return replaced

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.config import ModelConfig
+from kiln.distributed.sharding import even_stage_layers
 from kiln.errors import ConfigError
 from kiln.model.dtypes import parse_dtype
 from kiln.recipe.checkpoint import read_header
@@ -165,13 +166,6 @@ def weight_bytes_of(shapes: Mapping[str, tuple[int, ...]], spec: RecipeSpec) -> 
         linear = bits is not None and len(shape) == 2 and LAYER.match(name) is not None
         out[name] = count * bits // 8 + count // group * itemsize if linear else count * itemsize
     return out
-
-
-def even_stage_layers(num_layers: int, pipeline: int) -> StageLayers:
-    """Consecutive layers split as evenly as can be, the first stages taking one more where it does not divide."""
-    base, extra = divmod(num_layers, pipeline)
-    bounds = [s * base + min(s, extra) for s in range(pipeline + 1)]
-    return tuple(tuple(range(bounds[s], bounds[s + 1])) for s in range(pipeline))
 
 
 def recipe_placement(recipe: Recipe) -> Placement:

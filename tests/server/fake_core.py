@@ -19,7 +19,7 @@ from kiln.config import EngineConfig, SchedulerConfig
 from kiln.engine.kv_cache import BlockPool
 from kiln.engine.request import RequestMetrics, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
-from kiln.errors import RequestError
+from kiln.errors import RequestError, WorkerFailure
 from kiln.recipe.guards import RecipeViolation
 
 TOKEN_X = ord("x")
@@ -98,6 +98,8 @@ class FakeCore:
         self.gate.set()
         self.fail_next_step = False
         self.loop_failure: Exception | None = None
+        self.workers = None  # a single-device engine
+        self.worker_failure: str | None = None  # set: check_alive raises, as when another rank died
         self.token_id = TOKEN_X
         self.step_delay = 0.002  # seconds per step, like a (very) small model
 
@@ -125,6 +127,10 @@ class FakeCore:
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self._finish(request_id)
         return None if req is None else req.output(True, "abort", 0)
+
+    def check_alive(self) -> None:
+        if self.worker_failure is not None:
+            raise WorkerFailure(self.worker_failure)
 
     @property
     def has_unfinished(self) -> bool:

@@ -154,6 +154,27 @@ def test_health_is_503_with_a_reason_once_the_engine_loop_died() -> None:
     serve(core, body)
 
 
+def test_a_dead_worker_rank_ends_requests_in_flight_with_503() -> None:
+    core = FakeCore()
+    core.gate.clear()  # the first step waits: the request stays in flight
+
+    async def body(s: Served) -> None:
+        pending = asyncio.ensure_future(
+            s.client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi", "max_tokens": 50})
+        )
+        await wait_until(lambda: s.engine.num_unfinished == 1)
+        core.worker_failure = "rank 1 exited with code -9: no error reported (killed by a signal?)"
+        core.gate.set()
+        response = await pending
+        assert "rank 1 exited with code -9" in openai_error(response, 503)["message"]
+        await wait_until(lambda: bool(s.loop_errors))
+        assert (await s.client.get("/health")).status_code == 503
+        refused = await s.client.post("/v1/completions", json={"model": "fake-model", "prompt": "hi"})
+        assert refused.status_code == 503
+
+    serve(core, body)
+
+
 def test_health_is_503_while_shutting_down() -> None:
     app = build_served_app(FakeCore())
     engine = app.state.engine
