@@ -149,9 +149,10 @@ class Workers:
     def stop(self) -> None:
         """Tell the other ranks to stop, wait for them, and leave the process group."""
         self._stopping = True
-        if self.failure is None and self.channel is not None and all(p.is_alive() for p in self.procs.values()):
+        driver = self.channel is not None and self.channel.state.is_driver
+        if self.failure is None and driver and all(p.is_alive() for p in self.procs.values()):
             try:
-                self.channel.send(None)
+                self.channel.send(None)  # type: ignore[union-attr]
             except RuntimeError as exc:
                 logger.warning("could not tell the workers to stop: %s", exc)
         for p in self.procs.values():

@@ -8,6 +8,7 @@ and one entry here, chosen by `EngineConfig.executor`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -29,6 +30,8 @@ from kiln.model.dtypes import parse_dtype
 from kiln.model.loader import Checkpoint, open_checkpoint
 from kiln.model.parallel import check_parallel
 from kiln.model.registry import build_model, load_tokenizer
+
+logger = logging.getLogger("kiln")
 
 EXECUTORS: dict[str, Callable[[EngineConfig], Executor]] = {
     "eager": lambda config: EagerExecutor(config.graph.cache_dir),
@@ -79,7 +82,8 @@ def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> 
         core.attach_workers(workers)
     elif workers is not None:  # the first rank of another node: it follows rank 0 like the ranks it started
         assert workers.channel is not None
-        follow(core, workers.channel)
+        steps = follow(core, workers.channel)
+        logger.info("Rank %d ran %d steps for rank 0, which has stopped: exiting", state.rank, steps)
         workers.stop()
         raise SystemExit(0)
     return core

@@ -15,7 +15,7 @@ import httpx
 
 from kiln import LLM
 from kiln.engine.sampling_params import SamplingParams
-from tests.server.live import live_server
+from tests.server.live import free_port, live_server
 
 ARGS = ["--quantization", "none", "--seed", "0", "--tensor-parallel-size", "2", "--num-kv-blocks", "64"]
 PROMPT = "The capital of France is"
@@ -86,3 +86,21 @@ def test_a_launcher_world_size_that_disagrees_is_one_line() -> None:
         in (result.stderr)
     )
     assert "Traceback" not in result.stderr
+
+
+def test_two_nodes_on_one_machine(llm: LLM) -> None:
+    # --nnodes 2: each `kiln generate` runs one rank; node 1 follows node 0's steps and exits 0 when it is done
+    port = str(free_port())
+    common = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", port]
+    cmd = [sys.executable, "-m", "kiln.cli", "generate", "--quantization", "none", *common]
+    node1 = subprocess.Popen([*cmd, "--node-rank", "1", "--prompt", "ignored"], stderr=subprocess.PIPE, text=True)
+    node0 = subprocess.run(
+        [*cmd, "--node-rank", "0", "--max-tokens", "8", "--temperature", "0", "--prompt", PROMPT],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    _, node1_log = node1.communicate(timeout=60)
+    expected = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0].text
+    assert node0.returncode == 0 and node0.stdout.strip() == expected.strip()
+    assert node1.returncode == 0 and "Rank 1 of 2" in node1_log and "WARNING" not in node1_log
