@@ -4,9 +4,8 @@ The engine thread is a background thread by default; `kiln serve` runs the loop 
 (`own_thread=False` + `run_loop()`), with HTTP in a thread.
 
 NOTE: libgomp parallel regions launched from a second thread run about 2x slower once the main thread owns an
-OpenMP pool (it does: the engine is built there). Measured on the 2-core box: a 200k-element add 19 us on the
-main thread vs 49-93 us on another; a piecewise decode step 23 ms vs 40 ms. So model work stays on the thread
-that loaded and compiled the model.
+OpenMP pool (it does: the engine is built there; measured on the 2-core box: a piecewise decode step 23 ms vs
+40 ms). So model work stays on the thread that loaded and compiled the model.
 
 Rules:
 - Only the engine thread touches the EngineCore. Callers submit commands (add, abort) as closures; the thread
@@ -15,8 +14,8 @@ Rules:
   `RequestStream` that owns each request; model work never runs on the event loop.
 - A stream that is closed before its requests finish (a client that went away) aborts them, which frees their
   KV blocks. A failing step fails only the requests it can be traced to (EngineCore isolates them) with
-  `finish_reason="error"` and a message written for clients; the loop keeps going. If the loop itself dies,
-  `is_healthy` turns False (/health answers 503).
+  `finish_reason="error"` and a message written for clients; the loop keeps going. If the loop itself dies (or a
+  rank of a multi-device engine does: WorkerFailure), `is_healthy` turns False (/health answers 503).
 """
 
 from __future__ import annotations
@@ -30,7 +29,7 @@ from dataclasses import replace
 
 from kiln.engine.core import INTERNAL_ERROR, EngineCore
 from kiln.engine.request import RequestOutput
-from kiln.engine.request_stream import EngineStats, EngineStoppedError, QueueFullError, RequestStream, settle
+from kiln.engine.request_stream import EngineStats, EngineStoppedError, RequestStream, check_capacity, settle
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import KilnError, WorkerFailure
 
@@ -92,16 +91,16 @@ class AsyncEngine:
         except BaseException as exc:
             self._loop_error = exc
             self._is_accepting = False
-            if isinstance(exc, WorkerFailure):  # expected, and fully described by its message
-                logger.error(
-                    "the engine loop died (%s): the server accepts no more requests (/health answers 503)", exc
-                )
-            else:
-                logger.exception("the engine loop died: the server accepts no more requests (/health answers 503)")
-            if isinstance(exc, WorkerFailure):  # the engine, not the requests, failed: clients get a 503
-                self._call_in_loop(self._fail_streams, f"the engine stopped: worker {exc}", "abort")
-            else:
-                self._call_in_loop(self._fail_streams, INTERNAL_ERROR, "error")
+            # NOTE: a dead rank is expected and its message says it all (no traceback); clients then get a 503
+            gone = isinstance(exc, WorkerFailure)
+            why = f" ({exc})" if gone else ""
+            logger.error(
+                "the engine loop died%s: the server accepts no more requests (/health answers 503)",
+                why,
+                exc_info=not gone,
+            )
+            failure = (f"the engine stopped: worker {exc}", "abort") if gone else (INTERNAL_ERROR, "error")
+            self._call_in_loop(self._fail_streams, *failure)
             raise
         finally:
             self._loop_done.set()
@@ -148,7 +147,7 @@ class AsyncEngine:
         """
         if not self.is_accepting:
             raise EngineStoppedError("the server is shutting down and accepts no new requests")
-        self._check_capacity(len(requests))
+        check_capacity(self.num_unfinished, len(requests), self.core.config.scheduler.max_num_seqs, self.max_queue)
         stream = RequestStream(self.abort, [rid for rid, _, _ in requests])
         for rid in stream.request_ids:
             self._streams[rid] = stream
@@ -180,18 +179,6 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         """Requests admitted and not finished (running, waiting, or about to be added)."""
         return len(self._streams)
-
-    def _check_capacity(self, num_new: int) -> None:
-        if self.max_queue is None:
-            return
-        capacity = self.core.config.scheduler.max_num_seqs + self.max_queue
-        if self.num_unfinished + num_new > capacity:
-            raise QueueFullError(
-                f"the server is full: {self.num_unfinished} requests in flight, room for {capacity} "
-                f"(max_num_seqs={self.core.config.scheduler.max_num_seqs} + max_queue={self.max_queue}); "
-                f"retry later",
-                retry_after_s=1,
-            )
 
     # -- the engine thread ------------------------------------------------------------------------
     def _submit(self, command: Callable[[], None]) -> None:

@@ -15,10 +15,9 @@ import torch
 from torch import nn
 
 from kiln.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, ModelConfig
-from kiln.distributed.control import agree_min
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.kv_cache import BlockPool
-from kiln.engine.kv_window import max_decode_blocks
+from kiln.engine.kv_plan import kv_cache_blocks, log_kv_cache
 from kiln.engine.model_runner import ModelRunner, ModelRunnerOutput, StepObserver
 from kiln.engine.request import Request, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
@@ -27,7 +26,6 @@ from kiln.engine.step_shape import StepShaper
 from kiln.errors import RequestError, WorkerFailure
 from kiln.executor.base import Executor
 from kiln.model.dtypes import parse_dtype
-from kiln.model.parallel import held_layers, local_kv_heads
 from kiln.model.tokenizer import KilnTokenizer
 from kiln.recipe.guards import RecipeViolation
 
@@ -64,11 +62,7 @@ class EngineCore:
         cc = config.cache
         dtype = next(model.parameters()).dtype
         kv_dtype = dtype if cc.dtype == "auto" else parse_dtype(cc.dtype)
-        layers = len(held_layers(model) or range(mc.num_layers))  # this rank's heads of its stage's layers
-        per_token = (
-            mc.kv_bytes_per_token(kv_dtype) * local_kv_heads(model) * layers // (mc.num_kv_heads * mc.num_layers)
-        )
-        num_blocks = agree_min(cc.num_blocks or max(1, int(cc.kv_cache_memory_gb * 1e9) // (cc.block_size * per_token)))
+        num_blocks = kv_cache_blocks(cc, model, kv_dtype)
         self.pool = BlockPool(num_blocks, cc.block_size)
         self.shaper = self._step_shaper(config, executor)
         self.runner = ModelRunner(
@@ -77,22 +71,7 @@ class EngineCore:
         if self.recipe is not None and not self.shaper.fits(1, 1):  # the executor is prepared: pad_to is known
             self.shaper.check(1, 1, [])  # raises RecipeViolation naming the constraints that forbid every step
         self.scheduler = Scheduler(config.scheduler, self.pool, self.shaper, mc.uniform_sliding_window)
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GB %s), max_model_len=%d",
-            num_blocks,
-            cc.block_size,
-            num_blocks * cc.block_size,
-            self.runner.kv_cache_bytes / 1e9,
-            str(kv_dtype).removeprefix("torch."),
-            self.max_model_len,
-        )
-        if window := mc.uniform_sliding_window:
-            logger.info(
-                "KV cache: sliding window %d on every layer: blocks behind the window are released (at most %d "
-                "blocks per decoding sequence)",
-                window,
-                max_decode_blocks(window, cc.block_size),
-            )
+        log_kv_cache(cc, num_blocks, self.runner.kv_cache_bytes, kv_dtype, self.max_model_len, mc)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.workers: Workers | None = None  # the other ranks, when this is rank 0 of a multi-device engine

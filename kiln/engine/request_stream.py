@@ -19,6 +19,19 @@ class QueueFullError(KilnError):
         self.retry_after_s = retry_after_s
 
 
+def check_capacity(num_unfinished: int, num_new: int, max_num_seqs: int, max_queue: int | None) -> None:
+    """QueueFullError when `num_new` more requests would pass `max_num_seqs` running + `max_queue` waiting."""
+    if max_queue is None:
+        return
+    capacity = max_num_seqs + max_queue
+    if num_unfinished + num_new > capacity:
+        raise QueueFullError(
+            f"the server is full: {num_unfinished} requests in flight, room for {capacity} "
+            f"(max_num_seqs={max_num_seqs} + max_queue={max_queue}); retry later",
+            retry_after_s=1,
+        )
+
+
 class EngineStoppedError(KilnError):
     """The engine is shutting down or its loop has stopped; no new requests are accepted."""
 
