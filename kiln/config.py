@@ -184,6 +184,7 @@ class ParallelConfig:
     tensor: int = 1
     pipeline: int = 1
     stage_layers: tuple[tuple[int, ...], ...] | None = None
+    micro_batches: int = 0  # parts each step is split into on a pipeline (0: one per stage)
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"

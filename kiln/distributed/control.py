@@ -37,6 +37,7 @@ def distributed_head(state: RankState, compute: Head, vocab_size: int, last_stag
     vocabulary slices of its tensor-parallel ranks) and, when rank 0 is elsewhere, its first tensor rank sends them
     there; rank 0 receives them; any other rank returns None."""
     source = state.stage_rank(state.num_stages - 1) - state.tp.rank  # the last stage's first tensor rank
+    sending: list[dist.Work] = []
 
     def head(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
         if last_stage:
@@ -44,8 +45,12 @@ def distributed_head(state: RankState, compute: Head, vocab_size: int, last_stag
             if state.tp.is_split:
                 logits = gather_vocab(logits, vocab_size)
             if state.rank == source and not state.is_driver:
+                # NOTE: sent without waiting: rank 0 receives a step's logits only once it has sent every part of
+                # the step (kiln.engine.step_plan), so a blocking send here would wait for it forever
+                while sending:
+                    sending.pop().wait()
                 logits = logits.float().contiguous()
-                dist.send(logits, 0)
+                sending.append(dist.isend(logits, 0))
                 COMM.add("send", logits.numel() * 4)
             return logits
         if state.is_driver:

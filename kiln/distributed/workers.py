@@ -96,6 +96,7 @@ class Workers:
         self.errors = errors
         self.channel: StepChannel | None = None  # once this rank has joined the process group
         self.failure: str | None = None
+        self.threads_before = torch.get_num_threads()
         self._stopping = False
         self._listeners: list[Callable[[], None]] = []
         threading.Thread(target=self._watch, name="kiln-workers", daemon=True).start()
@@ -162,6 +163,7 @@ class Workers:
         for pipe in self.errors.values():
             pipe.close()
         shutdown_distributed()
+        torch.set_num_threads(self.threads_before)  # this process may run a single-device engine next
 
 
 def start_ranks(config: EngineConfig, build: Callable[[EngineConfig], Any]) -> tuple[RankState, Workers]:
@@ -188,8 +190,9 @@ def start_ranks(config: EngineConfig, build: Callable[[EngineConfig], Any]) -> t
         else:
             os.environ["TQDM_DISABLE"] = quiet
     atexit.register(_terminate, procs)  # runs before multiprocessing's own exit hook, which would join them
-    torch.set_num_threads(threads)
     workers = Workers(procs, errors)  # watched from now on: a rank that fails to start is named
+    workers.threads_before = torch.get_num_threads()  # restored when the ranks stop
+    torch.set_num_threads(threads)
     try:
         state = init_distributed(config.parallel, where.first, config.device, where.port)
     except Exception as exc:  # the rendezvous timed out or a rank died on the way
@@ -242,8 +245,6 @@ def follow(engine: Any, channel: StepChannel) -> int:
     steps = 0
     with torch.inference_mode():
         while (plan := channel.recv()) is not None:
-            hidden = runner.forward(runner.inputs(plan))
-            if plan.sample_indices:
-                runner.logits(hidden, plan.sample_indices)
+            runner.run(plan)
             steps += 1
     return steps

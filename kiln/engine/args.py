@@ -126,6 +126,9 @@ class EngineArgs:
     pipeline_parallel_size: int = _arg(
         1, "stages of contiguous layers, one per rank group", "parallel", type=_positive_int
     )
+    pipeline_micro_batches: int = _arg(
+        0, "parts each step is split into so pipeline stages overlap (0: one per stage; 1: no overlap)", "parallel"
+    )
     nnodes: int = _arg(1, "machines the ranks span (each runs kiln serve with its --node-rank)", "parallel")
     node_rank: int = _arg(0, "this machine's index among --nnodes", "parallel")
     master_addr: str = _arg("127.0.0.1", "address of node 0, where the ranks meet", "parallel")
@@ -196,6 +199,7 @@ class EngineArgs:
             parallel=ParallelConfig(
                 tensor=self.tensor_parallel_size,
                 pipeline=self.pipeline_parallel_size,
+                micro_batches=self.pipeline_micro_batches,
                 nnodes=self.nnodes,
                 node_rank=self.node_rank,
                 master_addr=self.master_addr,

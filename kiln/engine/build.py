@@ -78,6 +78,8 @@ def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> 
         return core
     last_stage = getattr(core.model, "stage", None) is None or core.model.stage.is_last
     core.runner.head = distributed_head(state, core.executor.compute_logits, checkpoint.config.vocab_size, last_stage)
+    core.runner.micro_batches = (config.parallel.micro_batches or state.num_stages) if state.num_stages > 1 else 1
+    core.runner.head_each_part = last_stage
     if state.is_driver and workers is not None:
         core.attach_workers(workers)
     elif workers is not None:  # the first rank of another node: it follows rank 0 like the ranks it started

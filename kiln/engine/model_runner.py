@@ -20,6 +20,7 @@ from torch import nn
 from kiln.distributed.ops import local_collectives
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kiln.engine.scheduler import SchedulerOutput
+from kiln.engine.step_plan import StepPlan, split_plan
 from kiln.engine.step_shape import StepShaper
 from kiln.executor.base import Executor
 from kiln.executor.counters import CompileCounters
@@ -33,23 +34,6 @@ class ModelRunnerOutput:
     sampled: dict[str, int]
     logprobs: dict[str, dict[int, float]]
     errors: dict[str, str] = field(default_factory=dict)  # request id -> why its row could not be sampled
-
-
-@dataclass
-class StepPlan:
-    """One step's inputs as plain lists (built from the scheduler's output by `ModelRunner.plan`)."""
-
-    input_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    query_start_loc: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]
-    num_decodes: int
-    padded: int
-    batch_size: int
-    sample_indices: list[int]
-    sample_request_ids: list[str]
 
 
 class StepPeers(Protocol):
@@ -92,6 +76,9 @@ class ModelRunner:
         # the other ranks, which rank 0 sends each step's plan
         self.head: Callable[[torch.Tensor, list[int]], torch.Tensor | None] = executor.compute_logits
         self.peers: StepPeers | None = None
+        # a pipeline stage splits each step into this many parts (kiln.engine.step_plan), and the last stage runs
+        # each part's head right after its forward
+        self.micro_batches, self.head_each_part = 1, False
         with local_collectives():  # each rank prepares on its own (kiln.distributed.ops)
             executor.prepare(model, self.kv_caches)
 
@@ -186,10 +173,11 @@ class ModelRunner:
             return self.executor.forward(inputs)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        plan = self.plan(sched)
-        if self.peers is not None:
-            self.peers.send(plan)  # the other ranks run the same step
+    def run(self, plan: StepPlan) -> torch.Tensor | None:
+        """Run one step's forward and its logits head: the sampled rows' fp32 logits on the host (None on a rank
+        that does not sample, or when no row samples). Every rank of a multi-device engine runs each plan."""
+        if self.micro_batches > 1 and len(plan.seq_lens) > 1:
+            return self._run_pipelined(plan)
         inputs = self.inputs(plan)
         if self.observer is not None:
             self.observer.begin_step(inputs)
@@ -199,18 +187,42 @@ class ModelRunner:
         logits = logits.cpu() if logits is not None else None
         if self.observer is not None:
             self.observer.end_step(logits)
+        return logits
+
+    def _run_pipelined(self, plan: StepPlan) -> torch.Tensor | None:
+        """A pipeline stage runs the step as `micro_batches` parts, so the stages work on different parts at once.
+        The last stage computes each part's logits as soon as its forward ends (its outputs are reused by the next
+        part); the others run every forward first, then their heads (rank 0 receives the logits)."""
+        logits: list[torch.Tensor | None] = []
+        waiting: list[tuple[StepPlan, torch.Tensor]] = []
+        for part in split_plan(plan, self.micro_batches, self.executor.pad_to):
+            hidden = self.forward(self.inputs(part))
+            if self.head_each_part:
+                logits.append(self.logits(hidden, part.sample_indices) if part.sample_indices else None)
+            else:
+                waiting.append((part, hidden))
+        logits += [self.logits(hidden, part.sample_indices) for part, hidden in waiting if part.sample_indices]
+        rows = [t for t in logits if t is not None]
+        return torch.cat(rows).cpu() if rows else None
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        plan = self.plan(sched)
+        if self.peers is not None:
+            self.peers.send(plan)  # the other ranks run the same step
+        logits = self.run(plan)
         if logits is None:
             return ModelRunnerOutput({}, {})
         by_id = {s.request.request_id: s.request for s in sched.scheduled}
         rows = []
-        for rid in inputs.sample_request_ids:
+        for rid in plan.sample_request_ids:
             req = by_id[rid]
             p = req.params
             too_early = len(req.output_token_ids) < p.min_tokens
             block_eos = self.eos_token_ids + p.stop_token_ids if too_early else []
             rows.append(SamplingRow(p, req.prompt_token_ids, req.output_token_ids, req.generator, block_eos))
         out: SamplerOutput = self.sampler(logits, rows)
-        ids = inputs.sample_request_ids
+        ids = plan.sample_request_ids
         errors = {rid: e for rid, e in zip(ids, out.errors, strict=True) if e is not None}
         sampled = {rid: t for rid, t in zip(ids, out.token_ids, strict=True) if rid not in errors}
         logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs, strict=True) if lp and rid not in errors}

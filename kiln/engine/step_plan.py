@@ -1,0 +1,65 @@
+"""A step's inputs as plain lists (what rank 0 sends the other ranks of a multi-device engine), and their split into
+micro-batches for pipeline parallelism.
+
+With S pipeline stages and one batch per step, each stage idles while the others work (a bubble of (S-1)/S). Split
+into M parts, stage 0 starts part 2 while stage 1 runs part 1, and the bubble shrinks to (S-1)/(M+S-1); kiln splits
+each step into S parts (when it has that many sequences), balanced by tokens, keeping the sequences' order (decodes
+first, as attention expects).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class StepPlan:
+    """One step's inputs as plain lists (built from the scheduler's output by `ModelRunner.plan`)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]
+    num_decodes: int
+    padded: int
+    batch_size: int
+    sample_indices: list[int]
+    sample_request_ids: list[str]
+
+
+def split_plan(plan: StepPlan, parts: int, pad_to: Callable[[int], int]) -> list[StepPlan]:
+    """`plan` as up to `parts` plans of consecutive sequences with about equal tokens, each padded by `pad_to`."""
+    starts = plan.query_start_loc
+    total, num_seqs = starts[-1], len(plan.seq_lens)
+    parts = min(parts, num_seqs)
+    # cut before the first sequence that starts at or past each k/parts of the tokens (at least one sequence each)
+    cuts = [0]
+    for k in range(1, parts):
+        at = next(
+            i for i in range(cuts[-1] + 1, num_seqs) if starts[i] * parts >= k * total or num_seqs - i <= parts - k
+        )
+        cuts.append(at)
+    cuts.append(num_seqs)
+    return [_part(plan, a, b, pad_to) for a, b in itertools.pairwise(cuts) if b > a]
+
+
+def _part(plan: StepPlan, first: int, end: int, pad_to: Callable[[int], int]) -> StepPlan:
+    lo, hi = plan.query_start_loc[first], plan.query_start_loc[end]
+    sampled = [(i, rid) for i, rid in zip(plan.sample_indices, plan.sample_request_ids, strict=True) if lo <= i < hi]
+    return StepPlan(
+        input_ids=plan.input_ids[lo:hi],
+        positions=plan.positions[lo:hi],
+        slots=plan.slots[lo:hi],
+        query_start_loc=[q - lo for q in plan.query_start_loc[first : end + 1]],
+        seq_lens=plan.seq_lens[first:end],
+        block_tables=plan.block_tables[first:end],
+        num_decodes=max(0, min(plan.num_decodes, end) - first),
+        padded=pad_to(hi - lo),
+        batch_size=end - first,
+        sample_indices=[i - lo for i, _ in sampled],
+        sample_request_ids=[rid for _, rid in sampled],
+    )
