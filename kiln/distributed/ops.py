@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 import torch
 import torch.distributed as dist
@@ -47,23 +47,22 @@ _local = [False]
 
 
 @contextmanager
-def local_collectives() -> Iterator[None]:
+def _collectives(local: bool) -> Iterator[None]:
+    before, _local[0] = _local[0], local
+    try:
+        yield
+    finally:
+        _local[0] = before
+
+
+def local_collectives() -> AbstractContextManager[None]:
     """The ops move nothing inside (module docstring)."""
-    before, _local[0] = _local[0], True
-    try:
-        yield
-    finally:
-        _local[0] = before
+    return _collectives(True)
 
 
-@contextmanager
-def live_collectives() -> Iterator[None]:
+def live_collectives() -> AbstractContextManager[None]:
     """The ops communicate inside, even within `local_collectives` (a CUDA graph capture records them)."""
-    before, _local[0] = _local[0], False
-    try:
-        yield
-    finally:
-        _local[0] = before
+    return _collectives(False)
 
 
 def _live() -> bool:
