@@ -174,10 +174,12 @@ class WeightSlot:
         return target.narrow(0, self.offset, rows)
 
     def take(self, tensor: T) -> T:
-        """The part of the checkpoint tensor this slot holds (a torch tensor or a PackedTensor)."""
-        if self.shard is None:
-            return tensor
-        return tensor.narrow(self.shard.dim, self.shard.start, self.shard.length)
+        """The part of the checkpoint tensor this slot holds (a torch tensor or a PackedTensor). A tensor not read
+        yet (kiln.model.loader.hf_loader.TensorReader) is read now: only that part of it."""
+        if self.shard is not None:
+            return tensor.narrow(self.shard.dim, self.shard.start, self.shard.length)
+        whole = getattr(tensor, "whole", None)
+        return whole() if whole is not None else tensor
 
 
 class WeightMismatch(ValueError):

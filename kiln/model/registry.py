@@ -67,7 +67,10 @@ def build_model(
     bar = tqdm(total=checkpoint.num_tensors, desc="Loading weights", unit="tensor", leave=False, delay=0.5)
     try:
         model.check_tensors(checkpoint.weight_shapes())
-        weights = checkpoint.weights(packed=True) if packed else checkpoint.weights()
+        if isinstance(checkpoint, GGUFCheckpoint):
+            weights = checkpoint.weights(packed=packed)
+        else:  # read tensors as they load, a tensor-parallel rank only its part of each (and a stage only its layers)
+            weights = checkpoint.weights(lazy=True)
         model.load_weights(weights, on_tensor=lambda _name: bar.update(1))
     except WeightMismatch as exc:
         label = checkpoint.tensor_label(exc.tensor)

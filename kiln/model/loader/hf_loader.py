@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -23,6 +24,23 @@ from kiln.model.loader.base import CheckpointHeader
 from kiln.model.loader.hf_config import parse_config, read_config_json
 
 SUPPORTED_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}  # safetensors dtype -> bytes per element
+
+
+class TensorReader:
+    """One safetensors tensor not read yet: `whole()`, or `narrow(dim, start, length)` reading only those rows or
+    columns from the file (safetensors' `get_slice`)."""
+
+    def __init__(self, handle: Any, name: str) -> None:
+        self.handle, self.name = handle, name
+        self.shape = tuple(handle.get_slice(name).get_shape())
+
+    def whole(self) -> torch.Tensor:
+        return self.handle.get_tensor(self.name)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self.handle.get_slice(self.name)[tuple(index)]
 
 
 @dataclass(frozen=True)
@@ -160,14 +178,16 @@ class HFCheckpoint:
     def num_tensors(self) -> int:
         return len(self.tensor_types)
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, tensor) pairs, one shard and one tensor at a time."""
+    def weights(self, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | TensorReader]]:
+        """Yield (HF name, tensor) pairs, one shard and one tensor at a time; with `lazy`, a `TensorReader` instead,
+        which reads the tensor, or only the part of it a tensor-parallel rank holds, when asked (valid until the next
+        pair is taken)."""
         self._check_dtypes()
         for f in self.files:
             try:
                 with safe_open(str(f), framework="pt") as st:
                     for name in st.keys():  # noqa: SIM118  (safe_open is not a dict)
-                        yield name, st.get_tensor(name)
+                        yield name, TensorReader(st, name) if lazy else st.get_tensor(name)
             except SafetensorError as exc:
                 raise ModelLoadError(str(f), f"corrupt safetensors file ({exc})") from None
 
