@@ -167,6 +167,12 @@ class DebugSession:
         """Load the model and build its graph engine (traced once; every piece eager, nothing compiled)."""
         recorder = TapRecorder()
         config = debug_engine_args(args).create_engine_config()
+        if config.parallel.is_distributed:
+            raise ConfigError(
+                "kiln debug runs the model on one device (it builds several engines over one model in one process); "
+                "debug with --tensor-parallel-size 1 --pipeline-parallel-size 1 (a rank's pieces are the same graphs "
+                "over a slice of the weights)"
+            )
         if not is_factory_spec(args.model):
             return cls(build_engine(config, observer=recorder), args, recorder)
         if args.recipe:
