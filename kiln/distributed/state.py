@@ -46,14 +46,6 @@ class RankState:
         """Rank 0 runs the scheduler, sampling and the server; the others follow its steps."""
         return self.rank == 0
 
-    @property
-    def is_first_stage(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.stage == self.num_stages - 1
-
     def stage_rank(self, stage: int) -> int:
         """The rank holding the same tensor slice in pipeline stage `stage` (its send/recv peer)."""
         return stage * self.tp.size + self.tp.rank
