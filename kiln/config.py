@@ -87,6 +87,16 @@ class ModelConfig:
         windows = {self.layer_window(i) for i in range(self.num_layers)}
         return windows.pop() if len(windows) == 1 else 0
 
+    @property
+    def hybrid_sliding_window(self) -> int:
+        """The window W when some decoder layers slide with W > 0 and the others attend globally (Gemma 2/3), else 0.
+
+        The sliding layers' KV then lives in blocks of its own (kiln.engine.kv_window), released behind the window
+        while the global layers' blocks grow with the sequence.
+        """
+        windows = {self.layer_window(i) for i in range(self.num_layers)}
+        return max(windows) if len(windows) == 2 and 0 in windows else 0
+
     def num_params(self) -> int:
         """Parameter count (embedding counted once when tied; per-head and extra norms not counted)."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size

@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx import GraphModule
 
 from kiln.compile.diagnose import explain_trace_failure
-from kiln.model.attention import kv_cache_block_size, null_block
+from kiln.model.attention import cache_nulls, kv_cache_block_size
 from kiln.model.forward_context import AttentionMetadata, DecodeInputs, ForwardContext, set_forward_context
 
 logger = logging.getLogger("kiln")
@@ -26,6 +26,7 @@ logger = logging.getLogger("kiln")
 INPUT_IDS, POSITIONS, NUM_TOKENS = "input_ids", "positions", "num_tokens"
 # a full decode graph's per-step inputs besides input_ids (kiln.model.graph_attention)
 SEQ_LENS, BLOCK_TABLE, NUM_BLOCKS = "seq_lens", "block_table", "num_blocks"
+WINDOW_TABLE = "window_table"  # a hybrid model's sliding layers' own table (kiln.engine.kv_window)
 
 
 @dataclass
@@ -62,17 +63,24 @@ def padding_context(num_tokens: int, kv_caches: list[torch.Tensor], device: torc
 
 
 def decode_sample(
-    sample_size: int, kv_caches: list[torch.Tensor], device: torch.device, dynamic_tokens: bool = True
+    sample_size: int, nulls: tuple[int, int | None], device: torch.device, dynamic_tokens: bool = True
 ) -> DecodeInputs:
-    """Decode inputs to trace with: padding rows on the null block, the table width symbolic and never equal to
-    num_tokens (dynamo would give equal sizes one symbol)."""
+    """Decode inputs to trace with: padding rows on the null blocks (`cache_nulls`: a hybrid model's sliding layers
+    get a table of their own), the table width symbolic and never equal to num_tokens (dynamo would give equal
+    sizes one symbol; the two tables share theirs)."""
     seq_lens = torch.ones(sample_size, dtype=torch.long, device=device)
-    table = torch.full((sample_size, sample_size + 1), null_block(kv_caches[0]), dtype=torch.long, device=device)
+    tables = [
+        torch.full((sample_size, sample_size + 1), null, dtype=torch.long, device=device)
+        for null in nulls
+        if null is not None
+    ]
+    for table in tables:
+        if dynamic_tokens:
+            torch._dynamo.mark_dynamic(table, 0)
+        torch._dynamo.mark_dynamic(table, 1)
     if dynamic_tokens:
         torch._dynamo.mark_dynamic(seq_lens, 0)
-        torch._dynamo.mark_dynamic(table, 0)
-    torch._dynamo.mark_dynamic(table, 1)
-    return DecodeInputs(seq_lens, table)
+    return DecodeInputs(seq_lens, *tables)
 
 
 def trace_forward(
@@ -109,7 +117,8 @@ def trace_forward(
     compiled = torch.compile(forward, backend=kiln_backend, fullgraph=True)
     ctx = padding_context(sample_size, kv_caches, device)
     if decode:
-        ctx.decode = decode_sample(sample_size, kv_caches, device, dynamic_tokens=static_size is None)
+        nulls = cache_nulls(model.config, kv_caches)
+        ctx.decode = decode_sample(sample_size, nulls, device, dynamic_tokens=static_size is None)
     start = time.perf_counter()
     with torch.inference_mode(), set_forward_context(ctx):
         try:
@@ -127,9 +136,11 @@ def trace_forward(
     tensors = {id(input_ids): INPUT_IDS, id(positions): POSITIONS}
     if ctx.decode is not None:
         tensors.update({id(ctx.decode.seq_lens): SEQ_LENS, id(ctx.decode.block_table): BLOCK_TABLE})
+        if ctx.decode.window_table is not None:
+            tensors[id(ctx.decode.window_table)] = WINDOW_TABLE
     symbols = {}
     for node, value in zip(placeholders, inputs, strict=True):
-        if tensors.get(id(value)) in (INPUT_IDS, BLOCK_TABLE):
+        if tensors.get(id(value)) in (INPUT_IDS, BLOCK_TABLE, WINDOW_TABLE):
             dim = 0 if tensors[id(value)] == INPUT_IDS else 1
             symbols[str(node.meta["example_value"].shape[dim])] = NUM_TOKENS if dim == 0 else NUM_BLOCKS
     slots: list[str | None] = []

@@ -1,6 +1,7 @@
 """Persistent inputs of the full decode graphs: input ids, sequence lengths and block-table rows of one step.
 
-They live in one int64 device buffer sized for the largest capture size, laid out `[ids | seq_lens | table]`,
+They live in one int64 device buffer sized for the largest capture size, laid out `[ids | seq_lens | table]` (then a
+hybrid model's sliding layers' table of the same width, kiln.engine.kv_window),
 and are updated in place each step with one host->device copy from a staging buffer (pinned on CUDA; on CPU the
 staging buffer is the buffer itself). A size's views of it never move, so a CUDA graph captured over them
 replays on the next step's values. Positions and KV slots are not uploaded: the graph derives them from
@@ -20,10 +21,13 @@ from kiln.model.forward_context import AttentionMetadata, DecodeInputs, ModelInp
 
 
 class DecodeBuffers:
-    def __init__(self, max_tokens: int, max_blocks: int, null_block: int, device: torch.device) -> None:
+    def __init__(self, max_tokens: int, max_blocks: int, nulls: tuple[int, int | None], device: torch.device) -> None:
+        """`nulls`: the null blocks of the global layers' and (None: no table of their own) the sliding layers'
+        caches (kiln.model.attention.cache_nulls)."""
         self.max_tokens = max_tokens
         self.max_blocks = max_blocks  # the table width of a CUDA capture; on CPU the buffer grows past it
-        self.null_block = null_block
+        self.null_block, self.window_null = nulls
+        self.num_tables = 1 if self.window_null is None else 2
         self.device = device
         self.fixed_width = device.type == "cuda"
         self.widths = width_buckets(max_blocks)
@@ -31,7 +35,7 @@ class DecodeBuffers:
         self._allocate(max_blocks)
 
     def _allocate(self, width: int) -> None:
-        numel = self.max_tokens * (2 + width)
+        numel = self.max_tokens * (2 + self.num_tables * width)
         # NOTE: only CUDA has a separate device buffer (and a pinned staging buffer); fixed_width says CUDA
         self.staging = torch.zeros(numel, dtype=torch.long, pin_memory=self.fixed_width)
         self.buffer = self.staging.to(self.device) if self.fixed_width else self.staging
@@ -42,9 +46,10 @@ class DecodeBuffers:
         return self._views(self.buffer, size, width)
 
     def _views(self, buf: torch.Tensor, size: int, width: int) -> tuple[torch.Tensor, DecodeInputs]:
-        m = self.max_tokens
-        table = buf[2 * m : 2 * m + size * width].view(size, width)
-        return buf[:size], DecodeInputs(buf[m : m + size], table)
+        m, cells = self.max_tokens, size * width
+        table = buf[2 * m : 2 * m + cells].view(size, width)
+        window = buf[2 * m + cells : 2 * m + 2 * cells].view(size, width) if self.num_tables == 2 else None
+        return buf[:size], DecodeInputs(buf[m : m + size], table, window)
 
     def width_for(self, meta: AttentionMetadata) -> int:
         """Table columns this step's graph reads: the batch's own on CPU, the smallest captured width that holds
@@ -61,7 +66,12 @@ class DecodeBuffers:
         views for the graph. Only the step's host-side tensors are read; one copy goes to the device."""
         meta = batch.metadata
         # NOTE: inputs built by hand (tests) may lack host copies: their device tensors stand in
-        host_ids, host_lens, host_table = batch.host or (batch.input_ids, meta.seq_lens_tensor, meta.block_tables)
+        host_ids, host_lens, host_table, host_window = batch.host or (
+            batch.input_ids,
+            meta.seq_lens_tensor,
+            meta.block_tables,
+            meta.window_block_tables,
+        )
         n, width = meta.num_actual_tokens, self.width_for(meta)
         if width > self.capacity:
             self._allocate(width)
@@ -72,8 +82,13 @@ class DecodeBuffers:
         decode.seq_lens[n:].fill_(1)
         decode.block_table.fill_(self.null_block)
         decode.block_table[:n, : host_table.shape[1]].copy_(host_table)
+        if decode.window_table is not None:
+            decode.window_table.fill_(self.window_null)
+            # NOTE: a runner built without the sliding layers' own pool gives them the global table (same caches)
+            window = host_window if host_window is not None else host_table
+            decode.window_table[:n, : window.shape[1]].copy_(window)
         if self.buffer is not self.staging:
-            used = 2 * self.max_tokens + size * width
+            used = 2 * self.max_tokens + self.num_tables * size * width
             self.buffer[:used].copy_(self.staging[:used], non_blocking=True)
         self.uploads += 1
         ids, decode = self._views(self.buffer, size, width)

@@ -30,6 +30,7 @@ from kiln.compile.backend import (
     NUM_TOKENS,
     POSITIONS,
     SEQ_LENS,
+    WINDOW_TABLE,
     TracedForward,
     trace_forward,
 )
@@ -40,7 +41,7 @@ from kiln.compile.piece import Piece
 from kiln.compile.split import PieceGraph, module_paths, structure_key
 from kiln.compile.store import CompiledPieceStore
 from kiln.executor.counters import CompileCounters
-from kiln.model.attention import kv_cache_block_size, kv_cache_num_blocks, null_block
+from kiln.model.attention import cache_nulls, kv_cache_block_size
 from kiln.model.forward_context import DecodeInputs, ModelInputs
 from kiln.quant.linear import PackedLinear
 from kiln.quant.ops import INLINE
@@ -89,6 +90,7 @@ class DecodeVariant:
             INPUT_IDS: ids,
             SEQ_LENS: decode.seq_lens,
             BLOCK_TABLE: decode.block_table,
+            WINDOW_TABLE: decode.window_table,
             NUM_TOKENS: size,
             NUM_BLOCKS: width,
         }
@@ -129,10 +131,10 @@ class FullDecodeGraph:
         for size in static_sizes(model, self.sizes, gemv_sizes):
             self.variants[size] = DecodeVariant(trace(static_size=size), counters, size)
             counters.graphs_traced += 1
-        block_size = kv_cache_block_size(kv_caches[0])
-        blocks = kv_cache_num_blocks(kv_caches[0])
+        nulls = cache_nulls(model.config, kv_caches)
+        block_size, blocks = kv_cache_block_size(kv_caches[0]), nulls[0]  # the null block is the last: id = blocks
         max_blocks = max_table_width(model.config.uniform_sliding_window, blocks, block_size, max_model_len)
-        self.buffers = DecodeBuffers(self.sizes[-1], max_blocks, null_block(kv_caches[0]), device)
+        self.buffers = DecodeBuffers(self.sizes[-1], max_blocks, nulls, device)
 
     @property
     def pieces(self) -> list[Piece]:

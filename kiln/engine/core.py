@@ -62,16 +62,18 @@ class EngineCore:
         cc = config.cache
         dtype = next(model.parameters()).dtype
         kv_dtype = dtype if cc.dtype == "auto" else parse_dtype(cc.dtype)
-        num_blocks = kv_cache_blocks(cc, model, kv_dtype)
-        self.pool = BlockPool(num_blocks, cc.block_size)
+        blocks = kv_cache_blocks(cc, config.scheduler, model, kv_dtype)  # (every layer's, a hybrid's sliding layers')
+        self.pool = BlockPool(blocks[0], cc.block_size)
+        self.window_pool = BlockPool(blocks[1], cc.block_size) if blocks[1] else None
         self.shaper = self._step_shaper(config, executor)
         self.runner = ModelRunner(
-            model, executor, num_blocks, cc.block_size, kv_dtype, self.eos_token_ids, observer, self.shaper
+            model, executor, blocks[0], cc.block_size, kv_dtype, self.eos_token_ids, observer, self.shaper, blocks[1]
         )
         if self.recipe is not None and not self.shaper.fits(1, 1):  # the executor is prepared: pad_to is known
             self.shaper.check(1, 1, [])  # raises RecipeViolation naming the constraints that forbid every step
-        self.scheduler = Scheduler(config.scheduler, self.pool, self.shaper, mc.uniform_sliding_window)
-        log_kv_cache(cc, num_blocks, self.runner.kv_cache_bytes, kv_dtype, self.max_model_len, mc)
+        window = mc.uniform_sliding_window or mc.hybrid_sliding_window
+        self.scheduler = Scheduler(config.scheduler, self.pool, self.shaper, window, self.window_pool)
+        log_kv_cache(cc, blocks, self.runner.kv_cache_bytes, kv_dtype, self.max_model_len, mc)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.workers: Workers | None = None  # the other ranks, when this is rank 0 of a multi-device engine
@@ -134,10 +136,10 @@ class EngineCore:
                 request_id,
                 "max_tokens",
             )
-        if (needed := self.scheduler.max_blocks_held(total)) > self.pool.num_blocks:
+        if short := self.scheduler.blocks_short(total):
             raise RequestError(
-                f"{total} tokens need {needed} KV blocks at once but the cache holds "
-                f"{self.pool.num_blocks}; lower max_tokens or enlarge the KV cache",
+                f"{total} tokens need {short[0]} KV blocks at once but the cache holds "
+                f"{short[1]}; lower max_tokens or enlarge the KV cache",
                 request_id,
                 "max_tokens",
             )
@@ -158,8 +160,7 @@ class EngineCore:
         return req
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        req = self.requests.get(request_id)
-        if req is None:
+        if (req := self.requests.get(request_id)) is None:
             return None
         self.scheduler.finish(req, "abort")
         return self._output(req, num_new=0)
@@ -225,8 +226,7 @@ class EngineCore:
 
     def fail(self, request_id: str, message: str) -> RequestOutput | None:
         """Finish a request with `finish_reason="error"` and `message` (written for the client) as its error."""
-        req = self.requests.get(request_id)
-        if req is None:
+        if (req := self.requests.get(request_id)) is None:
             return None
         req.error = message
         self.scheduler.finish(req, "error")

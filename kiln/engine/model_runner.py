@@ -24,7 +24,7 @@ from kiln.engine.step_plan import StepPlan, split_plan
 from kiln.engine.step_shape import StepShaper
 from kiln.executor.base import Executor
 from kiln.executor.counters import CompileCounters
-from kiln.model.attention import allocate_kv_caches, kv_cache_block_size, kv_cache_num_blocks
+from kiln.model.attention import allocate_kv_caches, kv_cache_block_size
 from kiln.model.forward_context import AttentionMetadata, ForwardContext, ModelInputs, set_forward_context
 from kiln.model.parallel import held_layers, local_kv_heads
 
@@ -60,8 +60,12 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...],
         observer: StepObserver | None = None,
         shaper: StepShaper | None = None,
+        window_blocks: int = 0,
     ) -> None:
+        """`window_blocks` > 0: a hybrid model's sliding layers keep that many blocks of their own (their block table
+        is each request's second, kiln.engine.kv_window)."""
         self.model = model
+        self.num_blocks, self.window_blocks = num_blocks, window_blocks
         self.executor = executor
         self.shaper = shaper or StepShaper(None, executor.pad_to, 0, 0)
         self.eos_token_ids = list(eos_token_ids)
@@ -69,7 +73,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         kv_heads, layers = local_kv_heads(model), held_layers(model)
         self.kv_caches = allocate_kv_caches(
-            model.config, num_blocks, block_size, kv_dtype, self.device, kv_heads, layers
+            model.config, num_blocks, block_size, kv_dtype, self.device, kv_heads, layers, window_blocks
         )
         self.sampler = Sampler()
         # the logits of the sampled rows (a multi-device engine's head gathers them across ranks and stages), and
@@ -88,7 +92,8 @@ class ModelRunner:
 
     @property
     def num_kv_blocks(self) -> int:
-        return kv_cache_num_blocks(self.kv_caches[0])
+        """Blocks of every layer's pool (a hybrid model's global layers')."""
+        return self.num_blocks
 
     @property
     def block_size(self) -> int:
@@ -103,6 +108,7 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        window_slots: list[int] = []
         query_start_loc = [0]
         seq_lens: list[int] = []
         sample_indices: list[int] = []
@@ -114,20 +120,22 @@ class ModelRunner:
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
             input_ids += req.all_token_ids[start:end]
             positions += range(start, end)
-            blocks = req.block_ids
-            slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            slots += kv_slots(req.block_ids, start, end, bs)
+            if self.window_blocks:
+                window_slots += kv_slots(req.block_tables[1], start, end, bs)
             query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
             seq_lens.append(end)
             num_decodes += s.num_new_tokens == 1
             if s.completes_sequence:
                 sample_indices.append(query_start_loc[-1] - 1)
                 sample_ids.append(req.request_id)
-        max_blocks = max(len(s.request.block_ids) for s in sched.scheduled)
-        tables = [s.request.block_ids + [0] * (max_blocks - len(s.request.block_ids)) for s in sched.scheduled]
+        requests = [s.request for s in sched.scheduled]
+        tables = padded_tables([r.block_ids for r in requests])
+        window_tables = padded_tables([r.block_tables[1] for r in requests]) if self.window_blocks else []
         padded, batch_size = self.shaper.check(len(input_ids), len(sched.scheduled), seq_lens)
         return StepPlan(
             input_ids, positions, slots, query_start_loc, seq_lens, tables, num_decodes, padded, batch_size,
-            sample_indices, sample_ids,
+            sample_indices, sample_ids, window_slots, window_tables,
         )  # fmt: skip
 
     def prepare(self, sched: SchedulerOutput) -> ModelInputs:
@@ -142,6 +150,7 @@ class ModelRunner:
         host_ids = torch.tensor(plan.input_ids + [0] * pad, dtype=torch.long)
         host_lens = torch.tensor(plan.seq_lens, dtype=torch.long)
         host_tables = torch.tensor(plan.block_tables, dtype=torch.long)
+        window_tables = torch.tensor(plan.window_tables, dtype=torch.long) if plan.window_tables else None
         meta = AttentionMetadata(
             num_actual_tokens=n,
             num_decodes=plan.num_decodes,
@@ -151,6 +160,10 @@ class ModelRunner:
             seq_lens_tensor=host_lens.to(dev),
             block_tables=host_tables.to(dev),
             block_size=self.block_size,
+            window_slot_mapping=torch.tensor(plan.window_slots, dtype=torch.long, device=dev)
+            if plan.window_slots
+            else None,
+            window_block_tables=window_tables.to(dev) if window_tables is not None else None,
         )
         return ModelInputs(
             input_ids=host_ids.to(dev),
@@ -159,7 +172,7 @@ class ModelRunner:
             sample_indices=plan.sample_indices,
             sample_request_ids=plan.sample_request_ids,
             batch_size=plan.batch_size,
-            host=(host_ids, host_lens, host_tables),
+            host=(host_ids, host_lens, host_tables, window_tables),
         )
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
@@ -227,3 +240,14 @@ class ModelRunner:
         sampled = {rid: t for rid, t in zip(ids, out.token_ids, strict=True) if rid not in errors}
         logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs, strict=True) if lp and rid not in errors}
         return ModelRunnerOutput(sampled, logprobs, errors)
+
+
+def kv_slots(blocks: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat KV-cache slots of positions [start, end) of a sequence whose logical blocks are `blocks`."""
+    return [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def padded_tables(tables: list[list[int]]) -> list[list[int]]:
+    """Block tables as rows of one width (the longest), padded with block 0 (past every sequence's length)."""
+    width = max(len(t) for t in tables)
+    return [t + [0] * (width - len(t)) for t in tables]

@@ -50,11 +50,22 @@ class Request:
         self.logprobs: list[dict[int, float]] = []
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        self.block_ids: list[int] = []
+        # per block pool (kiln.engine.scheduler.BlockGroup): every layer's blocks, then a hybrid model's sliding
+        # layers' own; each maps the sequence's logical blocks in order (released ones hold the pool's null block)
+        self.block_tables: list[list[int]] = [[], []]
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The blocks of every layer's pool (a hybrid model's global layers')."""
+        return self.block_tables[0]
+
+    @block_ids.setter
+    def block_ids(self, blocks: list[int]) -> None:
+        self.block_tables[0] = blocks
 
     @property
     def num_prompt_tokens(self) -> int:

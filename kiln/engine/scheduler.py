@@ -7,7 +7,9 @@ queue to be recomputed from its prompt and the tokens it has already produced. U
 constraints a request joins a step only with as many tokens as keep the step paddable to an allowed
 shape (kiln.engine.step_shape). The scheduler never touches tensors.
 
-With a sliding window on every layer (`window` > 0, kiln.engine.kv_window), `advance` frees the blocks behind
+Blocks come from one pool per `BlockGroup`: every layer's, or, when sliding-window layers alternate with global ones,
+the global layers' and the sliding layers' (kiln.engine.kv_window). A request grows in every group at once and is
+preempted when any of them runs out. In a group whose layers slide (`window` > 0), `advance` frees the blocks behind
 the window after each step (their entries become the pool's null block), and no step gives a sequence more live
 blocks than the pool holds, so a long generation, or a recompute after preemption, needs a bounded number of blocks.
 """
@@ -23,6 +25,26 @@ from kiln.engine.kv_cache import BlockPool
 from kiln.engine.kv_window import chunk_limit, max_decode_blocks, num_dead_blocks
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.step_shape import StepShaper
+
+
+@dataclass(frozen=True)
+class BlockGroup:
+    """One block pool and the layers whose KV it holds: `window` > 0 when they slide with that window."""
+
+    pool: BlockPool
+    window: int
+    index: int  # the request's block table for this pool (`Request.block_tables`)
+
+    def needed(self, req: Request, num_tokens: int) -> int:
+        """Blocks `req` must be given to hold `num_tokens` tokens."""
+        return self.pool.blocks_for(num_tokens) - len(req.block_tables[self.index])
+
+    def grow(self, req: Request, num_tokens: int) -> None:
+        req.block_tables[self.index] += self.pool.allocate(max(0, self.needed(req, num_tokens)))
+
+    def release(self, req: Request) -> None:
+        self.pool.free(req.block_tables[self.index])
+        req.block_tables[self.index] = []
 
 
 @dataclass
@@ -54,13 +76,22 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, block_pool: BlockPool, shaper: StepShaper | None = None, window: int = 0
+        self,
+        config: SchedulerConfig,
+        block_pool: BlockPool,
+        shaper: StepShaper | None = None,
+        window: int = 0,
+        window_pool: BlockPool | None = None,
     ) -> None:
-        """`window` > 0: every layer of the model slides with this window, so blocks behind it are released."""
+        """`window` > 0: the layers slide with this window, so blocks behind it are released: every layer's, or with
+        `window_pool`, only the sliding layers' (their own pool; `block_pool` then holds the global layers')."""
         self.config = config
         self.pool = block_pool
         self.shaper = shaper
         self.window = window
+        self.groups = [BlockGroup(block_pool, 0 if window_pool else window, 0)]
+        if window_pool is not None:
+            self.groups.append(BlockGroup(window_pool, window, 1))
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -98,10 +129,10 @@ class Scheduler:
             if fitted == 0 or (fitted < num_new and not self.config.enable_chunked_prefill):
                 break
             num_new = fitted
-            needed = self.pool.blocks_for(req.num_computed_tokens + num_new) - len(req.block_ids)
-            if not self.pool.can_allocate(needed):
+            if not self._can_grow(req, req.num_computed_tokens + num_new):
                 break
-            req.block_ids += self.pool.allocate(needed)
+            for group in self.groups:
+                group.grow(req, req.num_computed_tokens + num_new)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
@@ -121,50 +152,61 @@ class Scheduler:
         return self.shaper.largest_fit(before, len(scheduled) + 1, wanted)
 
     def _cap(self, req: Request, wanted: int) -> int:
-        """Under a window, at most the new tokens that keep `req` within the pool's blocks (its dead ones released):
-        a prompt or a recompute longer than the pool is prefilled in chunks when chunked prefill is on."""
-        if not self.window:
-            return wanted
-        return min(
-            wanted, chunk_limit(req.num_computed_tokens, self.window, self.pool.block_size, self.pool.num_blocks)
-        )
+        """Under a window, at most the new tokens that keep `req` within its sliding group's blocks (its dead ones
+        released): a prompt or a recompute longer than the pool is prefilled in chunks when chunked prefill is on."""
+        for g in self.groups:
+            if g.window:
+                wanted = min(
+                    wanted, chunk_limit(req.num_computed_tokens, g.window, g.pool.block_size, g.pool.num_blocks)
+                )
+        return wanted
 
-    def max_blocks_held(self, num_tokens: int) -> int:
-        """The most blocks a request of `num_tokens` tokens holds at once (it is admissible iff the pool has them):
-        all its blocks; under a window with chunked prefill, only a decoding sequence's live blocks (`_cap`)."""
-        all_blocks = self.pool.blocks_for(num_tokens)
-        if not (self.window and self.config.enable_chunked_prefill):
-            return all_blocks
-        return min(all_blocks, max_decode_blocks(self.window, self.pool.block_size))
+    def blocks_short(self, num_tokens: int) -> tuple[int, int] | None:
+        """(blocks needed at once, blocks the pool has) for the first pool that cannot hold a request of
+        `num_tokens` tokens, else None (it is admissible). A request holds all its blocks at once; in a sliding
+        group with chunked prefill, only a decoding sequence's live blocks (`_cap`)."""
+        for g in self.groups:
+            needed = g.pool.blocks_for(num_tokens)
+            if g.window and self.config.enable_chunked_prefill:
+                needed = min(needed, max_decode_blocks(g.window, g.pool.block_size))
+            if needed > g.pool.num_blocks:
+                return needed, g.pool.num_blocks
+        return None
 
     def advance(self, req: Request, num_new: int) -> None:
-        """Record `num_new` more computed tokens of `req` and, under a window, free the blocks no later query sees."""
+        """Record `num_new` more computed tokens of `req` and, in its sliding groups, free the blocks no later query
+        sees."""
         req.num_computed_tokens += num_new
-        dead = num_dead_blocks(req.num_computed_tokens, self.window, self.pool.block_size)
-        null = self.pool.null_block
-        first = dead
-        while first > 0 and req.block_ids[first - 1] != null:  # released entries form a prefix: walk back to it
-            first -= 1
-        if first < dead:
-            self.pool.free(req.block_ids[first:dead])
-            req.block_ids[first:dead] = [null] * (dead - first)
+        for g in self.groups:
+            blocks = req.block_tables[g.index]
+            dead = num_dead_blocks(req.num_computed_tokens, g.window, g.pool.block_size)
+            null = g.pool.null_block
+            first = dead
+            while first > 0 and blocks[first - 1] != null:  # released entries form a prefix: walk back to it
+                first -= 1
+            if first < dead:
+                g.pool.free(blocks[first:dead])
+                blocks[first:dead] = [null] * (dead - first)
+
+    def _can_grow(self, req: Request, num_tokens: int) -> bool:
+        return all(g.pool.can_allocate(g.needed(req, num_tokens)) for g in self.groups)
 
     def _grow(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Give `req` blocks for `num_new` more tokens, preempting from the back; False if `req` was preempted."""
-        needed = self.pool.blocks_for(req.num_computed_tokens + num_new) - len(req.block_ids)
-        while not self.pool.can_allocate(needed):
+        total = req.num_computed_tokens + num_new
+        while not self._can_grow(req, total):
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is req:
                 return False
-        if needed > 0:
-            req.block_ids += self.pool.allocate(needed)
+        for g in self.groups:
+            g.grow(req, total)
         return True
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self.pool.free(req.block_ids)
-        req.block_ids = []
+        for g in self.groups:
+            g.release(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
@@ -180,8 +222,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.pool.free(req.block_ids)
-        req.block_ids = []
+        for g in self.groups:
+            g.release(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -29,6 +29,9 @@ class StepPlan:
     batch_size: int
     sample_indices: list[int]
     sample_request_ids: list[str]
+    # a hybrid model's sliding layers' own slots and block tables (kiln.engine.kv_window); empty otherwise
+    window_slots: list[int] = field(default_factory=list)
+    window_tables: list[list[int]] = field(default_factory=list)
 
 
 def split_plan(plan: StepPlan, parts: int, pad_to: Callable[[int], int]) -> list[StepPlan]:
@@ -62,4 +65,6 @@ def _part(plan: StepPlan, first: int, end: int, pad_to: Callable[[int], int]) ->
         batch_size=end - first,
         sample_indices=[i - lo for i, _ in sampled],
         sample_request_ids=[rid for _, rid in sampled],
+        window_slots=plan.window_slots[lo:hi],
+        window_tables=plan.window_tables[first:end],
     )

@@ -49,14 +49,20 @@ def allocate_kv_caches(
     device: torch.device | str,
     num_kv_heads: int | None = None,
     layers: Collection[int] | None = None,
+    window_blocks: int = 0,
 ) -> list[torch.Tensor]:
     """One zeroed cache per layer, laid out by `kv_cache_shape`, for `num_kv_heads` (default: all of the model's;
     a tensor-parallel rank holds its own). A layer outside `layers` (another pipeline stage's) gets a cache of no
-    heads: the same geometry, no memory."""
+    heads: the same geometry, no memory. `window_blocks` > 0: the sliding-window layers of a model that mixes them
+    with global ones hold that many blocks (their own pool, kiln.engine.kv_window), the others `num_blocks`."""
     heads = num_kv_heads or config.num_kv_heads
+
+    def blocks(i: int) -> int:
+        return window_blocks if window_blocks and config.layer_window(i) else num_blocks
+
     return [
         torch.zeros(
-            kv_cache_shape(num_blocks, block_size, heads if layers is None or i in layers else 0, config.head_dim),
+            kv_cache_shape(blocks(i), block_size, heads if layers is None or i in layers else 0, config.head_dim),
             dtype=dtype,
             device=device,
         )
@@ -72,6 +78,14 @@ def kv_cache_num_blocks(kv_cache: torch.Tensor) -> int:
 def null_block(kv_cache: torch.Tensor) -> int:
     """The block no sequence owns (`kv_cache_shape`): padding rows of a decode graph point at it."""
     return kv_cache.shape[2] - 1
+
+
+def cache_nulls(config: ModelConfig, kv_caches: list[torch.Tensor]) -> tuple[int, int | None]:
+    """(the null block of the global layers' caches, that of a hybrid model's sliding layers' caches or None when it
+    has none): padding rows of a decode graph's two block tables point at them."""
+    window = [i for i in range(config.num_layers) if config.layer_window(i)] if config.hybrid_sliding_window else []
+    full = next(i for i in range(config.num_layers) if i not in window)
+    return null_block(kv_caches[full]), null_block(kv_caches[window[0]]) if window else None
 
 
 def kv_cache_block_size(kv_cache: torch.Tensor) -> int:
@@ -114,17 +128,13 @@ def sequence_attention(
 
 
 def decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, window: int, softcap: float = 0.0
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, softcap: float = 0.0
 ) -> torch.Tensor:
-    """q: [num_decodes, heads, head_dim] -> [num_decodes, heads * head_dim]."""
+    """q: [num_decodes, heads, head_dim] -> [num_decodes, heads * head_dim]. `meta` is the layer's view
+    (`AttentionMetadata.for_layer`): its decode layout masks the keys behind a sliding window."""
     _, num_kv_heads, _, _, head_dim = kv_cache.shape
     nd, num_heads, _ = q.shape
     table, mask = meta.decode_layout
-    if window:
-        # NOTE: the step's mask is shared by every layer, so a sliding layer adds its own term here: keys before
-        # position seq_len - window are out of its reach (the query sits at seq_len - 1).
-        too_old = torch.arange(mask.shape[-1], device=mask.device) < meta.seq_lens_tensor[:nd, None] - window
-        mask = mask.masked_fill(too_old[None, :, None, :], float("-inf"))
     kv = kv_cache.index_select(2, table).view(2, num_kv_heads, nd, -1, head_dim).to(q.dtype)  # [2, Hkv, nd, L, D]
     qg = q.view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)  # [Hkv, nd, G, D]
     scores = torch.matmul(qg, kv[0].transpose(-1, -2)).float() * head_dim**-0.5  # [Hkv, nd, G, L]
@@ -145,15 +155,16 @@ def paged_attention(
 ) -> torch.Tensor:
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
     num_heads = q.shape[1] // head_dim
+    meta = meta.for_layer(window)
     n = meta.num_actual_tokens
     write_kv(kv_cache, k, v, meta.slot_mapping)
     qh = q[:n].view(n, num_heads, head_dim)
     nd = meta.num_decodes
     if nd == n == q.shape[0]:  # decode-only, unpadded: no output copy
-        return decode_attention(qh, kv_cache, meta, window, softcap)
+        return decode_attention(qh, kv_cache, meta, softcap)
     out = q.new_zeros(q.shape)
     if nd:
-        out[:nd] = decode_attention(qh[:nd], kv_cache, meta, window, softcap)
+        out[:nd] = decode_attention(qh[:nd], kv_cache, meta, softcap)
     for i in range(nd, meta.num_seqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         q_len, seq_len = end - start, meta.seq_lens[i]

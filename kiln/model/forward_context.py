@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import torch
@@ -31,20 +31,52 @@ class AttentionMetadata:
     seq_lens_tensor: torch.Tensor  # [num_seqs] int64, same values
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, rows padded with 0
     block_size: int
+    # a hybrid model's sliding layers keep their KV in blocks of their own (kiln.engine.kv_window): their slots and
+    # tables (None: every layer uses the ones above)
+    window_slot_mapping: torch.Tensor | None = None
+    window_block_tables: torch.Tensor | None = None
+    window: int = 0  # > 0: this is the view of the layers that slide with this window (`for_layer`)
+    _views: dict[int, AttentionMetadata] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
+    def for_layer(self, window: int) -> AttentionMetadata:
+        """The metadata a layer with sliding window `window` reads (0: global attention, this one): its own slots and
+        tables in a hybrid model, and a decode layout that masks (and skips) the keys behind the window. One view
+        per window and step, shared by its layers."""
+        if not window or self.window:
+            return self
+        if window not in self._views:
+            own = self.window_block_tables is not None
+            self._views[window] = replace(
+                self,
+                slot_mapping=self.window_slot_mapping if own else self.slot_mapping,
+                block_tables=self.window_block_tables if own else self.block_tables,
+                window_slot_mapping=None,
+                window_block_tables=None,
+                window=window,
+                _views={},
+            )
+        return self._views[window]
+
     @cached_property
     def decode_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(flat block ids [num_decodes * B], additive key mask [1, num_decodes, 1, B * block_size]) of the
-        decode sequences, where B blocks cover the longest; built once per step and shared by every layer."""
-        nd = self.num_decodes
-        num_blocks = -(-max(self.seq_lens[:nd]) // self.block_size)
-        table = self.block_tables[:nd, :num_blocks].reshape(-1)
-        positions = torch.arange(num_blocks * self.block_size, device=self.seq_lens_tensor.device)
-        hidden = positions >= self.seq_lens_tensor[:nd, None]
+        decode sequences; built once per step and shared by every layer of this view. The B blocks run to the one
+        holding the longest sequence's last key; under a window they start at the first block that some decode
+        query still sees (blocks behind every query's window are neither gathered nor masked)."""
+        nd, bs = self.num_decodes, self.block_size
+        lens = self.seq_lens[:nd]
+        first = min(max(0, n - self.window) // bs for n in lens) if self.window else 0
+        num_blocks = -(-max(lens) // bs)
+        table = self.block_tables[:nd, first:num_blocks].reshape(-1)
+        positions = torch.arange(first * bs, num_blocks * bs, device=self.seq_lens_tensor.device)
+        ends = self.seq_lens_tensor[:nd, None]
+        hidden = positions >= ends
+        if self.window:  # the query sits at seq_len - 1 and sees fewer than `window` keys back
+            hidden |= positions < ends - self.window
         mask = torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
         return table, mask[None, :, None, :]
 
@@ -59,8 +91,9 @@ class ModelInputs:
     sample_indices: list[int]  # flattened index of the last token of each sequence that samples
     sample_request_ids: list[str]
     batch_size: int = 0  # sequences the step is shaped for: the real ones plus recipe padding (0: not shaped)
-    # (input_ids, seq_lens, block_tables) of the real sequences, on the host: what a full decode graph uploads
-    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # (input_ids, seq_lens, block_tables, a hybrid model's sliding layers' block tables or None) of the real
+    # sequences, on the host: what a full decode graph uploads
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
 
 
 @dataclass
@@ -70,6 +103,8 @@ class DecodeInputs:
 
     seq_lens: torch.Tensor  # [num_tokens] int64: context + the new token; padding rows: 1
     block_table: torch.Tensor  # [num_tokens, num_blocks] int64; padding rows: the null block
+    # a hybrid model's sliding layers' own table (kiln.engine.kv_window), same width; None: they use `block_table`
+    window_table: torch.Tensor | None = None
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Every decode sequence has one query token. The step's layout is two tensors the executor keeps in persistent
 buffers and updates in place (kiln.compile.decode_buffers), so a traced graph reads them as inputs:
 - `seq_lens` [num_tokens] int64: tokens of each sequence including the new one (padding rows: 1);
-- `block_table` [num_tokens, num_blocks] int64: each sequence's KV blocks (padding: the null block).
+- `block_table` [num_tokens, num_blocks] int64: each sequence's KV blocks (padding: the null block);
+- `window_table`, same shape, when sliding layers alternate with global ones: the sliding layers' own blocks.
 
 Positions and KV slots are derived from them here, on the device, never rebuilt on the host. The product is
 written as element-wise products and sums over the block-table gather (not `matmul`), so inductor fuses the
@@ -49,7 +50,9 @@ def decode_attention(
     """q: [n, heads*head_dim]; k, v: [n, kv_heads*head_dim] -> [n, heads*head_dim]. Writes k, v to the cache."""
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
     n = q.shape[0]
-    seq_lens, table = decode.seq_lens, decode.block_table
+    seq_lens = decode.seq_lens
+    # a hybrid model's sliding layers read their own blocks (kiln.engine.kv_window)
+    table = decode.window_table if window and decode.window_table is not None else decode.block_table
     torch._check(seq_lens.shape[0] == n)
     torch._check(table.shape[0] == n)
     num_heads = q.shape[1] // head_dim

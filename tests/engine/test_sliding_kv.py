@@ -3,7 +3,7 @@
 A tiny random Mistral (window 6, 4-token blocks) generates 60 greedy tokens: the tokens are HF transformers' own
 (so no released block was ever read), the sequence never holds more than a few live blocks, a pool far smaller
 than the sequence serves it without preemption, and every block is back in the pool at the end. A model with a
-global layer keeps every block.
+global layer keeps every block of that layer, in a pool of its own.
 """
 
 from __future__ import annotations
@@ -48,19 +48,22 @@ def expected(mistral: tuple[Path, torch.nn.Module]) -> dict[str, list[int]]:
     return {"short": hf_greedy(hf, PROMPT), "long": hf_greedy(hf, LONG_PROMPT)}
 
 
-def generate_stepwise(llm: LLM, prompt: list[int]) -> tuple[list[int], int]:
-    """Drive the engine step by step: (the greedy tokens, the most live blocks the sequence held after a step)."""
-    engine, null = llm.engine, llm.engine.pool.null_block
-    req = engine.add_request("seq", prompt, GREEDY)
-    most_live = 0
+def generate_stepwise(llm: LLM, prompt: list[int], params: SamplingParams = GREEDY) -> tuple[list[int], list[int]]:
+    """Drive the engine step by step: (the greedy tokens, per block pool the most live blocks the sequence held
+    after a step). A sliding pool's released entries are a prefix of null blocks."""
+    engine = llm.engine
+    req = engine.add_request("seq", prompt, params)
+    most_live = [0] * len(engine.scheduler.groups)
     while engine.has_unfinished:
         engine.step()
         if req.is_finished:
             break
-        dead = num_dead_blocks(req.num_computed_tokens, engine.scheduler.window, BLOCK)
-        assert req.block_ids[:dead] == [null] * dead and null not in req.block_ids[dead:]
-        assert len(req.block_ids) == -(-req.num_computed_tokens // BLOCK)  # entries keep their logical index
-        most_live = max(most_live, len(req.block_ids) - dead)
+        for g in engine.scheduler.groups:
+            blocks, null = req.block_tables[g.index], g.pool.null_block
+            dead = num_dead_blocks(req.num_computed_tokens, g.window, BLOCK)
+            assert blocks[:dead] == [null] * dead and null not in blocks[dead:]
+            assert len(blocks) == -(-req.num_computed_tokens // BLOCK)  # entries keep their logical index
+            most_live[g.index] = max(most_live[g.index], len(blocks) - dead)
     return req.output_token_ids, most_live
 
 
@@ -70,7 +73,11 @@ def test_window_rule_of_the_config() -> None:
     assert ModelConfig(**base, **heads, sliding_window=4096).uniform_sliding_window == 4096
     mixed = ("sliding_attention", "full_attention", "sliding_attention")
     assert ModelConfig(**base, **heads, sliding_window=4096, layer_types=mixed).uniform_sliding_window == 0
-    assert ModelConfig(**base, **heads).uniform_sliding_window == 0
+    assert ModelConfig(**base, **heads, sliding_window=4096, layer_types=mixed).hybrid_sliding_window == 4096
+    assert ModelConfig(**base, **heads, sliding_window=4096).hybrid_sliding_window == 0
+    assert (
+        ModelConfig(**base, **heads).uniform_sliding_window == ModelConfig(**base, **heads).hybrid_sliding_window == 0
+    )
 
 
 @pytest.mark.parametrize("window", [1, 3, 4, 5, 6, 8, 9])
@@ -82,7 +89,7 @@ def test_max_decode_blocks_is_the_most_a_decode_holds(window: int) -> None:
 def test_generation_matches_hf_within_few_live_blocks(mistral: tuple[Path, torch.nn.Module], expected) -> None:
     llm = LLM(str(mistral[0]), block_size=BLOCK, num_kv_blocks=64)
     assert llm.engine.scheduler.window == WINDOW
-    tokens, most_live = generate_stepwise(llm, PROMPT)
+    tokens, (most_live,) = generate_stepwise(llm, PROMPT)
     assert tokens == expected["short"]
     assert most_live <= LIVE_BOUND
     assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
@@ -108,15 +115,25 @@ def test_preemption_and_recompute_under_a_window(mistral: tuple[Path, torch.nn.M
     assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
 
 
-def test_a_global_layer_keeps_every_block(mistral: tuple[Path, torch.nn.Module], tmp_path: Path) -> None:
+def test_a_global_layer_keeps_every_block_and_the_sliding_one_its_window(
+    mistral: tuple[Path, torch.nn.Module], tmp_path: Path
+) -> None:
+    """Sliding and global layers mixed: the global layer's pool holds every block, the sliding layer's (its own
+    pool, its own cache tensor) only the window's."""
     path = tmp_path / "mixed"
     shutil.copytree(mistral[0], path)
     rewrite_config(path, {"layer_types": ["sliding_attention", "full_attention"]})
-    llm = LLM(str(path), block_size=BLOCK, num_kv_blocks=64)
-    assert llm.engine.scheduler.window == 0
+    llm = LLM(str(path), block_size=BLOCK, num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=16)
+    engine = llm.engine
+    assert engine.scheduler.window == WINDOW and engine.window_pool is not None
+    # 2 sequences x (3 live + 1 new) blocks + 16 tokens of one step = 12 blocks for the sliding layer, plus its null
+    assert engine.window_pool.num_blocks == 12
+    assert [c.shape[2] for c in engine.runner.kv_caches] == [13, 65]
     _, most_live = generate_stepwise(llm, PROMPT)
-    assert most_live == -(-(len(PROMPT) + NUM_TOKENS - 1) // BLOCK)  # every computed token's block
-    assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
+    assert most_live[0] == -(-(len(PROMPT) + NUM_TOKENS - 1) // BLOCK)  # every computed token's block
+    assert most_live[1] <= LIVE_BOUND
+    for pool in (engine.pool, engine.window_pool):
+        assert pool.num_free_blocks == pool.num_blocks
 
 
 def test_full_decode_graph_reads_released_entries_as_the_null_block(
