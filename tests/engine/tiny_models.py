@@ -43,7 +43,7 @@ def write_hf_model(
 
     config_cls, model_cls = (getattr(transformers, name) for name in HF_CLASSES[family])
     torch.manual_seed(0)
-    config = config_cls(vocab_size=vocab_size, max_position_embeddings=512, **{**TINY, **overrides})
+    config = config_cls(vocab_size=vocab_size, **{"max_position_embeddings": 512, **TINY, **overrides})
     model = model_cls(config).eval()
     with torch.no_grad():
         for param in model.parameters() if perturb else ():

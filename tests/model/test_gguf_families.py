@@ -98,14 +98,46 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, tuple[int, ...]], bool]
 }
 
 
-def write_family_gguf(path: Path, family: str, tensor_type: str) -> None:
-    """A tiny random GGUF of `family` (a FAMILIES key): weight matrices as `tensor_type`, vectors F32."""
+def write_gguf(
+    path: Path,
+    arch: str,
+    settings: dict[str, Any],
+    tensors: dict[str, np.ndarray],
+    tensor_type: str,
+    keep_f32: tuple[str, ...] = (),
+) -> None:
+    """A GGUF of llama.cpp architecture `arch`: `{arch}.*` metadata `settings` (int -> uint32, float -> float32), a
+    toy tokenizer, and `tensors`, each matrix stored as `tensor_type` unless its name contains one of `keep_f32`
+    (vectors stay F32)."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import quantize
 
+    w = GGUFWriter(str(path), arch)
+    for key, value in settings.items():
+        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([f"t{i}" for i in range(VOCAB - 2)] + ["<s>", "</s>"])
+    w.add_token_merges([])
+    w.add_token_types([1] * (VOCAB - 2) + [3, 3])
+    w.add_eos_token_id(VOCAB - 1)
+    w.add_pad_token_id(0)
+    qtype = GGMLQuantizationType[tensor_type]
+    for name, data in tensors.items():
+        if data.ndim == 1 or qtype == GGMLQuantizationType.F32 or any(k in name for k in keep_f32):
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_family_gguf(path: Path, family: str, tensor_type: str) -> None:
+    """A tiny random GGUF of `family` (a FAMILIES key): weight matrices as `tensor_type`, vectors F32."""
     arch, metadata, layer_shapes, tied = FAMILIES[family]
     rng = np.random.default_rng(0)
-    w = GGUFWriter(str(path), arch)
     settings = {
         "block_count": 2,
         "context_length": 512,
@@ -117,33 +149,17 @@ def write_family_gguf(path: Path, family: str, tensor_type: str) -> None:
         "attention.layer_norm_rms_epsilon": 1e-6,
         "vocab_size": VOCAB,
     } | metadata
-    for key, value in settings.items():
-        (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([f"t{i}" for i in range(VOCAB - 2)] + ["<s>", "</s>"])
-    w.add_token_merges([])
-    w.add_token_types([1] * (VOCAB - 2) + [3, 3])
-    w.add_eos_token_id(VOCAB - 1)
-    w.add_pad_token_id(0)
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (VOCAB, H)}
     for i in range(settings["block_count"]):
         shapes |= {f"blk.{i}.{name}": shape for name, shape in layer_shapes.items()}
     shapes |= {"output_norm.weight": (H,)} | ({} if tied else {"output.weight": (VOCAB, H)})
-    qtype = GGMLQuantizationType[tensor_type]
+    tensors = {}
     for name, shape in shapes.items():
         scale = 0.5 if "gate_inp" in name else 0.05  # routers spread enough to route tokens apart
-        data = (rng.standard_normal(shape) * scale).astype(np.float32)
+        tensors[name] = (rng.standard_normal(shape) * scale).astype(np.float32)
         if name.endswith("norm.weight"):
-            data += 1.0
-        if len(shape) == 1 or qtype == GGMLQuantizationType.F32:
-            w.add_tensor(name, data)
-        else:
-            w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+            tensors[name] += 1.0
+    write_gguf(path, arch, settings, tensors, tensor_type)
 
 
 # NOTE: Q8_0 where it loads differently: packed fused qkv (phi3), the soft-capped head over a packed embedding
@@ -167,30 +183,14 @@ def test_gguf_family_matches_transformers(tmp_path: Path, family: str, tensor_ty
         assert (g - e).abs().max().item() < 1e-4
 
 
-def test_phi3_long_rope_factors_are_refused(tmp_path: Path) -> None:
-    """transformers' GGUF Phi-3 ignores rope_factors_long/short, so kiln refuses them rather than guess."""
-    from gguf import GGUFWriter
-
-    path = tmp_path / "phi3-long.gguf"
-    w = GGUFWriter(str(path), "phi3")
-    for key in ("block_count", "embedding_length", "feed_forward_length", "attention.head_count", "vocab_size"):
-        w.add_uint32(f"phi3.{key}", 64)
-    for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
-        w.add_tensor(name, np.ones(8, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    with pytest.raises(ModelLoadError, match="long-rope"):
-        open_checkpoint(str(path)).config  # noqa: B018
-
-
-def test_unknown_expert_layout_names_the_family(tmp_path: Path) -> None:
-    """Mixtral GGUFs (arch "llama" with expert stacks) have no transformers reference: kiln refuses them clearly."""
+@pytest.mark.parametrize("metadata", [{}, {"expert_count": 0}])
+def test_unknown_expert_layout_names_the_family(tmp_path: Path, metadata: dict[str, Any]) -> None:
+    """Expert stacks in a "llama" file without llama.expert_count, or with 0 (llama.cpp builds dense MLPs then):
+    refused, naming the tensor and the names kiln reads (with experts it is Mixtral: test_gguf_from_hf.py)."""
     from tests.engine.tiny_models import write_gguf_model
 
     path = tmp_path / "mixtral.gguf"
-    write_gguf_model(path, tensor_shapes={"blk.0.ffn_gate_exps.weight": (4, 128, 64)})
+    write_gguf_model(path, tensor_shapes={"blk.0.ffn_gate_exps.weight": (4, 128, 64)}, metadata=metadata)
     with pytest.raises(ModelLoadError, match=r"unknown tensor blk\.0\.ffn_gate_exps\.weight: kiln reads llama"):
         open_checkpoint(str(path)).weight_shapes()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import numbers
 import os
 from collections.abc import Callable
@@ -56,6 +57,29 @@ class CheckpointHeader:
     @property
     def weights_bytes_fp32(self) -> int:
         return 4 * self.config.num_params()
+
+
+def longrope_scaling(
+    original: int,
+    longest: int,
+    short_factor: list[float],
+    long_factor: list[float],
+    factor: float | None = None,
+    attention_factor: float | None = None,
+) -> dict:
+    """Phi-3's long-rope as `ModelConfig.rope_scaling` (kiln.model.layers.RotaryEmbedding reads it): per-frequency
+    factors, the pretraining context `original`, and the cos/sin magnitude `attention_factor`, when not given
+    computed as HF's _compute_longrope_parameters does from `factor` (default: the context ratio longest / original)."""
+    factor = factor or longest / original
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {
+        "rope_type": "longrope",
+        "original_max_position_embeddings": original,
+        "attention_factor": attention_factor,
+        "short_factor": short_factor,
+        "long_factor": long_factor,
+    }
 
 
 # HF activation names of gated MLPs -> kiln's (kiln.model.layers.MLP, kiln.model.moe)

@@ -5,8 +5,12 @@ Each entry follows llama.cpp's converter (convert_hf_to_gguf.py) as HF transform
 - `layer_names`: `blk.N.<gguf>` -> `model.layers.N.<hf>`, the HF names the family's model class consumes;
 - `permuted_qk`: llama.cpp's Llama converter interleaves the q/k rows of each head (kiln undoes it); no other;
 - `norm_plus_one`: Gemma's converter stores every `*norm.weight` as 1 + w (kiln's GemmaRMSNorm wants w);
-- `experts`: the 3-D `ffn_{gate,up,down}_exps` stacks, loaded as one HF tensor per expert and projection;
-- `read_config`: the family's `ModelConfig` fields beyond the shared ones, from `{arch}.*` metadata.
+- `experts`: the 3-D `ffn_{gate,up,down}_exps` stacks, loaded as one HF tensor per expert and projection, and
+  (keys with `{j}`) the one-tensor-per-expert names of older converters;
+- `read_config`: the family's `ModelConfig` fields beyond the shared ones, from `{arch}.*` metadata;
+- `long_rope`: Phi-3's long-rope factor tensors are read (kiln.model.loader.gguf_rope).
+
+llama.cpp writes Mixtral as architecture "llama" with `llama.expert_count`: `family_of` tells the two apart.
 """
 
 from __future__ import annotations
@@ -15,9 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.errors import ModelLoadError
 from kiln.model.loader.base import ConfigFields
-from kiln.model.loader.gguf_names import GLOBAL_NAMES, LAYER_NAMES
+from kiln.model.loader.gguf_names import GLOBAL_NAMES, LAYER_NAMES, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT, ROPE_FREQS
 
 # (the family's metadata under `{arch}.`, the shared ModelConfig fields already read, the file's tensor names)
 # -> the family's own ModelConfig fields
@@ -52,7 +55,17 @@ QWEN_EXPERT_NAMES = {
     "ffn_up_exps.weight": "mlp.experts.{j}.up_proj.weight",
     "ffn_down_exps.weight": "mlp.experts.{j}.down_proj.weight",
 }
-ROPE_FACTOR_NAMES = ("rope_factors_long.weight", "rope_factors_short.weight")
+MIXTRAL_NAMES = {
+    **{k: v for k, v in LAYER_NAMES.items() if not k.startswith(("ffn_gate", "ffn_up", "ffn_down"))},
+    "ffn_gate_inp.weight": "block_sparse_moe.gate.weight",
+}
+# NOTE: kiln.model.moe.CHECKPOINT_NAMES["mixtral"]: w1 the gate, w3 the up and w2 the down projection. Converters
+# before llama.cpp's 3-D expert tensors (spring 2024) wrote one tensor per expert, `ffn_gate.{j}.weight` etc.
+MIXTRAL_EXPERT_NAMES = {
+    f"{gguf}{layout}.weight": f"block_sparse_moe.experts.{{j}}.{hf}.weight"
+    for layout in ("_exps", ".{j}")
+    for gguf, hf in (("ffn_gate", "w1"), ("ffn_up", "w3"), ("ffn_down", "w2"))
+}
 
 
 @dataclass(frozen=True)
@@ -65,9 +78,14 @@ class GGUFFamily:
     permuted_qk: bool = False
     norm_plus_one: bool = False
     experts: dict[str, str] = field(default_factory=dict)  # `blk.N.<gguf>` -> HF name with `{j}` for the expert
+    long_rope: bool = False
 
     def read_own(self, fields: ConfigFields, shared: dict[str, Any], tensors: set[str]) -> dict[str, Any]:
         return {} if self.read_config is None else self.read_config(fields, shared, tensors)
+
+    def rope_tensors(self) -> tuple[str, ...]:
+        """The rope factor tensors its files may hold: read into the rotary tables, not loaded as weights."""
+        return (ROPE_FREQS, ROPE_FACTORS_LONG, ROPE_FACTORS_SHORT) if self.long_rope else (ROPE_FREQS,)
 
 
 def _sliding(fields: ConfigFields, default: int | None = None) -> dict[str, Any]:
@@ -83,10 +101,7 @@ def read_qwen3(fields: ConfigFields, shared: dict[str, Any], tensors: set[str]) 
 
 
 def read_phi3(fields: ConfigFields, shared: dict[str, Any], tensors: set[str]) -> dict[str, Any]:
-    # NOTE: transformers' GGUF loader ignores these (its Phi-3 runs plain RoPE), so kiln has no reference for them
-    if any(name in tensors for name in ROPE_FACTOR_NAMES):
-        found = " and ".join(ROPE_FACTOR_NAMES)
-        raise ModelLoadError(fields.path, f"holds {found} (Phi-3's long-rope), which kiln does not read from GGUF yet")
+    # NOTE: long-rope is rope scaling, read with the shared fields (kiln.model.loader.gguf_rope)
     return {"extra": {"fused_checkpoint": True}, **_sliding(fields)}
 
 
@@ -120,7 +135,8 @@ def read_gemma3(fields: ConfigFields, shared: dict[str, Any], tensors: set[str])
     return {**out, "rope_theta": fields.positive_float("rope.freq_base", 1e6), **_sliding(fields, 4096)}
 
 
-def _moe(fields: ConfigFields, naming: str, norm_topk_prob: bool) -> dict[str, Any]:
+def _moe(fields: ConfigFields, naming: str, norm_topk_prob: bool, width: int | None = None) -> dict[str, Any]:
+    """The expert counts and widths (`width`, else `expert_feed_forward_length`) of an MoE family."""
     experts = fields.positive_int("expert_count")
     top_k = fields.positive_int("expert_used_count")
     if top_k > experts:
@@ -128,9 +144,16 @@ def _moe(fields: ConfigFields, naming: str, norm_topk_prob: bool) -> dict[str, A
     return {
         "num_experts": experts,
         "num_experts_per_tok": top_k,
-        "moe_intermediate_size": fields.positive_int("expert_feed_forward_length"),
+        "moe_intermediate_size": width or fields.positive_int("expert_feed_forward_length"),
         "extra": {"moe_naming": naming, "norm_topk_prob": norm_topk_prob},
     }
+
+
+def read_mixtral(fields: ConfigFields, shared: dict[str, Any], tensors: set[str]) -> dict[str, Any]:
+    # NOTE: llama.cpp's Llama graph gives every expert feed_forward_length (it ignores expert_feed_forward_length)
+    # and renormalizes the top-k softmax weights, as HF's Mixtral does
+    out = _moe(fields, "mixtral", norm_topk_prob=True, width=shared["intermediate_size"])
+    return {**out, **_sliding(fields)}
 
 
 def read_qwen2_moe(fields: ConfigFields, shared: dict[str, Any], tensors: set[str]) -> dict[str, Any]:
@@ -153,12 +176,25 @@ GGUF_FAMILIES: dict[str, GGUFFamily] = {
     "mistral": GGUFFamily("mistral", permuted_qk=True),
     "qwen2": GGUFFamily("qwen2"),
     "qwen3": GGUFFamily("qwen3", LAYER_NAMES | QK_NORM_NAMES, read_qwen3),
-    "phi3": GGUFFamily("phi3", PHI3_NAMES, read_phi3),
+    "phi3": GGUFFamily("phi3", PHI3_NAMES, read_phi3, long_rope=True),
     "gemma2": GGUFFamily("gemma2", GEMMA_NAMES, read_gemma2, norm_plus_one=True),
     "gemma3": GGUFFamily("gemma3", GEMMA_NAMES | QK_NORM_NAMES, read_gemma3, norm_plus_one=True),
     "qwen2moe": GGUFFamily("qwen2_moe", MOE_NAMES | SHARED_EXPERT_NAMES, read_qwen2_moe, experts=QWEN_EXPERT_NAMES),
     "qwen3moe": GGUFFamily("qwen3_moe", MOE_NAMES | QK_NORM_NAMES, read_qwen3_moe, experts=QWEN_EXPERT_NAMES),
 }
+# llama.cpp's `general.architecture` -> the family its files with experts (`{arch}.expert_count` > 0) hold
+MOE_VARIANTS: dict[str, GGUFFamily] = {
+    "llama": GGUFFamily("mixtral", MIXTRAL_NAMES, read_mixtral, permuted_qk=True, experts=MIXTRAL_EXPERT_NAMES),
+}
+
+
+def family_of(architecture: str, lookup: Callable[[str], object]) -> GGUFFamily:
+    """How kiln loads a file of a supported llama.cpp `architecture` whose metadata is `lookup(key)`."""
+    variant = MOE_VARIANTS.get(architecture)
+    # NOTE: llama.cpp builds dense MLPs when expert_count is 0 or absent (the variant's reader checks its type)
+    if variant is None or not lookup(f"{architecture}.expert_count"):
+        return GGUF_FAMILIES[architecture]
+    return variant
 
 
 @dataclass(frozen=True)
@@ -176,6 +212,11 @@ def hf_tensors(family: GGUFFamily, name: str, shape: tuple[int, ...]) -> list[HF
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in family.experts and len(shape) == 3:
         pattern = f"model.layers.{parts[1]}.{family.experts[parts[2]]}"
         return [HFTensor(pattern.format(j=j), shape[1:], j) for j in range(shape[0])]
+    stem, _, rest = parts[-1].partition(".")
+    expert, _, suffix = rest.partition(".")  # one expert's tensor: `ffn_gate.{j}.weight`
+    one_expert = family.experts.get(f"{stem}.{{j}}.{suffix}") if expert.isdigit() else None
+    if len(parts) == 3 and parts[0] == "blk" and one_expert is not None:
+        return [HFTensor(f"model.layers.{parts[1]}.{one_expert.format(j=int(expert))}", shape)]
     if name in GLOBAL_NAMES:
         return [HFTensor(GLOBAL_NAMES[name], shape)]
     if len(parts) == 3 and parts[0] == "blk" and parts[2] in family.layer_names:
@@ -186,7 +227,8 @@ def hf_tensors(family: GGUFFamily, name: str, shape: tuple[int, ...]) -> list[HF
 
 
 def gguf_name(family: GGUFFamily, hf_name: str) -> str:
-    """The GGUF name of an HF-named tensor in a family's files, for messages (the name itself when none)."""
+    """The GGUF name of an HF-named tensor in a family's files, for messages (the name itself when none); an expert's
+    tensor by its stack, the newer of Mixtral's two layouts (GGUFCheckpoint.tensor_label names a file's own)."""
     globals_to_gguf = {hf: gguf for gguf, hf in GLOBAL_NAMES.items()}
     if hf_name in globals_to_gguf:
         return globals_to_gguf[hf_name]

@@ -19,8 +19,17 @@ from gguf.quants import dequantize
 from kiln.config import ModelConfig
 from kiln.errors import ModelLoadError
 from kiln.model.loader.base import CheckpointHeader, ConfigFields
-from kiln.model.loader.gguf_families import GGUF_FAMILIES, GGUFFamily, HFTensor, gguf_name, hf_tensors, known_names
+from kiln.model.loader.gguf_families import (
+    GGUF_FAMILIES,
+    GGUFFamily,
+    HFTensor,
+    family_of,
+    gguf_name,
+    hf_tensors,
+    known_names,
+)
 from kiln.model.loader.gguf_names import ROPE_FREQS
+from kiln.model.loader.gguf_rope import read_rope_scaling, rope_factors
 from kiln.quant.gguf_blocks import PACKED_TYPES, decode_blocks, layout_of
 from kiln.quant.linear import PackedTensor
 
@@ -89,7 +98,7 @@ class GGUFCheckpoint:
 
     @cached_property
     def family(self) -> GGUFFamily:
-        return GGUF_FAMILIES[self.architecture]
+        return family_of(self.architecture, self.field)
 
     @cached_property
     def _hf_tensors(self) -> dict[str, list[HFTensor]]:
@@ -110,23 +119,27 @@ class GGUFCheckpoint:
             )
 
     def _check_names(self) -> None:
-        unknown = [name for name, hf in self._hf_tensors.items() if name != ROPE_FREQS and not hf]
+        rope = self.family.rope_tensors()
+        unknown = [name for name, hf in self._hf_tensors.items() if name not in rope and not hf]
         if unknown:
             more = f" and {len(unknown) - 1} more" if len(unknown) > 1 else ""
             raise ModelLoadError(
                 self.path,
                 f"unknown tensor {unknown[0]}{more}: kiln reads {self.architecture} files' "
-                f"{', '.join(known_names(self.family))} and {ROPE_FREQS}",
+                f"{', '.join(known_names(self.family))} and {', '.join(rope)}",
             )
 
     @cached_property
     def config(self) -> ModelConfig:
         a = self.architecture
         fields = ConfigFields(self.path, self.field)
-        tensors = {t.name for t in self.reader.tensors}
+        by_name = {t.name: t for t in self.reader.tensors}
+        tensors = set(by_name)
         hidden = fields.positive_int(f"{a}.embedding_length")
         heads_key = f"{a}.attention.head_count"
         num_heads = fields.positive_int(heads_key)
+        head_dim = fields.head_dim(f"{a}.embedding_length", hidden, heads_key, num_heads, f"{a}.attention.key_length")
+        longest = fields.positive_int(f"{a}.context_length", 2048)
         shared = dict(
             architecture=self.family.architecture,
             vocab_size=fields.positive_int(f"{a}.vocab_size", self._vocab_from_tokens()),
@@ -135,13 +148,11 @@ class GGUFCheckpoint:
             num_layers=fields.positive_int(f"{a}.block_count"),
             num_heads=num_heads,
             num_kv_heads=fields.kv_heads(heads_key, num_heads, f"{a}.attention.head_count_kv"),
-            head_dim=fields.head_dim(
-                f"{a}.embedding_length", hidden, heads_key, num_heads, f"{a}.attention.key_length"
-            ),
+            head_dim=head_dim,
             rms_norm_eps=fields.positive_float(f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
             rope_theta=fields.positive_float(f"{a}.rope.freq_base", 10000.0),
-            rope_scaling=self._rope_scaling(fields, tensors),
-            max_position_embeddings=fields.positive_int(f"{a}.context_length", 2048),
+            rope_scaling=read_rope_scaling(fields, a, by_name, head_dim, longest, self.family.long_rope),
+            max_position_embeddings=longest,
             tie_word_embeddings="output.weight" not in tensors,
             attention_bias="blk.0.attn_q.bias" in tensors,
             bos_token_id=fields.token_id("tokenizer.ggml.bos_token_id"),
@@ -155,17 +166,6 @@ class GGUFCheckpoint:
         """The token list's length: the vocabulary size when `{arch}.vocab_size` is absent."""
         tokens = self.reader.fields.get("tokenizer.ggml.tokens")
         return None if tokens is None else len(tokens.data)
-
-    def _rope_scaling(self, fields: ConfigFields, tensors: set[str]) -> dict | None:
-        if ROPE_FREQS in tensors:  # llama 3.1-style scaling baked into per-frequency factors
-            return {"rope_type": "freq_factors"}
-        a = self.architecture
-        scaling_type = self.field(f"{a}.rope.scaling.type")
-        if scaling_type == "linear":
-            return {"rope_type": "linear", "factor": fields.positive_float(f"{a}.rope.scaling.factor", 1.0)}
-        if scaling_type not in (None, "none"):
-            raise fields.error(f"{a}.rope.scaling.type", f"is {scaling_type!r}; kiln runs linear (or rope_freqs)")
-        return None
 
     def header(self) -> CheckpointHeader:
         return CheckpointHeader(
@@ -187,8 +187,16 @@ class GGUFCheckpoint:
         return self.path
 
     def tensor_label(self, name: str) -> str:
-        """How messages name an HF-named tensor: by its name in this file."""
-        return gguf_name(self.family, name)
+        """How messages name an HF-named tensor: by its name in this file (in the family's naming if it has none)."""
+        return self._labels.get(name) or gguf_name(self.family, name)
+
+    @cached_property
+    def _labels(self) -> dict[str, str]:
+        return {
+            hf.name: name if hf.expert is None else f"{name} (expert {hf.expert})"
+            for name, tensors in self._hf_tensors.items()
+            for hf in tensors
+        }
 
     def rope_freq_factors(self) -> torch.Tensor | None:
         """The rope_freqs tensor (one factor per rotary frequency), or None when the file has none."""
@@ -196,10 +204,7 @@ class GGUFCheckpoint:
         if t is None:
             return None
         self._check_types()
-        expected = (self.config.head_dim // 2,)
-        if _shape(t) != expected:
-            raise ModelLoadError(self.path, f"tensor {ROPE_FREQS} has shape {_shape(t)}, expected {expected}")
-        return torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(expected))
+        return torch.from_numpy(rope_factors(self.path, t, self.config.head_dim))
 
     def packed_layout(self, hf_name: str) -> tuple[int, int] | None:
         """(bits per code, group size) when `weights(packed=True)` yields this tensor packed (a 2-D weight in one

@@ -24,6 +24,9 @@ GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 ROPE_FREQS = "rope_freqs.weight"  # llama 3.1-style per-frequency rope factors; kiln folds them into its rotary tables
+# Phi-3's long-rope: HF rope_scaling's long_factor and short_factor, one per rotary frequency (convert_hf_to_gguf.py)
+ROPE_FACTORS_LONG = "rope_factors_long.weight"
+ROPE_FACTORS_SHORT = "rope_factors_short.weight"
 
 
 def gguf_to_hf_name(name: str) -> str | None:

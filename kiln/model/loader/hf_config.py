@@ -5,12 +5,11 @@ is a ModelLoadError naming the file and the field."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from kiln.config import ModelConfig
 from kiln.errors import ModelLoadError
-from kiln.model.loader.base import ConfigFields
+from kiln.model.loader.base import ConfigFields, longrope_scaling
 from kiln.model.loader.families import FAMILIES, PLUGIN_ENV, find
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
@@ -107,16 +106,14 @@ def _longrope(fields: ConfigFields, scaling: ConfigFields, rope: dict) -> dict:
     # NOTE: Phi-3 keeps the pretraining context length at the top level; newer configs put it in the rope dict
     original = rope.get("original_max_position_embeddings") or fields.positive_int("original_max_position_embeddings")
     longest = fields.positive_int("max_position_embeddings", 2048)
-    factor = rope.get("factor") or longest / original
-    attention = rope.get("attention_factor")
-    if attention is None:
-        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return {
-        "rope_type": "longrope",
-        "original_max_position_embeddings": int(original),
-        "attention_factor": attention,
-        **factors,
-    }
+    return longrope_scaling(
+        int(original),
+        longest,
+        factors["short_factor"],
+        factors["long_factor"],
+        rope.get("factor"),
+        rope.get("attention_factor"),
+    )
 
 
 def read_config_json(path: Path) -> dict:
