@@ -37,6 +37,7 @@ from kiln.compile.modes import PieceMode, format_piece_modes
 from kiln.compile.piece import AfterHook, BeforeHook, Piece
 from kiln.compile.store import CompiledPieceStore
 from kiln.config import GraphConfig
+from kiln.distributed.ops import local_collectives
 from kiln.env import read_env
 from kiln.errors import ConfigError
 from kiln.executor.base import Executor
@@ -138,7 +139,8 @@ class GraphExecutor(Executor):
     def set_full_mode(self, mode: PieceMode | str) -> None:
         """The full decode graph's mode (eager: its traced graph op by op); no-op without one."""
         if self.full is not None:
-            self.full.set_mode(PieceMode(mode), self.store, self.capturer.pool)
+            with local_collectives():  # as set_piece_modes
+                self.full.set_mode(PieceMode(mode), self.store, self.capturer.pool)
 
     def _compile_logits_head(self, model: nn.Module) -> CompiledProduct | None:
         if not isinstance(model.lm_head, nn.Linear):
@@ -173,7 +175,12 @@ class GraphExecutor(Executor):
 
     def set_piece_modes(self, modes: dict[int, PieceMode | str]) -> None:
         """Switch pieces between eager, compiled and captured. Cheap once a piece has been compiled and captured:
-        nothing is recompiled; what a piece never had is compiled (or loaded) and captured here."""
+        nothing is recompiled; what a piece never had is compiled (or loaded) and captured here, on each rank alone
+        (kiln.distributed.ops: the ranks of a multi-device engine compile and capture at their own pace)."""
+        with local_collectives():
+            self._set_piece_modes(modes)
+
+    def _set_piece_modes(self, modes: dict[int, PieceMode | str]) -> None:
         checked = self._checked_modes(modes)
         for idx, mode in checked.items():
             piece = self.pieces[idx]

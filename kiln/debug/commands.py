@@ -12,13 +12,15 @@ import torch
 
 from kiln.compile.modes import PieceMode, parse_piece_modes
 from kiln.compile.split import op_name
-from kiln.debug.bisect import Bisector, command_check
+from kiln.debug.bisect import Bisector, command_check, format_indices
 from kiln.debug.cases import Case, check_names, fingerprint_changes, load_case, save_case
 from kiln.debug.cli import DEFAULT_PROMPT
 from kiln.debug.diff import Reference, build_reference, format_report, run_diff
 from kiln.debug.explain import explain_model
 from kiln.debug.faults import inject, parse_fault
+from kiln.debug.ranks import RankReport, check_same_pieces, is_first_rank, report_per_rank, stage_culprits
 from kiln.debug.session import DebugSession, is_factory_spec, load_factory
+from kiln.distributed.spmd import agree_any
 from kiln.engine.args import EngineArgs
 from kiln.errors import ConfigError
 from kiln.log import setup_logging
@@ -76,6 +78,11 @@ def _piece_modes(args: argparse.Namespace) -> dict[int, PieceMode]:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
+    return report_per_rank(args, engine_args(args), diff_report)
+
+
+def diff_report(args: argparse.Namespace) -> RankReport:
+    """Run `kiln debug diff` on this rank: (exit code, the report as printed, its first divergence)."""
     modes = [m.strip() for m in args.modes.split(",")]
     if len(modes) != 2:
         raise ConfigError(f"--modes {args.modes!r}: expected REFERENCE,TEST, e.g. eager,captured")
@@ -88,13 +95,22 @@ def cmd_diff(args: argparse.Namespace) -> int:
         reference = _reference(session, args, modes[0])
     ref_label = f"case {args.case}" if args.case else modes[0]
     report = run_diff(session, reference, modes[1], ref_label, _piece_modes(args))
-    print(json.dumps(report.as_dict(), indent=1) if args.json else format_report(report))
-    return 1 if report.first_divergence is not None else 0
+    text = json.dumps(report.as_dict(), indent=1) if args.json else format_report(report)
+    first = report.first_divergence
+    return RankReport(1 if first is not None else 0, text, first.name if first is not None else None)
 
 
 def cmd_bisect(args: argparse.Namespace) -> int:
+    return report_per_rank(args, engine_args(args), bisect_report)
+
+
+def bisect_report(args: argparse.Namespace) -> RankReport:
+    """Run `kiln debug bisect` on this rank: (exit code, the culprits as printed). The progress lines go to stdout
+    (stderr with --json) from rank 0 only; every rank takes the same branches (`agree_any`), over piece indices
+    that name a different piece on each pipeline stage: a culprit index is then checked on each stage alone."""
     case = load_case(args.case) if args.case else None
-    log = (lambda line: print(line, file=sys.stderr)) if args.json else print
+    quiet = not is_first_rank()
+    log = (lambda line: None) if quiet else (lambda line: print(line, file=sys.stderr)) if args.json else print
     session = _open(args, case)
     if args.check:
         fails = command_check(args.check, log)
@@ -102,13 +118,14 @@ def cmd_bisect(args: argparse.Namespace) -> int:
         reference = case.reference if case is not None else _reference(session, args)
 
         def fails(modes: dict) -> bool:
-            return run_diff(session, reference, "captured", "eager", modes).first_divergence is not None
+            return agree_any(run_diff(session, reference, "captured", "eager", modes).first_divergence is not None)
 
     full_fails = False
     if session.graph.full is not None and not args.check:  # round 0: the full decode graph, before its pieces
-        full_fails = run_diff(session, reference, "captured", "eager").first_divergence is not None
+        full_fails = agree_any(run_diff(session, reference, "captured", "eager").first_divergence is not None)
         verdict = "FAIL" if full_fails else "pass"
         log(f"round 0: the full decode graph for decode steps, every piece captured: {verdict}")
+    check_same_pieces(len(session.graph.pieces))
     result = Bisector(len(session.graph.pieces), fails, log).run()
     if full_fails and not result.rounds[0].failed:
         result.verdict = (
@@ -116,7 +133,8 @@ def cmd_bisect(args: argparse.Namespace) -> int:
             "decode graph (traced attention or its compile); work around with --graph-mode piecewise"
         )
     culprits = []
-    for idx in result.culprits:
+    mine = stage_culprits(session, result.culprits, reference if not args.check else None)
+    for idx in mine:
         piece = session.graph.pieces[idx]
         nodes = piece.graph.graph.nodes
         ops = sorted({op_name(n.target) for n in nodes if n.op in ("call_function", "call_method")})
@@ -124,14 +142,16 @@ def cmd_bisect(args: argparse.Namespace) -> int:
     if args.json:
         rounds = [{"round": r.number, "pieces": r.suspects, "mode": r.mode, "failed": r.failed} for r in result.rounds]
         out = {"culprits": culprits, "rounds": rounds, "verdict": result.verdict}
-        print(json.dumps({**out, "fails_compiled": result.fails_compiled}, indent=1))
-        return 0
+        return RankReport(0, json.dumps({**out, "fails_compiled": result.fails_compiled}, indent=1))
+    lines = []
     for c in culprits:
-        print(f"Culprit: piece {c['piece']} ({c['describe']})")
-        print(f"  modules: {', '.join(c['modules'])}")
-        print(f"  ops: {', '.join(c['ops'])}")
-    print(f"Bisect done in {len(result.rounds)} rounds: {result.verdict}")
-    return 0
+        lines.append(f"Culprit: piece {c['piece']} ({c['describe']})")
+        lines.append(f"  modules: {', '.join(c['modules'])}")
+        lines.append(f"  ops: {', '.join(c['ops'])}")
+    if clean := [i for i in result.culprits if i not in mine]:
+        lines.append(f"Clean on this rank: piece {format_indices(clean)} (that index is the culprit on another stage)")
+    lines.append(f"Bisect done in {len(result.rounds)} rounds: {result.verdict}")
+    return RankReport(0, "\n".join(lines))
 
 
 def cmd_save_case(args: argparse.Namespace) -> int:

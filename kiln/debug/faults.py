@@ -64,6 +64,9 @@ def inject(session: DebugSession, fault: Fault) -> str:
         num_layers = len(session.model.model.layers)
         if not 0 <= fault.index < num_layers:
             raise ConfigError(f"--inject-fault {fault}: the model has layers 0..{num_layers - 1}")
+        stage = getattr(session.model, "stage", None)
+        if stage is not None and not stage.holds_layer(fault.index):  # a multi-device debug run (kiln.debug.ranks)
+            return f"{fault}: layer {fault.index} runs on another pipeline stage: nothing injected on this rank"
         boundary = session.boundary(f"layers.{fault.index}.{_LAYER_PARTS[fault.what]}")
         assert boundary.piece is not None
         node = session.tap_nodes[boundary.name]

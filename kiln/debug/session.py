@@ -46,8 +46,9 @@ from kiln.debug.taps import (
     with_extra_outputs,
 )
 from kiln.debug.trace import trace_level
+from kiln.distributed.state import rank_state
 from kiln.engine.args import EngineArgs
-from kiln.engine.build import apply_device_settings, build_engine
+from kiln.engine.build import apply_device_settings, build_engine, join_ranks
 from kiln.engine.core import EngineCore
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import ConfigError
@@ -167,11 +168,10 @@ class DebugSession:
         """Load the model and build its graph engine (traced once; every piece eager, nothing compiled)."""
         recorder = TapRecorder()
         config = debug_engine_args(args).create_engine_config()
-        if config.parallel.is_distributed:
+        if config.parallel.is_distributed and rank_state() is None:
             raise ConfigError(
-                "kiln debug runs the model on one device (it builds several engines over one model in one process); "
-                "debug with --tensor-parallel-size 1 --pipeline-parallel-size 1 (a rank's pieces are the same graphs "
-                "over a slice of the weights)"
+                "a multi-device debug session runs on every rank (kiln.debug.ranks): kiln debug diff and bisect "
+                "start the ranks themselves"
             )
         if not is_factory_spec(args.model):
             return cls(build_engine(config, observer=recorder), args, recorder)
@@ -224,9 +224,10 @@ class DebugSession:
                 model = copy.deepcopy(self.model).to(torch.float64)
                 config = replace(config, cache=replace(config.cache, dtype="auto"))
             executor = EagerExecutor(keep_layout=True)
-            self._eager_engines[path] = EngineCore(
-                config, model, self.tokenizer, executor, self.engine.checkpoint_path, self.recorder
-            )
+            engine = EngineCore(config, model, self.tokenizer, executor, self.engine.checkpoint_path, self.recorder)
+            if (state := rank_state()) is not None:  # this rank's shard, in a debug command every rank runs
+                join_ranks(engine, state, config.parallel)
+            self._eager_engines[path] = engine
         return self._eager_engines[path]
 
     def _generate(

@@ -46,12 +46,16 @@ class Boundary:
 
 
 def model_boundaries(model: nn.Module) -> list[Boundary]:
-    """The boundaries of a Llama-family model, in the order the forward computes them."""
-    out = [Boundary("embed", "model.embed_tokens")]
-    for k in range(len(model.model.layers)):
+    """The boundaries of a Llama-family model, in the order the forward computes them; a pipeline stage's own (its
+    layers, the embedding on the first, the final norm on the last, and the logits every rank is given)."""
+    stage = getattr(model, "stage", None)
+    layers = stage.layers if stage is not None and stage.layers is not None else range(len(model.model.layers))
+    out = [Boundary("embed", "model.embed_tokens")] if stage is None or stage.is_first else []
+    for k in layers:
         out.append(Boundary(f"layers.{k}.attn", f"model.layers.{k}.self_attn"))
         out.append(Boundary(f"layers.{k}.mlp", f"model.layers.{k}.mlp"))
-    out.append(Boundary("norm", "model.norm"))
+    if stage is None or stage.is_last:
+        out.append(Boundary("norm", "model.norm"))
     out.append(Boundary(LOGITS, "lm_head"))
     return out
 

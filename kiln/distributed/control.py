@@ -38,6 +38,8 @@ def distributed_head(state: RankState, compute: Head, vocab_size: int, last_stag
     there; rank 0 receives them; any other rank returns None."""
     source = state.stage_rank(state.num_stages - 1) - state.tp.rank  # the last stage's first tensor rank
     sending: list[dist.Work] = []
+    if state.spmd:
+        return _everywhere_head(state, compute, vocab_size, last_stage, source)
 
     def head(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
         if last_stage:
@@ -59,6 +61,24 @@ def distributed_head(state: RankState, compute: Head, vocab_size: int, last_stag
             COMM.add("recv", logits.numel() * 4)
             return logits
         return None
+
+    return head
+
+
+def _everywhere_head(state: RankState, compute: Head, vocab_size: int, last_stage: bool, source: int) -> Head:
+    """The head when every rank runs the same program: every rank gets the logits (the last stage's tensor ranks
+    from their all-gather, the others from the last stage's broadcast), so each samples the same tokens."""
+
+    def head(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        if last_stage:
+            logits = compute(hidden, rows)
+            logits = (gather_vocab(logits, vocab_size) if state.tp.is_split else logits).float().contiguous()
+        else:
+            logits = torch.empty(len(rows), vocab_size, dtype=torch.float32, device=state.device)
+        if state.num_stages > 1:
+            dist.broadcast(logits, source)
+            COMM.add("broadcast", logits.numel() * 4)
+        return logits
 
     return head
 

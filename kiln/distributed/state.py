@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,9 @@ class RankState:
     control_group: dist.ProcessGroup
     device: str
     stage_layers: tuple[tuple[int, ...], ...] | None = None  # a recipe's placement; None: an even split
+    # every rank runs the same program (the debugger, kiln.distributed.spmd), each with its own scheduler, instead of
+    # rank 0's steps: every rank then gets the step's logits and samples the same tokens
+    spmd: bool = False
 
     @property
     def is_driver(self) -> bool:
@@ -110,6 +113,14 @@ def shutdown_distributed() -> None:
     if _STATE is not None and dist.is_initialized():
         dist.destroy_process_group()
     _STATE = None
+
+
+def run_as_spmd() -> RankState:
+    """Mark this rank as one of a program every rank runs (`RankState.spmd`)."""
+    global _STATE
+    assert _STATE is not None
+    _STATE = replace(_STATE, spmd=True)
+    return _STATE
 
 
 def rank_state() -> RankState | None:

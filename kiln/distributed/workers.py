@@ -218,7 +218,8 @@ def _worker_main(
     try:
         state = init_distributed(config.parallel, rank, config.device, port)
         engine = build(config)
-        follow(engine, StepChannel(state))
+        if engine is not None:  # None: `build` ran a program of its own on this rank (kiln.distributed.spmd)
+            follow(engine, StepChannel(state))
     except BaseException as exc:
         report.send(f"{type(exc).__name__}: {exc}")
         logger.error("rank %d failed: %s: %s", rank, type(exc).__name__, exc)

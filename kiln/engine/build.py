@@ -16,9 +16,9 @@ import torch
 
 from kiln.compile.executor import GraphExecutor
 from kiln.compile.fusion_check import check_quantized
-from kiln.config import EngineConfig
+from kiln.config import EngineConfig, ParallelConfig
 from kiln.distributed.control import distributed_head
-from kiln.distributed.state import rank_state
+from kiln.distributed.state import RankState, rank_state
 from kiln.distributed.workers import follow, start_ranks
 from kiln.engine.core import EngineCore
 from kiln.engine.model_runner import StepObserver
@@ -61,6 +61,8 @@ def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> 
     apply_device_settings(config)
     checkpoint = open_checkpoint(config.model)
     state, workers = rank_state(), None
+    if state is not None and state.spmd:  # every rank runs the debugger's program, which builds its own engines
+        return join_ranks(_build_core(config, checkpoint, observer), state, config.parallel)
     if state is not None and state.is_driver:
         raise ConfigError(
             "a multi-device engine is already running in this process: close() it before building another"
@@ -76,10 +78,7 @@ def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> 
         raise
     if state is None:
         return core
-    last_stage = getattr(core.model, "stage", None) is None or core.model.stage.is_last
-    core.runner.head = distributed_head(state, core.executor.compute_logits, checkpoint.config.vocab_size, last_stage)
-    core.runner.micro_batches = (config.parallel.micro_batches or state.num_stages) if state.num_stages > 1 else 1
-    core.runner.head_each_part = last_stage
+    join_ranks(core, state, config.parallel)
     if state.is_driver and workers is not None:
         core.attach_workers(workers)
     elif workers is not None:  # the first rank of another node: it follows rank 0 like the ranks it started
@@ -88,6 +87,18 @@ def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> 
         logger.info("Rank %d ran %d steps for rank 0, which has stopped: exiting", state.rank, steps)
         workers.stop()
         raise SystemExit(0)
+    return core
+
+
+def join_ranks(core: EngineCore, state: RankState, parallel: ParallelConfig) -> EngineCore:
+    """Make `core` this rank's part of a multi-device engine: its logits head (kiln.distributed.control) and, on a
+    pipeline, the micro-batches of each step (one when every rank runs its own program: their heads would not pair
+    up across parts)."""
+    last_stage = getattr(core.model, "stage", None) is None or core.model.stage.is_last
+    core.runner.head = distributed_head(state, core.executor.compute_logits, core.model_config.vocab_size, last_stage)
+    pipelined = state.num_stages > 1 and not state.spmd
+    core.runner.micro_batches = (parallel.micro_batches or state.num_stages) if pipelined else 1
+    core.runner.head_each_part = last_stage
     return core
 
 

@@ -9,7 +9,7 @@ from functools import lru_cache
 from kiln.config import ModelConfig
 from kiln.errors import KilnError
 from kiln.model.loader import CheckpointHeader, read_checkpoint_header, resolve_model_path
-from kiln.model.loader.gguf_names import gguf_to_hf_name
+from kiln.model.loader.gguf_families import hf_tensors, kiln_family
 from kiln.recipe.constraints import Constraint
 from kiln.recipe.diagnostics import Diagnostic
 from kiln.recipe.evaluate import evaluate
@@ -142,7 +142,11 @@ def model_ops(header: CheckpointHeader) -> set[str]:
 
 
 def _module(header: CheckpointHeader, name: str) -> str:
-    hf = gguf_to_hf_name(name) if header.format == "gguf" else name
+    """The module a checkpoint tensor belongs to, by its HF name (a GGUF tensor's in its family's naming)."""
+    hf: str | None = name
+    if header.format == "gguf":
+        found = hf_tensors(kiln_family(header.config.architecture), name, header.tensor_shapes.get(name, ()))
+        hf = found[0].name if found else None
     parts = (hf or "").split(".")
     return parts[-2] if len(parts) >= 2 else ""
 

@@ -115,12 +115,7 @@ def write_gguf_model(
             w.add_float32(f"{arch}.{key}", value)
         else:
             w.add_uint32(f"{arch}.{key}", value)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([f"t{i}" for i in range(vocab_size - 2)] + ["<s>", "</s>"])
-    w.add_token_merges([])
-    w.add_token_types([1] * (vocab_size - 2) + [3, 3])
-    w.add_eos_token_id(vocab_size - 1)
+    add_toy_gguf_tokenizer(w, vocab_size)
     qtype = GGMLQuantizationType[tensor_type]
 
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (vocab_size, h)}
@@ -151,3 +146,13 @@ def write_gguf_model(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def add_toy_gguf_tokenizer(w: Any, vocab_size: int) -> None:
+    """A GGUF writer's toy gpt2 tokenizer: tokens t0.., then <s> and </s> (the eos), as control tokens."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([f"t{i}" for i in range(vocab_size - 2)] + ["<s>", "</s>"])
+    w.add_token_merges([])
+    w.add_token_types([1] * (vocab_size - 2) + [3, 3])
+    w.add_eos_token_id(vocab_size - 1)

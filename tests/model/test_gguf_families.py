@@ -17,6 +17,7 @@ import torch
 from kiln.errors import ModelLoadError
 from kiln.model.loader import open_checkpoint
 from tests.engine.parity import kiln_batch_logits
+from tests.engine.tiny_models import add_toy_gguf_tokenizer
 
 PROMPTS = [[5, 17, 42, 7, 99, 3, 61, 250, 11], [8, 1, 130, 77]]
 H, HEADS, KV, FF, VOCAB = 64, 4, 2, 128, 256
@@ -115,12 +116,7 @@ def write_gguf(
     w = GGUFWriter(str(path), arch)
     for key, value in settings.items():
         (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([f"t{i}" for i in range(VOCAB - 2)] + ["<s>", "</s>"])
-    w.add_token_merges([])
-    w.add_token_types([1] * (VOCAB - 2) + [3, 3])
-    w.add_eos_token_id(VOCAB - 1)
+    add_toy_gguf_tokenizer(w, VOCAB)
     w.add_pad_token_id(0)
     qtype = GGMLQuantizationType[tensor_type]
     for name, data in tensors.items():
@@ -202,3 +198,22 @@ def test_messages_name_tensors_as_the_file_does() -> None:
     assert gguf_name(moe, "model.layers.1.mlp.experts.3.down_proj.weight") == "blk.1.ffn_down_exps.weight (expert 3)"
     assert gguf_name(gemma, "model.layers.0.pre_feedforward_layernorm.weight") == "blk.0.ffn_norm.weight"
     assert gguf_name(gemma, "model.norm.weight") == "output_norm.weight"
+
+
+@pytest.mark.parametrize(
+    "family,modules",
+    [
+        ("phi3", {"qkv_proj", "gate_up_proj", "o_proj", "down_proj"}),
+        ("gemma2", {"pre_feedforward_layernorm", "post_feedforward_layernorm", "q_proj", "gate_up_proj"}),
+        ("qwen2_moe", {"gate", "gate_proj", "shared_expert_gate", "qkv_proj"}),
+    ],
+)
+def test_recipe_names_a_gguf_files_modules_in_its_familys_naming(tmp_path: Path, family: str, modules: set) -> None:
+    """The recipe's fusion groups name modules as the model class does: a GGUF file's tensors are named through
+    its family's table (Phi-3's fused qkv, Gemma's sandwich norms, the MoE router and experts), not Llama's."""
+    from kiln.recipe.checkpoint import model_ops, read_header
+
+    path = tmp_path / f"{family}.gguf"
+    write_family_gguf(path, family, "F32")
+    ops = model_ops(read_header(str(path)))
+    assert modules <= ops and "" not in ops

@@ -197,6 +197,12 @@ def family_of(architecture: str, lookup: Callable[[str], object]) -> GGUFFamily:
     return variant
 
 
+def kiln_family(architecture: str) -> GGUFFamily:
+    """The GGUF naming of kiln family `architecture` (ModelConfig.architecture; Llama's for a family GGUF lacks)."""
+    families = [*GGUF_FAMILIES.values(), *MOE_VARIANTS.values()]
+    return next((f for f in families if f.architecture == architecture), GGUF_FAMILIES["llama"])
+
+
 @dataclass(frozen=True)
 class HFTensor:
     """One HF-named tensor a GGUF tensor loads as: the whole of it, or expert `expert` of a 3-D stack."""
