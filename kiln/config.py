@@ -194,7 +194,8 @@ class ParallelConfig:
     tensor: int = 1
     pipeline: int = 1
     stage_layers: tuple[tuple[int, ...], ...] | None = None
-    micro_batches: int = 0  # parts each step is split into on a pipeline (0: one per stage)
+    micro_batches: int = 0  # parts each step is split into on a pipeline (0: one per stage, or 1 with steps in flight)
+    steps_in_flight: int = 0  # steps rank 0 keeps in flight on a pipeline (0: one per stage; 1: one at a time)
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"

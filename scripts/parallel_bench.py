@@ -17,11 +17,13 @@ import torch
 from kiln import LLM, SamplingParams
 from kiln.distributed.ops import COMM
 
+ONE_STEP = {"pipeline_parallel_size": 2, "pipeline_steps_in_flight": 1}
 LAYOUTS = {
     "one process": {},
     "TP=2": {"tensor_parallel_size": 2},
-    "PP=2, 1 micro-batch": {"pipeline_parallel_size": 2, "pipeline_micro_batches": 1},
-    "PP=2, 2 micro-batches": {"pipeline_parallel_size": 2},
+    "PP=2, one step at a time": {**ONE_STEP, "pipeline_micro_batches": 1},
+    "PP=2, 2 micro-batches": {**ONE_STEP, "pipeline_micro_batches": 2},
+    "PP=2, 2 steps in flight": {"pipeline_parallel_size": 2},  # the default
 }
 
 
@@ -62,7 +64,7 @@ def main() -> None:
         same = r["tokens"] == base["tokens"]
         moved = ", ".join(f"{k} {v / 1e3:.1f} kB" for k, v in r["bytes_per_step_rank0"].items()) or "-"
         ratio = r["tok_s"] / base["tok_s"]
-        print(f"{name:24s} {r['tok_s']:7.1f} tok/s ({ratio:.2f}x)  same tokens: {same}  rank 0 per step: {moved}")
+        print(f"{name:26s} {r['tok_s']:7.1f} tok/s ({ratio:.2f}x)  same tokens: {same}  rank 0 per step: {moved}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({k: {kk: vv for kk, vv in v.items() if kk != "tokens"} for k, v in results.items()}, f, indent=1)

@@ -84,16 +84,27 @@ def _everywhere_head(state: RankState, compute: Head, vocab_size: int, last_stag
 
 
 class StepChannel:
-    """Broadcasts each step's plan (kiln.engine.model_runner.StepPlan) from rank 0; `None` tells the others to stop."""
+    """Sends each step's plan (kiln.engine.model_runner.StepPlan) from rank 0 to every other rank, point to point and
+    without waiting (a pickled byte tensor after its length), so rank 0 never waits for a busy stage to take it: on a
+    pipeline it launches the next step while the last stage still runs the previous one. `None` says stop."""
 
     def __init__(self, state: RankState) -> None:
         self.state = state
+        self._sending: list[tuple[dist.Work, torch.Tensor]] = []
 
     def send(self, plan: object | None) -> None:
-        COMM.add("broadcast", len(pickle.dumps(plan)))
-        dist.broadcast_object_list([plan], src=0, group=self.state.control_group)
+        data = pickle.dumps(plan)
+        COMM.add("plan", len(data))
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], dtype=torch.long)
+        self._sending = [(work, t) for work, t in self._sending if not work.is_completed()]
+        for rank in range(1, self.state.world_size):
+            for t in (size, payload):
+                self._sending.append((dist.isend(t, rank, group=self.state.control_group), t))
 
     def recv(self) -> object | None:
-        box: list[object | None] = [None]
-        dist.broadcast_object_list(box, src=0, group=self.state.control_group)
-        return box[0]
+        size = torch.empty(1, dtype=torch.long)
+        dist.recv(size, 0, group=self.state.control_group)
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(payload, 0, group=self.state.control_group)
+        return pickle.loads(payload.numpy().tobytes())

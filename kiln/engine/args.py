@@ -127,7 +127,13 @@ class EngineArgs:
         1, "stages of contiguous layers, one per rank group", "parallel", type=_positive_int
     )
     pipeline_micro_batches: int = _arg(
-        0, "parts each step is split into so pipeline stages overlap (0: one per stage; 1: no overlap)", "parallel"
+        0, "parts each step is split into so pipeline stages overlap (0: one per stage, or 1 with steps in flight)",
+        "parallel",
+    )  # fmt: skip
+    pipeline_steps_in_flight: int = _arg(
+        0,
+        "steps of disjoint sequences kept in flight on a pipeline, so every stage works (0: one per stage; 1: none)",
+        "parallel",
     )
     nnodes: int = _arg(1, "machines the ranks span (each runs kiln serve with its --node-rank)", "parallel")
     node_rank: int = _arg(0, "this machine's index among --nnodes", "parallel")
@@ -200,6 +206,7 @@ class EngineArgs:
                 tensor=self.tensor_parallel_size,
                 pipeline=self.pipeline_parallel_size,
                 micro_batches=self.pipeline_micro_batches,
+                steps_in_flight=self.pipeline_steps_in_flight,
                 nnodes=self.nnodes,
                 node_rank=self.node_rank,
                 master_addr=self.master_addr,

@@ -22,6 +22,7 @@ from kiln.distributed.state import RankState, rank_state
 from kiln.distributed.workers import follow, start_ranks
 from kiln.engine.core import EngineCore
 from kiln.engine.model_runner import StepObserver
+from kiln.engine.step_pipeline import StepPipeline
 from kiln.env import read_env
 from kiln.errors import ConfigError
 from kiln.executor.base import Executor
@@ -92,13 +93,18 @@ def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> 
 
 def join_ranks(core: EngineCore, state: RankState, parallel: ParallelConfig) -> EngineCore:
     """Make `core` this rank's part of a multi-device engine: its logits head (kiln.distributed.control) and, on a
-    pipeline, the micro-batches of each step (one when every rank runs its own program: their heads would not pair
-    up across parts)."""
+    pipeline, the steps rank 0 keeps in flight and the micro-batches of each step (neither when every rank runs its
+    own program: their heads would not pair up)."""
     last_stage = getattr(core.model, "stage", None) is None or core.model.stage.is_last
     core.runner.head = distributed_head(state, core.executor.compute_logits, core.model_config.vocab_size, last_stage)
     pipelined = state.num_stages > 1 and not state.spmd
-    core.runner.micro_batches = (parallel.micro_batches or state.num_stages) if pipelined else 1
+    depth = (parallel.steps_in_flight or state.num_stages) if pipelined else 1
+    core.runner.micro_batches = (parallel.micro_batches or (1 if depth > 1 else state.num_stages)) if pipelined else 1
     core.runner.head_each_part = last_stage
+    if depth > 1 and state.is_driver:  # rank 0 keeps steps of disjoint sequences in flight (kiln.engine.step_pipeline)
+        core.runner.defer_heads = True
+        core.scheduler.steps_in_flight = depth
+        core.pipeline = StepPipeline(depth)
     return core
 
 

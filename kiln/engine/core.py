@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kiln")
 
 INTERNAL_ERROR = "internal error while running this request; the server log has the details"
+
+
+class StepLoop(Protocol):
+    def step(self, core: EngineCore) -> list[RequestOutput]:
+        """One step of `core` in its own way (kiln.engine.step_pipeline)."""
 
 
 class EngineCore:
@@ -65,7 +70,7 @@ class EngineCore:
         blocks = kv_cache_blocks(cc, config.scheduler, model, kv_dtype)  # (every layer's, a hybrid's sliding layers')
         self.pool = BlockPool(blocks[0], cc.block_size)
         self.window_pool = BlockPool(blocks[1], cc.block_size) if blocks[1] else None
-        self.shaper = self._step_shaper(config, executor)
+        self.shaper = StepShaper.for_engine(config, executor.pad_to)
         self.runner = ModelRunner(
             model, executor, blocks[0], cc.block_size, kv_dtype, self.eos_token_ids, observer, self.shaper, blocks[1]
         )
@@ -77,17 +82,9 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.workers: Workers | None = None  # the other ranks, when this is rank 0 of a multi-device engine
+        self.pipeline: StepLoop | None = None  # rank 0 of a pipeline keeping steps in flight
         self._seed_rng = torch.Generator().manual_seed(config.seed if config.seed is not None else secrets.randbits(63))
         self.num_steps = 0
-
-    def _step_shaper(self, config: EngineConfig, executor: Executor) -> StepShaper:
-        """Step shapes under the recipe's constraints: padding may grow a step up to the recipe's bounds."""
-        sched = config.scheduler
-        guards = self.recipe.guards if self.recipe is not None else None
-        bounds = self.recipe.bounds if self.recipe is not None else {}
-        max_batch = bounds.get("batch_size") or sched.max_num_seqs
-        max_tokens = bounds.get("num_tokens") or sched.max_num_batched_tokens + max_batch
-        return StepShaper(guards, executor.pad_to, max_tokens, max_batch)
 
     @staticmethod
     def default_max_model_len(model_config: ModelConfig) -> int:
@@ -188,6 +185,8 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         self.check_alive()
+        if self.pipeline is not None:  # steps in flight on a pipeline
+            return self.pipeline.step(self)
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -236,7 +235,8 @@ class EngineCore:
         outputs = []
         now = time.monotonic()
         for s in sched.scheduled:
-            req = s.request
+            if (req := s.request).is_finished:
+                continue  # aborted while its step was in flight (kiln.engine.step_pipeline)
             self.scheduler.advance(req, s.num_new_tokens)
             if req.request_id in result.errors:
                 outputs.append(self.fail(req.request_id, result.errors[req.request_id]))

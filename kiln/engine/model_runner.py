@@ -83,6 +83,7 @@ class ModelRunner:
         # a pipeline stage splits each step into this many parts (kiln.engine.step_plan), and the last stage runs
         # each part's head right after its forward
         self.micro_batches, self.head_each_part = 1, False
+        self.defer_heads = False  # rank 0 of a pipeline with steps in flight: heads run when a step completes
         with local_collectives():  # each rank prepares on its own (kiln.distributed.ops)
             executor.prepare(model, self.kv_caches)
 
@@ -190,7 +191,7 @@ class ModelRunner:
         """Run one step's forward and its logits head: the sampled rows' fp32 logits on the host (None on a rank
         that does not sample, or when no row samples). Every rank of a multi-device engine runs each plan."""
         if self.micro_batches > 1 and len(plan.seq_lens) > 1:
-            return self._run_pipelined(plan)
+            return self._heads(self._forwards(plan))
         inputs = self.inputs(plan)
         if self.observer is not None:
             self.observer.begin_step(inputs)
@@ -202,28 +203,52 @@ class ModelRunner:
             self.observer.end_step(logits)
         return logits
 
-    def _run_pipelined(self, plan: StepPlan) -> torch.Tensor | None:
+    def _forwards(self, plan: StepPlan) -> list[tuple[StepPlan, torch.Tensor | None]]:
         """A pipeline stage runs the step as `micro_batches` parts, so the stages work on different parts at once.
         The last stage computes each part's logits as soon as its forward ends (its outputs are reused by the next
-        part); the others run every forward first, then their heads (rank 0 receives the logits)."""
-        logits: list[torch.Tensor | None] = []
-        waiting: list[tuple[StepPlan, torch.Tensor]] = []
-        for part in split_plan(plan, self.micro_batches, self.executor.pad_to):
+        part); the others run every forward here and their heads later (`_heads`: rank 0 receives the logits)."""
+        done: list[tuple[StepPlan, torch.Tensor | None]] = []
+        split = self.micro_batches > 1 and len(plan.seq_lens) > 1
+        for part in split_plan(plan, self.micro_batches, self.executor.pad_to) if split else [plan]:
             hidden = self.forward(self.inputs(part))
             if self.head_each_part:
-                logits.append(self.logits(hidden, part.sample_indices) if part.sample_indices else None)
-            else:
-                waiting.append((part, hidden))
-        logits += [self.logits(hidden, part.sample_indices) for part, hidden in waiting if part.sample_indices]
+                hidden = self.logits(hidden, part.sample_indices) if part.sample_indices else None
+            done.append((part, hidden))
+        return done
+
+    def _heads(self, parts: list[tuple[StepPlan, torch.Tensor | None]]) -> torch.Tensor | None:
+        """The step's logits from `_forwards`' parts: their hidden states through the head (or, on the last stage,
+        the logits already computed)."""
+        logits = []
+        for part, out in parts:
+            if not part.sample_indices or out is None:
+                continue
+            logits.append(out if self.head_each_part else self.logits(out, part.sample_indices))
         rows = [t for t in logits if t is not None]
         return torch.cat(rows).cpu() if rows else None
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def launch(self, sched: SchedulerOutput) -> Launched:
+        """Start a step: hand its plan to the other ranks and run this rank's forward. With `defer_heads` (rank 0 of
+        a pipeline keeping steps in flight) its logits are left to `complete`, so rank 0 can launch the next step
+        while the later stages still run this one."""
         plan = self.plan(sched)
         if self.peers is not None:
             self.peers.send(plan)  # the other ranks run the same step
-        logits = self.run(plan)
+        if self.defer_heads:
+            return Launched(sched, plan, self._forwards(plan))
+        return Launched(sched, plan, logits=self.run(plan))
+
+    @torch.inference_mode()
+    def complete(self, step: Launched) -> ModelRunnerOutput:
+        """Finish a launched step: its logits (received now, when deferred) sampled."""
+        logits = self._heads(step.parts) if step.parts is not None else step.logits
+        return self.sample(step.sched, step.plan, logits)
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.complete(self.launch(sched))
+
+    def sample(self, sched: SchedulerOutput, plan: StepPlan, logits: torch.Tensor | None) -> ModelRunnerOutput:
         if logits is None:
             return ModelRunnerOutput({}, {})
         by_id = {s.request.request_id: s.request for s in sched.scheduled}
@@ -240,6 +265,16 @@ class ModelRunner:
         sampled = {rid: t for rid, t in zip(ids, out.token_ids, strict=True) if rid not in errors}
         logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs, strict=True) if lp and rid not in errors}
         return ModelRunnerOutput(sampled, logprobs, errors)
+
+
+@dataclass
+class Launched:
+    """A step whose forward has run on this rank (`ModelRunner.launch`) and whose output is still to come."""
+
+    sched: SchedulerOutput
+    plan: StepPlan
+    parts: list[tuple[StepPlan, torch.Tensor | None]] | None = None  # deferred heads: the parts' hidden states
+    logits: torch.Tensor | None = None  # computed already: the sampled rows' logits (None: none sampled)
 
 
 def kv_slots(blocks: list[int], start: int, end: int, block_size: int) -> list[int]:

@@ -95,6 +95,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # a pipeline keeps `steps_in_flight` steps of disjoint sequences launched (kiln.engine.step_pipeline): the
+        # requests of a launched step are neither scheduled nor preempted until it completes, and each step takes
+        # at most its share of the active requests
+        self.steps_in_flight = 1
+        self.in_flight: set[str] = set()
 
     @property
     def has_unfinished(self) -> bool:
@@ -107,9 +112,13 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        share = -(-(len(self.running) + len(self.waiting)) // self.steps_in_flight)
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < share:
             req = self.running[i]
+            if req.request_id in self.in_flight:
+                i += 1
+                continue
             num_new = self._fit(scheduled, self._cap(req, min(req.num_tokens - req.num_computed_tokens, budget)))
             if num_new == 0:  # no allowed step shape holds it next to the others: it runs in a later step
                 i += 1
@@ -119,7 +128,7 @@ class Scheduler:
             scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
             i += 1
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and len(scheduled) < share:
             req = self.waiting[0]
             num_new = req.num_tokens - req.num_computed_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -195,7 +204,7 @@ class Scheduler:
         """Give `req` blocks for `num_new` more tokens, preempting from the back; False if `req` was preempted."""
         total = req.num_computed_tokens + num_new
         while not self._can_grow(req, total):
-            victim = self.running[-1]
+            victim = next(r for r in reversed(self.running) if r.request_id not in self.in_flight)
             self._preempt(victim, out)
             if victim is req:
                 return False

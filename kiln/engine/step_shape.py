@@ -16,6 +16,7 @@ import bisect
 from collections.abc import Callable
 from functools import lru_cache
 
+from kiln.config import EngineConfig
 from kiln.recipe.guards import RecipeGuards, RecipeViolation
 
 Shape = tuple[int, int]  # (num_tokens, batch_size) a step runs with
@@ -31,6 +32,15 @@ class StepShaper:
         self.max_num_tokens, self.max_batch_size = max_num_tokens, max_batch_size
         self.shape = lru_cache(maxsize=4096)(self._shape)
         self._allowed_by_batch: dict[int, tuple[list[int], frozenset[int]]] = {}
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig, pad_to: Callable[[int], int]) -> StepShaper:
+        """Step shapes under the engine's recipe constraints: padding may grow a step up to the recipe's bounds."""
+        sched, recipe = config.scheduler, config.recipe
+        bounds = recipe.bounds if recipe is not None else {}
+        max_batch = bounds.get("batch_size") or sched.max_num_seqs
+        max_tokens = bounds.get("num_tokens") or sched.max_num_batched_tokens + max_batch
+        return cls(recipe.guards if recipe is not None else None, pad_to, max_tokens, max_batch)
 
     def check(self, num_tokens: int, batch_size: int, seq_lens: list[int]) -> Shape:
         """The shape a step of these real counts runs with, checked against every step constraint (and, per

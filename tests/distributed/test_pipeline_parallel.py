@@ -39,6 +39,26 @@ def test_eager_stages_match_one_process(reference: list[RequestOutput]) -> None:
         assert stats["recv"] == {"calls": 1, "bytes": VOCAB * 4}
 
 
+def test_steps_in_flight_keep_both_stages_busy_and_survive_an_abort(reference: list[RequestOutput]) -> None:
+    """Rank 0 launches a step of half the requests while stage 1 runs the other half's: the tokens are one
+    process's. A request aborted while its step is in flight loses nothing of the others, and frees its blocks."""
+    with LLM("default", dtype="float32", seed=0, quantization="none", pipeline_parallel_size=2) as llm:
+        engine = llm.engine
+        assert engine.pipeline is not None and engine.runner.micro_batches == 1
+        assert_same(llm.generate(PROMPTS, GREEDY), reference, 1e-4)
+        assert engine.pipeline.most_in_flight == 2
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, GREEDY)
+        engine.step()  # launches the first half of the prompts
+        assert engine.scheduler.in_flight == {"r0", "r1"} and engine.abort("r0").finish_reason == "abort"
+        outputs: dict[str, list[int]] = {}
+        while engine.has_unfinished:
+            outputs |= {out.request_id: out.token_ids for out in engine.step() if out.finished}
+        assert "r0" not in outputs and not engine.scheduler.in_flight
+        assert [outputs[f"r{i}"] for i in range(1, len(PROMPTS))] == [r.token_ids for r in reference[1:]]
+        assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
 def test_recipe_placement_runs_in_graph_mode(tmp_path: Path, reference: list[RequestOutput]) -> None:
     # the example recipe, with an uneven placement: layers 0-9 on stage 0, 10-29 on stage 1
     text = RECIPE.read_text()

@@ -65,7 +65,7 @@ def test_step_communication_volume(tp_eager: LLM) -> None:
     # two all-reduces per layer (after o_proj and down_proj) and one for the vocab-parallel embedding
     assert stats["all_reduce"] == {"calls": 2 * LAYERS + 1, "bytes": (2 * LAYERS + 1) * len(prompt) * HIDDEN * 4}
     assert stats["all_gather"] == {"calls": 1, "bytes": VOCAB // 2 * 4}  # this rank's logits of the sampled row
-    assert stats["broadcast"]["calls"] == 1
+    assert stats["plan"]["calls"] == 1  # the step's plan, pickled, sent to the other rank
 
 
 def test_one_multi_device_engine_at_a_time(tp_eager: LLM) -> None:
