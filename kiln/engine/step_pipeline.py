@@ -48,6 +48,7 @@ class StepPipeline:
                 return []
             done = self.launched.popleft()
             scheduler.in_flight.difference_update(s.request.request_id for s in done.sched.scheduled)
+            core.num_steps += 1
             return core.update(done.sched, core.runner.complete(done))
         except RecipeViolation as exc:  # the plan broke the recipe before anything was sent: its requests fail
             return [out for s in sched.scheduled if (out := core.fail(s.request.request_id, str(exc)))]

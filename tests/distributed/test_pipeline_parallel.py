@@ -47,6 +47,8 @@ def test_steps_in_flight_keep_both_stages_busy_and_survive_an_abort(reference: l
         assert engine.pipeline is not None and engine.runner.micro_batches == 1
         assert_same(llm.generate(PROMPTS, GREEDY), reference, 1e-4)
         assert engine.pipeline.most_in_flight == 2
+        # 4 prompts of 8 tokens in two halves: 8 steps each, counted when they complete
+        assert engine.num_steps == 2 * GREEDY.max_tokens
         for i, prompt in enumerate(PROMPTS):
             engine.add_request(f"r{i}", prompt, GREEDY)
         engine.step()  # launches the first half of the prompts
