@@ -79,3 +79,10 @@ def test_pipeline_bisect_finds_the_piece_on_its_stage(tiny: Path) -> None:
     assert "Culprit:" not in stage0 and "Clean on this rank: piece" in stage0
     assert "Culprit: piece" in stage1 and "model.layers.1.mlp" in stage1
     assert stage0.count("Bisect done in") == stage1.count("Bisect done in") == 1
+
+
+def test_cases_stay_single_device_with_one_line(tiny: Path, tmp_path: Path) -> None:
+    saved = debug(tiny, "save-case", "--tensor-parallel-size", "2", "--out", str(tmp_path / "case"))
+    assert saved.returncode == 1 and "diff and bisect start the ranks themselves" in saved.stderr
+    replay = debug(tiny, "diff", "--tensor-parallel-size", "2", "--case", str(tmp_path / "missing"))
+    assert replay.returncode == 1 and "--case and --check are single-device" in replay.stderr

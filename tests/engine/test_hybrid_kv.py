@@ -100,3 +100,15 @@ def test_preemption_releases_both_pools(gemma) -> None:
         assert_hf_greedy(hf, prompt, out.token_ids)
     for pool in (engine.pool, engine.window_pool):
         assert pool.num_free_blocks == pool.num_blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_full_decode_graphs_read_the_sliding_layers_table(gemma) -> None:
+    """On CUDA the full decode graphs are CUDA graphs over persistent buffers: the sliding layers' table is one more
+    view of the uploaded buffer, captured per table width."""
+    path, hf = gemma
+    llm = LLM(str(path), device="cuda", num_kv_blocks=64, enable_piecewise_graph=True, capture_sizes=(1, 2), **SMALL)
+    tokens = llm.generate(LONG, GREEDY)[0].token_ids
+    assert_hf_greedy(hf, LONG, tokens)
+    assert llm.engine.executor.counters.full_replays > 0 and llm.engine.executor.counters.full_graphs_captured > 0
