@@ -92,7 +92,6 @@ def write_gguf_model(
     adds `{arch}.*` keys (int -> uint32, float -> float32, str -> string). Both exist to write malformed files.
     """
     from gguf import GGMLQuantizationType, GGUFWriter
-    from gguf.quants import quantize
 
     rng = np.random.default_rng(0)
     h, inter, layers, heads, kv = 64, 128, 2, 4, 2
@@ -136,16 +135,8 @@ def write_gguf_model(
         if shape is None:
             continue
         data = (rng.standard_normal(shape) * 0.05).astype(np.float32)
-        if len(shape) == 1 or qtype == GGMLQuantizationType.F32:  # norms stay F32
-            w.add_tensor(name, data)
-        elif qtype in (GGMLQuantizationType.F16, GGMLQuantizationType.F64):
-            w.add_tensor(name, data.astype(np.float16 if qtype == GGMLQuantizationType.F16 else np.float64))
-        else:
-            w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        add_gguf_tensor(w, name, data, GGMLQuantizationType.F32 if len(shape) == 1 else qtype)  # norms stay F32
+    write_gguf_file(w)
 
 
 def add_toy_gguf_tokenizer(w: Any, vocab_size: int) -> None:
@@ -156,3 +147,24 @@ def add_toy_gguf_tokenizer(w: Any, vocab_size: int) -> None:
     w.add_token_merges([])
     w.add_token_types([1] * (vocab_size - 2) + [3, 3])
     w.add_eos_token_id(vocab_size - 1)
+
+
+def add_gguf_tensor(w: Any, name: str, data: np.ndarray, qtype: Any) -> None:
+    """Add float32 `data` to a GGUF writer stored as `qtype` (F32, F16, F64 or a block type it quantizes to)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    if qtype == GGMLQuantizationType.F32:
+        w.add_tensor(name, data)
+    elif qtype in (GGMLQuantizationType.F16, GGMLQuantizationType.F64):
+        w.add_tensor(name, data.astype(np.float16 if qtype == GGMLQuantizationType.F16 else np.float64))
+    else:
+        w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
+
+
+def write_gguf_file(w: Any) -> None:
+    """Write a GGUF writer's header, metadata and tensors, and close it."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

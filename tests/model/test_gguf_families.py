@@ -17,7 +17,7 @@ import torch
 from kiln.errors import ModelLoadError
 from kiln.model.loader import open_checkpoint
 from tests.engine.parity import kiln_batch_logits
-from tests.engine.tiny_models import add_toy_gguf_tokenizer
+from tests.engine.tiny_models import add_gguf_tensor, add_toy_gguf_tokenizer, write_gguf_file
 
 PROMPTS = [[5, 17, 42, 7, 99, 3, 61, 250, 11], [8, 1, 130, 77]]
 H, HEADS, KV, FF, VOCAB = 64, 4, 2, 128, 256
@@ -111,7 +111,6 @@ def write_gguf(
     toy tokenizer, and `tensors`, each matrix stored as `tensor_type` unless its name contains one of `keep_f32`
     (vectors stay F32)."""
     from gguf import GGMLQuantizationType, GGUFWriter
-    from gguf.quants import quantize
 
     w = GGUFWriter(str(path), arch)
     for key, value in settings.items():
@@ -120,14 +119,9 @@ def write_gguf(
     w.add_pad_token_id(0)
     qtype = GGMLQuantizationType[tensor_type]
     for name, data in tensors.items():
-        if data.ndim == 1 or qtype == GGMLQuantizationType.F32 or any(k in name for k in keep_f32):
-            w.add_tensor(name, data)
-        else:
-            w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+        f32 = data.ndim == 1 or any(k in name for k in keep_f32)
+        add_gguf_tensor(w, name, data, GGMLQuantizationType.F32 if f32 else qtype)
+    write_gguf_file(w)
 
 
 def write_family_gguf(path: Path, family: str, tensor_type: str) -> None:

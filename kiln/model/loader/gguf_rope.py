@@ -11,7 +11,7 @@ as HF does). kiln reads them into the fields `kiln.model.loader.hf_config` fills
 from __future__ import annotations
 
 import numpy as np
-from gguf import ReaderTensor
+from gguf import GGMLQuantizationType, ReaderTensor
 from gguf.quants import dequantize
 
 from kiln.errors import ModelLoadError
@@ -65,6 +65,9 @@ def _long_rope(fields: ConfigFields, arch: str, tensors: dict[str, ReaderTensor]
     return longrope_scaling(original, longest, short.tolist(), long.tolist(), attention_factor=attention)
 
 
+FACTOR_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
 def rope_factors(path: str, t: ReaderTensor, head_dim: int) -> np.ndarray:
     """A tensor of per-frequency rope factors (rope_freqs, rope_factors_*) as float32: head_dim / 2 positive values."""
     expected = (head_dim // 2,)
@@ -73,10 +76,9 @@ def rope_factors(path: str, t: ReaderTensor, head_dim: int) -> np.ndarray:
         raise ModelLoadError(
             path, f"tensor {t.name} has shape {shape}, expected {expected} (one factor per rotary frequency)"
         )
-    try:
-        values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(expected)
-    except (ValueError, TypeError, NotImplementedError) as exc:
-        raise ModelLoadError(path, f"cannot read tensor {t.name} ({exc})") from None
+    if t.tensor_type not in FACTOR_TYPES:  # llama.cpp's converter writes 1-D tensors unquantized
+        raise ModelLoadError(path, f"tensor {t.name} is stored as {t.tensor_type.name}, expected F32, F16 or BF16")
+    values = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(expected)
     if not (np.isfinite(values).all() and (values > 0).all()):
         raise ModelLoadError(path, f"tensor {t.name} must hold positive factors, found {values.tolist()!r:.80}")
     return values
