@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml
 chat: setup
 	$(BIN)/kiln generate --chat --prompt "$${PROMPT:-Write a haiku about a kiln.}" --max-tokens 64 --temperature 0
 
+# The suite runs on every core (pytest-xdist; a test file stays on one worker, so its module fixtures start once).
 test: setup
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n auto --dist loadfile --durations=20 $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check kiln tests
@@ -38,7 +39,7 @@ llamacpp: setup
 clean:
 	rm -rf $(VENV) build *.egg-info
 
-# The main job: serve the default model (OpenAI-compatible) on 127.0.0.1:8000 in piecewise graph mode
-# (compiled once into the on-disk cache, ~35 s the first time and ~16 s after; docs/benchmarks.md).
+# The main job: serve the default model (OpenAI-compatible) on 127.0.0.1:8000 in graph mode (the default,
+# full_and_piecewise; compiled once into the on-disk cache, then warm starts; docs/benchmarks.md).
 serve: setup
-	$(BIN)/kiln serve --model default --enable-piecewise-graph
+	$(BIN)/kiln serve --model default

@@ -9,9 +9,8 @@ import sys
 
 from kiln.bench.cli import add_bench_subcommand
 from kiln.command import run_command
-from kiln.compile.cli import add_compile_subcommand
 from kiln.debug.cli import add_debug_subcommand
-from kiln.engine.cli import add_chat_subcommand, add_generate_subcommand
+from kiln.engine.cli import add_chat_subcommand, add_compile_subcommand, add_generate_subcommand
 from kiln.recipe.cli import add_recipe_subcommand
 from kiln.server.cli import add_loadtest_subcommand, add_serve_subcommand
 

@@ -8,6 +8,7 @@ does not import torch (so `kiln --help` stays fast); `kiln.model.dtypes` maps dt
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -19,11 +20,51 @@ DTYPE_NAMES = ("float32", "float16", "bfloat16")
 # reference); packed: keep a GGUF's blocks packed (kiln.quant); int8 / int4: quantize every decoder linear weight at
 # load, group-wise (kiln.quant.quantize)
 QUANTIZATION_NAMES = ("auto", "none", "packed", "int8", "int4")
-# vLLM's cudagraph modes (kiln.compile.dispatch): piecewise: pieces split at attention, captured per size; full: the
-# whole forward as one graph (decode-only steps replay the full decode graph, mixed steps run the whole forward
-# compiled); full_and_piecewise: decode-only steps replay the full decode graph, mixed steps the pieces;
-# full_decode_only: decode-only steps replay the full decode graph, mixed steps run the pieces uncaptured
-GRAPH_MODES = ("full_and_piecewise", "piecewise", "full", "full_decode_only")
+
+
+class GraphMode(StrEnum):
+    """What each kind of step runs: the one graph-mode value (vLLM's cudagraph modes, plus eager), parsed once from
+    `--graph-mode` or the recipe's `graph.mode` (kiln.compile.settings). The executor builds what it asks for and
+    the dispatcher (kiln.compile.dispatch) reads only it.
+
+    | mode               | decode-only steps             | steps with a prefill                |
+    |--------------------|-------------------------------|-------------------------------------|
+    | full_and_piecewise | the full decode graph         | the pieces, captured per size       |
+    | piecewise          | the pieces, captured per size | the pieces, captured per size       |
+    | full_decode_only   | the full decode graph         | the pieces, compiled, not captured  |
+    | full               | the full decode graph         | the whole forward compiled (no split) |
+    | eager              | the model's forward, op by op | the model's forward, op by op       |
+    """
+
+    FULL_AND_PIECEWISE = "full_and_piecewise"
+    PIECEWISE = "piecewise"
+    FULL_DECODE_ONLY = "full_decode_only"
+    FULL = "full"
+    EAGER = "eager"
+
+    @property
+    def is_graph(self) -> bool:
+        """Any graph at all (the graph executor); False: the eager executor."""
+        return self is not GraphMode.EAGER
+
+    @property
+    def has_full_decode_graph(self) -> bool:
+        """Decode-only steps replay the full decode graph (attention inside)."""
+        return self in (GraphMode.FULL_AND_PIECEWISE, GraphMode.FULL_DECODE_ONLY, GraphMode.FULL)
+
+    @property
+    def splits_forward(self) -> bool:
+        """Steps with a prefill run the forward split at attention (False: as one graph, attention inside)."""
+        return self is not GraphMode.FULL
+
+    @property
+    def captures_pieces(self) -> bool:
+        """The pieces are captured per size (else, in a graph mode, they run compiled for the dynamic shape)."""
+        return self in (GraphMode.FULL_AND_PIECEWISE, GraphMode.PIECEWISE)
+
+
+GRAPH_MODES = tuple(m.value for m in GraphMode)
+DEFAULT_GRAPH_MODE = GraphMode.FULL_AND_PIECEWISE
 DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
 
 
@@ -148,7 +189,7 @@ class FusionGroupConfig:
 class GraphConfig:
     """Graph-mode settings: from the recipe, else flags (built and validated by `kiln.compile.settings`)."""
 
-    mode: str = "full_and_piecewise"  # one of GRAPH_MODES
+    mode: GraphMode = DEFAULT_GRAPH_MODE
     splitting_ops: tuple[str, ...] = ("kiln.attention",)
     capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     # capture sizes also compiled for their static num_tokens; None: automatic (CPU + inductor: sizes <= 2,
@@ -166,20 +207,6 @@ class GraphConfig:
         FusionGroupConfig("mlp_fusion", ("gate_proj", "up_proj", "silu", "mul"), required=False),
     )
     max_model_len: int | None = None  # set by the engine build: the table width of a CUDA full decode graph
-
-    @property
-    def full_decode(self) -> bool:
-        """Decode-only steps replay the full decode graph (attention inside)."""
-        return self.mode != "piecewise"
-
-    @property
-    def is_full_graph(self) -> bool:
-        """Mixed steps run the whole forward as one graph (no split at attention)."""
-        return self.mode == "full"
-
-    @property
-    def captures_pieces(self) -> bool:
-        return self.mode in ("piecewise", "full_and_piecewise")
 
 
 @dataclass(frozen=True)
@@ -229,18 +256,17 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     recipe: Any = field(default=None, compare=False)  # a validated kiln.recipe.Recipe, or None
-    enable_piecewise_graph: bool = False  # graph mode on (its kind: graph.mode); off: the eager executor
-    graph: GraphConfig = field(default_factory=GraphConfig)
+    graph: GraphConfig = field(default_factory=GraphConfig)  # graph.mode says which graphs run (eager: none)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property
-    def is_graph_mode(self) -> bool:
-        return self.enable_piecewise_graph
+    def graph_mode(self) -> GraphMode:
+        return self.graph.mode
 
     @property
     def executor(self) -> str:
         """The executor registry entry (kiln.engine.build.EXECUTORS) that runs this engine's forward."""
-        return "graph" if self.is_graph_mode else "eager"
+        return "graph" if self.graph.mode.is_graph else "eager"
 
 
 DEFAULT_MAX_MODEL_LEN = 8192  # when neither flags nor the recipe bound it: min(model context, this)

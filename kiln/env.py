@@ -1,4 +1,5 @@
-"""Every KILN_* environment variable, read in one place into one typed, frozen object."""
+"""Every KILN_* environment variable, read in one place into one typed, frozen object (or, for the one kiln sets
+for a child process rather than reads, named here)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,11 @@ class Env:
     cache_dir: Path  # KILN_CACHE_DIR: compile cache root (default ~/.cache/kiln)
     num_threads: int | None  # KILN_NUM_THREADS: torch intra-op threads (default: all cores)
     api_key: str | None  # KILN_API_KEY: the server's API key (kept out of the process list, unlike --api-key)
+    model_plugins: tuple[str, ...]  # KILN_MODEL_PLUGINS: modules that call kiln.models.register when imported
+
+
+# Set, never read, by `kiln debug bisect` for its --check command: the piece modes of the round being checked.
+PIECE_MODES_VAR = "KILN_PIECE_MODES"
 
 
 def read_env() -> Env:
@@ -24,4 +30,5 @@ def read_env() -> Env:
         cache_dir=Path(os.environ.get("KILN_CACHE_DIR", Path.home() / ".cache" / "kiln")),
         num_threads=int(threads) if threads else None,
         api_key=os.environ.get("KILN_API_KEY", "").strip() or None,
+        model_plugins=tuple(filter(None, (m.strip() for m in os.environ.get("KILN_MODEL_PLUGINS", "").split(",")))),
     )

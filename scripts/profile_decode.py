@@ -22,7 +22,7 @@ def main() -> None:
     ap.add_argument("--piecewise", action="store_true")
     ap.add_argument("--quantization", default="none", help="none | packed | int8 | int4")
     args = ap.parse_args()
-    llm = LLM(enable_piecewise_graph=args.piecewise, quantization=args.quantization)
+    llm = LLM(graph_mode="piecewise" if args.piecewise else "eager", quantization=args.quantization)
     engine = llm.engine
     params = SamplingParams(max_tokens=args.steps * 3 + 10, temperature=0, ignore_eos=True)
     for i in range(args.batch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from kiln.bench.modes import MODE_ARGS
+from kiln.config import DEFAULT_GRAPH_MODE
 from kiln.engine.args import EngineArgs
 
 # The systems --compare runs (kiln.bench.anchors.ANCHORS), named here so that `kiln --help` loads no torch.
@@ -20,7 +21,9 @@ def add_bench_subcommand(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--input-len", type=_positive_int, default=128, help="prompt tokens (random ids)")
     b.add_argument("--output-len", type=_positive_int, default=128, help="output tokens per request (>= 2)")
     b.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32], help="concurrency levels, e.g. 1,8,32")
-    b.add_argument("--modes", type=_mode_list, default=["eager"], help=f"comma list of {', '.join(MODE_ARGS)}")
+    b.add_argument(
+        "--modes", type=_mode_list, default=[DEFAULT_GRAPH_MODE.value], help=f"comma list of {', '.join(MODE_ARGS)}"
+    )
     b.add_argument(
         "--compare",
         type=_anchor_list,

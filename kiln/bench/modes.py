@@ -8,11 +8,11 @@ from typing import Any
 from kiln.config import GRAPH_MODES
 from kiln.engine.args import EngineArgs
 
-# The EngineArgs each mode sets: eager, or graph mode of each kind vLLM names (kiln.config.GRAPH_MODES). NOTE: every
-# graph flag is set, so that `--modes eager` stays eager even beside --enable-piecewise-graph.
+# The EngineArgs each mode sets: one graph mode (kiln.config.GRAPH_MODES, eager included). NOTE: every alias is
+# cleared, so that `--modes eager` stays eager even beside --enable-piecewise-graph.
 MODE_ARGS: dict[str, dict[str, Any]] = {
-    "eager": {"enable_piecewise_graph": False, "full_graph": False, "graph_mode": None},
-    **{mode: {"enable_piecewise_graph": True, "full_graph": False, "graph_mode": mode} for mode in GRAPH_MODES},
+    mode: {"enable_piecewise_graph": False, "full_graph": False, "enforce_eager": False, "graph_mode": mode}
+    for mode in GRAPH_MODES
 }
 
 

@@ -20,26 +20,26 @@ from typing import Any, Protocol
 
 import torch
 
+from kiln.compile.counters import CompileCounters
 from kiln.compile.diagnose import GraphTraceError
 from kiln.compile.fusion import FusionReport, as_json, fusion_reports
 from kiln.compile.kernels import kernels_in
 from kiln.compile.lint import lint_graph
 from kiln.compile.piece import Piece
 from kiln.compile.split import node_module_path, op_name
-from kiln.config import GraphConfig
-from kiln.executor.counters import CompileCounters
+from kiln.config import GraphConfig, GraphMode
 
 logger = logging.getLogger("kiln")
 
 
 class BuiltGraph(Protocol):
-    """What the artifacts read of a built graph mode (kiln.compile.executor.GraphExecutor provides it)."""
+    """What the artifacts read of a built graph mode (kiln.executor.graph.GraphExecutor provides it)."""
 
     config: GraphConfig
     device: torch.device
     capture_sizes: list[int]
     compile_sizes: tuple[int, ...]
-    is_full_graph: bool
+    mode: GraphMode
     counters: CompileCounters
     kernel_choices: dict[str, dict[str, object]]
 
@@ -145,7 +145,7 @@ def kernel_profile(runner: BuiltGraph) -> dict[str, Any]:
         "capture_sizes": runner.capture_sizes,
         "compile_sizes": list(runner.compile_sizes),
         "kernel_choices": runner.kernel_choices,
-        "full_graph": runner.is_full_graph,
+        "graph_mode": runner.mode.value,
         "counters": runner.counters.as_dict(),
         "pieces": pieces,
     }

@@ -120,16 +120,19 @@ def trace_forward(
         nulls = cache_nulls(model.config, kv_caches)
         ctx.decode = decode_sample(sample_size, nulls, device, dynamic_tokens=static_size is None)
     start = time.perf_counter()
+    failure: torch._dynamo.exc.TorchDynamoException | None = None
     with torch.inference_mode(), set_forward_context(ctx):
         try:
             compiled(input_ids, positions)
         except torch._dynamo.exc.TorchDynamoException as exc:
+            failure = exc
+    if failure is not None:  # explained outside the trace's context: the eager re-run sets its own
 
-            def run_eager() -> None:
-                with torch.inference_mode(), set_forward_context(ctx):
-                    forward(input_ids, positions)
+        def run_eager() -> None:
+            with torch.inference_mode(), set_forward_context(ctx):
+                forward(input_ids, positions)
 
-            raise explain_trace_failure(exc, model, run_eager) from exc
+        raise explain_trace_failure(failure, model, run_eager) from failure
     trace_s = time.perf_counter() - start
     gm, inputs = recorded["gm"], recorded["inputs"]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

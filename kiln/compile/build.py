@@ -15,19 +15,19 @@ import torch
 from torch import nn
 
 from kiln.compile.backend import INPUT_IDS, NUM_TOKENS, POSITIONS, TracedForward, trace_forward
+from kiln.compile.counters import CompileCounters
 from kiln.compile.piece import Piece
 from kiln.compile.split import PieceGraph, module_paths, split_graph, structure_key
 from kiln.errors import ConfigError
-from kiln.executor.counters import CompileCounters
 
 
 @dataclass
 class PiecewiseGraph:
     traced: TracedForward
     pieces: list[Piece]
-    outer: nn.Module  # the split graph (or, in full-graph mode, the single piece)
+    outer: nn.Module  # the split graph (or, unsplit, the single piece)
     splitting_submods: list[str]
-    is_full_graph: bool
+    is_split: bool  # False: the whole forward is one piece, attention inside (graph mode full)
 
     def __post_init__(self) -> None:
         self._args = list(self.traced.bound)
@@ -51,9 +51,9 @@ class PiecewiseGraph:
         return self.outer(*self.bind(input_ids, positions))[0]
 
     def run_dynamic(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The forward ignoring captures (a size without one); in full-graph mode the compiled whole graph."""
+        """The forward ignoring captures (a size without one); unsplit, the compiled whole graph."""
         args = self.bind(input_ids, positions)
-        out = self.pieces[0].run_dynamic(*args) if self.is_full_graph else self.outer(*args)
+        out = self.outer(*args) if self.is_split else self.pieces[0].run_dynamic(*args)
         return out[0]
 
 
@@ -62,27 +62,27 @@ def build_graph(
     kv_caches: list[torch.Tensor],
     device: torch.device,
     splitting_ops: Sequence[str],
-    full_graph: bool,
+    split: bool,
     counters: CompileCounters,
     sample_size: int = 8,
 ) -> PiecewiseGraph:
-    """Trace `model`'s forward and split it at `splitting_ops` (or keep it whole with `full_graph`)."""
+    """Trace `model`'s forward and split it at `splitting_ops` (or keep it whole when not `split`)."""
     traced = trace_forward(model, model, kv_caches, device, sample_size)
     counters.graphs_traced += 1
-    if full_graph:
+    if not split:
         gm = traced.gm
         pieces = [Piece(PieceGraph(0, "", gm, structure_key(gm), module_paths(gm)), counters)]
-        graph = PiecewiseGraph(traced, pieces, pieces[0], [], True)
+        graph = PiecewiseGraph(traced, pieces, pieces[0], [], False)
     else:
         try:
-            split = split_graph(traced.gm, tuple(splitting_ops))
+            cut = split_graph(traced.gm, tuple(splitting_ops))
         except ValueError as exc:
             raise ConfigError(f"cannot split the forward for piecewise graph mode: {exc}") from None
-        pieces = [Piece(info, counters) for info in split.pieces]
+        pieces = [Piece(info, counters) for info in cut.pieces]
         for piece in pieces:
             # NOTE: the split graph calls its submodules by attribute: the Piece (not the bare FX graph) runs there.
-            setattr(split.split_gm, piece.info.submod_name, piece)
-        graph = PiecewiseGraph(traced, pieces, split.split_gm, split.splitting_submods, False)
+            setattr(cut.split_gm, piece.info.submod_name, piece)
+        graph = PiecewiseGraph(traced, pieces, cut.split_gm, cut.splitting_submods, True)
     counters.pieces_seen = len(graph.pieces)
     counters.splitting_ops_seen = len(graph.splitting_submods)
     return graph

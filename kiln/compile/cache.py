@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.executor.counters import CompileCounters
+from kiln.compile.counters import CompileCounters
 
 logger = logging.getLogger("kiln")
 

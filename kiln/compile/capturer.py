@@ -17,8 +17,8 @@ from tqdm import tqdm
 from kiln.compile.backend import padding_context
 from kiln.compile.build import PiecewiseGraph
 from kiln.compile.capture import available_memory_gb, make_capture, new_pool
+from kiln.compile.counters import CompileCounters
 from kiln.compile.piece import Piece
-from kiln.executor.counters import CompileCounters
 from kiln.model.forward_context import set_forward_context
 
 logger = logging.getLogger("kiln")

@@ -1,9 +1,11 @@
 """Run-time dispatch: per step, the full decode graph, the pieces' captures, or the pieces run dynamically.
 
-`pad_to(n)` is the smallest capture size >= n (n itself above the largest). Then, in order:
+The dispatcher reads only the graph mode (kiln.config.GraphMode) and one explicit override, the debugger's
+`use_full_decode_graph(False)`. `pad_to(n)` is the smallest capture size >= n (n itself above the largest). Then,
+in order:
 - a decode-only step at a size the full decode graph has (and a block table it can take) replays it (`full`);
 - a step at a size the pieces captured runs the split graph, whose pieces replay (`piecewise`);
-- any other step runs the dynamic compiled code (`dynamic`); in full-graph mode, the whole forward compiled.
+- any other step runs the dynamic compiled code (`dynamic`); in mode full, the whole forward compiled.
 Each step's choice and, when the full decode graph was passed over, the reason, are counted and logged (debug).
 """
 
@@ -15,8 +17,9 @@ import logging
 import torch
 
 from kiln.compile.build import PiecewiseGraph
+from kiln.compile.counters import CompileCounters
 from kiln.compile.full_graph import FullDecodeGraph
-from kiln.executor.counters import CompileCounters
+from kiln.config import GraphMode
 from kiln.model.forward_context import ModelInputs
 
 logger = logging.getLogger("kiln")
@@ -27,15 +30,18 @@ FULL, PIECEWISE, DYNAMIC = "full", "piecewise", "dynamic"
 class Dispatcher:
     def __init__(
         self,
+        mode: GraphMode,
         graph: PiecewiseGraph,
         static_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]],
         counters: CompileCounters,
         full: FullDecodeGraph | None = None,
     ) -> None:
+        self.mode = mode
         self.graph = graph
         self.static_inputs = static_inputs  # owned by the Capturer, filled as sizes are captured
         self.counters = counters
-        self.full = full
+        self.full = full if mode.has_full_decode_graph else None
+        self.full_enabled = self.full is not None
         self.last: tuple[str, str] = ("", "")  # (graph that ran the last step, why the full graph did not)
 
     def pad_to(self, num_tokens: int) -> int:
@@ -43,12 +49,16 @@ class Dispatcher:
         i = bisect.bisect_left(sizes, num_tokens)
         return sizes[i] if i < len(sizes) else num_tokens
 
+    def use_full_decode_graph(self, enabled: bool) -> None:
+        """False: decode-only steps run the pieces too (the debugger's per-piece bisection localizes there)."""
+        self.full_enabled = enabled and self.full is not None
+
     def run(self, batch: ModelInputs) -> torch.Tensor:
         input_ids, meta = batch.input_ids, batch.metadata
         n = input_ids.shape[0]
         self.counters.padding_tokens += n - meta.num_actual_tokens
         reason = ""
-        if self.full is not None and self.full.enabled:
+        if self.full is not None and self.full_enabled:
             if meta.num_decodes != meta.num_seqs:
                 reason = f"mixed batch: {meta.num_seqs - meta.num_decodes} prefill"
                 self.counters.full_fallbacks_mixed += 1
@@ -60,7 +70,7 @@ class Dispatcher:
                 self._log(FULL, n, meta.num_actual_tokens, reason)
                 return self.full.run(batch, n)
         static = self.static_inputs.get(n)
-        if static is not None and not self.graph.is_full_graph:
+        if static is not None and self.mode.splits_forward:
             self.counters.replays += 1
             self._log(PIECEWISE, n, meta.num_actual_tokens, reason)
             ids, pos = static

@@ -35,16 +35,15 @@ from kiln.compile.backend import (
     trace_forward,
 )
 from kiln.compile.capture import available_memory_gb, make_capture
+from kiln.compile.counters import CompileCounters
 from kiln.compile.decode_buffers import DecodeBuffers
 from kiln.compile.modes import PieceMode
 from kiln.compile.piece import Piece
 from kiln.compile.split import PieceGraph, module_paths, structure_key
 from kiln.compile.store import CompiledPieceStore
-from kiln.executor.counters import CompileCounters
 from kiln.model.attention import cache_nulls, kv_cache_block_size
 from kiln.model.forward_context import DecodeInputs, ModelInputs
 from kiln.quant.linear import PackedLinear
-from kiln.quant.ops import INLINE
 
 logger = logging.getLogger("kiln")
 
@@ -124,7 +123,6 @@ class FullDecodeGraph:
         self.device = device
         self.counters = counters
         self.sizes = sorted(sizes)
-        self.enabled = True  # False: decode-only steps run the pieces (the debugger's bisection localizes there)
         trace = partial(trace_forward, model, model, kv_caches, device, sample_size, decode=True)
         self.variants: dict[int | None, DecodeVariant] = {None: DecodeVariant(trace(), counters, None)}
         counters.graphs_traced += 1
@@ -207,7 +205,6 @@ STATIC_SIZES = (1,)
 def static_sizes(model: nn.Module, sizes: list[int], gemv_sizes: tuple[int, ...] = ()) -> list[int]:
     """Capture sizes that get a decode graph of their own: the timed GEMV sizes, and those of STATIC_SIZES at which
     some packed product's timed winner is the fused reduction, which a static-size trace writes inline
-    (kiln.quant.ops.inlined)."""
-    layouts = {(m.codes.shape, m.codes.dtype, m.scale.dtype) for m in model.modules() if isinstance(m, PackedLinear)}
-    inlined = {key[3] for key in INLINE if key[:3] in layouts}
+    (`PackedLinear.inline_rows`)."""
+    inlined = {rows for m in model.modules() if isinstance(m, PackedLinear) for rows in m.inline_rows}
     return [size for size in sizes if (size in inlined and size in STATIC_SIZES) or size in gemv_sizes]

@@ -23,9 +23,9 @@ from torch.fx import GraphModule
 
 from kiln.compile.capture import Capture
 from kiln.compile.compiler import CompiledPiece, returns_tuple
+from kiln.compile.counters import CompileCounters
 from kiln.compile.modes import PieceMode
 from kiln.compile.split import PieceGraph
-from kiln.executor.counters import CompileCounters
 from kiln.model.forward_context import get_forward_context
 
 logger = logging.getLogger("kiln")

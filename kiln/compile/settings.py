@@ -1,5 +1,9 @@
 """Graph settings: the recipe is the source of truth; flags fill in or override, and every override is logged.
 
+The graph mode is one value (kiln.config.GraphMode): the recipe's `graph.mode` (or, unset, what `graph.piecewise`
+implies: full_and_piecewise, or full when false), else the default full_and_piecewise; `--graph-mode` (or one of
+its aliases, resolved by `kiln.engine.args`) overrides it like any other graph flag.
+
 `graph_config_from` is the one place a GraphConfig is built and validated (called once, by
 `EngineArgs.create_engine_config`).
 """
@@ -12,7 +16,7 @@ from dataclasses import fields, replace
 from typing import Any
 
 from kiln.compile.modes import PieceMode, parse_piece_modes
-from kiln.config import COMPILER_NAMES, GRAPH_MODES, FusionGroupConfig, GraphConfig
+from kiln.config import COMPILER_NAMES, DEFAULT_GRAPH_MODE, GRAPH_MODES, FusionGroupConfig, GraphConfig, GraphMode
 from kiln.errors import ConfigError
 
 logger = logging.getLogger("kiln")
@@ -31,7 +35,7 @@ def graph_config_from(recipe: Any | None = None, **cli_overrides: Any) -> GraphC
     if recipe is not None:
         base = replace(
             base,
-            mode=str(getattr(recipe, "graph_mode", None) or ("full_and_piecewise" if recipe.piecewise else "full")),
+            mode=_graph_mode(getattr(recipe, "graph_mode", None) or DEFAULT_GRAPH_MODE),
             splitting_ops=tuple(recipe.splitting_ops),
             capture_sizes=tuple(recipe.capture_sizes),
             compile_sizes=_optional_sizes(getattr(recipe, "compile_sizes", None)),
@@ -50,7 +54,9 @@ def graph_config_from(recipe: Any | None = None, **cli_overrides: Any) -> GraphC
     for name, value in cli_overrides.items():
         if value is None:
             continue
-        if name == "piece_modes":
+        if name == "mode":
+            value = _graph_mode(value)
+        elif name == "piece_modes":
             value = tuple(sorted((i, m.value) for i, m in parse_piece_modes(value).items()))
         elif name in ("splitting_ops", "capture_sizes"):
             value = tuple(value)
@@ -64,6 +70,13 @@ def graph_config_from(recipe: Any | None = None, **cli_overrides: Any) -> GraphC
     config = replace(base, **changes)
     _validate(config)
     return config
+
+
+def _graph_mode(name: str | GraphMode) -> GraphMode:
+    try:
+        return GraphMode(name)
+    except ValueError:
+        raise ConfigError(f"graph mode {name!r}: expected one of {', '.join(GRAPH_MODES)}") from None
 
 
 def _optional_sizes(sizes: Iterable[int] | None) -> tuple[int, ...] | None:
@@ -110,7 +123,5 @@ def _validate(config: GraphConfig) -> None:
                 f"compile sizes {list(config.compile_sizes)} need the inductor compiler; the "
                 f"{config.compiler} compiler runs the traced graph as is (set compile sizes to none)"
             )
-    if config.mode not in GRAPH_MODES:
-        raise ConfigError(f"graph mode {config.mode!r}: expected one of {', '.join(GRAPH_MODES)}")
-    if not config.splitting_ops and not config.is_full_graph:
+    if config.mode.is_graph and config.mode.splits_forward and not config.splitting_ops:
         raise ConfigError(f"graph mode {config.mode} needs at least one splitting op (default: kiln.attention)")

@@ -19,9 +19,9 @@ from torch.fx import GraphModule
 from kiln.compile.backend import padding_context
 from kiln.compile.cache import CompileCache, make_key
 from kiln.compile.compiler import CompiledPiece, PieceCompiler
+from kiln.compile.counters import CompileCounters
 from kiln.compile.split import structure_key
 from kiln.compile.verify import check_against_graph
-from kiln.executor.counters import CompileCounters
 from kiln.model.forward_context import set_forward_context
 
 logger = logging.getLogger("kiln")

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kiln.compile.modes import PieceMode, format_piece_modes
+from kiln.env import PIECE_MODES_VAR
 from kiln.errors import ConfigError
 
 Fails = Callable[[dict[int, PieceMode]], bool]
@@ -137,7 +138,7 @@ def command_check(command: str, log: Callable[[str], None] = print) -> Fails:
         argv = [a.replace("{piece_modes}", spec) for a in argv_template]
         try:
             proc = subprocess.run(
-                argv, env={**os.environ, "KILN_PIECE_MODES": spec}, capture_output=True, text=True, check=False
+                argv, env={**os.environ, PIECE_MODES_VAR: spec}, capture_output=True, text=True, check=False
             )
         except OSError as exc:
             raise ConfigError(f"--check: cannot run {argv[0]!r}: {exc}") from None

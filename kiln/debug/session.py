@@ -30,7 +30,6 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 
-from kiln.compile.executor import GraphExecutor
 from kiln.compile.modes import PieceMode
 from kiln.compile.piece import Piece
 from kiln.config import EngineConfig
@@ -53,6 +52,7 @@ from kiln.engine.core import EngineCore
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import ConfigError
 from kiln.executor.eager import EagerExecutor
+from kiln.executor.graph import GraphExecutor
 from kiln.model.dtypes import parse_dtype
 
 logger = logging.getLogger("kiln")
@@ -112,7 +112,8 @@ def debug_engine_args(args: EngineArgs) -> EngineArgs:
     return replace(
         args,
         seed=args.seed if args.seed is not None else DEBUG_SEED,
-        enable_piecewise_graph=True,
+        graph_mode=args.graph_mode if args.graph_mode not in (None, "eager") else "full_and_piecewise",
+        enforce_eager=False,
         default_piece_mode=PieceMode.EAGER.value,
         max_num_seqs=1,
         kv_cache_memory_gb=min(args.kv_cache_memory_gb, DEBUG_KV_CACHE_GB),
@@ -122,7 +123,7 @@ def debug_engine_args(args: EngineArgs) -> EngineArgs:
 class DebugSession:
     def __init__(self, engine: EngineCore, args: EngineArgs, recorder: TapRecorder) -> None:
         graph = engine.executor
-        if not isinstance(graph, GraphExecutor) or graph.is_full_graph:
+        if not isinstance(graph, GraphExecutor) or not graph.mode.splits_forward:
             raise ConfigError(
                 "kiln debug needs the pieces (graph mode full_and_piecewise, piecewise or full_decode_only): "
                 "the recipe or flags select graph mode full"
@@ -192,7 +193,7 @@ class DebugSession:
         self.graph.set_piece_modes(dict(modes))
         if self.graph.full is not None:
             # per-piece overrides localize a problem to pieces: decode steps then run the pieces too
-            self.graph.full.enabled = not overrides
+            self.graph.use_full_decode_graph(not overrides)
             self.graph.set_full_mode(mode)
         return modes
 

@@ -1,2 +1,25 @@
 """The engine: one configuration path (args.py -> build.py), the step (core.py: schedule -> execute -> update),
-the scheduler and KV block pool, the model runner, sampling, detokenization, and the offline `LLM` API."""
+the scheduler and KV block pool, the model runner, sampling, detokenization, and the offline `LLM` API.
+
+args.py             `EngineArgs`: every engine option in one dataclass; generates the CLI flags and the `EngineConfig`
+async_engine.py     the engine loop for serving: one thread owns the EngineCore; asyncio callers get per-request queues
+build.py            `build_engine(config)`, the one way an engine is made, and `EXECUTORS`, the executor registry
+cli.py              parsers of `kiln generate`, `kiln chat` and `kiln compile` (handlers in commands.py)
+commands.py         handlers of `kiln generate`, `kiln chat` and `kiln compile`
+core.py             EngineCore: the step (schedule -> execute -> update), request admission and stop checks
+detokenizer.py      incremental detokenization with stop strings
+kv_cache.py         paged KV cache bookkeeping: a pool of fixed-size blocks with a free list and reference counts
+kv_plan.py          how many KV blocks an engine allocates, and the start-up lines that say so
+kv_window.py        sliding-window KV blocks: which leading blocks of a sequence no future query reads
+llm.py              the offline API: `LLM(model=...).generate(prompts, params)` and `.chat(messages, params)`
+model_runner.py     a SchedulerOutput turned into tensors, the executor run under a forward context, sampling
+recipe_config.py    the recipe's overlay on the engine config: where recipe values override flags, each logged
+request.py          a request's life in the engine, and the plain output objects handed to callers
+request_stream.py   what the async engine hands asyncio callers: `RequestStream`, admission errors, stats snapshots
+sampler.py          batched sampling: penalties, temperature, top-k, top-p, min-p, seeded generators, logprobs
+sampling_params.py  per-request sampling parameters, validated on construction with errors naming the field
+scheduler.py        continuous batching with a token budget, chunked prefill and preemption by recompute
+step_pipeline.py    steps in flight on a pipeline: rank 0 launches the next step while later stages run the last one
+step_plan.py        a step's inputs as plain lists (what rank 0 sends the other ranks), and their micro-batch split
+step_shape.py       the shape of each step under a recipe's step constraints (padding tokens and sequences)
+"""

@@ -11,6 +11,7 @@ This module must stay light (no torch): `kiln --help` builds every subcommand's 
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
@@ -28,6 +29,8 @@ from kiln.config import (
     SchedulerConfig,
 )
 from kiln.errors import ConfigError
+
+logger = logging.getLogger("kiln")
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
@@ -82,17 +85,18 @@ class EngineArgs:
     enable_chunked_prefill: bool = _arg(
         True, "split long prompts over steps", group="scheduler", action=argparse.BooleanOptionalAction
     )
-    enable_piecewise_graph: bool = _arg(
-        False, "graph mode: split at attention, compile, capture (its kind: --graph-mode)", group="graph mode"
-    )
     graph_mode: str | None = _arg(
         None,
-        "which graphs run, as vLLM names them (default full_and_piecewise: decode-only steps replay one full "
-        "graph per size, attention included; mixed steps the pieces); implies graph mode",
+        "which graphs run, as vLLM names them (default: the recipe's graph.mode, else full_and_piecewise: "
+        "decode-only steps replay one full graph per size, attention included; mixed steps the pieces); eager: none",
         group="graph mode",
         choices=GRAPH_MODES,
     )
+    enforce_eager: bool = _arg(False, "the same as --graph-mode eager (vLLM's name)", group="graph mode")
     full_graph: bool = _arg(False, "the same as --graph-mode full", group="graph mode")
+    enable_piecewise_graph: bool = _arg(
+        False, "graph mode on (the default already: kept for old command lines; refused beside eager)", "graph mode"
+    )
     compiler: str | None = _arg(None, "piece compiler (default inductor)", group="graph mode", choices=COMPILER_NAMES)
     capture_sizes: Sequence[int] | None = _arg(
         None, "num_tokens sizes to capture, e.g. 1,2,4,8,16,32", group="graph mode", type=parse_sizes
@@ -180,7 +184,7 @@ class EngineArgs:
             recipe = load_recipe(self.recipe, model=None if self.model == "default" else self.model)
         graph = graph_config_from(
             recipe,
-            mode="full" if self.full_graph else self.graph_mode,
+            mode=self.graph_mode_flag(),
             compiler=self.compiler,
             capture_sizes=self.capture_sizes,
             compile_sizes=self.compile_sizes,
@@ -200,7 +204,6 @@ class EngineArgs:
             num_threads=self.num_threads,
             cache=CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_gb),
             scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill),
-            enable_piecewise_graph=self.enable_piecewise_graph or self.full_graph or self.graph_mode is not None,
             graph=graph,
             parallel=ParallelConfig(
                 tensor=self.tensor_parallel_size,
@@ -213,11 +216,35 @@ class EngineArgs:
                 master_port=self.master_port,
             ),
         )
+        if self.enable_piecewise_graph and not graph.mode.is_graph:
+            raise ConfigError(
+                f"--enable-piecewise-graph asks for graph mode but {recipe.path if recipe else 'the flags'} "
+                "set graph mode eager; drop one of them"
+            )
         if recipe is None:
             return config
         from kiln.engine.recipe_config import overlay_recipe
 
         return overlay_recipe(config, recipe)
+
+    def graph_mode_flag(self) -> str | None:
+        """The graph mode the flags name (None: none does), from --graph-mode or one of its aliases (each use of an
+        alias logged); flags naming two modes are refused."""
+        named = {
+            "--graph-mode": self.graph_mode,
+            "--enforce-eager": "eager" if self.enforce_eager else None,
+            "--full-graph": "full" if self.full_graph else None,
+        }
+        given = {flag: mode for flag, mode in named.items() if mode is not None}
+        if len(set(given.values())) > 1:
+            listed = ", ".join(f"{flag} ({mode})" for flag, mode in given.items())
+            raise ConfigError(f"the graph-mode flags disagree: {listed}; give one --graph-mode")
+        for flag, mode in given.items():
+            if flag != "--graph-mode":
+                logger.info("%s is an alias of --graph-mode %s", flag, mode)
+        if self.enable_piecewise_graph:
+            logger.info("--enable-piecewise-graph: graph mode is on by default (kept as an alias)")
+        return next(iter(given.values()), None)
 
 
 def cli_flag(f: Field) -> str:

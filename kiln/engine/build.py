@@ -14,7 +14,6 @@ from dataclasses import replace
 
 import torch
 
-from kiln.compile.executor import GraphExecutor
 from kiln.compile.fusion_check import check_quantized
 from kiln.config import EngineConfig, ParallelConfig
 from kiln.distributed.control import distributed_head
@@ -27,6 +26,7 @@ from kiln.env import read_env
 from kiln.errors import ConfigError
 from kiln.executor.base import Executor
 from kiln.executor.eager import EagerExecutor
+from kiln.executor.graph import GraphExecutor
 from kiln.model.dtypes import parse_dtype
 from kiln.model.loader import Checkpoint, open_checkpoint
 from kiln.model.parallel import check_parallel

@@ -1,4 +1,4 @@
-"""Parsers of `kiln generate` and `kiln chat` (handlers in kiln.engine.commands)."""
+"""Parsers of `kiln generate`, `kiln chat` and `kiln compile` (handlers in kiln.engine.commands)."""
 
 from __future__ import annotations
 
@@ -34,3 +34,13 @@ def add_chat_subcommand(sub: argparse._SubParsersAction) -> None:
     add_sampling_args(c)
     c.add_argument("--system", default=None, help="system message")
     c.set_defaults(handler="kiln.engine.commands:cmd_chat")
+
+
+def add_compile_subcommand(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "compile",
+        help="trace, split, compile and capture the model; write pieces, graph.dot, lint, profile, fusion report",
+    )
+    EngineArgs.add_cli_args(p)
+    p.add_argument("--out", required=True, help="directory for the artifacts (pieces/, graph.dot, lint.txt, ...)")
+    p.set_defaults(handler="kiln.engine.commands:cmd_compile")

@@ -1,15 +1,22 @@
-"""Handlers of `kiln generate` and `kiln chat`: an `LLM` built from the engine flags, prompts in, text out."""
+"""Handlers of `kiln generate` and `kiln chat` (an `LLM` built from the engine flags, prompts in, text out) and of
+`kiln compile` (graph mode built once through `build_engine`, every artifact written to --out)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
+from kiln.compile.artifacts import write_trace_failure
+from kiln.compile.diagnose import GraphTraceError
 from kiln.engine.args import EngineArgs
+from kiln.engine.build import build_engine
 from kiln.engine.llm import LLM
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import KilnError
+from kiln.executor.graph import GraphExecutor
+from kiln.log import setup_logging
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -93,3 +100,28 @@ def _chat(llm: LLM, args: argparse.Namespace) -> int:
             continue
         print(flush=True)
         history.append({"role": "assistant", "content": reply})
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    setup_logging()
+    out = Path(args.out)
+    config = EngineArgs.from_cli_args(args, dump_dir=str(out)).create_engine_config()
+    if not config.graph_mode.is_graph:
+        raise KilnError("kiln compile builds graph mode: give a graph mode other than eager (or none: the default)")
+    try:
+        engine = build_engine(config)
+    except GraphTraceError as exc:
+        write_trace_failure(exc, out)
+        print(f"kiln: wrote the graph-break report to {out / 'lint.txt'}", file=sys.stderr)
+        raise
+    graph = engine.executor
+    assert isinstance(graph, GraphExecutor)
+    summary = {
+        "out": str(out),
+        "pieces": len(graph.pieces),
+        "build_s": round(graph.build_seconds, 2),
+        "counters": graph.counters.as_dict(),
+        "files": sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()),
+    }
+    print(json.dumps(summary, indent=1))
+    return 0

@@ -25,7 +25,8 @@ class LLM:
     """Loads a model once; runs batches of prompts to completion with continuous batching.
 
     `LLM(model, **options)` takes the engine options `EngineArgs` defines (the same as the CLI flags:
-    `LLM(enable_piecewise_graph=True, capture_sizes=[1, 2, 4])`), or a ready `config=EngineConfig`.
+    `LLM(graph_mode="piecewise", capture_sizes=[1, 2, 4])`, `LLM(graph_mode="eager")`), or a ready
+    `config=EngineConfig`. Graph mode (full_and_piecewise) is the default, as for every entry point.
 
     A request that cannot be served (too long, invalid) comes back finished with `finish_reason="error"`
     and `.error` set; the other requests in the batch still run.

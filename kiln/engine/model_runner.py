@@ -17,13 +17,13 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from kiln.compile.counters import CompileCounters
 from kiln.distributed.ops import local_collectives
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kiln.engine.scheduler import SchedulerOutput
 from kiln.engine.step_plan import StepPlan, split_plan
 from kiln.engine.step_shape import StepShaper
 from kiln.executor.base import Executor
-from kiln.executor.counters import CompileCounters
 from kiln.model.attention import allocate_kv_caches, kv_cache_block_size
 from kiln.model.forward_context import AttentionMetadata, ForwardContext, ModelInputs, set_forward_context
 from kiln.model.parallel import held_layers, local_kv_heads

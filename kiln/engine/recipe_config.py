@@ -1,7 +1,7 @@
 """The recipe's overlay on the engine config: the one place where recipe values override flags, each logged.
 
-Graph settings are overlaid earlier, in `graph_config_from(recipe, **flags)`, where explicit flags still win
-(and are logged as overrides); this module overlays the rest of the contract.
+Graph settings, the graph mode among them, are overlaid earlier, in `graph_config_from(recipe, **flags)`, where
+explicit flags still win (and are logged as overrides); this module overlays the rest of the contract.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ logger = logging.getLogger("kiln")
 
 def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
     """`config` as the recipe requires: its device, quantization, dtype, KV cache plan, bounds and parallel layout
-    (tensor and pipeline sizes, each stage's layers) win over flags, and it may switch piecewise graph mode on.
-    `config.graph` must already come from `graph_config_from(recipe, ...)`."""
+    (tensor and pipeline sizes, each stage's layers) win over flags. `config.graph` (the graph mode included)
+    must already come from `graph_config_from(recipe, ...)`."""
     cache = replace(
         config.cache, dtype=recipe.kv_cache_dtype, block_size=recipe.block_size, num_blocks=recipe.max_pages
     )
@@ -51,7 +51,6 @@ def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
         cache=cache,
         scheduler=sched,
         recipe=recipe,
-        enable_piecewise_graph=config.enable_piecewise_graph or recipe.piecewise,
         parallel=parallel,
     )
     _log_changes(config, resolved, recipe.path)
@@ -70,7 +69,6 @@ def _log_changes(before: EngineConfig, after: EngineConfig, path: str) -> None:
         ("kv_cache.num_blocks", before.cache.num_blocks, after.cache.num_blocks),
         ("max_num_seqs", before.scheduler.max_num_seqs, after.scheduler.max_num_seqs),
         ("max_num_batched_tokens", before.scheduler.max_num_batched_tokens, after.scheduler.max_num_batched_tokens),
-        ("piecewise graph", before.enable_piecewise_graph, after.enable_piecewise_graph),
         ("parallel.tensor", before.parallel.tensor, after.parallel.tensor),
         ("parallel.pipeline", before.parallel.pipeline, after.parallel.pipeline),
         ("parallel.stage_layers", before.parallel.stage_layers, after.parallel.stage_layers),

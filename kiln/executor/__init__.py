@@ -1,7 +1,6 @@
-"""Executors: how one step's forward runs (eager, or graph mode in `kiln.compile.executor`).
+"""Executors: how one step's forward runs, eager or graph mode, each owning its kernel plan and counters.
 
 base.py      the `Executor` interface the model runner calls
-eager.py     `EagerExecutor`: the model's own forward, with the weight layout and logits head timed fastest here
-layout.py    decoder weight layouts (row- or column-major) and the one-row logits head copy
-counters.py  `CompileCounters`: what graph mode did, as numbers tests assert (all zero in eager)
+eager.py     `EagerExecutor`: the model's own forward, with the kernel plan timed fastest here (kiln.kernels)
+graph.py     `GraphExecutor`: graph mode's roles (kiln.compile) behind the same interface, built for one GraphMode
 """

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from kiln.executor.counters import CompileCounters
+from kiln.compile.counters import CompileCounters
 from kiln.model.forward_context import ModelInputs
 
 

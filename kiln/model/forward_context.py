@@ -119,7 +119,11 @@ _current: ForwardContext | None = None
 
 @contextmanager
 def set_forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """The step's context for the attention op, one at a time: entering another while one is active raises (a
+    nested step would run attention over the wrong metadata); entering the active one again is a no-op."""
     global _current
+    if _current is not None and _current is not ctx:
+        raise RuntimeError("set_forward_context() while another step's forward context is active: steps do not nest")
     previous, _current = _current, ctx
     try:
         yield ctx

@@ -6,8 +6,8 @@ codes are uint8 nibble pairs when they have 4 bits (byte i of a group holds code
 int8 otherwise; scale and offset are one float per group.
 
 The product is one op, `torch.ops.kiln.packed_linear` (kiln.quant.ops), in eager mode and inside graph-mode
-pieces alike; it runs the kernel timed fastest on this machine for the layer's layout and the call's row count
-(kiln.compile.packed_kernels).
+pieces alike; it runs the kernels the engine's kernel plan timed fastest on this machine for the layer's layout
+and the call's row count (kiln.kernels.packed), bound to the layer by `use_kernels`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kiln.quant.gguf_blocks import GROUP
-from kiln.quant.ops import dequantize_codes, inlined, reduction, unpack_codes
+from kiln.quant.ops import Kernel, bind_kernels, dequantize_codes, reduction, row_class, unpack_codes
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,16 @@ class PackedLinear(_Packed):
         self.scheme = scheme
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.tied = False  # shares an embedding's buffers (a tied logits head): not a checkpoint slot of its own
+        # static row counts whose bound kernel is the fused reduction: a graph traced for one of them writes the
+        # reduction inline (inductor compiles it into the graph: no op call, no Python between kernels)
+        self.inline_rows: frozenset[int] = frozenset()
+
+    def use_kernels(self, kernels: dict[int, Kernel], inline_rows: frozenset[int] = frozenset()) -> None:
+        """Run `kernels` (by row class, kiln.quant.ops.row_class) for this layer's products, and write the
+        reduction inline in graphs traced for `inline_rows` rows (never in eager, where the reduction would
+        materialise every term of the product)."""
+        bind_kernels(self.codes, kernels)
+        self.inline_rows = frozenset(inline_rows)
 
     @classmethod
     def like(cls, linear: nn.Linear, scheme: str = "gguf", bits: int = 8, group: int = GROUP) -> PackedLinear:
@@ -135,7 +145,9 @@ class PackedLinear(_Packed):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
-        if inlined(flat, self.codes, self.scale):
+        rows = flat.shape[0]
+        # NOTE: through row_class: a symbolic row count is compared (a guard), never hashed (which specialises it)
+        if torch.compiler.is_compiling() and isinstance(rows, int) and row_class(rows) in self.inline_rows:
             out = reduction(flat, self.codes, self.scale, self.offset)
         else:
             out = torch.ops.kiln.packed_linear(flat, self.codes, self.scale, self.offset)

@@ -1,14 +1,18 @@
 """`torch.ops.kiln.packed_linear(x, codes, scale, offset)`: `x @ W.T` over a packed weight W, as one op in eager
 mode and in graph mode alike (dynamo keeps it whole inside the pieces, as vLLM keeps its quantized GEMMs).
 
-The op runs the kernel that the kernel table (kiln.compile.packed_kernels) timed fastest on this machine for the
-weight's layout and the call's row count, registered in KERNELS; without one it dequantizes and calls BLAS (the
-reference). The dequantizing reduction, the fastest one- and two-row kernel where it was timed, is defined here:
-compiled by inductor for a static row count, it reads each packed code once and never writes the weight out.
+The op runs the kernels bound to its weight: an engine's kernel plan (kiln.kernels.plan) times candidates on this
+machine and binds the winners to each packed layer's codes (`bind_kernels`, through `PackedLinear.use_kernels`).
+The binding belongs to the weight, not to the process: engines over other models never see it, engines over the
+same model share the same timed choices (kiln.kernels.choices) and so bind the same kernels. A weight nothing
+was bound to runs the reference: dequantize, then BLAS. The dequantizing reduction, the fastest one- and two-row
+kernel where it was timed, is defined here: compiled by inductor for a static row count, it reads each packed
+code once and never writes the weight out.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -17,11 +21,32 @@ from torch import nn
 GEMV_ROWS = 2  # row counts up to this get kernels of their own; more rows share the MANY entry
 MANY = 0
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# (codes shape, codes dtype, scale dtype, rows or MANY) -> kernel(x, codes, scale, offset)
-KERNELS: dict[tuple[torch.Size, torch.dtype, torch.dtype, int], Kernel] = {}
-# the KERNELS keys whose timed winner is the fused reduction: a graph traced for that static row count writes the
-# reduction inline (inductor compiles it into the graph: no op call, no Python between kernels)
-INLINE: set[tuple[torch.Size, torch.dtype, torch.dtype, int]] = set()
+# (codes' address, shape, dtype) -> (the codes, weakly; their kernels by row class: 1..GEMV_ROWS or MANY)
+_BOUND: dict[tuple[int, torch.Size, torch.dtype], tuple[weakref.ref[torch.Tensor], dict[int, Kernel]]] = {}
+
+
+def row_class(rows: int) -> int:
+    """The kernel entry `rows` rows use: their own up to GEMV_ROWS, MANY above."""
+    return rows if rows <= GEMV_ROWS else MANY
+
+
+def _weight_key(codes: torch.Tensor) -> tuple[int, torch.Size, torch.dtype]:
+    return codes.data_ptr(), codes.shape, codes.dtype
+
+
+def bind_kernels(codes: torch.Tensor, kernels: dict[int, Kernel]) -> None:
+    """Run `kernels` (by row class) for every product over these codes. The binding dies with the codes."""
+    _BOUND[_weight_key(codes)] = (weakref.ref(codes), dict(kernels))
+    for key in [k for k, (ref, _) in _BOUND.items() if ref() is None]:
+        del _BOUND[key]
+
+
+def bound_kernel(codes: torch.Tensor, rows: int) -> Kernel:
+    """The kernel bound to these codes for `rows` rows; the dequantize-then-BLAS reference when none is."""
+    entry = _BOUND.get(_weight_key(codes))
+    if entry is None or entry[0]() is None:
+        return dequant_blas
+    return entry[1].get(row_class(rows), dequant_blas)
 
 
 def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -34,17 +59,6 @@ def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
 def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     """`code * scale + offset` per group: [rows, groups, group] in the scale's dtype."""
     return unpack_codes(codes).to(scale.dtype) * scale + offset
-
-
-def kernel_key(codes: torch.Tensor, scale: torch.Tensor, rows: int) -> tuple:
-    return codes.shape, codes.dtype, scale.dtype, rows if rows <= GEMV_ROWS else MANY
-
-
-def inlined(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Whether a graph being traced writes this product inline: a static row count whose winner is the fused
-    reduction (never in eager, where the reduction would materialise the product's every term)."""
-    rows = x.shape[0]
-    return torch.compiler.is_compiling() and isinstance(rows, int) and kernel_key(codes, scale, rows) in INLINE
 
 
 def dequant_blas(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -75,7 +89,7 @@ _LIB.define("packed_linear(Tensor x, Tensor codes, Tensor scale, Tensor offset) 
 
 
 def packed_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    return KERNELS.get(kernel_key(codes, scale, x.shape[0]), dequant_blas)(x, codes, scale, offset)
+    return bound_kernel(codes, x.shape[0])(x, codes, scale, offset)
 
 
 _LIB.impl("packed_linear", packed_linear, "CompositeExplicitAutograd")

@@ -94,13 +94,14 @@ class MemoryPlan(Section):
 
 class Graph(Section):
     piecewise: bool = True
-    mode: Literal["full_and_piecewise", "piecewise", "full", "full_decode_only"] | None = Field(
+    mode: Literal["full_and_piecewise", "piecewise", "full", "full_decode_only", "eager"] | None = Field(
         None,
         description=(
             "Which graphs run (vLLM's cudagraph modes): full_and_piecewise replays a full graph, attention "
             "included, for decode-only steps and the pieces for mixed ones; piecewise only the pieces; "
             "full_decode_only the full graph for decode-only steps, the pieces uncaptured otherwise; full the "
-            "whole forward as one graph. null: full_and_piecewise, or full when piecewise is false."
+            "whole forward as one graph; eager no graph at all. null: full_and_piecewise, or full when piecewise "
+            "is false."
         ),
     )
     splitting_ops: list[str] = Field(default_factory=lambda: ["kiln.attention"])

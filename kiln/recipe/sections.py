@@ -37,7 +37,7 @@ def check_graph(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
                 f"(kiln splits at {' or '.join(SPLITTING_OPS)})"
             )
             out.append(doc.diagnostic("error", message, ("graph", "splitting_ops", i)))
-    if not graph.piecewise and graph.mode not in (None, "full"):
+    if not graph.piecewise and graph.mode not in (None, "full", "eager"):
         message = f"graph.mode {graph.mode} runs pieces, but graph.piecewise is false; drop one of them"
         out.append(doc.diagnostic("error", message, ("graph", "mode")))
     if graph.piecewise and not graph.splitting_ops:

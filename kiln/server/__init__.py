@@ -1,2 +1,15 @@
 """The OpenAI-compatible HTTP server: routes (api.py), request/response shapes (protocol.py, formats.py,
-responses.py), errors for clients (errors.py), Prometheus metrics, the serving loop and its launcher."""
+responses.py), errors for clients (errors.py), Prometheus metrics, the serving loop and its launcher.
+
+api.py         the FastAPI app: OpenAI routes, /health, /metrics, the middleware stack, error handlers, engine lifespan
+cli.py         parsers of `kiln serve` and `kiln loadtest` (handlers: launcher.py, kiln.bench.loadtest)
+errors.py      every failure as OpenAI's error body `{"error": {...}}` with its HTTP status
+formats.py     the two OpenAI response shapes over one serving loop: `text_completion` and `chat.completion`
+launcher.py    start-up and shutdown of `kiln serve`: load the engine, bind uvicorn, exit 0 on SIGINT/SIGTERM
+limits.py      how much work one HTTP request may ask for, and the checks that refuse more before the work is done
+metrics.py     Prometheus metrics on a per-app registry: HTTP requests by status, latency histograms, engine state
+middleware.py  what runs on every HTTP request before a route sees it: a request id, the API key, the body-size limit
+protocol.py    OpenAI request bodies (the fields kiln serves) and their mapping onto SamplingParams
+responses.py   OpenAI response bodies built from RequestOutputs: usage, logprobs in both API shapes, SSE framing
+serving.py     /v1/completions and /v1/chat/completions: validate, tokenize off the event loop, add to engine, answer
+"""

@@ -16,9 +16,10 @@ from kiln.bench.metrics import RunResult, compute_ratios, random_prompts
 from kiln.bench.modes import engine_args_for_mode
 from kiln.bench.report import print_report
 from kiln.engine.args import EngineArgs
+from kiln.errors import ConfigError
 
 SMALL = ["--num-requests", "2", "--num-requests-bs1", "1", "--input-len", "8", "--output-len", "4"]
-SMALL += ["--batch-sizes", "1,2", "--num-kv-blocks", "64"]
+SMALL += ["--batch-sizes", "1,2", "--num-kv-blocks", "64", "--modes", "eager"]
 
 
 def _run(system: str, mode: str, batch_size: int, wall_s: float) -> RunResult:
@@ -54,13 +55,13 @@ def test_random_prompts_are_seeded_and_exact_length() -> None:
 def test_each_mode_sets_its_graph_flags_over_the_users() -> None:
     args = kiln_cli.build_parser().parse_args(["bench", "--enable-piecewise-graph", "--compiler", "eager"])
     eager = engine_args_for_mode(args, "eager")
-    assert not eager.create_engine_config().is_graph_mode  # eager stays eager beside the flag
+    assert not eager.create_engine_config().graph_mode.is_graph  # eager stays eager beside the flag
     for mode in ("piecewise", "full", "full_and_piecewise", "full_decode_only"):
         engine = engine_args_for_mode(args, mode)
         config = engine.create_engine_config()
-        assert config.is_graph_mode and config.graph.mode == mode
+        assert config.graph_mode.is_graph and config.graph.mode == mode
         assert engine.compiler == "eager"  # the other flags are kept
-    assert engine_args_for_mode(args, "full").create_engine_config().graph.is_full_graph
+    assert not engine_args_for_mode(args, "full").create_engine_config().graph.mode.splits_forward
 
 
 def test_graph_mode_flags() -> None:
@@ -68,11 +69,27 @@ def test_graph_mode_flags() -> None:
     default = EngineArgs.from_cli_args(parser.parse_args(["serve", "--enable-piecewise-graph"]))
     assert default.create_engine_config().graph.mode == "full_and_piecewise"
     alias = EngineArgs.from_cli_args(parser.parse_args(["serve", "--full-graph"])).create_engine_config()
-    assert alias.is_graph_mode and alias.graph.mode == "full"
+    assert alias.graph_mode.is_graph and alias.graph.mode == "full"
     named = EngineArgs.from_cli_args(parser.parse_args(["serve", "--graph-mode", "piecewise"])).create_engine_config()
-    assert named.is_graph_mode and named.graph.mode == "piecewise" and not named.graph.full_decode
+    assert named.graph_mode.is_graph and named.graph.mode == "piecewise" and not named.graph.mode.has_full_decode_graph
+    plain = EngineArgs.from_cli_args(parser.parse_args(["serve"])).create_engine_config()
+    assert plain.graph.mode == "full_and_piecewise" and plain.executor == "graph"  # graph mode by default
+    for argv in (["--graph-mode", "eager"], ["--enforce-eager"]):
+        eager = EngineArgs.from_cli_args(parser.parse_args(["serve", *argv])).create_engine_config()
+        assert eager.graph.mode == "eager" and eager.executor == "eager"
+    for argv, message in [
+        (["--enforce-eager", "--graph-mode", "piecewise"], "the graph-mode flags disagree"),
+        (["--full-graph", "--enforce-eager"], "the graph-mode flags disagree"),
+        (["--enable-piecewise-graph", "--enforce-eager"], "--enable-piecewise-graph asks for graph mode"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            EngineArgs.from_cli_args(parser.parse_args(["serve", *argv])).create_engine_config()
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--graph-mode", "full_cudagraph"])
+
+
+def test_the_bench_runs_graph_mode_by_default() -> None:
+    assert kiln_cli.build_parser().parse_args(["bench"]).modes == ["full_and_piecewise"]
 
 
 def test_unknown_mode_is_rejected_by_the_parser() -> None:

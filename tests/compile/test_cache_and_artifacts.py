@@ -39,7 +39,7 @@ def test_cold_then_warm_start(model: torch.nn.Module, shared_cache: Path, caplog
 
 def test_warm_start_with_column_major_weights(tmp_path: Path) -> None:
     """kiln stores CPU layer weights column-major; a cached piece must be checked with those strides, not rejected."""
-    from kiln.executor.layout import COLUMN_MAJOR, set_layer_weight_layout
+    from kiln.kernels.layout import COLUMN_MAJOR, set_layer_weight_layout
     from tests.compile.tiny import tiny_model
 
     model = tiny_model(num_layers=3)

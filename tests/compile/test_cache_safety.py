@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from kiln.compile.cache import ARTIFACT, CacheKey, CompileCache
-from kiln.executor.counters import CompileCounters
+from kiln.compile.counters import CompileCounters
 
 if TYPE_CHECKING:
     from kiln.compile.compiler import PieceCompiler

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from kiln import LLM
-from kiln.compile.executor import GraphExecutor
 from kiln.compile.fusion import FusionReport
 from kiln.compile.fusion_check import FusionGroupError
 from kiln.compile.kernels import kernels_in
 from kiln.compile.settings import graph_config_from
 from kiln.config import FusionGroupConfig
 from kiln.engine.args import EngineArgs
+from kiln.executor.graph import GraphExecutor
 from kiln.log import setup_logging
 from kiln.model.forward_context import ForwardContext, ModelInputs, set_forward_context
 from kiln.recipe import load_recipe

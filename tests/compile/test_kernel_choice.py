@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import kiln.compile.kernel_choice as graph_choice
-import kiln.executor.kernel_choice as choice_module
-from kiln.compile.kernel_choice import REDUCTION, decide
-from kiln.executor.kernel_choice import KernelChoiceCache
-from kiln.executor.layout import COLUMN_MAJOR, ROW_MAJOR, is_column_major
+import kiln.kernels.choices as choice_module
+import kiln.kernels.plan as plan_module
+import kiln.kernels.static_sizes as graph_choice
+from kiln.kernels.choices import KernelChoiceCache
+from kiln.kernels.layout import COLUMN_MAJOR, ROW_MAJOR, is_column_major
+from kiln.kernels.static_sizes import REDUCTION, decide
 from tests.compile.tiny import generate, graph_runner, make_runner, random_prompts, tiny_model
 
 PROMPTS = random_prompts([4, 6])
@@ -30,19 +31,39 @@ def test_the_rule_follows_the_times() -> None:
     assert decide({}) == {"static_sizes": [], "layout": ROW_MAJOR}  # no one-row capture size: nothing to time
 
 
+@pytest.mark.usefixtures("fresh_kernel_choices")
 def test_a_choice_is_timed_once_per_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     measure = lambda: calls.append(1) or {"winner": "a"}  # noqa: E731
     first = KernelChoiceCache(tmp_path).choose("k", {"shape": [2, 2]}, measure)
     again = KernelChoiceCache(tmp_path).choose("k", {"shape": [2, 2]}, measure)
-    assert (first["source"], again["source"], calls) == ("timed", "cache", [1])
+    assert (first["source"], again["source"], calls) == ("timed", "process", [1])
+    choice_module.forget_process_choices()  # a new process: the file answers
+    assert KernelChoiceCache(tmp_path).choose("k", {"shape": [2, 2]}, measure)["source"] == "cache"
     assert KernelChoiceCache(tmp_path).choose("k", {"shape": [4, 2]}, measure)["source"] == "timed"  # another shape
     other = {**choice_module.machine_fingerprint(), "cpu": "another CPU"}
     monkeypatch.setattr(choice_module, "machine_fingerprint", lambda: other)
     assert KernelChoiceCache(tmp_path).choose("k", {"shape": [2, 2]}, measure)["source"] == "timed"
+    choice_module.forget_process_choices()
     (tmp_path / choice_module.CHOICES_FILE).write_text("{not json")  # a corrupt file is timed again, not trusted
     assert KernelChoiceCache(tmp_path).choose("k", {"shape": [2, 2]}, measure)["source"] == "timed"
     assert len(calls) == 4
+
+
+@pytest.mark.usefixtures("fresh_kernel_choices")
+def test_every_engine_of_a_process_reads_the_first_choice(tmp_path: Path) -> None:
+    """Two cache dirs, one process: the second asks and gets the first's winner (never a second timing that might
+    pick the other candidate), and its dir is written so a later process starts warm there too."""
+    winners = iter(["a", "b"])
+    measure = lambda: {"winner": next(winners)}  # noqa: E731
+    first = KernelChoiceCache(tmp_path / "one").choose("k", {"shape": [2, 2]}, measure)
+    second = KernelChoiceCache(tmp_path / "two").choose("k", {"shape": [2, 2]}, measure)
+    assert (first["winner"], second["winner"], second["source"]) == ("a", "a", "process")
+    choice_module.forget_process_choices()
+    assert KernelChoiceCache(tmp_path / "two").choose("k", {"shape": [2, 2]}, measure) == {
+        "winner": "a",
+        "source": "cache",
+    }
 
 
 @pytest.mark.parametrize(
@@ -52,14 +73,15 @@ def test_a_choice_is_timed_once_per_machine(tmp_path: Path, monkeypatch: pytest.
         ({"1": _times(9, 9, 1), "2": _times(9, 9, 1)}, (), True),  # BLAS column-major wins: no static sizes
     ],
 )
+@pytest.mark.usefixtures("fresh_kernel_choices")
 def test_graph_mode_follows_the_choice(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, times: dict, sizes: tuple, column_major: bool
 ) -> None:
     monkeypatch.setattr(graph_choice, "_time_candidates", lambda weight, rows, compiler: times[str(rows)])
     monkeypatch.setattr(
-        graph_choice, "fastest_one_row_layout", _fixed_layout(COLUMN_MAJOR if column_major else ROW_MAJOR)
+        plan_module, "fastest_one_row_layout", _fixed_layout(COLUMN_MAJOR if column_major else ROW_MAJOR)
     )
-    monkeypatch.setattr(graph_choice, "one_row_head", _fixed_head(column_major))
+    monkeypatch.setattr(plan_module, "one_row_head", _fixed_head(column_major))
     model = tiny_model(num_layers=2, seed=3)
     expected = generate(make_runner(model), PROMPTS, 4)
     runner, graph = graph_runner(model, tmp_path, compiler="inductor", compile_sizes=None)
@@ -67,7 +89,7 @@ def test_graph_mode_follows_the_choice(
     assert graph.kernel_choices["static_sizes"]["static_sizes"] == list(sizes)
     layers = [m.weight for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
     assert all(is_column_major(w) == column_major for w in layers)
-    assert (graph.head is not None) == (1 in sizes)
+    assert (graph.logits_head.compiled is not None) == (1 in sizes)
     assert generate(runner, PROMPTS, 4) == expected
     hidden = torch.randn(1, model.config.hidden_size)
     torch.testing.assert_close(graph.compute_logits(hidden, [0]), model.compute_logits(hidden), rtol=1e-5, atol=1e-5)
@@ -85,6 +107,7 @@ def _fixed_head(column_major: bool):
     return head
 
 
+@pytest.mark.usefixtures("fresh_kernel_choices")
 def test_automatic_choice_is_timed_on_this_machine(tmp_path: Path) -> None:
     """No monkeypatching: the candidates run here; the sizes are what the recorded times say."""
     model = tiny_model(num_layers=2, seed=4)
@@ -95,4 +118,4 @@ def test_automatic_choice_is_timed_on_this_machine(tmp_path: Path) -> None:
         assert set(candidates) == {REDUCTION, ROW_MAJOR, COLUMN_MAJOR} and all(t > 0 for t in candidates.values())
     assert list(graph.compile_sizes) == decide(record["times_us"])["static_sizes"] == record["static_sizes"]
     _, again = graph_runner(model, tmp_path, compiler="inductor", compile_sizes=None, capture_sizes=(1, 2, 4))
-    assert again.kernel_choices["static_sizes"]["source"] == "cache" and again.compile_sizes == graph.compile_sizes
+    assert again.kernel_choices["static_sizes"]["source"] == "process" and again.compile_sizes == graph.compile_sizes

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.compile.executor import GraphExecutor
+from kiln.executor.graph import GraphExecutor
 from kiln.model.forward_context import ForwardContext, ModelInputs, set_forward_context
 from tests.compile.tiny import generate, make_runner, prefill_metadata
 

@@ -11,7 +11,7 @@ import torch
 
 from kiln.compile.passes import GEMV_MAX_ROWS
 from kiln.errors import ConfigError
-from kiln.executor.layout import COLUMN_MAJOR, set_layer_weight_layout
+from kiln.kernels.layout import COLUMN_MAJOR, set_layer_weight_layout
 from tests.compile.tiny import generate, graph_runner, make_runner, random_prompts, tiny_model
 
 PROMPTS = random_prompts([5, 3])

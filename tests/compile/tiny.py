@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 
-from kiln.compile.executor import GraphExecutor
 from kiln.compile.settings import graph_config_from
 from kiln.config import ModelConfig, SchedulerConfig
 from kiln.engine.kv_cache import BlockPool
@@ -16,6 +15,7 @@ from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler
 from kiln.executor.base import Executor
 from kiln.executor.eager import EagerExecutor
+from kiln.executor.graph import GraphExecutor
 from kiln.model.forward_context import AttentionMetadata
 from kiln.model.llama import LlamaForCausalLM
 

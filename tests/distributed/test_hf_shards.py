@@ -28,7 +28,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def reference(checkpoint: str) -> list[RequestOutput]:
-    with LLM(checkpoint, seed=0) as llm:
+    with LLM(checkpoint, seed=0, graph_mode="eager") as llm:
         return llm.generate(PROMPTS, GREEDY)
 
 
@@ -52,7 +52,7 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
 
 
 def test_tensor_parallel_reads_parts(checkpoint: str, reference: list[RequestOutput], reads: dict[str, str]) -> None:
-    with LLM(checkpoint, seed=0, tensor_parallel_size=2) as llm:
+    with LLM(checkpoint, seed=0, tensor_parallel_size=2, graph_mode="eager") as llm:
         outputs = llm.generate(PROMPTS, GREEDY)
     assert_same(outputs, reference, 1e-4)
     split = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens", "lm_head")
@@ -64,7 +64,7 @@ def test_tensor_parallel_reads_parts(checkpoint: str, reference: list[RequestOut
 def test_pipeline_stage_reads_its_layers_only(
     checkpoint: str, reference: list[RequestOutput], reads: dict[str, str]
 ) -> None:
-    with LLM(checkpoint, seed=0, pipeline_parallel_size=2) as llm:
+    with LLM(checkpoint, seed=0, pipeline_parallel_size=2, graph_mode="eager") as llm:
         outputs = llm.generate(PROMPTS, GREEDY)
     assert_same(outputs, reference, 1e-4)
     assert any(n.startswith("model.layers.0.") for n in reads)

@@ -23,7 +23,9 @@ def reference(llm: LLM) -> list[RequestOutput]:
 
 
 def test_eager_stages_match_one_process(reference: list[RequestOutput]) -> None:
-    with LLM("default", dtype="float32", seed=0, quantization="none", pipeline_parallel_size=2) as llm:
+    with LLM(
+        "default", dtype="float32", seed=0, quantization="none", pipeline_parallel_size=2, graph_mode="eager"
+    ) as llm:
         model = llm.engine.model
         assert model.model.norm is None and model.lm_head is None  # the last stage's, not rank 0's
         assert [i for i, layer in enumerate(model.model.layers) if hasattr(layer, "mlp")] == list(range(15))
@@ -42,7 +44,9 @@ def test_eager_stages_match_one_process(reference: list[RequestOutput]) -> None:
 def test_steps_in_flight_keep_both_stages_busy_and_survive_an_abort(reference: list[RequestOutput]) -> None:
     """Rank 0 launches a step of half the requests while stage 1 runs the other half's: the tokens are one
     process's. A request aborted while its step is in flight loses nothing of the others, and frees its blocks."""
-    with LLM("default", dtype="float32", seed=0, quantization="none", pipeline_parallel_size=2) as llm:
+    with LLM(
+        "default", dtype="float32", seed=0, quantization="none", pipeline_parallel_size=2, graph_mode="eager"
+    ) as llm:
         engine = llm.engine
         assert engine.pipeline is not None and engine.runner.micro_batches == 1
         assert_same(llm.generate(PROMPTS, GREEDY), reference, 1e-4)

@@ -27,7 +27,9 @@ def reference(llm: LLM) -> list[RequestOutput]:
 
 @pytest.fixture(scope="module")
 def tp_eager() -> Iterator[LLM]:
-    with LLM("default", dtype="float32", seed=0, quantization="none", tensor_parallel_size=2) as llm:
+    with LLM(
+        "default", dtype="float32", seed=0, quantization="none", tensor_parallel_size=2, graph_mode="eager"
+    ) as llm:
         yield llm
     assert rank_state() is None  # closing left the process group: this process is one device again
 
@@ -70,7 +72,7 @@ def test_step_communication_volume(tp_eager: LLM) -> None:
 
 def test_one_multi_device_engine_at_a_time(tp_eager: LLM) -> None:
     with pytest.raises(ConfigError, match="already running in this process"):
-        LLM("default", quantization="none", tensor_parallel_size=2)
+        LLM("default", quantization="none", tensor_parallel_size=2, graph_mode="eager")
     assert tp_eager.generate(["Still"], SamplingParams(max_tokens=2, temperature=0))[0].finish_reason == "length"
 
 

@@ -79,13 +79,14 @@ def test_flags_parse_into_the_config() -> None:
     argv = ["generate", "--prompt", "x", "--capture-sizes", "1,4", "--compile-sizes", "none", "--compiler", "eager"]
     argv += ["--max-num-seqs", "3", "--no-enable-chunked-prefill", "--enable-piecewise-graph", "--seed", "7"]
     config = EngineArgs.from_cli_args(cli.build_parser().parse_args(argv)).create_engine_config()
-    assert config.is_graph_mode and config.executor == "graph" and config.seed == 7
+    assert config.graph_mode.is_graph and config.executor == "graph" and config.seed == 7
     assert (
         config.graph.capture_sizes == (1, 4) and config.graph.compile_sizes == () and config.graph.compiler == "eager"
     )
     assert config.scheduler.max_num_seqs == 3 and not config.scheduler.enable_chunked_prefill
     assert EngineArgs().create_engine_config() == EngineConfig()  # the defaults agree
-    assert EngineArgs().create_engine_config().executor == "eager"
+    assert EngineArgs().create_engine_config().executor == "graph"  # graph mode is the default
+    assert EngineArgs(graph_mode="eager").create_engine_config().executor == "eager"
 
 
 def test_bad_flag_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,12 +9,17 @@ import sys
 KILN = [sys.executable, "-m", "kiln.cli"]
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*KILN, *args], capture_output=True, text=True, timeout=300)
+def run(*args: str, eager: bool = True) -> subprocess.CompletedProcess:
+    """`kiln ARGS` (with `--graph-mode eager` after the subcommand unless `eager` is False: graph mode is the
+    default, and only the first test is about what the default runs)."""
+    argv = [args[0], "--graph-mode", "eager", *args[1:]] if eager else list(args)
+    return subprocess.run([*KILN, *argv], capture_output=True, text=True, timeout=600)
 
 
 def test_generate_json_has_the_fields() -> None:
-    proc = run("generate", "--prompt", "The capital of France is", "--prompt", "2 + 2 =", "--max-tokens", "6", "--json")
+    """The default command line: graph mode (full_and_piecewise) on the default model."""
+    argv = ["--prompt", "The capital of France is", "--prompt", "2 + 2 =", "--max-tokens", "6", "--json"]
+    proc = run("generate", *argv, eager=False)
     assert proc.returncode == 0, proc.stderr
     records = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [r["prompt"] for r in records] == ["The capital of France is", "2 + 2 ="]
@@ -23,6 +28,7 @@ def test_generate_json_has_the_fields() -> None:
         assert 1 <= len(r["token_ids"]) <= 6 and r["num_prompt_tokens"] > 0
         assert r["finish_reason"] in ("stop", "length")
     assert "Paris" in records[0]["text"]
+    assert "Graph mode ready in" in proc.stderr and "(full_and_piecewise)" in proc.stderr
 
 
 def test_missing_model_is_one_line_without_traceback() -> None:
@@ -47,7 +53,7 @@ def test_bad_sampling_flag_is_a_clear_error() -> None:
 
 def test_chat_streams_replies_and_keeps_history() -> None:
     proc = subprocess.run(
-        [*KILN, "chat", "--max-tokens", "8"],
+        [*KILN, "chat", "--graph-mode", "eager", "--max-tokens", "8"],
         input="What is the capital of France?\n/reset\nSay hi.\n",
         capture_output=True,
         text=True,

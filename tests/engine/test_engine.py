@@ -32,7 +32,7 @@ def test_batch_invariance(llm: LLM, alone: list[list[int]]) -> None:
 
 
 def test_chunked_prefill_and_mixed_batches_match() -> None:
-    small = LLM("default", max_num_batched_tokens=7)  # forces prompt chunks mixed with decodes
+    small = LLM("default", max_num_batched_tokens=7, graph_mode="eager")  # forces prompt chunks mixed with decodes
     steps_with_mix = 0
     engine = small.engine
     for i, p in enumerate(PROMPTS):
@@ -46,14 +46,16 @@ def test_chunked_prefill_and_mixed_batches_match() -> None:
         for out in engine.update(sched, result):
             if out.finished:
                 tokens[out.request_id] = out.token_ids
-    reference = LLM("default").generate(PROMPTS, GREEDY)
+    reference = LLM("default", graph_mode="eager").generate(PROMPTS, GREEDY)
     assert [tokens[str(i)] for i in range(len(PROMPTS))] == [r.token_ids for r in reference]
     assert steps_with_mix > 0
     assert engine.pool.num_used_blocks == 0
 
 
 def test_preemption_under_tiny_block_budget(alone: list[list[int]]) -> None:
-    tiny = LLM("default", block_size=4, num_kv_blocks=14)  # 56 tokens: only a few prompts fit at once
+    tiny = LLM(
+        "default", block_size=4, num_kv_blocks=14, graph_mode="eager"
+    )  # 56 tokens: only a few prompts fit at once
     outs = tiny.generate(PROMPTS, GREEDY)
     assert tiny.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == alone
@@ -145,7 +147,7 @@ def test_stop_token_ids_and_max_tokens(llm: LLM, alone: list[list[int]]) -> None
 
 
 def test_prompt_over_max_model_len_fails_only_that_request() -> None:
-    short = LLM("default", max_model_len=64)
+    short = LLM("default", max_model_len=64, graph_mode="eager")
     outs = short.generate(["word " * 80, PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0))
     assert outs[0].finish_reason == "error"
     assert "max_model_len=64" in outs[0].error and "+ max_tokens (8)" in outs[0].error
@@ -168,7 +170,7 @@ def test_bad_requests_are_refused_with_the_field(llm: LLM) -> None:
 
 
 def test_kv_cache_too_small_for_request_is_refused() -> None:
-    small = LLM("default", num_kv_blocks=2, block_size=4)
+    small = LLM("default", num_kv_blocks=2, block_size=4, graph_mode="eager")
     out = small.generate(PROMPTS[0], SamplingParams(max_tokens=20))[0]
     assert out.finish_reason == "error" and "KV blocks" in out.error
 

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import kiln.executor.eager as eager_module
+import kiln.kernels.plan as plan_module
 from kiln.config import CacheConfig, EngineConfig
 from kiln.engine.core import EngineCore
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import RequestError
 from kiln.executor.eager import EagerExecutor
-from kiln.executor.layout import COLUMN_MAJOR, ROW_MAJOR, is_column_major
+from kiln.kernels.layout import COLUMN_MAJOR, ROW_MAJOR, is_column_major
 from kiln.model.forward_context import ModelInputs
 from tests.compile.tiny import make_runner, prefill_metadata, tiny_model
 
@@ -23,13 +23,14 @@ def _layer_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     return [m.weight for layer in model.model.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
 
 
+@pytest.mark.usefixtures("fresh_kernel_choices")
 @pytest.mark.parametrize("winner", [ROW_MAJOR, COLUMN_MAJOR])
 def test_eager_keeps_the_layout_its_timing_chose(monkeypatch: pytest.MonkeyPatch, winner: str) -> None:
     """Whichever layout the timing says is faster is the one the weights end up in; the numbers do not change."""
     record = {"winner": winner, "times_us": {ROW_MAJOR: 1.0, COLUMN_MAJOR: 1.0}, "source": "timed"}
-    monkeypatch.setattr(eager_module, "fastest_one_row_layout", lambda w, cache: record)
+    monkeypatch.setattr(plan_module, "fastest_one_row_layout", lambda w, cache: record)
     head = (lambda w, cache: (w.detach().t().contiguous(), record)) if winner == COLUMN_MAJOR else None
-    monkeypatch.setattr(eager_module, "one_row_head", head or (lambda w, cache: (None, record)))
+    monkeypatch.setattr(plan_module, "one_row_head", head or (lambda w, cache: (None, record)))
     model = tiny_model(num_layers=2)
     before = {n: p.clone() for n, p in model.named_parameters()}
     hidden = torch.randn(3, model.config.hidden_size)
@@ -40,9 +41,10 @@ def test_eager_keeps_the_layout_its_timing_chose(monkeypatch: pytest.MonkeyPatch
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
     torch.testing.assert_close(executor.compute_logits(hidden, [1]), want[1:2], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(executor.compute_logits(hidden, [0, 2]), want[0::2], rtol=0, atol=0)
-    assert set(executor.kernel_choices) == {"decoder", "lm_head"}
+    assert set(executor.kernel_choices) == {"decoder_layout", "lm_head"}
 
 
+@pytest.mark.usefixtures("fresh_kernel_choices")
 def test_eager_timing_runs_on_this_machine(tmp_path: Path) -> None:
     model = tiny_model(num_layers=1)
     executor = EagerExecutor(cache_dir=str(tmp_path))
@@ -51,8 +53,8 @@ def test_eager_timing_runs_on_this_machine(tmp_path: Path) -> None:
         times = record["times_us"]
         assert record["source"] == "timed" and set(times) == {ROW_MAJOR, COLUMN_MAJOR}
         assert all(t > 0 for t in times.values()) and record["winner"] == min(times, key=times.__getitem__)
-    layers = _layer_weights(model)
-    assert all(is_column_major(w) == (executor.kernel_choices["decoder"]["winner"] == COLUMN_MAJOR) for w in layers)
+    column_major = executor.kernel_choices["decoder_layout"]["winner"] == COLUMN_MAJOR
+    assert all(is_column_major(w) == column_major for w in _layer_weights(model))
 
 
 def test_keep_layout_changes_nothing() -> None:

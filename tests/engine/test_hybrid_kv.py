@@ -40,7 +40,7 @@ def assert_hf_greedy(hf: torch.nn.Module, prompt: list[int], tokens: list[int]) 
 
 
 def test_budget_split_gives_the_global_layers_what_the_window_does_not_need(gemma) -> None:
-    llm = LLM(str(gemma[0]), kv_cache_memory_gb=0.001, **SMALL)
+    llm = LLM(str(gemma[0]), kv_cache_memory_gb=0.001, graph_mode="eager", **SMALL)
     model, engine = llm.engine.model, llm.engine
     bytes_per_block_layer = 2 * 2 * 16 * 4 * BLOCK  # K and V, 2 KV heads of 16 fp32 values, per token of a block
     uniform = int(0.001 * 1e9) // (bytes_per_block_layer * 4)  # what each of the 4 layers would get without the split
@@ -59,11 +59,7 @@ def test_budget_split_gives_the_global_layers_what_the_window_does_not_need(gemm
 def test_sliding_blocks_stay_within_the_window_in_every_mode(gemma, mode: str) -> None:
     path, hf = gemma
     graph = {} if mode == "eager" else dict(compiler="eager", capture_sizes=(1, 2))
-    if mode == "full_and_piecewise":
-        graph["enable_piecewise_graph"] = True
-    elif mode == "piecewise":
-        graph["graph_mode"] = "piecewise"
-    llm = LLM(str(path), num_kv_blocks=64, **SMALL, **graph)
+    llm = LLM(str(path), num_kv_blocks=64, graph_mode=mode, **SMALL, **graph)
     tokens, (global_live, window_live) = generate_stepwise(llm, LONG, GREEDY)
     assert_hf_greedy(hf, LONG, tokens)
     assert global_live == -(-(len(LONG) + len(tokens) - 1) // BLOCK)  # every computed token's block
@@ -80,7 +76,7 @@ def test_a_sequence_longer_than_the_sliding_pool(gemma) -> None:
     """60 tokens against a sliding pool of 10 blocks (40 tokens): 2 sequences x (3 live + 1 new) blocks, plus the 2
     of an 8-token step; released blocks are reused by the same sequence."""
     path, hf = gemma
-    llm = LLM(str(path), num_kv_blocks=64, **SMALL)
+    llm = LLM(str(path), num_kv_blocks=64, graph_mode="eager", **SMALL)
     assert llm.engine.window_pool.num_blocks == 10
     out = llm.generate(LONG, GREEDY)[0]
     assert out.error is None and len(LONG) + len(out.token_ids) > 10 * BLOCK
@@ -92,7 +88,9 @@ def test_preemption_releases_both_pools(gemma) -> None:
     """Three sequences of 43 tokens (11 blocks each) in a global pool of 24: some are preempted and recomputed."""
     path, hf = gemma
     prompts = [SHORT[:3], SHORT[3:6], LONG[:3]]
-    llm = LLM(str(path), num_kv_blocks=24, block_size=BLOCK, max_num_seqs=3, max_num_batched_tokens=8)
+    llm = LLM(
+        str(path), num_kv_blocks=24, block_size=BLOCK, max_num_seqs=3, max_num_batched_tokens=8, graph_mode="eager"
+    )
     outs = llm.generate(prompts, GREEDY)
     engine = llm.engine
     assert engine.scheduler.num_preemptions > 0

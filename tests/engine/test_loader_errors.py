@@ -292,7 +292,18 @@ def break_hf_config(directory: Path) -> None:
 def test_cli_reports_bad_checkpoint_in_one_line(hf_dir: Path, break_model: Callable[[Path], None]) -> None:
     break_model(hf_dir)
     result = subprocess.run(
-        [sys.executable, "-m", "kiln.cli", "generate", "--model", str(hf_dir), "--prompt", "hi"],
+        [
+            sys.executable,
+            "-m",
+            "kiln.cli",
+            "generate",
+            "--graph-mode",
+            "eager",
+            "--model",
+            str(hf_dir),
+            "--prompt",
+            "hi",
+        ],
         capture_output=True,
         text=True,
         timeout=300,

@@ -18,7 +18,7 @@ PROMPT = [5, 17, 42, 7, 99, 3, 61, 250, 11]
 
 
 def kiln_prompt_logits(model_path: str, ids: list[int]) -> torch.Tensor:
-    llm = LLM(model_path, num_kv_blocks=16)
+    llm = LLM(model_path, num_kv_blocks=16, graph_mode="eager")
     engine = llm.engine
     engine.add_request("r", ids, SamplingParams(max_tokens=1, temperature=0))
     inputs = engine.runner.prepare(engine.scheduler.schedule())
@@ -131,8 +131,10 @@ def test_unsupported_hf_architecture(tmp_path: Path) -> None:
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_dtypes_run(tmp_path: Path, dtype: str) -> None:
     write_hf_model(tmp_path, "llama")
-    ref = LLM(str(tmp_path), num_kv_blocks=16).generate(PROMPT, SamplingParams(max_tokens=4, temperature=0))[0]
-    out = LLM(str(tmp_path), dtype=dtype, num_kv_blocks=16).generate(
+    ref = LLM(str(tmp_path), num_kv_blocks=16, graph_mode="eager").generate(
+        PROMPT, SamplingParams(max_tokens=4, temperature=0)
+    )[0]
+    out = LLM(str(tmp_path), dtype=dtype, num_kv_blocks=16, graph_mode="eager").generate(
         PROMPT, SamplingParams(max_tokens=4, temperature=0)
     )
     assert out[0].finish_reason == "length" and len(out[0].token_ids) == 4

@@ -12,7 +12,7 @@ RECIPE = Path(__file__).parents[2] / "recipes" / "smollm2-135m.yaml"
 def eager_recipe(tmp_path: Path, seq_len_bound: int) -> Path:
     text = RECIPE.read_text()
     text = text.replace("seq_len <= 2048", f"seq_len <= {seq_len_bound}")
-    text = text.replace("piecewise: true", "piecewise: false")
+    text = text.replace("piecewise: true", "piecewise: true, mode: eager")
     text = text.replace("silu, mul]}", "silu, mul], required: false}")  # eager runs generate no code to fuse
     path = tmp_path / "recipe.yaml"
     path.write_text(text)
@@ -30,4 +30,4 @@ def test_guard_violation_fails_only_that_request(tmp_path: Path) -> None:
     assert outs[0].error.startswith(f"{path}:{line}: seq_len <= 64 violated: got seq_len=")
     assert "(request " in outs[0].error
     assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 8
-    assert not llm.engine.config.enable_piecewise_graph
+    assert llm.engine.config.graph_mode == "eager" and llm.engine.executor.name == "eager"

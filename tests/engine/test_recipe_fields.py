@@ -12,6 +12,7 @@ from kiln import LLM, SamplingParams
 from kiln.compile.fusion_check import FusionGroupError
 from kiln.engine.args import EngineArgs
 from kiln.quant.linear import PackedLinear
+from kiln.recipe.diagnostics import RecipeError
 
 FIELDS = """\
 recipe_version: 1
@@ -39,7 +40,7 @@ def test_graph_fields_and_device_reach_the_engine_config(tmp_path: Path, caplog:
     assert "sets device=cpu (was cuda)" in caplog.text
     graph = config.graph
     assert (graph.capture_sizes, graph.compile_sizes, graph.compiler, graph.debug) == ((1, 2, 8), (1,), "inductor", 1)
-    assert config.enable_piecewise_graph
+    assert config.graph_mode == "full_and_piecewise" and config.executor == "graph"
     assert (config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs, config.max_model_len) == (
         512,
         8,
@@ -112,3 +113,32 @@ def test_all_ops_quantized_is_checked_against_the_loaded_weights(
         f"{path}:6: fusion group mlp claims all_ops_quantized: int4, but gate_proj runs {runs} "
         "(model.layers.0.mlp.gate_up_proj); set quantization.weights, or drop the claim"
     )
+
+
+@pytest.mark.parametrize(
+    "graph,mode",
+    [
+        ("piecewise: false, mode: full", "full"),  # once validated and then run eagerly
+        ("piecewise: false", "full"),  # no split: the whole forward is one graph
+        ("piecewise: true", "full_and_piecewise"),
+        ("piecewise: true, mode: piecewise", "piecewise"),
+        ("piecewise: true, mode: full_decode_only", "full_decode_only"),
+        ("piecewise: true, mode: full_and_piecewise", "full_and_piecewise"),
+        ("mode: eager", "eager"),
+        ("piecewise: false, mode: eager", "eager"),
+    ],
+)
+def test_the_recipe_alone_names_the_graph_mode(tmp_path: Path, graph: str, mode: str) -> None:
+    """No graph flag at all: the recipe's mode is what the engine builds (its executor included)."""
+    path = Path(write(tmp_path))
+    path.write_text(path.read_text().replace("piecewise: false", graph))
+    config = EngineArgs(recipe=str(path)).create_engine_config()
+    assert config.graph_mode == mode and config.executor == ("eager" if mode == "eager" else "graph")
+
+
+def test_a_recipe_mode_that_runs_pieces_without_piecewise_is_refused_at_its_line(tmp_path: Path) -> None:
+    path = Path(write(tmp_path))
+    path.write_text(path.read_text().replace("piecewise: false", "piecewise: false, mode: piecewise"))
+    line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if t.startswith("graph:"))
+    with pytest.raises(RecipeError, match=rf"{path}:{line}:\d+: error: graph.mode piecewise runs pieces"):
+        EngineArgs(recipe=str(path)).create_engine_config()

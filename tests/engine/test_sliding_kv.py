@@ -87,7 +87,7 @@ def test_max_decode_blocks_is_the_most_a_decode_holds(window: int) -> None:
 
 
 def test_generation_matches_hf_within_few_live_blocks(mistral: tuple[Path, torch.nn.Module], expected) -> None:
-    llm = LLM(str(mistral[0]), block_size=BLOCK, num_kv_blocks=64)
+    llm = LLM(str(mistral[0]), block_size=BLOCK, num_kv_blocks=64, graph_mode="eager")
     assert llm.engine.scheduler.window == WINDOW
     tokens, (most_live,) = generate_stepwise(llm, PROMPT)
     assert tokens == expected["short"]
@@ -98,7 +98,7 @@ def test_generation_matches_hf_within_few_live_blocks(mistral: tuple[Path, torch
 @pytest.mark.parametrize("prompt", ["short", "long"])
 def test_pool_smaller_than_the_sequence(mistral: tuple[Path, torch.nn.Module], expected, prompt: str) -> None:
     """8 blocks of 4 = 32 tokens for 73 (or 105) tokens: the long prompt is prefilled in chunks the pool holds."""
-    llm = LLM(str(mistral[0]), block_size=BLOCK, num_kv_blocks=8)
+    llm = LLM(str(mistral[0]), block_size=BLOCK, num_kv_blocks=8, graph_mode="eager")
     out = llm.generate(PROMPT if prompt == "short" else LONG_PROMPT, GREEDY)[0]
     assert out.error is None and out.token_ids == expected[prompt]
     assert llm.engine.scheduler.num_preemptions == 0
@@ -108,7 +108,7 @@ def test_pool_smaller_than_the_sequence(mistral: tuple[Path, torch.nn.Module], e
 def test_preemption_and_recompute_under_a_window(mistral: tuple[Path, torch.nn.Module]) -> None:
     """Three sequences in 7 blocks (a decode holds up to 3): they are preempted and recomputed, and still match."""
     prompts = [PROMPT[:3], PROMPT[3:6], LONG_PROMPT[:3]]
-    llm = LLM(str(mistral[0]), block_size=BLOCK, num_kv_blocks=7)
+    llm = LLM(str(mistral[0]), block_size=BLOCK, num_kv_blocks=7, graph_mode="eager")
     outs = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == [hf_greedy(mistral[1], p) for p in prompts]
@@ -123,7 +123,9 @@ def test_a_global_layer_keeps_every_block_and_the_sliding_one_its_window(
     path = tmp_path / "mixed"
     shutil.copytree(mistral[0], path)
     rewrite_config(path, {"layer_types": ["sliding_attention", "full_attention"]})
-    llm = LLM(str(path), block_size=BLOCK, num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=16)
+    llm = LLM(
+        str(path), block_size=BLOCK, num_kv_blocks=64, max_num_seqs=2, max_num_batched_tokens=16, graph_mode="eager"
+    )
     engine = llm.engine
     assert engine.scheduler.window == WINDOW and engine.window_pool is not None
     # 2 sequences x (3 live + 1 new) blocks + 16 tokens of one step = 12 blocks for the sliding layer, plus its null

@@ -87,7 +87,7 @@ def recorded_run(llm: LLM, prompts: list[str], max_tokens: int) -> tuple[list, l
 
 @pytest.fixture(scope="module")
 def unconstrained() -> LLM:
-    return LLM(num_kv_blocks=256)
+    return LLM(num_kv_blocks=256, graph_mode="eager")
 
 
 def test_a_lone_five_token_request_runs_padded_and_unchanged(tmp_path: Path, unconstrained: LLM) -> None:

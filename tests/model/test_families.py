@@ -47,7 +47,9 @@ def test_logits_and_greedy_decode_match_transformers(tmp_path: Path, family: str
             assert (logits - expected).abs().max().item() < 1e-4
         # decode steps past the window: HF's greedy continuation
         expected_tokens = hf.generate(torch.tensor([LONG]), max_new_tokens=8, do_sample=False)[0, len(LONG) :]
-    out = LLM(str(tmp_path), num_kv_blocks=32).generate([LONG], SamplingParams(max_tokens=8, temperature=0))
+    out = LLM(str(tmp_path), num_kv_blocks=32, graph_mode="eager").generate(
+        [LONG], SamplingParams(max_tokens=8, temperature=0)
+    )
     assert out[0].token_ids == expected_tokens.tolist()
 
 
@@ -56,7 +58,7 @@ def test_piecewise_gives_eager_tokens_and_identical_layers_compile_once(tmp_path
     write_family(tmp_path, family)
     params = SamplingParams(max_tokens=6, temperature=0)
     prompts = [LONG, SHORT]
-    eager = [o.token_ids for o in LLM(str(tmp_path), num_kv_blocks=32).generate(prompts, params)]
+    eager = [o.token_ids for o in LLM(str(tmp_path), num_kv_blocks=32, graph_mode="eager").generate(prompts, params)]
     graph = LLM(str(tmp_path), num_kv_blocks=32, graph_mode="piecewise", compiler="eager", capture_sizes=(1, 2, 4))
     assert [o.token_ids for o in graph.generate(prompts, params)] == eager
     counters = graph.engine.executor.counters
@@ -67,7 +69,7 @@ def test_piecewise_gives_eager_tokens_and_identical_layers_compile_once(tmp_path
 
 def test_the_checkpoint_family_is_read_from_config_json(tmp_path: Path) -> None:
     write_family(tmp_path, "qwen2_moe")
-    config = LLM(str(tmp_path), num_kv_blocks=32).engine.model.config
+    config = LLM(str(tmp_path), num_kv_blocks=32, graph_mode="eager").engine.model.config
     assert (config.architecture, config.num_experts, config.num_experts_per_tok) == ("qwen2_moe", 4, 2)
     assert config.extra["shared_expert_intermediate_size"] == 64
     assert config.attention_bias and not config.extra["norm_topk_prob"]
@@ -89,7 +91,7 @@ def test_moe_layers_sit_in_captured_pieces_and_no_routing_recompiles(
     write_family(tmp_path, "qwen3_moe")
     params = SamplingParams(max_tokens=6, temperature=0)
     prompts = [LONG, SHORT, LONG[:5]]
-    eager = LLM(str(tmp_path), num_kv_blocks=32)
+    eager = LLM(str(tmp_path), num_kv_blocks=32, graph_mode="eager")
     graph = LLM(str(tmp_path), num_kv_blocks=32, graph_mode="piecewise", capture_sizes=(1, 2, 4))
     executor = graph.engine.executor
     assert all(any(str(n.target) == "kiln.moe" for n in p.graph.graph.nodes) for p in executor.pieces[1:])
@@ -117,7 +119,9 @@ def test_the_debugger_diffs_a_family_boundary_by_boundary(tmp_path: Path, family
     from kiln.engine.args import EngineArgs
 
     write_family(tmp_path, family)
-    options = EngineArgs(model=str(tmp_path), compiler="eager", capture_sizes=(1, 2, 4, 8), num_kv_blocks=32)
+    options = EngineArgs(
+        model=str(tmp_path), compiler="eager", capture_sizes=(1, 2, 4, 8), num_kv_blocks=32, graph_mode="eager"
+    )
     session = DebugSession.open(options)
     reference = build_reference(session, LONG[:11], 4)
     report = run_diff(session, reference, "captured")

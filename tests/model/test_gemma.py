@@ -91,7 +91,7 @@ def test_prefill_logits_and_decode_logprobs_match_transformers(tmp_path: Path, f
     hf = write_gemma(tmp_path, family)
     got = kiln_batch_logits(str(tmp_path), [LONG, SHORT])
     params = SamplingParams(max_tokens=5, temperature=0, logprobs=20, ignore_eos=True)
-    llm = LLM(str(tmp_path), num_kv_blocks=32)
+    llm = LLM(str(tmp_path), num_kv_blocks=32, graph_mode="eager")
     # a batch of two decodes and one alone: one-row logits, for which executors may take a fast head of their own
     outs = [*llm.generate([LONG, SHORT], params), *llm.generate([LONG], params)]
     with torch.no_grad():
@@ -142,7 +142,9 @@ def test_legacy_configs_take_hf_default_layer_patterns_and_rotary_settings() -> 
 def test_graph_modes_give_eager_tokens_and_pieces_compile_once_per_structure(tmp_path: Path, family: str) -> None:
     write_gemma(tmp_path, family)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    eager = [o.token_ids for o in LLM(str(tmp_path), num_kv_blocks=32).generate([LONG, SHORT], params)]
+    eager = [
+        o.token_ids for o in LLM(str(tmp_path), num_kv_blocks=32, graph_mode="eager").generate([LONG, SHORT], params)
+    ]
     graph = LLM(str(tmp_path), num_kv_blocks=32, graph_mode="piecewise", compiler="eager", capture_sizes=(1, 2, 4))
     assert [o.token_ids for o in graph.generate([LONG, SHORT], params)] == eager
     counters = graph.engine.executor.counters

@@ -65,7 +65,7 @@ def reference_logits(directory: Path, ids: list[int], double_norm: bool = False)
 
 
 def test_a_registered_architecture_matches_its_reference(checkpoint: Path) -> None:
-    engine = LLM(str(checkpoint), num_kv_blocks=16).engine
+    engine = LLM(str(checkpoint), num_kv_blocks=16, graph_mode="eager").engine
     assert type(engine.model).__name__ == "ParallelLMForCausalLM"
     assert engine.model.config.architecture == "parallel_lm" and engine.model.config.extra["parallel_residual"]
     assert (prompt_logits(engine, PROMPT) - reference_logits(checkpoint, PROMPT)).abs().max().item() < 1e-4
@@ -79,7 +79,10 @@ def prompt_logits(engine: object, ids: list[int]) -> torch.Tensor:
 
 def test_a_registered_architecture_runs_piecewise_with_eager_tokens(checkpoint: Path) -> None:
     params = SamplingParams(max_tokens=6, temperature=0)
-    eager = [o.token_ids for o in LLM(str(checkpoint), num_kv_blocks=16).generate([PROMPT, PROMPT[:4]], params)]
+    eager = [
+        o.token_ids
+        for o in LLM(str(checkpoint), num_kv_blocks=16, graph_mode="eager").generate([PROMPT, PROMPT[:4]], params)
+    ]
     graph = LLM(str(checkpoint), num_kv_blocks=16, graph_mode="piecewise", compiler="eager", capture_sizes=(1, 2))
     assert [o.token_ids for o in graph.generate([PROMPT, PROMPT[:4]], params)] == eager
     graph.engine.executor.counters.expect(pieces_seen=4, pieces_compiled=3)
@@ -105,7 +108,7 @@ def test_a_model_class_defined_here_registers_and_loads(checkpoint: Path, tmp_pa
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors").symlink_to(checkpoint / "model.safetensors")
     (tmp_path / "tokenizer.json").symlink_to(checkpoint / "tokenizer.json")
-    engine = LLM(str(tmp_path), num_kv_blocks=16).engine
+    engine = LLM(str(tmp_path), num_kv_blocks=16, graph_mode="eager").engine
     assert type(engine.model) is DoubleNormLM and engine.model.config.architecture == "DoubleNormLM"
     got = prompt_logits(engine, PROMPT)
     assert (got - reference_logits(checkpoint, PROMPT, double_norm=True)).abs().max().item() < 1e-4

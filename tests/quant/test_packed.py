@@ -15,9 +15,9 @@ from kiln import LLM, SamplingParams
 from kiln.compile.compiler import make_compiler
 from kiln.compile.full_graph import STATIC_SIZES
 from kiln.compile.kernels import kernels_in
-from kiln.compile.packed_kernels import COMPILED_DEQUANT, DEQUANT_BLAS, FUSED, INT4PACK, PackedKernelTable
 from kiln.errors import ConfigError
-from kiln.executor.kernel_choice import KernelChoiceCache
+from kiln.kernels.choices import KernelChoiceCache
+from kiln.kernels.packed import COMPILED_DEQUANT, DEQUANT_BLAS, FUSED, INT4PACK, PackedKernelTable
 from kiln.model.loader import resolve_model_path
 from kiln.model.registry import resident_weight_bytes
 from kiln.quant.gguf_blocks import PACKED_TYPES, decode_blocks, layout_of
@@ -130,7 +130,7 @@ def test_packed_linear_fills_fused_rows_and_multiplies_like_linear() -> None:
 
 @pytest.fixture(scope="module")
 def packed_llm() -> LLM:
-    return LLM(quantization="packed", num_kv_blocks=256)
+    return LLM(quantization="packed", num_kv_blocks=256, graph_mode="eager")
 
 
 def test_packed_model_holds_less_memory_and_logits_match(packed_llm: LLM, llm: LLM) -> None:
@@ -218,9 +218,10 @@ def test_packed_graph_mode_with_only_batch_1_captured(tmp_path: Path, llm: LLM) 
 
 def test_packed_needs_a_gguf(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--quantization packed keeps a block-quantized GGUF's weights packed"):
-        LLM(str(_tiny_hf_dir(tmp_path)), quantization="packed")
+        LLM(str(_tiny_hf_dir(tmp_path)), quantization="packed", graph_mode="eager")
 
 
+@pytest.mark.usefixtures("fresh_kernel_choices")
 def test_the_table_times_each_shape_once_picks_the_fastest_and_is_cached(tmp_path: Path) -> None:
     model = torch.nn.Sequential(PackedLinear(64, 96, bits=4), PackedLinear(64, 96, bits=4), PackedLinear(96, 64))
     for i, layer in enumerate(model):
@@ -241,7 +242,7 @@ def test_the_table_times_each_shape_once_picks_the_fastest_and_is_cached(tmp_pat
         for rows, times in record["times_us"].items():
             assert record["winners"][rows] == min(times, key=times.__getitem__) and min(times.values()) > 0
     again = PackedKernelTable(model, make_compiler("inductor"), KernelChoiceCache(tmp_path))
-    assert all(r["source"] == "cache" for r in again.records.values())
+    assert all(r["source"] == "process" for r in again.records.values())
     assert {k: r["winners"] for k, r in again.records.items()} == {k: r["winners"] for k, r in first.records.items()}
     again.install()
     for rows in (1, 2, 3, 32):  # every kernel the table installed computes what the plain forward computes

@@ -57,8 +57,8 @@ def test_unknown_scheme_is_refused() -> None:
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_a_float_model_quantized_at_load(tmp_path: Path, scheme: str) -> None:
     hf = write_hf_model(tmp_path / "tiny", "llama")
-    reference = LLM(str(tmp_path / "tiny"))
-    quantized = LLM(str(tmp_path / "tiny"), quantization=scheme)
+    reference = LLM(str(tmp_path / "tiny"), graph_mode="eager")
+    quantized = LLM(str(tmp_path / "tiny"), quantization=scheme, graph_mode="eager")
     layers = dict(quantized.engine.model.named_modules())
     assert sum(isinstance(m, PackedLinear) for m in layers.values()) == 4 * 2  # qkv, o, gate_up, down x 2 layers
     qkv = layers["model.layers.1.self_attn.qkv_proj"]

@@ -31,8 +31,8 @@ JSON = {"Content-Type": "application/json"}
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    args = ["--model-path", "default", "--max-model-len", "256", "--num-kv-blocks", "96", "--max-num-seqs", "8",
-            "--max-queue", "24", "--max-seqs-per-request", "8", "--max-prompt-chars", "2048",
+    args = ["--model-path", "default", "--graph-mode", "eager", "--max-model-len", "256", "--num-kv-blocks", "96",
+            "--max-num-seqs", "8", "--max-queue", "24", "--max-seqs-per-request", "8", "--max-prompt-chars", "2048",
             "--max-body-bytes", "65536", "--max-stream-buffer", "64", "--seed", "0"]  # fmt: skip
     with live_server(args) as live:
         yield live

@@ -96,7 +96,17 @@ def test_serve_on_a_taken_port_fails_cleanly(tmp_path: Path) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        cmd = [sys.executable, "-m", "kiln.launch", "--model-path", str(model), "--port", str(port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kiln.launch",
+            "--model-path",
+            str(model),
+            "--graph-mode",
+            "eager",
+            "--port",
+            str(port),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "address already in use" in proc.stderr and f"Could not serve on 127.0.0.1:{port}" in proc.stderr

@@ -32,8 +32,9 @@ CHAT = [{"role": "user", "content": "What is the tallest mountain on Earth?"}]
 
 @pytest.fixture(scope="module")
 def server(request: pytest.FixtureRequest) -> Iterator[LiveServer]:
-    args = ["--model-path", "default", "--api-key", API_KEY, "--max-model-len", str(MAX_MODEL_LEN),
-            "--num-kv-blocks", "256", "--max-num-seqs", "32", "--shutdown-timeout", "60"]  # fmt: skip
+    args = ["--model-path", "default", "--graph-mode", "eager", "--api-key", API_KEY,
+            "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256", "--max-num-seqs", "32",
+            "--shutdown-timeout", "60"]  # fmt: skip
     with live_server(args, API_KEY, lambda: request.getfixturevalue("llm")) as live:
         yield live
 

@@ -45,7 +45,8 @@ def _is_type_checking(node: ast.If) -> bool:
     return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
 
 
-def test_no_import_circles() -> None:
+def _module_edges() -> dict[str, set[str]]:
+    """Each kiln module -> the kiln modules it imports (TYPE_CHECKING imports included)."""
     modules = _modules()
     edges: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
@@ -55,7 +56,11 @@ def test_no_import_circles() -> None:
                     target = target.rpartition(".")[0]
                 if target and target != name and not name.startswith(target + "."):
                     edges[name].add(target)
-    # Tarjan's strongly connected components: any component of more than one module is a circle
+    return edges
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's strongly connected components of more than one node: every circle of the graph."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -84,7 +89,31 @@ def test_no_import_circles() -> None:
     for v in sorted(edges):
         if v not in index:
             visit(v)
-    assert circles == []
+    return circles
+
+
+def test_no_import_circles() -> None:
+    assert _circles(_module_edges()) == []
+
+
+def _package(module: str) -> str:
+    """`kiln.compile.store` -> `kiln.compile`; a top-level module (`kiln.config`) is a package of its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_two_packages_import_each_other() -> None:
+    """Packages layer (cli -> server/bench/debug -> engine -> executor -> kernels -> compile -> model -> quant ->
+    config): a circle between packages, even one no module-level circle shows, is a joint to untangle."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in _module_edges().items():
+        if module == "kiln":  # the package's own __init__ re-exports the public API
+            continue
+        source = packages.setdefault(_package(module), set())
+        source.update(p for t in targets if (p := _package(t)) != _package(module) and p != "kiln")
+    for targets in list(packages.values()):
+        for target in targets:
+            packages.setdefault(target, set())
+    assert _circles(packages) == []
 
 
 def test_imports_sit_at_module_top() -> None:
@@ -120,3 +149,14 @@ def test_help_builds_every_parser_without_torch() -> None:
     assert out.stdout.strip() == "[]"
     proc = subprocess.run([sys.executable, "-m", "kiln.cli", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "generate" in proc.stdout and "debug" in proc.stdout
+
+
+def test_every_package_docstring_maps_its_modules() -> None:
+    """A package's docstring is its map: each module of the package is named there (`name.py`)."""
+    unnamed = []
+    for init in KILN.rglob("__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        for module in sorted(init.parent.glob("*.py")):
+            if module.name != "__init__.py" and module.name not in doc and init.parent != KILN:
+                unnamed.append(str(module.relative_to(KILN.parent)))
+    assert unnamed == []

@@ -3,6 +3,15 @@
 A checkpoint (either class below) offers `config`, `header()`, `weight_shapes()` (HF names, from headers),
 `weights()` (HF-named tensors, read lazily one at a time), `rope_freq_factors()`, `num_tensors`, and for messages
 `file_of(name)` and `tensor_label(name)`. Anything malformed it finds is a `ModelLoadError` naming the file.
+
+base.py           what every checkpoint loader returns, how a model name becomes a path, typed reads of config fields
+families.py       model families: which HF architecture names kiln runs, with which model class and config reader
+gguf_families.py  the GGUF architectures kiln loads: `general.architecture` -> kiln family, tensor names, config
+gguf_loader.py    GGUF checkpoints: header, dequantized weights (via the `gguf` package) and tokenizer metadata
+gguf_names.py     GGUF tensor names -> HF parameter names (llama.cpp's naming of the Llama family)
+gguf_rope.py      rope scaling in GGUF files: linear (metadata), llama 3.1's `rope_freqs` tensor, Phi-3's long-rope
+hf_config.py      an HF config.json read into kiln's ModelConfig; a bad value is a ModelLoadError naming the field
+hf_loader.py      HF model directories: config.json + *.safetensors + tokenizer.json
 """
 
 from __future__ import annotations

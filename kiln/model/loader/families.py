@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kiln.env import read_env
 from kiln.errors import ConfigError
 from kiln.model.loader.base import ConfigFields
 
@@ -71,7 +71,7 @@ def register(
     return family
 
 
-PLUGIN_ENV = "KILN_MODEL_PLUGINS"  # comma list of modules that call kiln.models.register when imported
+PLUGIN_ENV = "KILN_MODEL_PLUGINS"  # comma list of modules that call kiln.models.register when imported (kiln.env)
 ENTRY_POINT_GROUP = "kiln.models"  # or a package's entry points: each loaded (a module, or a function called)
 _plugins_loaded = False
 
@@ -82,7 +82,7 @@ def load_plugins() -> None:
     if _plugins_loaded:
         return
     _plugins_loaded = True
-    for name in filter(None, (m.strip() for m in os.environ.get(PLUGIN_ENV, "").split(","))):
+    for name in read_env().model_plugins:
         try:
             importlib.import_module(name)
         except Exception as exc:  # a broken plugin is a clear error, not a traceback from deep in the loader

@@ -5,6 +5,11 @@ under a key made of what was chosen for (a name and the shape/dtype it applies t
 its ISA flags, torch version and thread count. Another CPU, another torch or another thread count times the
 candidates again; nothing is assumed from the box the code was written on.
 
+Rule: one process makes each choice once. Every engine of the process (the server's, the debugger's several,
+a test's) reads the first one made, whatever its cache dir: two engines over one model always pick the same
+layouts, so their graphs hash alike. The file is written on every dir that a choice is asked of, so the next
+process starts warm there too.
+
 Timings stream the weights the way a decode step does: each candidate runs over copies of the weight that add up
 to more than the last-level cache, so a product reads DRAM instead of a warm cache.
 """
@@ -48,6 +53,16 @@ def machine_fingerprint() -> dict[str, Any]:
     }
 
 
+# the choices this process made or read, by key (which holds the machine): shared by every engine it builds
+_PROCESS_CHOICES: dict[str, dict[str, Any]] = {}
+
+
+def forget_process_choices() -> None:
+    """Drop the choices this process holds, so the next ones are read from disk or timed again (for tests of the
+    timing itself; an engine never needs it)."""
+    _PROCESS_CHOICES.clear()
+
+
 class KernelChoiceCache:
     """Timed choices by key, in one JSON file (read once; rewritten whole, atomically, on a new choice)."""
 
@@ -56,14 +71,21 @@ class KernelChoiceCache:
         self.machine = machine_fingerprint()
 
     def choose(self, name: str, applies_to: dict[str, Any], measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-        """The cached record for (`name`, `applies_to`, this machine), or `measure()`'s, stored. The record
-        gains `"source": "cache" | "timed"`."""
+        """The record for (`name`, `applies_to`, this machine): this process's, else this cache dir's, else
+        `measure()`'s, stored. The record gains `"source": "process" | "cache" | "timed"`."""
         key = hashlib.sha256(json.dumps([name, applies_to, self.machine], sort_keys=True).encode()).hexdigest()[:24]
         records = self._read()
+        held = _PROCESS_CHOICES.get(key)
+        if held is not None:
+            if key not in records:
+                self._write({**records, key: held})
+            return {**_public(held), "source": "process"}
         if key in records:
-            return {**records[key], "source": "cache"}
+            _PROCESS_CHOICES[key] = records[key]
+            return {**_public(records[key]), "source": "cache"}
         record = measure()
-        records[key] = {**record, "name": name, "applies_to": applies_to, "machine": self.machine}
+        stored = {**record, "name": name, "applies_to": applies_to, "machine": self.machine}
+        records[key] = _PROCESS_CHOICES[key] = stored
         self._write(records)
         return {**record, "source": "timed"}
 
@@ -82,6 +104,11 @@ class KernelChoiceCache:
             tmp.replace(self.path)
         except OSError as exc:  # a read-only cache costs a re-measure next start, nothing else
             logger.warning("Could not save kernel choices to %s (%s): they are timed again next start", self.path, exc)
+
+
+def _public(stored: dict[str, Any]) -> dict[str, Any]:
+    """A stored record without the key's parts (what `measure()` returned)."""
+    return {k: v for k, v in stored.items() if k not in ("name", "applies_to", "machine")}
 
 
 def stream_count(nbytes: int, total: int = STREAM_BYTES) -> int:

@@ -1,11 +1,11 @@
-"""Weight layouts for one-row products, chosen by timing on this machine (and cached, kiln.executor.kernel_choice).
+"""Weight layouts for one-row products, chosen by timing on this machine (and cached, kiln.kernels.choices).
 
 A decoder weight W [out, in] can be stored row-major (the plain layout) or column-major (a transposed view of a
 contiguous [in, out] copy): shapes, names and values are the same, only strides differ, so every consumer of the
 model still works. Which layout BLAS streams faster for one row differs from CPU to CPU (MKL's fp32 GEMV ran
-~1.7x faster column-major on one 2-core AVX-512 box and not on another), so the executors time both. The same
-holds for the logits head, where the column-major form is a [hidden, vocab] copy used for one-row logits only.
-The embedding stays row-major (lookups gather rows).
+~1.7x faster column-major on one 2-core AVX-512 box and not on another), so the kernel plan (kiln.kernels.plan)
+times both. The same holds for the logits head, where the column-major form is a [hidden, vocab] copy used for
+one-row logits only. The embedding stays row-major (lookups gather rows).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.executor.kernel_choice import KernelChoiceCache, streamed_copies, time_per_call_us
+from kiln.kernels.choices import KernelChoiceCache, streamed_copies, time_per_call_us
 
 ROW_MAJOR, COLUMN_MAJOR = "row-major", "column-major"
 LAYOUTS = (ROW_MAJOR, COLUMN_MAJOR)

@@ -1,7 +1,7 @@
 """`GraphExecutor`: graph mode behind the `Executor` interface, composed of its roles.
 
-prepare = kernel choice (static compile sizes, weight layout and one-row head, timed on this machine and cached:
-kiln.compile.kernel_choice) -> build (kiln.compile.build: trace + split)
+prepare = the kernel plan (static compile sizes, weight layout, one-row head and packed kernels, timed on this
+machine and cached: kiln.kernels.plan) -> build (kiln.compile.build: trace + split)
 -> compile every piece through the compiled-piece store (kiln.compile.store: memo, on-disk cache, verification),
 and again per static compile size -> capture per capture size (kiln.compile.capturer) -> the fusion contract
 (kiln.compile.fusion_check: a required recipe fusion group the code does not realise fails here) -> the compiled
@@ -31,16 +31,17 @@ from kiln.compile.dispatch import Dispatcher
 from kiln.compile.full_graph import FullDecodeGraph
 from kiln.compile.fusion import FusionReport
 from kiln.compile.fusion_check import check_fusion
-from kiln.compile.kernel_choice import choose_kernels
-from kiln.compile.logits_head import CompiledProduct, product_graph
 from kiln.compile.modes import PieceMode, format_piece_modes
 from kiln.compile.piece import AfterHook, BeforeHook, Piece
 from kiln.compile.store import CompiledPieceStore
-from kiln.config import GraphConfig
+from kiln.config import GraphConfig, GraphMode
 from kiln.distributed.ops import local_collectives
 from kiln.env import read_env
 from kiln.errors import ConfigError
 from kiln.executor.base import Executor
+from kiln.kernels.head import LogitsHead
+from kiln.kernels.plan import KernelPlan, plan_kernels
+from kiln.kernels.product import CompiledProduct, product_graph
 from kiln.model.forward_context import ModelInputs
 
 logger = logging.getLogger("kiln")
@@ -56,11 +57,11 @@ class GraphExecutor(Executor):
         self.config = config
         self.capture_sizes = sorted(config.capture_sizes)
         self.compiler = make_compiler(config.compiler)
-        self.mode = config.mode
-        self.is_full_graph = config.is_full_graph
-        self.full: FullDecodeGraph | None = None  # decode-only steps' full graph (config.full_decode)
+        self.mode = GraphMode(config.mode)  # the one value every choice below reads
+        self.full: FullDecodeGraph | None = None  # decode-only steps' full graph (mode.has_full_decode_graph)
         self.build_seconds = 0.0
         self.fusion: list[FusionReport] = []  # per recipe fusion group, checked once the pieces are compiled
+        self.plan = KernelPlan()
 
     # -- prepare -----------------------------------------------------------------------------------------
     def prepare(self, model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
@@ -69,21 +70,22 @@ class GraphExecutor(Executor):
         self.device = next(model.parameters()).device
         cache_root = Path(self.config.cache_dir) if self.config.cache_dir else read_env().cache_dir
         # NOTE: attention reads Python-side metadata, so it cannot live inside a CUDA graph.
-        self.can_capture = not self.is_full_graph or self.device.type != "cuda"
-        kernels = choose_kernels(model, self.config.compile_sizes, self.capture_sizes, self.compiler, cache_root)
-        self.compile_sizes, self.kernel_choices, self._head_t = kernels.static_sizes, kernels.choices, kernels.head_t
+        self.can_capture = self.mode.splits_forward or self.device.type != "cuda"
+        self.plan = plan_kernels(model, cache_root, self.compiler, self.capture_sizes, self.config.compile_sizes)
+        self.plan.install(model)
+        self.compile_sizes = self.plan.static_sizes
         self.store = CompiledPieceStore(
             self.compiler, cache_root, self.config.recipe_hash, kv_caches, self.device, self.counters
         )
         # NOTE: at least 3: a packed model traced at 2 tokens specialises num_tokens (dynamo constraint violation)
         sample = max(3, min(self.capture_sizes[-1] if self.capture_sizes else 8, 8))
         self.graph: PiecewiseGraph = build_graph(
-            model, kv_caches, self.device, self.config.splitting_ops, self.is_full_graph, self.counters, sample
+            model, kv_caches, self.device, self.config.splitting_ops, self.mode.splits_forward, self.counters, sample
         )
         self.set_trace_level(max(read_env().debug, self.config.debug))
         self.capturer = Capturer(self.graph, kv_caches, self.device, self.counters)
         default = PieceMode(self.config.default_piece_mode)
-        if self.config.full_decode and self.capture_sizes:
+        if self.mode.has_full_decode_graph and self.capture_sizes:
             self.full = FullDecodeGraph(
                 model,
                 kv_caches,
@@ -97,20 +99,20 @@ class GraphExecutor(Executor):
             for piece in self.full.pieces:
                 piece.debug = self.pieces[0].debug
             self.full.set_mode(default, self.store, self.capturer.pool)
-        if default is PieceMode.CAPTURED and not self.config.captures_pieces:
+        if default is PieceMode.CAPTURED and not self.mode.captures_pieces:
             default = PieceMode.COMPILED  # full / full_decode_only: mixed steps run the pieces uncaptured
-        self.dispatcher = Dispatcher(self.graph, self.capturer.static_inputs, self.counters, self.full)
+        self.dispatcher = Dispatcher(self.mode, self.graph, self.capturer.static_inputs, self.counters, self.full)
         modes = {i: default for i in range(len(self.pieces))}
         modes.update(self._checked_modes(dict(self.config.piece_modes)))
         self.set_piece_modes(modes)
         self.fusion = check_fusion(self.pieces, self.config)
-        self.head = self._compile_logits_head(model)
+        self.logits_head = LogitsHead(model, self.plan.head_t, self._compile_logits_head(model))
         self.build_seconds = time.perf_counter() - start
         logger.info(
             "Graph mode ready in %.2f s (%s): %d pieces (%d distinct), %d compiled, %d from cache, %d captures "
             "[%s]%s%s",
             self.build_seconds,
-            self.mode,
+            self.mode.value,
             len(self.pieces),
             len({p.info.structure_key for p in self.pieces}),
             self.counters.pieces_compiled,
@@ -136,6 +138,11 @@ class GraphExecutor(Executor):
         how = "CUDA graphs" if self.full.piece.captures else f"{self.full.mode.value} on persistent buffers"
         return f"; full decode graph for sizes {self.full.sizes} ({how})"
 
+    def use_full_decode_graph(self, enabled: bool) -> None:
+        """The debugger's one override of the graph mode: False runs decode-only steps through the pieces too (so
+        per-piece modes localize a problem there); True restores what the mode asks for."""
+        self.dispatcher.use_full_decode_graph(enabled)
+
     def set_full_mode(self, mode: PieceMode | str) -> None:
         """The full decode graph's mode (eager: its traced graph op by op); no-op without one."""
         if self.full is not None:
@@ -144,7 +151,7 @@ class GraphExecutor(Executor):
 
     def _compile_logits_head(self, model: nn.Module) -> CompiledProduct | None:
         if not isinstance(model.lm_head, nn.Linear):
-            return None  # a packed head runs its own timed kernels (kiln.compile.packed_kernels)
+            return None  # a packed head runs its own timed kernels (kiln.kernels.packed)
         weight = model.lm_head.weight
         if 1 not in self.compile_sizes or not weight.is_contiguous():
             return None
@@ -194,7 +201,7 @@ class GraphExecutor(Executor):
         missing = [p for i, m in checked.items() if m is PieceMode.CAPTURED and not (p := self.pieces[i]).captures]
         if missing and self.capture_sizes and self.can_capture:
             self.capturer.capture(missing, self.capture_sizes)
-        elif missing and self.is_full_graph:
+        elif missing and not self.mode.splits_forward:
             logger.warning(
                 "Full-graph mode on %s runs the compiled graph uncaptured: attention is not capturable",
                 self.device.type,
@@ -260,13 +267,11 @@ class GraphExecutor(Executor):
     def forward(self, batch: ModelInputs) -> torch.Tensor:
         return self.dispatcher.run(batch)
 
+    @property
+    def kernel_choices(self) -> dict[str, dict[str, object]]:
+        """What the kernel plan timed (or read from the cache) at prepare."""
+        return self.plan.choices
+
     def compute_logits(self, hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
-        """fp32 logits for `hidden[rows]`: one row through the compiled GEMV head (or the transposed head copy,
-        whichever the kernel choice kept), more through the model's own head."""
-        hidden = hidden[list(rows)]
-        if hidden.shape[0] == 1:
-            if self.head is not None:
-                return self.head(hidden)
-            if self._head_t is not None:
-                return (hidden @ self._head_t).float()
-        return self.model.compute_logits(hidden)
+        """fp32 logits for `hidden[rows]` (kiln.kernels.head: one row the fastest way the plan found)."""
+        return self.logits_head(hidden, rows)

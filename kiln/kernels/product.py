@@ -1,9 +1,10 @@
-"""One weight product compiled for a static row count: the compiled one-row logits head, and the candidate the
-kernel choice times against BLAS (kiln.compile.kernel_choice).
+"""Small functions compiled on their own for static shapes: the weight product that the static-size choice times
+against BLAS and the compiled one-row logits head run (kiln.kernels.static_sizes, kiln.kernels.head), and the
+compiled candidates of the packed kernel table (kiln.kernels.packed).
 
 Compiled for one or two static rows, the DecodeGemv pass (kiln.compile.passes) turns `x @ W.T` into a
 vectorized reduction over W; the logits head (the largest single weight, streamed once per decoded token) runs
-that way when the kernel choice picked static size 1.
+that way when the kernel plan picked static size 1.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule
 
-from kiln.compile.compiler import CompiledPiece
+from kiln.compile.compiler import CompiledPiece, PieceCompiler
 
 
 def _product(hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor]:
@@ -56,3 +57,19 @@ class CompiledProduct:
         w = self.weight if weight is None else weight
         args = (w, hidden) if self.weight_first else (hidden, w)
         return self.compiled.fn(*args)[0]
+
+
+class Compiled:
+    """`fn(*args)` compiled by the piece compiler for these shapes, called with its inputs in dynamo's order."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], compiler: PieceCompiler, rows: int | None, *args) -> None:
+        graph = trace_static(lambda *a: (fn(*a),), *args)
+        self.fn = compiler.compile(graph, rows).fn
+        shapes = [tuple(a.shape) for a in args]
+        placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
+        # NOTE: dynamo orders a graph's inputs its own way; match them to the arguments by name (L_a_0_, ...)
+        self.order = [int(n.target.rstrip("_").rsplit("_", 1)[-1]) for n in placeholders]
+        assert [shapes[i] for i in self.order] == [tuple(n.meta["example_value"].shape) for n in placeholders]
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.fn(*map(args.__getitem__, self.order))[0]

@@ -1,0 +1,132 @@
+"""`plan_kernels(model, ...)`: one engine's kernel plan, the same call for the eager and the graph executor.
+
+A plan holds every kernel choice that makes the same model compute the same numbers faster on this machine:
+- the static compile sizes (graph mode on CPU: row counts whose products become GEMV reductions,
+  kiln.kernels.static_sizes), configured or timed;
+- the decoder weights' layout for one row (kiln.kernels.layout), row-major whenever GEMV reductions need it;
+- the one-row logits head (a transposed copy when it streams faster, kiln.kernels.head);
+- the packed products' kernel table (kiln.kernels.packed), one winner per layout and row count.
+
+Every choice is timed here and cached per machine and process (kiln.kernels.choices): two engines over one model
+make the same plan. `plan.install(model)` lays the weights out and binds the packed winners to the layers; the
+plan lives on the engine's executor, never in a module of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.compile.compiler import PieceCompiler, make_compiler
+from kiln.compile.passes import GEMV_MAX_ROWS
+from kiln.kernels.choices import KernelChoiceCache
+from kiln.kernels.layout import (
+    ROW_MAJOR,
+    fastest_one_row_layout,
+    largest_layer_weight,
+    one_row_head,
+    set_layer_weight_layout,
+)
+from kiln.kernels.packed import MANY_ROWS, PackedKernelTable, packed_layers
+from kiln.kernels.static_sizes import choose_static_sizes
+
+logger = logging.getLogger("kiln")
+
+PACKED = "packed"  # the decoder layout of a model whose decoder weights are all packed: nothing to lay out
+
+
+@dataclass
+class KernelPlan:
+    static_sizes: tuple[int, ...] = ()  # capture sizes also compiled for their static num_tokens
+    decoder_layout: str | None = None  # row-major | column-major | packed; None: left as loaded (not on CPU)
+    head_t: torch.Tensor | None = None  # [hidden, vocab] head copy for one-row logits, when BLAS gains that way
+    packed: PackedKernelTable | None = None
+    # what was timed (or read from the cache), for logs and kernel_profile.json
+    choices: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def gemv_sizes(self) -> list[int]:
+        return [s for s in self.static_sizes if s <= GEMV_MAX_ROWS]
+
+    def install(self, model: nn.Module) -> None:
+        """Lay out `model`'s decoder weights (strides only, never values) and bind the packed winners."""
+        if self.decoder_layout not in (None, PACKED):
+            set_layer_weight_layout(model, self.decoder_layout)
+        if self.packed is not None:
+            self.packed.install()
+
+
+def plan_kernels(
+    model: nn.Module,
+    cache_root: Path,
+    compiler: PieceCompiler | None = None,
+    capture_sizes: Sequence[int] = (),
+    configured_sizes: Sequence[int] | None = (),
+) -> KernelPlan:
+    """The plan for `model` on this machine. `compiler` compiles the static sizes and the compiled candidates
+    (the inductor compiler when None, or when it cannot compile for static shapes); `configured_sizes` are the
+    static compile sizes when given (the eager executor gives none), else they are timed for the one- and
+    two-row `capture_sizes`."""
+    cpu = next(model.parameters()).device.type == "cpu"
+    compiler = compiler or make_compiler("inductor")
+    kernel_compiler = compiler if compiler.supports_static_sizes else make_compiler("inductor")
+    cache = KernelChoiceCache(cache_root)
+    plan = KernelPlan()
+    weight = largest_layer_weight(model)
+    if cpu and packed_layers(model):  # their one- and two-row choices live in the op: no static sizes for them
+        plan.packed = PackedKernelTable(model, kernel_compiler, cache)
+        plan.choices["packed_kernels"] = plan.packed.records
+    if configured_sizes is not None:
+        plan.static_sizes = tuple(sorted(configured_sizes))
+    elif weight is not None and cpu and compiler.supports_static_sizes:
+        record = choose_static_sizes(weight, list(capture_sizes), compiler, cache)
+        plan.choices["static_sizes"] = record
+        plan.static_sizes = tuple(int(s) for s in list(record["static_sizes"]))
+    if not cpu:
+        return plan
+    if weight is None:
+        plan.decoder_layout = PACKED
+    elif plan.gemv_sizes:
+        plan.decoder_layout = ROW_MAJOR  # DecodeGemv reduces over row-major weights
+    else:
+        plan.choices["decoder_layout"] = fastest_one_row_layout(weight, cache)
+        plan.decoder_layout = str(plan.choices["decoder_layout"]["winner"])
+    if 1 not in plan.static_sizes and isinstance(model.lm_head, nn.Linear):
+        plan.head_t, plan.choices["lm_head"] = one_row_head(model.lm_head.weight, cache)
+    _log(plan, isinstance(model.lm_head, nn.Linear))
+    return plan
+
+
+def _log(plan: KernelPlan, float_head: bool) -> None:
+    sources = [c.get("source") for c in plan.choices.values() if "source" in c]
+    if plan.packed is not None:
+        sources += [r.get("source") for r in plan.packed.records.values()]
+    how = "timed" if "timed" in sources else "timed earlier on this machine" if sources else "configured"
+    if not float_head:
+        head = "packed"
+    else:
+        head = "column-major copy" if plan.head_t is not None else "compiled" if 1 in plan.static_sizes else "as loaded"
+    logger.info(
+        "Kernel plan (%s): static compile sizes %s (GEMV reductions for %s rows), decoder weights %s, one-row "
+        "logits head %s",
+        how,
+        list(plan.static_sizes) or "none",
+        plan.gemv_sizes or "no",
+        plan.decoder_layout,
+        head,
+    )
+    if plan.packed is not None:
+        logger.info(
+            "Packed kernels: %s",
+            "; ".join(
+                f"{name}: "
+                + ", ".join(f"{'many' if r == str(MANY_ROWS) else r} rows {w}" for r, w in rec["winners"].items())
+                for name, rec in plan.packed.records.items()
+            ),
+        )
