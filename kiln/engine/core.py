@@ -1,24 +1,25 @@
-"""EngineCore: the step (schedule -> execute -> update), request admission and stop checks.
+"""EngineCore: the step, schedule -> execute -> update, and the requests it serves.
 
 It is handed a loaded model, its tokenizer and an executor (by `kiln.engine.build.build_engine`, or by the
 debugger, which runs several executors over one model); it owns the KV block pool, the scheduler and the runner.
+Admission (kiln.engine.admission) and the stop rules and outputs (kiln.engine.outputs) live in modules of their own.
 """
 
 from __future__ import annotations
 
 import logging
-import secrets
 import time
 from typing import TYPE_CHECKING, Protocol
 
-import torch
 from torch import nn
 
 from kiln.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, ModelConfig
+from kiln.engine.admission import Admission
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.kv_cache import BlockPool
 from kiln.engine.kv_plan import kv_cache_blocks, log_kv_cache
 from kiln.engine.model_runner import ModelRunner, ModelRunnerOutput, StepObserver
+from kiln.engine.outputs import request_output, stop_after
 from kiln.engine.request import Request, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
@@ -83,7 +84,16 @@ class EngineCore:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.workers: Workers | None = None  # the other ranks, when this is rank 0 of a multi-device engine
         self.pipeline: StepLoop | None = None  # rank 0 of a pipeline keeping steps in flight
-        self._seed_rng = torch.Generator().manual_seed(config.seed if config.seed is not None else secrets.randbits(63))
+        self.admission = Admission(
+            tokenizer,
+            mc.vocab_size,
+            self.max_model_len,
+            self.recipe,
+            self.shaper,
+            config.scheduler.enable_chunked_prefill,
+            self.scheduler.blocks_short,
+            config.seed,
+        )
         self.num_steps = 0
 
     @staticmethod
@@ -101,50 +111,7 @@ class EngineCore:
         """Tokenize and validate; raises RequestError (naming the request) without touching engine state."""
         if request_id in self.requests:
             raise RequestError(f"duplicate request id {request_id!r}", request_id)
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("this model has no tokenizer: give the prompt as token ids", request_id, "prompt")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        else:
-            text, ids = None, list(prompt)
-            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
-            if bad:
-                raise RequestError(
-                    f"prompt token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})",
-                    request_id,
-                    "prompt",
-                )
-        if not ids:
-            raise RequestError("the prompt is empty: expected at least one token", request_id, "prompt")
-        vocab = self.model_config.vocab_size
-        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad_stops:
-            raise RequestError(
-                f"stop token id {bad_stops[0]} is outside the vocabulary [0, {vocab})", request_id, "stop_token_ids"
-            )
-        total = len(ids) + params.max_tokens
-        if self.recipe is not None:
-            self.recipe.guards.check_request(request_id, seq_len=total, first=len(ids), span=self.max_model_len)
-            self.shaper.check_admission(request_id, len(ids), self.config.scheduler.enable_chunked_prefill)
-        if total > self.max_model_len:
-            raise RequestError(
-                f"prompt ({len(ids)} token{'s' if len(ids) != 1 else ''}) + max_tokens ({params.max_tokens}) = "
-                f"{total} tokens exceeds max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens",
-                request_id,
-                "max_tokens",
-            )
-        if short := self.scheduler.blocks_short(total):
-            raise RequestError(
-                f"{total} tokens need {short[0]} KV blocks at once but the cache holds "
-                f"{short[1]}; lower max_tokens or enlarge the KV cache",
-                request_id,
-                "max_tokens",
-            )
-        # NOTE: an unseeded request draws its seed from the engine's generator: fresh OS entropy unless the
-        # engine was given --seed (then a run of the same requests repeats).
-        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
-        generator = None if params.is_greedy else torch.Generator().manual_seed(seed)
-        return Request(request_id, text, ids, params, generator, forced_output)
+        return self.admission.make_request(request_id, prompt, params, forced_output)
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, forced_output: list[int] | None = None
@@ -253,48 +220,21 @@ class EngineCore:
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             try:
-                self._check_stop(req, token)
+                finish = stop_after(
+                    req, token, self.detokenizers[req.request_id], self.eos_token_ids, self.max_model_len
+                )
+                if finish is not None:
+                    self.scheduler.finish(req, *finish)
                 outputs.append(self._output(req, num_new=1))
             except Exception:  # detokenizing this request's tokens failed: only this request is affected
                 logger.exception("request %s: finishing the step's update failed; failing the request", req.request_id)
                 outputs.append(self.fail(req.request_id, INTERNAL_ERROR))
         return outputs
 
-    def _check_stop(self, req: Request, token: int) -> None:
-        p = req.params
-        detok = self.detokenizers[req.request_id]
-        held_off = len(req.output_token_ids) < p.min_tokens  # min_tokens holds off every stop condition
-        detok.update(check_stops=not held_off)
-        if held_off:
-            return
-        if not p.ignore_eos and token in self.eos_token_ids:
-            self.scheduler.finish(req, "stop")
-        elif token in p.stop_token_ids:
-            self.scheduler.finish(req, "stop", token)
-        elif detok.stop_hit is not None:
-            self.scheduler.finish(req, "stop", detok.stop_hit)
-        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            self.scheduler.finish(req, "length")
-
     def _output(self, req: Request, num_new: int) -> RequestOutput:
         detok = self.detokenizers[req.request_id]
-        finished = req.is_finished
-        delta = detok.take_delta(finished)
-        if finished:
+        out = request_output(req, detok, num_new)
+        if out.finished:
             self.requests.pop(req.request_id, None)
             self.detokenizers.pop(req.request_id, None)
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            text=detok.visible_text(finished),
-            token_ids=list(req.output_token_ids),
-            finished=finished,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            delta=delta,
-            num_new_tokens=num_new,
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            error=req.error,
-            metrics=req.metrics,
-        )
+        return out

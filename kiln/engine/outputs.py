@@ -1,0 +1,54 @@
+"""What a step's sampled token means for its request: the stop rules, and the `RequestOutput` handed to callers.
+
+Stop rules, in order, once `min_tokens` tokens are out (min_tokens holds off every stop): an EOS token (unless
+`ignore_eos`), a stop token id, a stop string (seen by the detokenizer), `max_tokens`, `max_model_len`.
+"""
+
+from __future__ import annotations
+
+from kiln.engine.detokenizer import IncrementalDetokenizer
+from kiln.engine.request import Request, RequestOutput
+
+# (finish reason, stop reason: the token or string that stopped it, or None)
+Finish = tuple[str, int | str | None]
+
+
+def stop_after(
+    req: Request, token: int, detok: IncrementalDetokenizer, eos_token_ids: tuple[int, ...], max_model_len: int
+) -> Finish | None:
+    """How `req` finishes now that `token` is its latest output token (already appended), or None to go on."""
+    p = req.params
+    held_off = len(req.output_token_ids) < p.min_tokens
+    detok.update(check_stops=not held_off)
+    if held_off:
+        return None
+    if not p.ignore_eos and token in eos_token_ids:
+        return "stop", None
+    if token in p.stop_token_ids:
+        return "stop", token
+    if detok.stop_hit is not None:
+        return "stop", detok.stop_hit
+    if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= max_model_len:
+        return "length", None
+    return None
+
+
+def request_output(req: Request, detok: IncrementalDetokenizer, num_new: int) -> RequestOutput:
+    """The caller's view of `req` after a step (`num_new` tokens added by it)."""
+    finished = req.is_finished
+    delta = detok.take_delta(finished)
+    return RequestOutput(
+        request_id=req.request_id,
+        prompt=req.prompt,
+        prompt_token_ids=req.prompt_token_ids,
+        text=detok.visible_text(finished),
+        token_ids=list(req.output_token_ids),
+        finished=finished,
+        finish_reason=req.finish_reason,
+        stop_reason=req.stop_reason,
+        delta=delta,
+        num_new_tokens=num_new,
+        logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+        error=req.error,
+        metrics=req.metrics,
+    )
