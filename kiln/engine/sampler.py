@@ -59,8 +59,10 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = sorted_logits.softmax(-1)
-        # drop a token when the mass before it already reaches top_p (the top token always stays)
+        # drop a token when the mass before it already reaches top_p; the top token always stays, even when a tiny
+        # top_p (1e-46) rounds to 0 in float32
         drop_sorted = (probs.cumsum(-1) - probs) >= params.top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     if params.min_p > 0.0:

@@ -66,7 +66,7 @@ def create_app(engine: AsyncEngine, settings: AppSettings) -> FastAPI:
             return "the server is shutting down and accepts no new requests"
         return "the engine loop has stopped, so no request can be served (the server log says why); restart the server"
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         stats = engine.stats()
         reason = unavailable_reason()

@@ -64,7 +64,8 @@ class RequestIdMiddleware:
 
 class APIKeyMiddleware:
     """401 unless `Authorization: Bearer <api_key>` matches (constant-time compare), decided from the headers
-    alone: on /v1/* (every model route), and on /metrics too when `protect_metrics`."""
+    alone, before any body is read: on every path but /health (a load balancer's probe) and, unless
+    `protect_metrics`, /metrics; /openapi.json and unknown paths included."""
 
     def __init__(self, app: ASGIApp, api_key: str, protect_metrics: bool) -> None:
         self.app = app
@@ -91,7 +92,9 @@ class APIKeyMiddleware:
         await response(scope, receive, send)
 
     def _is_protected(self, path: str) -> bool:
-        return path.startswith("/v1/") or (self.protect_metrics and path == "/metrics")
+        if path == "/metrics":
+            return self.protect_metrics
+        return path != "/health"
 
 
 class BodySizeLimitMiddleware:

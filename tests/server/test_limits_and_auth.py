@@ -237,6 +237,17 @@ def test_api_key_is_checked_before_the_body_is_read(tmp_path: Path) -> None:
 
         with_key = await s.client.post("/v1/completions", content=b'{"prompt": ', headers={**headers, **AUTH})
         assert "not valid JSON" in openai_error(with_key, 400)["message"]
+        # every other path is behind the key too (nothing buffered for a stranger); /health and /metrics stay open
+        for path in ("/openapi.json", "/nope", "/v1"):
+            unread = RecordingBody(10)
+            assert (await s.client.post(path, content=unread)).status_code == 401, path
+            assert unread.num_pulled == 0 and (await s.client.get(path)).status_code == 401, path
+        assert (await s.client.get("/openapi.json", headers=AUTH)).status_code == 200
+        assert (await s.client.get("/nope", headers=AUTH)).status_code == 404
+        assert (await s.client.get("/health")).status_code == 200
+        head = await s.client.head("/health")
+        assert head.status_code == 200 and head.content == b""
+        assert (await s.client.get("/metrics")).status_code == 200
 
     serve(core, body, ["--api-key-file", str(key_file)])
 

@@ -187,7 +187,8 @@ def test_errors_have_openai_shape_and_status(server: LiveServer) -> None:
         client.completions.create(model="gpt-4", prompt="hi")
     with pytest.raises(openai.AuthenticationError, match="invalid API key"):
         server.client(api_key="wrong").completions.create(model="default", prompt="hi")
-    assert httpx.get(f"{server.url}/nope").status_code == 404
+    assert httpx.get(f"{server.url}/nope").status_code == 401  # every path but /health is behind the key
+    assert httpx.get(f"{server.url}/nope", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 404
     server.wait_idle()
 
 
