@@ -204,7 +204,8 @@ STATIC_SIZES = (1,)
 
 def static_sizes(model: nn.Module, sizes: list[int], gemv_sizes: tuple[int, ...] = ()) -> list[int]:
     """Capture sizes that get a decode graph of their own: the timed GEMV sizes, and those of STATIC_SIZES at which
-    some packed product's timed winner is the fused reduction, which a static-size trace writes inline
+    some packed decoder product's timed winner is the fused reduction, which a static-size trace writes inline
     (`PackedLinear.inline_rows`)."""
-    inlined = {rows for m in model.modules() if isinstance(m, PackedLinear) for rows in m.inline_rows}
+    # NOTE: the decoder's layers only: the logits head runs outside the decode graph, so its winner adds no variant
+    inlined = {rows for m in model.model.layers.modules() if isinstance(m, PackedLinear) for rows in m.inline_rows}
     return [size for size in sizes if (size in inlined and size in STATIC_SIZES) or size in gemv_sizes]

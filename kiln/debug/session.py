@@ -107,12 +107,13 @@ def load_factory(spec: str) -> nn.Module:
 
 
 def debug_engine_args(args: EngineArgs) -> EngineArgs:
-    """The session's engine arguments: piecewise graph mode with every piece eager until a path asks for more,
-    one sequence at a time, a small KV cache (unless the blocks are given) and a fixed seed by default."""
+    """The session's engine arguments: graph mode (never eager: the session bisects pieces) with every piece eager
+    until a path asks for more, one sequence at a time, a small KV cache (unless the blocks are given) and a fixed
+    seed by default."""
     return replace(
         args,
         seed=args.seed if args.seed is not None else DEBUG_SEED,
-        graph_mode=args.graph_mode if args.graph_mode not in (None, "eager") else "full_and_piecewise",
+        graph_mode=None if args.graph_mode == "eager" else args.graph_mode,  # the recipe's or the default mode
         enforce_eager=False,
         default_piece_mode=PieceMode.EAGER.value,
         max_num_seqs=1,

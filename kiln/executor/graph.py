@@ -58,6 +58,8 @@ class GraphExecutor(Executor):
         self.capture_sizes = sorted(config.capture_sizes)
         self.compiler = make_compiler(config.compiler)
         self.mode = GraphMode(config.mode)  # the one value every choice below reads
+        if not self.mode.is_graph:
+            raise ConfigError("graph mode eager runs the EagerExecutor, not the graph executor")
         self.full: FullDecodeGraph | None = None  # decode-only steps' full graph (mode.has_full_decode_graph)
         self.build_seconds = 0.0
         self.fusion: list[FusionReport] = []  # per recipe fusion group, checked once the pieces are compiled

@@ -128,4 +128,4 @@ def test_splitting_ops_ignored_without_piecewise(header, write) -> None:
     assert [d.message for d in recipe.diagnostics] == [
         "graph.splitting_ops is ignored because graph.piecewise is false"
     ]
-    assert recipe.piecewise is False
+    assert recipe.spec.graph.piecewise is False and recipe.graph_mode == "full"  # no split: the whole forward
