@@ -257,6 +257,7 @@ def _tiny_hf_dir(tmp_path: Path) -> Path:
     return tmp_path / "tiny"
 
 
+@pytest.mark.timeout(1800)  # the shipped recipe's mode, full_and_piecewise, on the default model: minutes here
 def test_the_shipped_recipe_runs_packed_and_its_fusion_group_holds(tmp_path: Path) -> None:
     """The shipped recipe with `quantization: {weights: int4}` over its Q4_1 file runs the blocks packed, and the
     fusion contract reads through the packed product: mlp_fusion (required) holds."""
