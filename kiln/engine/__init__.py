@@ -1,6 +1,7 @@
 """The engine: one configuration path (args.py -> build.py), the step (core.py: schedule -> execute -> update),
 the scheduler and KV block pool, the model runner, sampling, detokenization, and the offline `LLM` API.
 
+admission.py        a client's prompt and parameters checked and turned into a `Request` (never touching state)
 args.py             `EngineArgs`: every engine option in one dataclass; generates the CLI flags and the `EngineConfig`
 async_engine.py     the engine loop for serving: one thread owns the EngineCore; asyncio callers get per-request queues
 build.py            `build_engine(config)`, the one way an engine is made, and `EXECUTORS`, the executor registry
@@ -13,6 +14,7 @@ kv_plan.py          how many KV blocks an engine allocates, and the start-up lin
 kv_window.py        sliding-window KV blocks: which leading blocks of a sequence no future query reads
 llm.py              the offline API: `LLM(model=...).generate(prompts, params)` and `.chat(messages, params)`
 model_runner.py     a SchedulerOutput turned into tensors, the executor run under a forward context, sampling
+outputs.py          the stop rules, and the `RequestOutput` handed to callers
 recipe_config.py    the recipe's overlay on the engine config: where recipe values override flags, each logged
 request.py          a request's life in the engine, and the plain output objects handed to callers
 request_stream.py   what the async engine hands asyncio callers: `RequestStream`, admission errors, stats snapshots

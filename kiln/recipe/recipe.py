@@ -87,6 +87,10 @@ class Recipe:
         return self.bounds.get("seq_len")
 
     @property
+    def piecewise(self) -> bool:
+        return self.spec.graph.piecewise
+
+    @property
     def graph_mode(self) -> str:
         """graph.mode, or what graph.piecewise implies when it is not set."""
         graph = self.spec.graph
