@@ -17,7 +17,8 @@ from kiln import LLM
 from kiln.engine.sampling_params import SamplingParams
 from tests.server.live import free_port, live_server
 
-ARGS = ["--quantization", "none", "--seed", "0", "--tensor-parallel-size", "2", "--num-kv-blocks", "64"]
+ARGS = ["--quantization", "none", "--graph-mode", "eager", "--seed", "0", "--tensor-parallel-size", "2"]
+ARGS += ["--num-kv-blocks", "64"]
 PROMPT = "The capital of France is"
 
 
@@ -60,7 +61,8 @@ def test_serves_the_openai_client_then_fails_fast_when_a_worker_dies(llm: LLM) -
 
 
 def run_generate(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "kiln.cli", "generate", "--quantization", "none", *args, "--prompt", "Hi"]
+    cmd = [sys.executable, "-m", "kiln.cli", "generate", "--quantization", "none", "--graph-mode", "eager", *args]
+    cmd += ["--prompt", "Hi"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
 
 
@@ -92,7 +94,7 @@ def test_two_nodes_on_one_machine(llm: LLM) -> None:
     # --nnodes 2: each `kiln generate` runs one rank; node 1 follows node 0's steps and exits 0 when it is done
     port = str(free_port())
     common = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", port]
-    cmd = [sys.executable, "-m", "kiln.cli", "generate", "--quantization", "none", *common]
+    cmd = [sys.executable, "-m", "kiln.cli", "generate", "--quantization", "none", "--graph-mode", "eager", *common]
     node1 = subprocess.Popen([*cmd, "--node-rank", "1", "--prompt", "ignored"], stderr=subprocess.PIPE, text=True)
     node0 = subprocess.run(
         [*cmd, "--node-rank", "0", "--max-tokens", "8", "--temperature", "0", "--prompt", PROMPT],
