@@ -49,6 +49,7 @@ def test_layer_fault_is_the_first_divergence(session: DebugSession, reference: R
     assert earlier and not any(b.diverged for b in earlier)
 
 
+@pytest.mark.timeout(1800)  # the default model traced and run per layer twice: over 10 min on a slow 2-core box
 def test_diff_over_a_200_token_prompt(capsys: pytest.CaptureFixture[str]) -> None:
     """The debug engine's KV pool comes from the runner's named geometry (it once read the head count: 48 tokens)."""
     prompt = ",".join(str(t) for t in range(1000, 1200))
