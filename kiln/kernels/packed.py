@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 import torch
@@ -42,7 +43,7 @@ ROWS = (*range(1, GEMV_ROWS + 1), MANY_ROWS)
 Weight = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes, scale, offset
 
 
-class PackedCandidate:
+class PackedCandidate(ABC):
     """One way to compute a packed product. `applies` says for which layers and row counts it is timed; `make`
     builds the kernel for a layer (compiled for `rows` when it compiles), which must compute on any weight of the
     layer's layout passed to it (the timing calls it on copies)."""
@@ -52,8 +53,8 @@ class PackedCandidate:
     def applies(self, layer: PackedLinear, rows: int) -> bool:
         return True
 
-    def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
-        raise NotImplementedError
+    @abstractmethod
+    def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel: ...
 
 
 class DequantBlas(PackedCandidate):
