@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from kiln import LLM
 from kiln.kernels.choices import forget_process_choices
+
+
+def share_cores_between_workers() -> None:
+    """Under pytest-xdist each worker (and every server or rank it starts) gets its share of the cores: two
+    workers each running torch on every core make both slower than one worker alone."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = str(max(1, len(os.sched_getaffinity(0)) // workers))
+        for var in ("KILN_NUM_THREADS", "OMP_NUM_THREADS"):
+            os.environ.setdefault(var, threads)
+        torch.set_num_threads(int(os.environ["KILN_NUM_THREADS"]))
+
+
+share_cores_between_workers()
 
 
 @pytest.fixture(scope="session")

@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 
 from tests.server.live import LiveServer, live_server
 
+pytestmark = pytest.mark.alone  # it times token gaps and a bounded soak: beside a compiling worker it would fail
+
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 CANARY = {"model": MODEL, "prompt": "Once upon a time, in a small village,", "max_tokens": 48, "temperature": 0}
 SOAK_REQUESTS = 500
@@ -196,10 +198,20 @@ def test_fuzzed_requests_never_hurt_the_server_or_a_canary(server: LiveServer) -
     assert idle["kiln_kv_cache_free_blocks"] == start_blocks
 
 
+def seconds_per_step(server: LiveServer) -> float:
+    """One decode step of this server on this machine, measured alone: 16 greedy tokens of a short prompt."""
+    body = {"model": MODEL, "prompt": "The weather today is", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    started = time.monotonic()
+    assert httpx.post(f"{server.base_url}/completions", json=body, timeout=120).status_code == 200
+    return (time.monotonic() - started) / 16
+
+
 def test_soak_with_random_disconnects(server: LiveServer) -> None:
-    """SOAK_REQUESTS mixed requests, 12 clients at a time, a fifth of them abandoned midway; bounded in time."""
+    """SOAK_REQUESTS mixed requests, 12 clients at a time, a fifth of them abandoned midway; bounded in time:
+    SOAK_SECONDS, or on a slower machine 3 steps per request (about 6 tokens each, 8 at a time, plus prefill)."""
     rss_before = psutil.Process(server.process.pid).memory_info().rss
     start_blocks = server.wait_idle()["kiln_kv_cache_free_blocks"]
+    bound_s = max(SOAK_SECONDS, 3 * SOAK_REQUESTS * seconds_per_step(server))
     rng = random.Random(0)
     statuses: list[int] = []
 
@@ -245,11 +257,11 @@ def test_soak_with_random_disconnects(server: LiveServer) -> None:
                 while queue:
                     await one(client, queue.pop())
 
-            await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(12))), SOAK_SECONDS)
+            await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(12))), bound_s)
 
     started = time.monotonic()
     asyncio.run(main())
-    assert time.monotonic() - started < SOAK_SECONDS
+    assert time.monotonic() - started < bound_s
     # a 429 is fine when abandoned requests are still counted for a moment; clients retry after Retry-After
     assert set(statuses) <= {200, 400, 429} and statuses.count(200) > SOAK_REQUESTS // 2, Counter(statuses)
     assert statuses.count(400) > 0  # the bad requests among them were refused, and nothing else was
@@ -260,7 +272,9 @@ def test_soak_with_random_disconnects(server: LiveServer) -> None:
 
 
 def test_a_10_mb_prompt_does_not_stall_a_concurrent_stream(server: LiveServer) -> None:
-    """The issue's measure: while a 10 MB prompt arrives, a running stream's next token is late by < 100 ms."""
+    """The issue's measure: while a 10 MB prompt arrives, a running stream's next token is late by < 100 ms. The
+    body is encoded before the window, so the window times the server taking it, not this client building it."""
+    big_body = json.dumps({"model": MODEL, "prompt": "x" * 10_000_000}).encode()
     arrivals: list[float] = []
     started = threading.Event()
 
@@ -277,7 +291,7 @@ def test_a_10_mb_prompt_does_not_stall_a_concurrent_stream(server: LiveServer) -
     assert started.wait(60)
     time.sleep(0.3)
     sent = time.monotonic()
-    big = httpx.post(f"{server.base_url}/completions", json={"model": MODEL, "prompt": "x" * 10_000_000}, timeout=60)
+    big = httpx.post(f"{server.base_url}/completions", content=big_body, headers=JSON, timeout=60)
     done = time.monotonic()
     thread.join(120)
     assert big.status_code == 413 and "--max-body-bytes" in big.json()["error"]["message"]

@@ -181,6 +181,7 @@ def test_max_stream_buffer_reaches_the_engine() -> None:
     assert build_served_app(FakeCore(), ["--max-stream-buffer", "8"]).state.engine.max_buffered_outputs == 8
 
 
+@pytest.mark.alone  # it times the event loop's stalls
 def test_a_maximal_prompt_does_not_stall_other_clients() -> None:
     """The real tokenizer holds the GIL for a whole encode; --max-prompt-chars bounds how long that takes."""
     from kiln.model.loader import open_checkpoint
