@@ -21,11 +21,12 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import replace
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 
 from kiln.engine.core import INTERNAL_ERROR, EngineCore
 from kiln.engine.request import RequestOutput
@@ -36,6 +37,13 @@ from kiln.errors import KilnError, WorkerFailure
 logger = logging.getLogger("kiln")
 
 Prompt = str | list[int]
+
+
+@dataclass
+class Reservation:
+    """Room for `held` requests in the engine's queue (AsyncEngine.reserve)."""
+
+    held: int
 
 
 class AsyncEngine:
@@ -57,6 +65,7 @@ class AsyncEngine:
     ) -> None:
         self.core = core
         self.max_queue = max_queue
+        self._num_reserved = 0  # room held by `reserve` for requests not added yet
         self.max_buffered_outputs = max_buffered_outputs
         self.own_thread = own_thread  # False: the caller runs `run_loop()` on a thread of its own
         self._streams: dict[str, RequestStream] = {}
@@ -139,18 +148,42 @@ class AsyncEngine:
         return self._is_accepting and alive
 
     # -- requests ---------------------------------------------------------------------------------
-    async def add_requests(self, requests: Sequence[tuple[str, Prompt, SamplingParams]]) -> RequestStream:
-        """Add requests (id, prompt, params) all-or-nothing; return the stream of their outputs.
+    @contextlib.contextmanager
+    def reserve(self, num_requests: int) -> Iterator[Reservation]:
+        """Hold room for `num_requests` requests that do not exist yet (their prompts are being tokenized), so a
+        flood is refused before any work is done on it. `add_requests(..., reservation)` turns the room into the
+        requests in the same instant (a request is never counted twice); leaving the block gives back the rest.
+        Raises QueueFullError when there is no room."""
+        check_capacity(self.num_unfinished, num_requests, self.core.config.scheduler.max_num_seqs, self.max_queue)
+        reservation = Reservation(num_requests)
+        self._num_reserved += num_requests
+        try:
+            yield reservation
+        finally:
+            self._num_reserved -= reservation.held
+            reservation.held = 0
+
+    async def add_requests(
+        self, requests: Sequence[tuple[str, Prompt, SamplingParams]], reservation: Reservation | None = None
+    ) -> RequestStream:
+        """Add requests (id, prompt, params) all-or-nothing; return the stream of their outputs. With a
+        `reservation` (see `reserve`) they take its room.
 
         Raises RequestError for a request the engine rejects (nothing is added then), QueueFullError when the
         server is full, EngineStoppedError while shutting down.
         """
         if not self.is_accepting:
             raise EngineStoppedError("the server is shutting down and accepts no new requests")
-        check_capacity(self.num_unfinished, len(requests), self.core.config.scheduler.max_num_seqs, self.max_queue)
+        held = reservation.held if reservation is not None else 0
+        check_capacity(
+            self.num_unfinished - held, len(requests), self.core.config.scheduler.max_num_seqs, self.max_queue
+        )
         stream = RequestStream(self.abort, [rid for rid, _, _ in requests])
         for rid in stream.request_ids:
             self._streams[rid] = stream
+        if reservation is not None:  # the room becomes the requests: counted once, from here on as streams
+            self._num_reserved -= held
+            reservation.held = 0
         assert self._loop is not None
         added: asyncio.Future[None] = self._loop.create_future()
         self._submit(lambda: self._add_all(requests, added))
@@ -177,8 +210,9 @@ class AsyncEngine:
 
     @property
     def num_unfinished(self) -> int:
-        """Requests admitted and not finished (running, waiting, or about to be added)."""
-        return len(self._streams)
+        """Requests admitted and not finished (running, waiting, or about to be added), and the room reserved for
+        requests being prepared."""
+        return len(self._streams) + self._num_reserved
 
     # -- the engine thread ------------------------------------------------------------------------
     def _submit(self, command: Callable[[], None]) -> None:

@@ -12,4 +12,5 @@ static_sizes.py  which one- and two-row capture sizes compile statically (GEMV r
 packed.py        the packed products' candidates (registry), their timing table, binding the winners to layers
 product.py       small functions traced and compiled for static shapes (the timed product, compiled candidates)
 head.py          `LogitsHead`: one-row logits the fastest way the plan found
+native/          kiln's own C++ kernels, one object per ISA tier, built here and loaded where cpuid allows
 """

@@ -34,16 +34,23 @@ CHOICES_FILE = "kernel_choices.json"
 STREAM_BYTES = 256 << 20  # more than any last-level cache kiln runs on: timed products read DRAM
 
 
-def machine_fingerprint() -> dict[str, Any]:
-    """CPU model, a hash of its ISA flags, torch version and intra-op threads."""
+def cpu_info() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ("model name", "flags": the ISA extensions the CPU has and
+    the kernel enabled); empty where there is no /proc/cpuinfo."""
     info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
             info.setdefault(key.strip(), value.strip())
-    except OSError:  # not Linux: the platform's own name for the processor
+    except OSError:
         pass
-    model = info.get("model name") or platform.processor() or platform.machine()
+    return info
+
+
+def machine_fingerprint() -> dict[str, Any]:
+    """CPU model, a hash of its ISA flags, torch version and intra-op threads."""
+    info = cpu_info()
+    model = info.get("model name") or platform.processor() or platform.machine()  # not Linux: the platform's name
     flags = info.get("flags", "")
     return {
         "cpu": model,

@@ -13,7 +13,10 @@ Candidates for `x [rows, in] @ W.T`, W packed as codes, scales and offsets per g
 - `fused-reduction` (1 and 2 rows): the product as one reduction over the codes (kiln.quant.ops.reduction),
   compiled for the static row count, so the weight streams at its packed width and is never written out;
 - `int4pack-mm` (4-bit codes in groups of 32, where this torch has the op): torch's CPU int4 kernel over a copy
-  of the codes repacked into its layout (held by the kernel, made once per weight).
+  of the codes repacked into its layout (held by the kernel, made once per weight);
+- `native` (float32 activations and scales, where kiln's C++ kernels build and load here): kiln's own kernel
+  (kiln.kernels.native) over the packed codes as they are, the weight dequantized in registers, at any row count;
+  of the ISA tiers this CPU can run, the widest (the tier is what cpuid allows; timing picks the kernel).
 Rows timed: 1, 2 and MANY_ROWS, which stands for every count above 2 (prefill chunks and batched decode).
 """
 
@@ -30,6 +33,7 @@ from tqdm import tqdm
 
 from kiln.compile.compiler import PieceCompiler
 from kiln.kernels.choices import KernelChoiceCache, stream_count
+from kiln.kernels.native.build import native_op, runnable_tiers, source_hash
 from kiln.kernels.product import Compiled
 from kiln.quant.linear import PackedLinear
 from kiln.quant.ops import GEMV_ROWS, Kernel, dequant_blas, dequantize_codes, reduction, row_class
@@ -105,11 +109,32 @@ class Int4PackMM(PackedCandidate):
         return Int4Packed(weights)
 
 
+class NativePacked(PackedCandidate):
+    name = "native"
+
+    def applies(self, layer: PackedLinear, rows: int) -> bool:
+        on_cpu = layer.codes.device.type == "cpu"  # the objects hold CPU kernels only
+        return on_cpu and layer.scale.dtype == torch.float32 and native_packed_linear() is not None
+
+    def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
+        op = native_packed_linear()
+        if op is None:  # chosen on an earlier run, but cannot be built now: logged by the build, run the reference
+            return dequant_blas
+        return op
+
+
+def native_packed_linear() -> Kernel | None:
+    """The widest tier's native op this CPU runs (None where none builds)."""
+    tiers = runnable_tiers()
+    return native_op(tiers[0].name) if tiers else None
+
+
 CANDIDATES: dict[str, PackedCandidate] = {
-    c.name: c for c in (DequantBlas(), CompiledDequantBlas(), TiledDequantBlas(), FusedReduction(), Int4PackMM())
+    c.name: c
+    for c in (DequantBlas(), CompiledDequantBlas(), TiledDequantBlas(), FusedReduction(), Int4PackMM(), NativePacked())
 }
 DEQUANT_BLAS, COMPILED_DEQUANT, TILED = DequantBlas.name, CompiledDequantBlas.name, TiledDequantBlas.name
-FUSED, INT4PACK = FusedReduction.name, Int4PackMM.name
+FUSED, INT4PACK, NATIVE = FusedReduction.name, Int4PackMM.name, NativePacked.name
 
 
 def packed_layers(model: nn.Module) -> list[PackedLinear]:
@@ -117,8 +142,18 @@ def packed_layers(model: nn.Module) -> list[PackedLinear]:
 
 
 def layer_key(layer: PackedLinear) -> dict[str, object]:
+    """What a timed choice is for: the layout, and the candidates that can run here (a new candidate, or native
+    sources that changed or now build, time the layout again)."""
     dtype = str(layer.scale.dtype).removeprefix("torch.")
-    return {"shape": [layer.out_features, layer.in_features], "bits": layer.bits, "group": layer.group, "dtype": dtype}
+    native = source_hash() if native_packed_linear() is not None else None
+    return {
+        "shape": [layer.out_features, layer.in_features],
+        "bits": layer.bits,
+        "group": layer.group,
+        "dtype": dtype,
+        "candidates": sorted(CANDIDATES),
+        "native": native,
+    }
 
 
 def label(layer: PackedLinear) -> str:

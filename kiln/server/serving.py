@@ -15,7 +15,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -26,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.request import RequestOutput
-from kiln.engine.request_stream import QueueFullError, RequestStream
+from kiln.engine.request_stream import RequestStream
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import RequestError
 from kiln.server.errors import APIError, error_body, expected_error, internal_error
@@ -62,7 +62,6 @@ class OpenAIServing:
         self.max_model_len = engine.core.max_model_len
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.max_num_seqs = engine.core.config.scheduler.max_num_seqs
-        self._num_preparing = 0  # completions of HTTP requests that hold room (see `_room_for`)
         # NOTE: one thread, not asyncio's pool: the tokenizer holds the GIL for a whole encode (~1 s per million
         # characters), so the event loop waits for at most one encode at a time instead of one per pool thread;
         # encodes cannot run in parallel under the GIL anyway.
@@ -122,7 +121,8 @@ class OpenAIServing:
         num_logprobs: int | None,
         arrival: float,
     ) -> Response:
-        with self._room_for(num_prompts * body.n):
+        # NOTE: the room is held while the tokenizer works, so a flood is answered 429 before it is tokenized
+        with self.engine.reserve(num_prompts * body.n) as reservation:
             prompt_ids = await self._in_tokenizer_thread(tokenize)
             jobs: list[tuple[str, list[int], SamplingParams]] = []
             for p, ids in enumerate(prompt_ids):
@@ -132,7 +132,7 @@ class OpenAIServing:
                 for c in range(body.n):
                     params = body.sampling_params(limit, num_logprobs, c)
                     jobs.append((f"{fmt.response_id}-{p * body.n + c}", ids, params))
-            stream = await self.engine.add_requests(jobs)
+            stream = await self.engine.add_requests(jobs, reservation)
         index = {rid: i for i, (rid, _, _) in enumerate(jobs)}
         prompt_tokens = sum(len(ids) for ids in prompt_ids)
         request_id = request_id_of(request)
@@ -206,25 +206,6 @@ class OpenAIServing:
         finally:
             self._close(stream)
         yield SSE_DONE
-
-    @contextlib.contextmanager
-    def _room_for(self, num_seqs: int) -> Iterator[None]:
-        """Hold room in the engine's queue for `num_seqs` completions until they are added to the engine (which
-        then counts them itself), so that a flood of requests is answered 429 before the tokenizer works on it."""
-        max_queue = self.engine.max_queue
-        num_in_flight = self.engine.num_unfinished + self._num_preparing
-        if max_queue is not None and num_in_flight + num_seqs > self.max_num_seqs + max_queue:
-            raise QueueFullError(
-                f"the server is full: {num_in_flight} completions in flight or being prepared, room for "
-                f"{self.max_num_seqs + max_queue} (max_num_seqs={self.max_num_seqs} + max_queue={max_queue}); "
-                "retry later",
-                retry_after_s=1,
-            )
-        self._num_preparing += num_seqs
-        try:
-            yield
-        finally:
-            self._num_preparing -= num_seqs
 
     async def _in_tokenizer_thread(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn)

@@ -17,7 +17,16 @@ from kiln.compile.full_graph import STATIC_SIZES
 from kiln.compile.kernels import kernels_in
 from kiln.errors import ConfigError
 from kiln.kernels.choices import KernelChoiceCache
-from kiln.kernels.packed import COMPILED_DEQUANT, DEQUANT_BLAS, FUSED, INT4PACK, PackedKernelTable, label
+from kiln.kernels.packed import (
+    COMPILED_DEQUANT,
+    DEQUANT_BLAS,
+    FUSED,
+    INT4PACK,
+    NATIVE,
+    PackedKernelTable,
+    label,
+    native_packed_linear,
+)
 from kiln.model.loader import resolve_model_path
 from kiln.model.registry import resident_weight_bytes
 from kiln.quant.gguf_blocks import PACKED_TYPES, decode_blocks, layout_of
@@ -238,7 +247,9 @@ def test_the_table_times_each_shape_once_picks_the_fastest_and_is_cached(tmp_pat
     assert len(first.records) == 2  # two layers of one shape share an entry
     four = first.records["96x64 4-bit/32 float32"]
     assert four["source"] == "timed" and set(four["times_us"]) == {"1", "2", "32"}
-    assert set(four["times_us"]["1"]) == {DEQUANT_BLAS, COMPILED_DEQUANT, FUSED, INT4PACK}
+    native = {NATIVE} if native_packed_linear() is not None else set()  # where kiln's C++ kernels build here
+    assert set(four["times_us"]["1"]) == {DEQUANT_BLAS, COMPILED_DEQUANT, FUSED, INT4PACK, *native}
+    assert set(first.records["64x96 8-bit/32 float32"]["times_us"]["32"]) == {DEQUANT_BLAS, COMPILED_DEQUANT, *native}
     assert FUSED not in four["times_us"]["32"] and INT4PACK not in str(first.records["64x96 8-bit/32 float32"])
     for record in first.records.values():
         for rows, times in record["times_us"].items():

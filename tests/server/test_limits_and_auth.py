@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -169,11 +170,36 @@ def test_requests_beyond_the_queue_are_refused_before_tokenizing() -> None:
             error = openai_error(response, 429)
             assert error["code"] == "queue_full" and "max_queue=2" in error["message"]
             assert response.headers["retry-after"] == "1"
-        assert s.engine.num_unfinished == 0 and core.tokenizer.num_encode_calls == 1
+        assert s.engine.num_unfinished == 3 and core.tokenizer.num_encode_calls == 1  # the held three, reserved
         core.tokenizer.gate.set()
         assert [r.status_code for r in await asyncio.gather(*held)] == [200, 200, 200]
 
     serve(core, body, ["--max-queue", "2"])
+
+
+def test_requests_being_added_are_counted_once() -> None:
+    """200 concurrent requests under a 256 queue: none is a 429, although all of them wait to be added while the
+    engine thread is inside a long step (a request was once counted as prepared and as added at that moment)."""
+    core = FakeCore(max_num_seqs=4, num_blocks=4096)
+    core.gate.clear()  # the engine thread stays inside its step: the requests wait to be added
+
+    async def body(s: Served) -> None:
+        running = await s.engine.add_requests([("long", "hi", SamplingParams(max_tokens=2))])  # then it steps
+        payload = {"prompt": "hi", "max_tokens": 1}
+        posts: list[asyncio.Task] = []
+
+        def settled() -> bool:  # every request is added (waiting for the engine thread) or was answered (a 429)
+            return len(s.engine._streams) - 1 + sum(p.done() for p in posts) == len(posts)
+
+        for wave in (130, 70):  # the second wave arrives while the first waits to be added
+            posts += [asyncio.create_task(s.client.post("/v1/completions", json=payload)) for _ in range(wave)]
+            await wait_until(settled, 30)
+        core.gate.set()
+        statuses = [r.status_code for r in await asyncio.gather(*posts)]
+        assert statuses == [200] * 200, Counter(statuses)
+        running.close()
+
+    serve(core, body, ["--max-queue", "256"])
 
 
 def test_max_stream_buffer_reaches_the_engine() -> None:

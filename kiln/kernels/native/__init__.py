@@ -1,0 +1,8 @@
+"""kiln's own C++ kernels, built on the machine that runs them, one object per ISA tier, loaded only where the CPU
+has the tier's instructions (never a SIGILL on an older CPU).
+
+build.py           the tiers, the cpuid check, the JIT build (torch cpp_extension, OpenMP) into a cache keyed by
+                   torch version, compiler, tier and source hash, under a lock of kiln's own; `native_op`
+packed_linear.cpp  `packed_linear(x, codes, scale, offset)` over kiln's packed layout, float32 activations: the
+                   weight dequantized in registers, group by group (AVX2 + FMA path, scalar path)
+"""

@@ -1,0 +1,156 @@
+"""Native kernels built per ISA tier and loaded where cpuid allows.
+
+A tier is a set of compiler flags and the CPU flags they need. Each tier's object is built once per machine from
+the sources beside this file, with `torch.utils.cpp_extension` (OpenMP on, so `at::parallel_for` runs on torch's
+thread pool), into `<cache_dir>/native/<tier>-<key>/`, where the key hashes the sources, the flags, the torch
+version and the compiler's version: a new torch, compiler or source builds again, nothing stale is loaded. The
+build holds a lock of kiln's own (an flock on that folder, released by the OS when a build is killed); torch's own
+lock file there, which a killed build leaves behind and which would make the next build wait forever, is removed
+under it.
+
+`native_op(tier)` is the tier's `packed_linear` op, or None where the CPU lacks the tier or the build failed
+(no compiler, a compiler error): kiln then runs on the torch candidates and says why once, in one log line.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.env import read_env
+from kiln.kernels.choices import cpu_info
+
+logger = logging.getLogger("kiln")
+
+SOURCES = (Path(__file__).with_name("packed_linear.cpp"),)
+COMMON_FLAGS = ("-O3", "-fopenmp", "-std=c++17")
+
+
+@dataclass(frozen=True)
+class Tier:
+    name: str
+    cflags: tuple[str, ...]
+    cpu_flags: frozenset[str]  # what /proc/cpuinfo must list for this tier's object to be loaded
+
+    @property
+    def namespace(self) -> str:
+        return f"kiln_native_{self.name}"
+
+
+TIERS = (
+    Tier("avx2", ("-mavx2", "-mfma"), frozenset({"avx2", "fma"})),
+    Tier("plain", (), frozenset()),  # the compiler's baseline for the platform (x86-64: SSE2)
+)
+TIER_NAMES = tuple(t.name for t in TIERS)
+
+
+def cpu_flags() -> frozenset[str]:
+    return frozenset(cpu_info().get("flags", "").split())
+
+
+def runnable_tiers() -> list[Tier]:
+    """The tiers whose instructions this CPU has, widest first."""
+    flags = cpu_flags()
+    return [t for t in TIERS if t.cpu_flags <= flags]
+
+
+def source_hash() -> str:
+    """A hash of the native sources: part of every kernel choice that timed them, so a change times again."""
+    digest = hashlib.sha256()
+    for path in SOURCES:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def compiler_version() -> str | None:
+    """The first line of `c++ --version` (or $CXX's), None where there is no C++ compiler."""
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return None
+    try:
+        result = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return result.stdout.splitlines()[0] if result.stdout else cxx
+
+
+def build_key(tier: Tier, compiler: str) -> str:
+    parts = [source_hash(), " ".join((*COMMON_FLAGS, *tier.cflags)), torch.__version__, compiler]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def tier_by_name(name: str) -> Tier:
+    return next(t for t in TIERS if t.name == name)
+
+
+@functools.cache
+def native_op(tier_name: str) -> Callable[..., torch.Tensor] | None:
+    """The tier's `packed_linear` op (built or read from the cache, then loaded), None where it cannot run here."""
+    tier = tier_by_name(tier_name)
+    if tier not in runnable_tiers():
+        return None
+    compiler = compiler_version()
+    if compiler is None:
+        _say_once("native kernels are off: no C++ compiler (c++ or $CXX) on this machine; packed products run on "
+                  "the torch candidates")  # fmt: skip
+        return None
+    try:
+        _load(tier, compiler)
+    except Exception as exc:  # a compiler's error, a missing header: the torch candidates still run
+        logger.warning("Native kernels (%s) could not be built, packed products run without them: %s", tier.name,
+                       str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)  # fmt: skip
+        return None
+    return getattr(torch.ops, tier.namespace).packed_linear
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    logger.info(message)
+
+
+def library_path(tier: Tier, compiler: str) -> Path:
+    """Where the tier's object for this compiler, torch and sources is (or will be) built."""
+    key = build_key(tier, compiler)
+    return read_env().cache_dir / "native" / f"{tier.name}-{key}" / f"{tier.namespace}_{key}.so"
+
+
+def _load(tier: Tier, compiler: str) -> None:
+    from torch.utils import cpp_extension
+
+    library = library_path(tier, compiler)
+    folder, name = library.parent, library.stem
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another process building the same object: wait for it, then load its
+        if not library.exists():
+            (folder / "lock").unlink(missing_ok=True)  # torch's baton, left by a killed build: stale under our lock
+            logger.info("Building native kernels (%s tier, %s) ...", tier.name, compiler)
+            started = time.perf_counter()
+            cpp_extension.load(
+                name,
+                [str(p) for p in SOURCES],
+                extra_cflags=[*COMMON_FLAGS, *tier.cflags, f"-DKILN_TIER_NS={tier.namespace}"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+                is_python_module=False,
+                verbose=False,
+            )
+            logger.info("Built native kernels (%s tier) in %.1f s: %s", tier.name, time.perf_counter() - started,
+                        library)  # fmt: skip
+            return  # cpp_extension.load loaded it
+    finally:
+        os.close(fd)
+    torch.ops.load_library(str(library))
