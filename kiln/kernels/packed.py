@@ -17,7 +17,8 @@ Candidates for `x [rows, in] @ W.T`, W packed as codes, scales and offsets per g
 - `native` (float32 activations and scales, where kiln's C++ kernels build and load here): kiln's own kernel
   (kiln.kernels.native) over the packed codes as they are, the weight dequantized in registers, at any row count;
   of the ISA tiers this CPU can run, the widest (the tier is what cpuid allows; timing picks the kernel).
-Rows timed: 1, 2 and MANY_ROWS, which stands for every count above 2 (prefill chunks and batched decode).
+Rows timed: 1, 2, MANY_ROWS (for 3 to 32 rows: batched decode, short chunks) and LARGE_ROWS (for more: prefill
+chunks), one entry each (kiln.quant.ops.row_class).
 """
 
 from __future__ import annotations
@@ -36,14 +37,24 @@ from kiln.kernels.choices import KernelChoiceCache, stream_count
 from kiln.kernels.native.build import native_op, runnable_tiers, source_hash
 from kiln.kernels.product import Compiled
 from kiln.quant.linear import PackedLinear
-from kiln.quant.ops import GEMV_ROWS, Kernel, dequant_blas, dequantize_codes, reduction, row_class
+from kiln.quant.ops import (
+    GEMV_ROWS,
+    MANY_MAX_ROWS,
+    Kernel,
+    dequant_blas,
+    dequantize_codes,
+    reduction,
+    row_class,
+)
 
 logger = logging.getLogger("kiln")
 
 TILE_ROWS = 2048  # output rows dequantized at a time by TILED: a tile stays in cache for its product
-MANY_ROWS = 32
+MANY_ROWS = MANY_MAX_ROWS
+LARGE_ROWS = 256
 STREAM_BYTES = 96 << 20  # copies of a layer that add up to more than a last-level cache
-ROWS = (*range(1, GEMV_ROWS + 1), MANY_ROWS)
+ROWS = (*range(1, GEMV_ROWS + 1), MANY_ROWS, LARGE_ROWS)
+TIMED_ROWS = {row_class(rows): rows for rows in ROWS}  # row class -> the row count timed for it
 Weight = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes, scale, offset
 
 
@@ -156,6 +167,13 @@ def layer_key(layer: PackedLinear) -> dict[str, object]:
     }
 
 
+def rows_label(timed: int) -> str:
+    """What a timed row count stands for, in a log line: "1 row", "3-32 rows", "33+ rows"."""
+    if timed <= GEMV_ROWS:
+        return f"{timed} row{'s' if timed > 1 else ''}"
+    return f"{GEMV_ROWS + 1}-{MANY_MAX_ROWS} rows" if timed == MANY_ROWS else f"{MANY_MAX_ROWS + 1}+ rows"
+
+
 def label(layer: PackedLinear) -> str:
     dtype = str(layer.scale.dtype).removeprefix("torch.")
     return f"{layer.out_features}x{layer.in_features} {layer.bits}-bit/{layer.group} {dtype}"
@@ -174,7 +192,7 @@ class PackedKernelTable:
             self.records[name] = cache.choose("packed_kernels", layer_key(layer), lambda layer=layer: self._time(layer))
 
     def winner(self, layer: PackedLinear, rows: int) -> str:
-        return str(self.records[label(layer)]["winners"][str(rows if rows <= GEMV_ROWS else MANY_ROWS)])
+        return str(self.records[label(layer)]["winners"][str(TIMED_ROWS[row_class(rows)])])
 
     def install(self) -> None:
         """Bind each layer its layout's winners (compiled ones built here, once per layout; repacked weights once
