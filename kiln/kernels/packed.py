@@ -153,8 +153,8 @@ def packed_layers(model: nn.Module) -> list[PackedLinear]:
 
 
 def layer_key(layer: PackedLinear) -> dict[str, object]:
-    """What a timed choice is for: the layout, and the candidates that can run here (a new candidate, or native
-    sources that changed or now build, time the layout again)."""
+    """What a timed choice is for: the layout, the rows timed, and the candidates that can run here (a new
+    candidate, row class, or native sources that changed or now build, time the layout again)."""
     dtype = str(layer.scale.dtype).removeprefix("torch.")
     native = source_hash() if native_packed_linear() is not None else None
     return {
@@ -163,6 +163,7 @@ def layer_key(layer: PackedLinear) -> dict[str, object]:
         "group": layer.group,
         "dtype": dtype,
         "candidates": sorted(CANDIDATES),
+        "rows": list(ROWS),
         "native": native,
     }
 
