@@ -18,6 +18,7 @@ from kiln.compile.kernels import kernels_in
 from kiln.errors import ConfigError
 from kiln.kernels.choices import KernelChoiceCache
 from kiln.kernels.packed import (
+    CANDIDATES,
     COMPILED_DEQUANT,
     DEQUANT_BLAS,
     FUSED,
@@ -166,11 +167,11 @@ def test_every_timed_kernel_matches_dequantize_then_fp32_per_layer(packed_llm: L
     model = packed_llm.engine.model
     chosen = {name for record in packed_llm.engine.executor.kernel_choices["packed_kernels"].values() for name in
               record["winners"].values()}  # fmt: skip
-    assert FUSED in chosen  # one-row decode runs a kernel of its own, not the reference
+    assert chosen <= set(CANDIDATES)  # whichever won here; each is checked below at every row class
     torch.manual_seed(0)
     with torch.inference_mode():
         for name, layer in [(n, m) for n, m in model.named_modules() if isinstance(m, PackedLinear)][-5:]:
-            for rows in (1, 2, 7, 32):
+            for rows in (1, 2, 7, 32, 100):
                 x = torch.randn(rows, layer.in_features)
                 ref = x @ layer.dequantized().t()
                 err = (layer(x) - ref).abs().max() / ref.abs().max()
