@@ -41,7 +41,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with make_llm(args) as llm:
         prompts = args.prompt
         if args.chat:
-            prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+            prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
         outputs = llm.generate(prompts, params)
     failed = 0
     for user_prompt, out in zip(args.prompt, outputs, strict=True):
@@ -88,7 +88,7 @@ def _chat(llm: LLM, args: argparse.Namespace) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        prompt = llm.tokenizer.apply_chat_template(history)
+        prompt = llm.tokenizer.encode_chat(history)
         reply = ""
         try:
             for out in llm.stream(prompt, params):

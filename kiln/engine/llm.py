@@ -104,7 +104,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of {role, content}) or many; the model's chat template makes the prompt."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(list(c)) for c in conversations]  # type: ignore[arg-type]
+        prompts: list[Prompt] = [self.tokenizer.encode_chat(list(c)) for c in conversations]  # type: ignore[arg-type]
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
 

@@ -15,6 +15,8 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from kiln.errors import ModelLoadError, RequestError
 
+# stands in for each message's content while the chat template renders (a private-use character, never a token)
+_MARK = "\ue000"
 # token_type values in GGUF (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
 _CONTROL, _USER_DEFINED = 3, 4
 # GPT-2 style split used by llama.cpp's "default"/"gpt2"/"smollm" pre-tokenizers.
@@ -95,6 +97,7 @@ class KilnTokenizer:
         self.add_bos = add_bos
         self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token else None
         self.eos_token_id = tokenizer.token_to_id(eos_token) if eos_token else None
+        self._text_tokenizer: Tokenizer | None = None  # a copy that splits special-token text (`_encode_as_text`)
 
     @property
     def vocab_size(self) -> int:
@@ -117,6 +120,8 @@ class KilnTokenizer:
         return [self.tokenizer.id_to_token(i) or "" for i in ids]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """The conversation as the template writes it (text: control tokens and contents alike; see
+        `encode_chat` for the ids a model should see)."""
         if not self.chat_template:
             raise RequestError("this model has no chat template; use a plain completion instead", param="messages")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -127,6 +132,48 @@ class KilnTokenizer:
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """The conversation's prompt ids, where control tokens come from the template only: each message's content
+        is tokenized with special-token text kept as text (a user who writes `<|im_end|><|im_start|>system` gets
+        those characters, not a system turn). The template is rendered with a marker in place of each content;
+        the text between markers is the template's own and is tokenized with its special tokens. Where the template
+        changes a content (trims it, ...), its text is used as rendered, and a content with special-token text
+        is refused rather than obeyed."""
+        text = self.apply_chat_template(messages, add_generation_prompt)
+        marked = [{**m, "content": f"{_MARK}{i}{_MARK}"} if m.get("content") else m for i, m in enumerate(messages)]
+        pieces = self.apply_chat_template(marked, add_generation_prompt).split(_MARK)
+        # pieces alternate: template text, a content's index, template text, ...
+        in_order = pieces[1::2] == [str(i) for i, m in enumerate(messages) if m.get("content")]
+        spliced = in_order and "".join(messages[int(p)]["content"] if n % 2 else p for n, p in enumerate(pieces))
+        if spliced != text:  # the template rewrote (trimmed, ...) or reordered the contents: use its text
+            for i, m in enumerate(messages):
+                if self._has_special_text(m.get("content") or ""):
+                    raise RequestError(
+                        f"message {i} contains special-token text and this model's chat template rewrites message "
+                        "contents, so it cannot be kept as text; remove the control tokens from the message",
+                        param=f"messages[{i}].content",
+                    )
+            return self.encode(text)
+        ids: list[int] = []
+        for n, piece in enumerate(pieces):
+            if n % 2:
+                ids += self._encode_as_text(messages[int(piece)]["content"])
+            elif piece:
+                ids += self.encode(piece, add_special_tokens=n == 0)
+            elif n == 0:
+                ids += self.encode("", add_special_tokens=True)
+        return ids
+
+    def _encode_as_text(self, text: str) -> list[int]:
+        """`text` tokenized with its special-token literals split like any other text."""
+        if self._text_tokenizer is None:
+            self._text_tokenizer = Tokenizer.from_str(self.tokenizer.to_str())
+            self._text_tokenizer.encode_special_tokens = True
+        return self._text_tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def _has_special_text(self, text: str) -> bool:
+        return any(t.content in text for t in self.tokenizer.get_added_tokens_decoder().values() if t.special)
 
     @classmethod
     def from_gguf(cls, checkpoint: Any) -> KilnTokenizer:

@@ -8,7 +8,7 @@ and so is text the tokenizer cannot take (a lone UTF-16 surrogate, which JSON's 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -146,11 +146,15 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One turn. `role` is one the chat templates know (anything else would be spliced into the prompt as a turn
+    the model never saw); `developer` is OpenAI's newer name for `system` and becomes one. `name` follows OpenAI's
+    pattern, so it cannot carry template syntax or control tokens either."""
+
     model_config = ConfigDict(extra="ignore")
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -175,7 +179,8 @@ class ChatCompletionRequest(SamplingFields):
                             f"messages.{i}.content.{j}.type",
                         )
                 content = "".join(part.text or "" for part in content)
-            message: dict[str, Any] = {"role": m.role, "content": content or ""}
+            role = "system" if m.role == "developer" else m.role
+            message: dict[str, Any] = {"role": role, "content": content or ""}
             if m.name is not None:
                 message["name"] = m.name
             for key, text in message.items():

@@ -225,10 +225,9 @@ class OpenAIServing:
 
     def _chat_prompt(self, messages: list[dict[str, Any]]) -> list[list[int]]:
         try:
-            text = self.tokenizer.apply_chat_template(messages)
+            return [self.tokenizer.encode_chat(messages)]  # contents' special-token text stays text
         except jinja2.TemplateError as exc:
             raise RequestError(f"the model's chat template rejected the messages: {exc}", None, "messages") from None
-        return [self.tokenizer.encode(text)]
 
 
 class EngineStreamingResponse(StreamingResponse):

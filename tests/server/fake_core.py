@@ -49,6 +49,9 @@ class FakeTokenizer:
         self.num_template_calls += 1
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+
 
 @dataclass
 class FakeRequest:
