@@ -19,6 +19,8 @@ from kiln.errors import RequestError
 from kiln.recipe.guards import RecipeViolation
 from kiln.server.limits import LimitExceeded
 
+CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection before the answer (logs and metrics)
+
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
     401: "invalid_request_error",

@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.request import RequestOutput
+from kiln.server.errors import CLIENT_CLOSED
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 # NOTE: CPU latencies run from milliseconds to minutes, so the buckets span both.
@@ -82,6 +83,13 @@ class ServerMetrics:
         self.http_requests = Counter(
             "kiln_http_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r
         )
+        self.client_disconnects = Counter(
+            "kiln_client_disconnects",
+            "HTTP requests whose client went away before the response was complete (during the upload, the "
+            "generation or the stream); counted apart from server errors, and answered 499 in kiln_http_requests",
+            ["endpoint"],
+            registry=r,
+        )
         self.finished = Counter(
             "kiln_request_finished", "Engine requests finished, by reason", ["finish_reason"], registry=r
         )
@@ -132,16 +140,31 @@ class HTTPMetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
+        status: int | None = None
+        complete = disconnected = False
+
+        async def receive_and_watch() -> Message:
+            nonlocal disconnected
+            message = await receive()
+            disconnected = disconnected or message["type"] == "http.disconnect"
+            return message
 
         async def send_and_record_status(message: Message) -> None:
-            nonlocal status
+            nonlocal status, complete
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                complete = True
             await send(message)
 
         try:
-            await self.app(scope, receive, send_and_record_status)
+            await self.app(scope, receive_and_watch, send_and_record_status)
         finally:
             endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+            # NOTE: a client that left before any answer (mid-upload, mid-generation) is a 499, never a 500
+            left = status == CLIENT_CLOSED or (disconnected and not complete)
+            if status is None:
+                status = CLIENT_CLOSED if disconnected else 500
+            if left:
+                self.metrics.client_disconnects.labels(endpoint=endpoint).inc()
             self.metrics.http_requests.labels(endpoint=endpoint, status=str(status)).inc()

@@ -29,7 +29,7 @@ from kiln.engine.request import RequestOutput
 from kiln.engine.request_stream import RequestStream
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import RequestError
-from kiln.server.errors import APIError, error_body, expected_error, internal_error
+from kiln.server.errors import CLIENT_CLOSED, APIError, error_body, expected_error, internal_error
 from kiln.server.formats import ChatFormat, CompletionFormat, ResponseFormat
 from kiln.server.limits import ServerLimits
 from kiln.server.metrics import ServerMetrics
@@ -41,7 +41,6 @@ logger = logging.getLogger("kiln")
 
 T = TypeVar("T")
 # nginx's "client closed request": recorded in metrics for requests whose client went away before the answer.
-CLIENT_CLOSED = 499
 
 
 class OpenAIServing:

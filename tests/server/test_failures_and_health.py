@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import re
+from typing import Any
 
 import httpx
 import pytest
@@ -225,3 +226,54 @@ def test_health_is_503_while_shutting_down() -> None:
 
     response = asyncio.run(main())
     assert response.status_code == 503 and "shutting down" in response.json()["reason"]
+
+
+def _count(app: Any, name: str, **labels: str) -> float:
+    value = app.state.metrics.registry.get_sample_value(name, labels)
+    return value or 0.0
+
+
+def test_a_client_that_leaves_mid_upload_is_a_disconnect_not_a_500() -> None:
+    """The body's first half arrives, then the client goes away: nobody is left to answer, and /metrics counts a
+    client disconnect (and a 499), not a server error."""
+
+    async def body(s: Served) -> None:
+        messages = iter(
+            [
+                {"type": "http.request", "body": b'{"prompt": "hi", ', "more_body": True},
+                {"type": "http.disconnect"},
+            ]
+        )
+
+        async def receive() -> dict:
+            return next(messages, {"type": "http.disconnect"})
+
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/completions",
+            "raw_path": b"/v1/completions",
+            "query_string": b"",
+            "root_path": "",
+            "headers": [(b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 5000),
+            "server": ("127.0.0.1", 8000),
+        }
+        await s.app(scope, receive, send)
+        assert sent == []  # no answer to a client that is gone
+        endpoint = {"endpoint": "/v1/completions"}
+        assert _count(s.app, "kiln_client_disconnects_total", **endpoint) == 1
+        assert _count(s.app, "kiln_http_requests_total", **endpoint, status="499") == 1
+        assert _count(s.app, "kiln_http_requests_total", **endpoint, status="500") == 0
+        ok = await s.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        assert ok.status_code == 200 and _count(s.app, "kiln_client_disconnects_total", **endpoint) == 1
+
+    serve(FakeCore(), body)
