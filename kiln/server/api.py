@@ -16,7 +16,12 @@ from kiln.engine.async_engine import AsyncEngine
 from kiln.server.errors import install_error_handlers
 from kiln.server.limits import ServerLimits
 from kiln.server.metrics import HTTPMetricsMiddleware, ServerMetrics
-from kiln.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
+from kiln.server.middleware import (
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    HostCheckMiddleware,
+    RequestIdMiddleware,
+)
 from kiln.server.protocol import ChatCompletionRequest, CompletionRequest
 from kiln.server.serving import OpenAIServing
 
@@ -28,6 +33,7 @@ class AppSettings:
     api_key: str | None = None  # None: no authentication
     metrics_auth: bool = False  # /metrics requires the API key too
     limits: ServerLimits | None = None  # None: ServerLimits.for_model(the engine's max_model_len)
+    allowed_hosts: frozenset[str] = frozenset()  # Host names answered without a key, beyond IPs and localhost
 
 
 def create_app(engine: AsyncEngine, settings: AppSettings) -> FastAPI:
@@ -55,6 +61,8 @@ def create_app(engine: AsyncEngine, settings: AppSettings) -> FastAPI:
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_body_bytes)
     if settings.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, protect_metrics=settings.metrics_auth)
+    else:
+        app.add_middleware(HostCheckMiddleware, allowed=settings.allowed_hosts)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)

@@ -24,6 +24,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     Engine options (model, KV cache, batching, --recipe, graph mode, --seed) come from `EngineArgs`.
     """
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated Host names answered without an API key, beyond IP addresses and localhost ('*': "
+        "any); other names get a 400, so a web page cannot reach the server by DNS rebinding",
+    )
     p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free port, shown in the Ready line)")
     p.add_argument("--served-model-name", default=None, help="model id clients see (default: checkpoint file name)")
     p.add_argument(

@@ -1,14 +1,16 @@
-"""What runs on every HTTP request before a route sees it: a request id, the API key, the body-size limit.
+"""What runs on every HTTP request before a route sees it: a request id, the Host check or the API key, the
+body-size limit.
 
-Order, outermost first (see `create_app`): RequestIdMiddleware, HTTP metrics, APIKeyMiddleware,
-BodySizeLimitMiddleware, then routing. So every answer carries an `x-request-id` header and is counted in
-/metrics; a request without the key is refused before a byte of its body is read; a body over the limit is
-refused before it is parsed; and only then does FastAPI parse JSON.
+Order, outermost first (see `create_app`): RequestIdMiddleware, HTTP metrics, HostCheckMiddleware (no key) or
+APIKeyMiddleware, BodySizeLimitMiddleware, then routing. So every answer carries an `x-request-id` header and is
+counted in /metrics; a Host that is not this server's, or a request without the key, is refused before a byte of
+its body is read; a body over the limit is refused before it is parsed; and only then does FastAPI parse JSON.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import uuid
 
@@ -146,5 +148,53 @@ class BodySizeLimitMiddleware:
             f"the request body {what}; this server accepts at most {self.max_bytes} bytes "
             f"(--max-body-bytes={self.max_bytes}); send a smaller request",
             code="body_too_large",
+        )
+        await response(scope, receive, send)
+
+
+LOCAL_NAMES = frozenset({"localhost", "localhost.localdomain"})
+
+
+def host_name(host_header: str) -> str:
+    """The name in a Host header, without its port, lower case ("[::1]:8000" -> "::1")."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+def is_ip_literal(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+class HostCheckMiddleware:
+    """Without an API key, answers only requests whose Host names this server: an IP address, localhost, or a
+    name in `allowed` ("*": any). A web page that rebinds its own domain to 127.0.0.1 (DNS rebinding) sends its
+    domain as the Host, so it cannot drive a key-less server on loopback from a browser."""
+
+    def __init__(self, app: ASGIApp, allowed: frozenset[str]) -> None:
+        self.app = app
+        self.allowed = frozenset(a.lower() for a in allowed)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or "*" in self.allowed:
+            await self.app(scope, receive, send)
+            return
+        header = Headers(scope=scope).get("host", "")
+        name = host_name(header)
+        if is_ip_literal(name) or name in LOCAL_NAMES or name in self.allowed:
+            await self.app(scope, receive, send)
+            return
+        shown = header if len(header) <= 100 else header[:100] + "..."
+        response = error_response(
+            400,
+            f"the Host header {shown!r} is not a name this server answers to without an API key (an IP address, "
+            "localhost, or a name given with --allowed-hosts); start the server with --allowed-hosts NAME, or "
+            "set an API key",
+            code="host_not_allowed",
         )
         await response(scope, receive, send)

@@ -66,7 +66,7 @@ def serve(
             loop_thread.start()
             try:
                 transport = httpx.ASGITransport(app=app)
-                async with httpx.AsyncClient(transport=transport, base_url="http://kiln", timeout=30) as client:
+                async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=30) as client:
                     result = await body(Served(client, app, core, served_loop_errors))
             finally:
                 core.gate.set()

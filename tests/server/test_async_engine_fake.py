@@ -35,7 +35,7 @@ def run_with_app(
         engine.start()
         try:
             transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://kiln", timeout=30) as client:
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=30) as client:
                 return await body(client, engine)
         finally:
             core.gate.set()

@@ -221,7 +221,7 @@ def test_health_is_503_while_shutting_down() -> None:
             loop_done = loop.run_in_executor(None, engine.run_loop)
         await loop_done
         transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://kiln") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
             return await client.get("/health")
 
     response = asyncio.run(main())
@@ -263,7 +263,7 @@ def test_a_client_that_leaves_mid_upload_is_a_disconnect_not_a_500() -> None:
             "raw_path": b"/v1/completions",
             "query_string": b"",
             "root_path": "",
-            "headers": [(b"content-type", b"application/json")],
+            "headers": [(b"host", b"localhost"), (b"content-type", b"application/json")],
             "client": ("127.0.0.1", 5000),
             "server": ("127.0.0.1", 8000),
         }

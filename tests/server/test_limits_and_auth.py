@@ -373,3 +373,35 @@ def test_limits_flags_reject_nonsense(capsys: pytest.CaptureFixture[str]) -> Non
     with pytest.raises(SystemExit):
         build_served_app(FakeCore(), ["--max-body-bytes", "4MB"])
     assert "--max-body-bytes: expected an integer >= 1, got '4MB'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "host", "allowed"),
+    [
+        ([], "evil.example:8000", False),  # a page that rebound its domain to 127.0.0.1
+        ([], "localhost:8000", True),
+        ([], "127.0.0.1:8000", True),
+        ([], "[::1]:8000", True),
+        ([], "10.1.2.3", True),  # an IP address names this machine: no domain to rebind
+        (["--allowed-hosts", "kiln.internal,box"], "BOX:8000", True),
+        (["--allowed-hosts", "kiln.internal"], "evil.example", False),
+        (["--allowed-hosts", "*"], "evil.example", True),
+        (["--api-key", KEY], "evil.example", True),  # with a key, the key protects
+    ],
+)
+def test_without_a_key_only_this_servers_host_names_are_answered(argv: list[str], host: str, allowed: bool) -> None:
+    body_pulls = RecordingBody(3, b'{"prompt": "hi", "max_tokens": 1}'[:12])
+
+    async def body(s: Served) -> None:
+        headers = {"Host": host, **AUTH}
+        models = await s.client.get("/v1/models", headers=headers)
+        posted = await s.client.post("/v1/completions", content=body_pulls, headers=headers)
+        if allowed:
+            assert models.status_code == 200
+        else:
+            error = openai_error(models, 400)
+            assert error["code"] == "host_not_allowed" and "--allowed-hosts" in error["message"]
+            assert openai_error(posted, 400)["code"] == "host_not_allowed"
+            assert body_pulls.num_pulled == 0  # refused before its body is read
+
+    serve(FakeCore(), body, argv)
