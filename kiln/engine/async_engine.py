@@ -30,7 +30,14 @@ from dataclasses import dataclass, replace
 
 from kiln.engine.core import INTERNAL_ERROR, EngineCore
 from kiln.engine.request import RequestOutput
-from kiln.engine.request_stream import EngineStats, EngineStoppedError, RequestStream, check_capacity, settle
+from kiln.engine.request_stream import (
+    SLOW_READER,
+    EngineStats,
+    EngineStoppedError,
+    RequestStream,
+    check_capacity,
+    settle,
+)
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import KilnError, WorkerFailure
 
@@ -66,6 +73,7 @@ class AsyncEngine:
         self.core = core
         self.max_queue = max_queue
         self._num_reserved = 0  # room held by `reserve` for requests not added yet
+        self._adding: set[asyncio.Future[None]] = set()  # add_requests calls waiting for the engine thread
         self.max_buffered_outputs = max_buffered_outputs
         self.own_thread = own_thread  # False: the caller runs `run_loop()` on a thread of its own
         self._streams: dict[str, RequestStream] = {}
@@ -186,12 +194,15 @@ class AsyncEngine:
             reservation.held = 0
         assert self._loop is not None
         added: asyncio.Future[None] = self._loop.create_future()
+        self._adding.add(added)
         self._submit(lambda: self._add_all(requests, added))
         try:
             await added
         except BaseException:
             stream.close()
             raise
+        finally:
+            self._adding.discard(added)
         return stream
 
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -316,10 +327,13 @@ class AsyncEngine:
             stream.queue.put_nowait(out)
 
     def _fail_streams(self, message: str, reason: str) -> None:
-        """The loop died: end every open stream with an error output, so no client waits forever."""
+        """The loop died: end every open stream with an error output, so no client waits forever (not even one
+        whose requests were still waiting to be added: its stream already holds the error)."""
         for rid, stream in list(self._streams.items()):
             stream.fail(rid, message, reason)
         self._streams.clear()
+        for added in self._adding:
+            settle(added, None)
 
     def _cut_off(self, stream: RequestStream, out: RequestOutput, limit: int) -> RequestOutput:
         """A reader `limit` outputs behind: abort all of its stream's requests (freeing their KV blocks)."""
@@ -329,5 +343,5 @@ class AsyncEngine:
             if self._streams.pop(rid, None) is not None:
                 self._submit(lambda rid=rid: self.core.abort(rid))
                 if rid != out.request_id:
-                    stream.fail(rid, message)
-        return replace(out, finished=True, finish_reason="error", error=message, delta="", num_new_tokens=0)
+                    stream.fail(rid, message, SLOW_READER)
+        return replace(out, finished=True, finish_reason=SLOW_READER, error=message, delta="", num_new_tokens=0)

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from kiln.engine.request import RequestOutput
 from kiln.errors import KilnError
 
+# the finish reason of a request whose reader fell `max_buffered_outputs` behind: the client's doing, not the server's
+SLOW_READER = "slow_reader"
+
 
 class QueueFullError(KilnError):
     """More requests than the server admits (running + `max_queue` waiting); the client should retry later."""
@@ -75,7 +78,8 @@ class RequestStream:
 
     def fail(self, request_id: str, message: str, reason: str = "error") -> None:
         """End one of the stream's requests with an error output (its engine request is dealt with elsewhere);
-        `reason` "abort": the engine, not the request, could not go on (the server answers 503)."""
+        `reason` "abort": the engine, not the request, could not go on (the server answers 503); SLOW_READER: the
+        reader fell too far behind (a client error)."""
         self.queue.put_nowait(
             RequestOutput(request_id, None, [], "", [], finished=True, finish_reason=reason, error=message)
         )

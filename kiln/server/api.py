@@ -58,7 +58,7 @@ def create_app(engine: AsyncEngine, settings: AppSettings) -> FastAPI:
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     app.state.settings = settings
     # NOTE: the last one added runs first; kiln/server/middleware.py explains the order.
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_body_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
     if settings.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, protect_metrics=settings.metrics_auth)
     else:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from kiln.engine.args import EngineArgs
 from kiln.server.limits import (
+    BODY_TIMEOUT_S,
     MAX_BODY_BYTES,
     MAX_QUEUE,
     MAX_SEQS_PER_REQUEST,
@@ -64,6 +65,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "and value before the work starts.",
     )
     limits.add_argument(
+        "--body-timeout",
+        metavar="SECONDS",
+        type=_seconds,
+        default=BODY_TIMEOUT_S,
+        help=f"time a request body may take to arrive; a stalled or trickled upload gets 408 and its connection is "
+        f"closed (default: {BODY_TIMEOUT_S:g})",
+    )
+    limits.add_argument(
         "--max-body-bytes",
         metavar="BYTES",
         type=_int_at_least(1),
@@ -117,6 +126,17 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="outputs (one per token per choice) a streaming response may hold that its client has not read; a "
         f"client further behind is cut off and its requests aborted (default: {MAX_STREAM_BUFFER})",
     )
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:

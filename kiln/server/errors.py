@@ -26,6 +26,7 @@ _TYPE_BY_STATUS = {
     401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "server_error",

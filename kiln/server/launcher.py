@@ -157,6 +157,7 @@ def build_app(core: EngineCore, args: argparse.Namespace, api_key: str | None) -
         core.max_model_len,
         args.max_prompt_chars,
         max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout,
         max_seqs_per_request=args.max_seqs_per_request,
         max_stop_strings=args.max_stop_strings,
         max_stop_chars=args.max_stop_chars,

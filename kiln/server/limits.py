@@ -16,6 +16,7 @@ from kiln.errors import RequestError
 
 MIB = 1 << 20
 MAX_BODY_BYTES = 4 * MIB
+BODY_TIMEOUT_S = 30.0  # a whole request body must arrive within this; a stalled upload is dropped after it
 # NOTE: a prompt longer than max_model_len tokens is refused anyway; text averages 3-5 characters a token, so
 # 16 per token lets every prompt that could fit through while bounding the tokenizer's work (it holds the GIL:
 # about 1 s per million characters during which no other client is served).
@@ -41,12 +42,13 @@ class ServerLimits:
 
     max_prompt_chars: int
     max_body_bytes: int = MAX_BODY_BYTES
+    body_timeout_s: float = BODY_TIMEOUT_S
     max_seqs_per_request: int = MAX_SEQS_PER_REQUEST
     max_stop_strings: int = MAX_STOP_STRINGS
     max_stop_chars: int = MAX_STOP_CHARS
 
     @classmethod
-    def for_model(cls, max_model_len: int, max_prompt_chars: int | None = None, **limits: int) -> ServerLimits:
+    def for_model(cls, max_model_len: int, max_prompt_chars: int | None = None, **limits: float) -> ServerLimits:
         """Limits for a model of `max_model_len` tokens; no `max_prompt_chars`: PROMPT_CHARS_PER_TOKEN per token."""
         return cls(max_prompt_chars or PROMPT_CHARS_PER_TOKEN * max_model_len, **limits)
 

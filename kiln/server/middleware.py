@@ -9,6 +9,7 @@ its body is read; a body over the limit is refused before it is parsed; and only
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import logging
@@ -19,6 +20,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.server.errors import api_error_response, error_response, internal_error
+from kiln.server.limits import BODY_TIMEOUT_S
 
 logger = logging.getLogger("kiln")
 
@@ -101,12 +103,15 @@ class APIKeyMiddleware:
 
 class BodySizeLimitMiddleware:
     """413 for a request body over `max_bytes`: from Content-Length when the client sends one (nothing is read
-    then), else by counting while the body arrives (reading stops past the limit). A body within the limit is
-    read here and handed on to the app unchanged; nothing is parsed here."""
+    then), else by counting while the body arrives (reading stops past the limit). 408 for a body that has not
+    arrived whole within `timeout_s` (a stalled or trickled upload holds memory and a connection otherwise); the
+    server closes that connection. A body within the limits is read here and handed on to the app unchanged;
+    nothing is parsed here."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -118,8 +123,14 @@ class BodySizeLimitMiddleware:
             return
         chunks: list[bytes] = []
         size = 0
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except TimeoutError:
+                chunks.clear()
+                await self._too_slow(size, scope, receive, send)
+                return
             if message["type"] != "http.request":
                 return  # http.disconnect: the client left while sending; nobody is left to answer
             chunk = message.get("body", b"")
@@ -141,6 +152,15 @@ class BodySizeLimitMiddleware:
             return {"type": "http.request", "body": body, "more_body": False}
 
         await self.app(scope, receive_body_then_rest, send)
+
+    async def _too_slow(self, size: int, scope: Scope, receive: Receive, send: Send) -> None:
+        response = error_response(
+            408,
+            f"the request body did not arrive within {self.timeout_s:g} s ({size} bytes came); this server waits "
+            f"at most --body-timeout={self.timeout_s:g} s for a body; send it whole and promptly",
+            code="body_timeout",
+        )
+        await response(scope, receive, send)
 
     async def _refuse(self, what: str, scope: Scope, receive: Receive, send: Send) -> None:
         response = error_response(

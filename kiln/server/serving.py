@@ -26,7 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.request import RequestOutput
-from kiln.engine.request_stream import RequestStream
+from kiln.engine.request_stream import SLOW_READER, RequestStream
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import RequestError
 from kiln.server.errors import CLIENT_CLOSED, APIError, error_body, expected_error, internal_error
@@ -245,6 +245,8 @@ class EngineStreamingResponse(StreamingResponse):
 
 
 def _raise_if_failed(out: RequestOutput, request_id: str) -> None:
+    if out.finish_reason == SLOW_READER:
+        raise APIError(408, out.error or "the client read the stream too slowly", code="slow_reader")
     if out.finish_reason == "error":
         # NOTE: the engine logged the cause under its own request id; this line ties that to the HTTP request's.
         logger.warning("request %s: engine request %s failed: %s", request_id, out.request_id, out.error)

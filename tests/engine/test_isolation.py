@@ -143,5 +143,5 @@ def test_a_slow_reader_is_cut_off_and_its_blocks_freed() -> None:
             await served.stop()
 
     outs = asyncio.run(main())
-    assert outs[-1].finished and outs[-1].finish_reason == "error" and "too slowly" in outs[-1].error
+    assert outs[-1].finished and outs[-1].finish_reason == "slow_reader" and "too slowly" in outs[-1].error
     assert len(outs) <= 4 and engine.pool.num_used_blocks == 0

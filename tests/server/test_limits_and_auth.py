@@ -405,3 +405,33 @@ def test_without_a_key_only_this_servers_host_names_are_answered(argv: list[str]
             assert body_pulls.num_pulled == 0  # refused before its body is read
 
     serve(FakeCore(), body, argv)
+
+
+def test_a_stalled_upload_gets_408_after_the_body_timeout() -> None:
+    """Half a body, then nothing: answered 408 once --body-timeout has passed, the half dropped; a prompt body
+    sent whole is served as before."""
+
+    class StalledBody:
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            yield b'{"prompt": "hi", '
+            await asyncio.sleep(3600)  # the client never sends the rest
+            yield b""
+
+    async def body(s: Served) -> None:
+        started = time.monotonic()
+        response = await s.client.post("/v1/completions", content=StalledBody(), headers={"Content-Type": "json"})
+        error = openai_error(response, 408)
+        assert error["code"] == "body_timeout" and "--body-timeout=0.3" in error["message"]
+        assert error["type"] == "invalid_request_error"
+        assert 0.3 <= time.monotonic() - started < 5
+        ok = await s.client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        assert ok.status_code == 200
+
+    serve(FakeCore(), body, ["--body-timeout", "0.3"])
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "soon"])
+def test_body_timeout_rejects_nonsense(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_served_app(FakeCore(), ["--body-timeout", value])
+    assert "expected a number of seconds > 0" in capsys.readouterr().err
