@@ -113,10 +113,14 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "invalid request: " + "; ".join(parts) + more, _field(first.get("loc", ())) or None
 
 
+_BRANCH_TYPES = frozenset({"str", "int", "float", "bool", "none"})
+
+
 def _field(loc: Any) -> str:
     """pydantic loc ('body', 'messages', 0, 'content') -> 'messages.0.content', dropping union-branch names."""
     names = [str(x) for x in loc if x != "body"]
-    keep = [n for n in names if not (n.startswith(("list[", "str", "int", "float")) or "[" in n)]
+    # NOTE: a branch is named by its type ("str", "list[int]"); a field named "stream" is not one
+    keep = [n for n in names if n not in _BRANCH_TYPES and "[" not in n]
     return ".".join(keep)
 
 

@@ -1,6 +1,8 @@
 """OpenAI request bodies (the fields kiln serves) and their mapping onto SamplingParams.
 
 Unknown fields are ignored, as OpenAI-compatible servers do, so clients that send extra options keep working.
+Types are strict, as OpenAI's are: a string or a boolean where a number belongs is a 400 (`"max_tokens": "10"`,
+`"prompt": [true]`, which would otherwise be token id 1), never converted.
 Fields kiln cannot honour (`echo`, `best_of` != n, non-text message parts) are rejected with a 400 naming them,
 and so is text the tokenizer cannot take (a lone UTF-16 surrogate, which JSON's "\\ud800" escape can carry).
 """
@@ -33,7 +35,7 @@ def check_text(text: str, param: str) -> None:
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     include_usage: bool = False
 
@@ -41,7 +43,7 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Options shared by /v1/completions and /v1/chat/completions (kiln extensions as in vLLM: top_k, min_p, ...)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -139,7 +141,7 @@ def prompt_param(prompt: Any, index: int) -> str:
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: str
     text: str | None = None
@@ -150,7 +152,7 @@ class ChatMessage(BaseModel):
     the model never saw); `developer` is OpenAI's newer name for `system` and becomes one. `name` follows OpenAI's
     pattern, so it cannot carry template syntax or control tokens either."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None

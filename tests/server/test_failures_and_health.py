@@ -277,3 +277,27 @@ def test_a_client_that_leaves_mid_upload_is_a_disconnect_not_a_500() -> None:
         assert ok.status_code == 200 and _count(s.app, "kiln_client_disconnects_total", **endpoint) == 1
 
     serve(FakeCore(), body)
+
+
+@pytest.mark.parametrize(
+    ("path", "payload", "param"),
+    [
+        ("/v1/completions", {"prompt": [True, 2]}, "prompt"),  # would be token id 1
+        ("/v1/completions", {"prompt": "hi", "max_tokens": "10"}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 10.0}, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "temperature": "0.5"}, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "n": True}, "n"),
+        ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [False]}, "stop_token_ids"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages"),
+    ],
+)
+def test_strings_and_booleans_are_not_numbers(path: str, payload: dict, param: str) -> None:
+    core = FakeCore()
+
+    async def body(s: Served) -> None:
+        error = openai_error(await s.client.post(path, json=payload), 400)
+        assert (error["param"] or "").startswith(param), error
+        assert core.tokenizer.num_encode_calls == 0
+
+    serve(core, body)
