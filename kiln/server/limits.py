@@ -21,6 +21,9 @@ BODY_TIMEOUT_S = 30.0  # a whole request body must arrive within this; a stalled
 # 16 per token lets every prompt that could fit through while bounding the tokenizer's work (it holds the GIL:
 # about 1 s per million characters during which no other client is served).
 PROMPT_CHARS_PER_TOKEN = 16
+# what a chat template adds around each message (`<|im_start|>user\n...<|im_end|>\n` is 24), counted against
+# --max-prompt-chars with the message's own text
+MESSAGE_MARKUP_CHARS = 32
 MAX_SEQS_PER_REQUEST = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256

@@ -31,7 +31,7 @@ from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import RequestError
 from kiln.server.errors import CLIENT_CLOSED, APIError, error_body, expected_error, internal_error
 from kiln.server.formats import ChatFormat, CompletionFormat, ResponseFormat
-from kiln.server.limits import ServerLimits
+from kiln.server.limits import MESSAGE_MARKUP_CHARS, ServerLimits
 from kiln.server.metrics import ServerMetrics
 from kiln.server.middleware import request_id_of
 from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, prompt_param
@@ -91,8 +91,10 @@ class OpenAIServing:
         self.limits.check_stop(body.stop_strings())
         self.limits.check_num_seqs(1, body.n)
         messages = body.template_messages()
-        # NOTE: the messages become one prompt, so their texts share one limit.
-        self.limits.check_prompt_chars(sum(len(text) for m in messages for text in m.values()), "messages")
+        # NOTE: the messages become one prompt, so their texts share one limit, and each message costs the
+        # template's markup too (150k empty messages were 0 characters, yet rendering them stalled the server)
+        chars = sum(MESSAGE_MARKUP_CHARS + sum(len(text) for text in m.values()) for m in messages)
+        self.limits.check_prompt_chars(chars, "messages")
         num_logprobs = body.num_logprobs
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.served_model_name, self.logprobs, num_logprobs)
         tokenize = functools.partial(self._chat_prompt, messages)

@@ -435,3 +435,18 @@ def test_body_timeout_rejects_nonsense(value: str, capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit):
         build_served_app(FakeCore(), ["--body-timeout", value])
     assert "expected a number of seconds > 0" in capsys.readouterr().err
+
+
+def test_many_empty_messages_count_their_markup_against_max_prompt_chars() -> None:
+    """150k empty messages hold no text, but each costs the template's markup: refused before the template runs."""
+    core = FakeCore()
+
+    async def body(s: Served) -> None:
+        messages = [{"role": "user", "content": ""}] * 150_000
+        error = openai_error(await s.client.post("/v1/chat/completions", json={"messages": messages}), 400)
+        assert error["code"] == "prompt_too_long" and "--max-prompt-chars" in error["message"]
+        assert core.tokenizer.num_template_calls == 0
+        few = await s.client.post("/v1/chat/completions", json={"messages": messages[:3], "max_tokens": 1})
+        assert few.status_code == 200
+
+    serve(core, body, ["--max-body-bytes", str(64 << 20)])
