@@ -172,6 +172,10 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
+    # with chunked prefill, most prompt tokens one request prefills in a step while other requests run or wait
+    # (vLLM's name): a long prompt then delays the others' next token by one chunk's step, not its whole prefill.
+    # 0: no cap. A request alone prefills as much as the budget allows.
+    long_prefill_token_threshold: int = 512
 
 
 @dataclass(frozen=True)

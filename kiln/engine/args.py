@@ -50,6 +50,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0")
+    return value
+
+
 def _arg(default: Any, help: str, group: str = "engine", **argparse_kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help, "group": group, "argparse": argparse_kwargs})
 
@@ -84,6 +91,13 @@ class EngineArgs:
     max_num_batched_tokens: int = _arg(2048, "most tokens in one step", group="scheduler", type=_positive_int)
     enable_chunked_prefill: bool = _arg(
         True, "split long prompts over steps", group="scheduler", action=argparse.BooleanOptionalAction
+    )
+    long_prefill_token_threshold: int = _arg(
+        512,
+        "with chunked prefill, most prompt tokens one request prefills in a step while others run or wait, so a "
+        "long prompt delays their next token by one chunk (0: no cap)",
+        group="scheduler",
+        type=_non_negative_int,
     )
     graph_mode: str | None = _arg(
         None,
@@ -203,7 +217,12 @@ class EngineArgs:
             seed=self.seed,
             num_threads=self.num_threads,
             cache=CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_gb),
-            scheduler=SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_chunked_prefill),
+            scheduler=SchedulerConfig(
+                self.max_num_seqs,
+                self.max_num_batched_tokens,
+                self.enable_chunked_prefill,
+                self.long_prefill_token_threshold,
+            ),
             graph=graph,
             parallel=ParallelConfig(
                 tensor=self.tensor_parallel_size,

@@ -1,11 +1,12 @@
 """Continuous batching with a token budget, chunked prefill and preemption by recompute.
 
 Each step: running requests first (decodes and unfinished prefill chunks), then waiting requests while
-the token budget, the sequence limit and free KV blocks allow. When blocks run out, the most recently
-admitted running request is preempted: its blocks are freed and it rejoins the front of the waiting
-queue to be recomputed from its prompt and the tokens it has already produced. Under a recipe's step
-constraints a request joins a step only with as many tokens as keep the step paddable to an allowed
-shape (kiln.engine.step_shape). The scheduler never touches tensors.
+the token budget, the sequence limit and free KV blocks allow. While more than one request is unfinished, one
+request prefills at most `long_prefill_token_threshold` tokens a step, so the others keep getting tokens. When
+blocks run out, the most recently admitted running request is preempted: its blocks are freed and it rejoins the
+front of the waiting queue to be recomputed from its prompt and the tokens it has already produced. Under a
+recipe's step constraints a request joins a step only with as many tokens as keep the step paddable to an
+allowed shape (kiln.engine.step_shape). The scheduler never touches tensors.
 
 Blocks come from one pool per `BlockGroup`: every layer's, or, when sliding-window layers alternate with global ones,
 the global layers' and the sliding layers' (kiln.engine.kv_window). A request grows in every group at once and is
@@ -119,7 +120,8 @@ class Scheduler:
             if req.request_id in self.in_flight:
                 i += 1
                 continue
-            num_new = self._fit(scheduled, self._cap(req, min(req.num_tokens - req.num_computed_tokens, budget)))
+            wanted = self._chunk(min(req.num_tokens - req.num_computed_tokens, budget))
+            num_new = self._fit(scheduled, self._cap(req, wanted))
             if num_new == 0:  # no allowed step shape holds it next to the others: it runs in a later step
                 i += 1
                 continue
@@ -133,7 +135,7 @@ class Scheduler:
             num_new = req.num_tokens - req.num_computed_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(num_new, budget)
+            num_new = self._chunk(min(num_new, budget))
             fitted = self._fit(scheduled, self._cap(req, num_new))
             if fitted == 0 or (fitted < num_new and not self.config.enable_chunked_prefill):
                 break
@@ -152,6 +154,14 @@ class Scheduler:
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
         out.scheduled = scheduled
         return out
+
+    def _chunk(self, wanted: int) -> int:
+        """At most `long_prefill_token_threshold` prompt tokens for one request while others run or wait (with
+        chunked prefill): a 2,000-token prompt no longer holds every other stream for its whole prefill."""
+        cap = self.config.long_prefill_token_threshold
+        if not (cap and self.config.enable_chunked_prefill) or len(self.running) + len(self.waiting) < 2:
+            return wanted
+        return min(wanted, cap)
 
     def _fit(self, scheduled: list[ScheduledRequest], wanted: int) -> int:
         """How many of `wanted` new tokens one more sequence may bring to the step under the recipe's shapes."""

@@ -1,0 +1,46 @@
+"""Fairness of the scheduler under a long prompt: while other requests run or wait, one request prefills at most
+`long_prefill_token_threshold` tokens a step, so every other stream gets a token each step (a 2,040-token prompt
+once held every stream for its whole prefill, 11.5 s). Alone, a prompt prefills as much as the budget allows.
+Pure bookkeeping: no model runs."""
+
+from __future__ import annotations
+
+from kiln.config import SchedulerConfig
+from kiln.engine.kv_cache import BlockPool
+from kiln.engine.request import Request
+from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.scheduler import Scheduler
+
+
+def request(rid: str, prompt_len: int) -> Request:
+    return Request(rid, None, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=64, temperature=0), None)
+
+
+def run_step(scheduler: Scheduler) -> dict[str, int]:
+    out = scheduler.schedule()
+    for s in out.scheduled:
+        scheduler.advance(s.request, s.num_new_tokens)
+        if s.request.num_computed_tokens == s.request.num_tokens:
+            s.request.output_token_ids.append(5)
+    return {s.request.request_id: s.num_new_tokens for s in out.scheduled}
+
+
+def test_a_long_prompt_is_chunked_while_a_stream_decodes() -> None:
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048), BlockPool(512, 16))
+    scheduler.add(request("stream", 8))
+    assert run_step(scheduler) == {"stream": 8}
+    scheduler.add(request("long", 2040))
+    steps = [run_step(scheduler) for _ in range(4)]
+    assert [s["long"] for s in steps] == [512, 512, 512, 504]  # four chunks of at most 512
+    assert all(s["stream"] == 1 for s in steps)  # the stream got its token every step
+
+
+def test_alone_a_prompt_takes_the_whole_budget_and_zero_turns_the_cap_off() -> None:
+    alone = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048), BlockPool(512, 16))
+    alone.add(request("long", 2040))
+    assert run_step(alone) == {"long": 2040}
+    off = Scheduler(SchedulerConfig(max_num_batched_tokens=2048, long_prefill_token_threshold=0), BlockPool(512, 16))
+    off.add(request("stream", 8))
+    run_step(off)
+    off.add(request("long", 2040))
+    assert run_step(off) == {"stream": 1, "long": 2040}  # its whole prompt in one step, as before the cap
