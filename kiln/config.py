@@ -176,6 +176,14 @@ class SchedulerConfig:
     # (vLLM's name): a long prompt then delays the others' next token by one chunk's step, not its whole prefill.
     # 0: no cap. A request alone prefills as much as the budget allows.
     long_prefill_token_threshold: int = 512
+    # most sequences of one client request (its prompts x n) running at once; None: half of max_num_seqs. The rest
+    # wait, so an n=64 request leaves batch slots to other requests instead of taking every one.
+    max_running_per_request: int | None = None
+
+    @property
+    def running_per_request(self) -> int:
+        cap = self.max_running_per_request
+        return cap if cap is not None else max(1, self.max_num_seqs // 2)
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,13 @@ class EngineArgs:
         group="scheduler",
         type=_non_negative_int,
     )
+    max_running_per_request: int | None = _arg(
+        None,
+        "most sequences of one client request (prompts x n) running at once, so one n=64 request cannot take every "
+        "batch slot (default: half of --max-num-seqs)",
+        group="scheduler",
+        type=_positive_int,
+    )
     graph_mode: str | None = _arg(
         None,
         "which graphs run, as vLLM names them (default: the recipe's graph.mode, else full_and_piecewise: "
@@ -222,6 +229,7 @@ class EngineArgs:
                 self.max_num_batched_tokens,
                 self.enable_chunked_prefill,
                 self.long_prefill_token_threshold,
+                self.max_running_per_request,
             ),
             graph=graph,
             parallel=ParallelConfig(

@@ -256,9 +256,10 @@ class AsyncEngine:
     def _add_all(self, requests: Sequence[tuple[str, Prompt, SamplingParams]], added: asyncio.Future[None]) -> None:
         done: list[str] = []
         error: BaseException | None = None
+        group = requests[0][0] if len(requests) > 1 else None  # siblings (prompts x n) share a running cap
         for rid, prompt, params in requests:
             try:
-                self.core.add_request(rid, prompt, params)
+                self.core.add_request(rid, prompt, params).group = group
             except Exception as exc:  # RequestError for bad input; anything else reaches the client as a 500
                 error = exc
                 break

@@ -43,6 +43,9 @@ class Request:
         # paths see the same inputs; the sampled tokens are still what the step computed
         self.forced_output = forced_output
         self.prompt = prompt
+        # the client request this sequence belongs to (its prompts x n share one), for the scheduler's per-request
+        # cap on running sequences; None: a request of its own
+        self.group: str | None = None
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.generator = generator

@@ -2,7 +2,8 @@
 
 Each step: running requests first (decodes and unfinished prefill chunks), then waiting requests while
 the token budget, the sequence limit and free KV blocks allow. While more than one request is unfinished, one
-request prefills at most `long_prefill_token_threshold` tokens a step, so the others keep getting tokens. When
+request prefills at most `long_prefill_token_threshold` tokens a step, and one client request (prompts x n)
+runs at most `running_per_request` sequences, so the others keep getting tokens and batch slots. When
 blocks run out, the most recently admitted running request is preempted: its blocks are freed and it rejoins the
 front of the waiting queue to be recomputed from its prompt and the tokens it has already produced. Under a
 recipe's step constraints a request joins a step only with as many tokens as keep the step paddable to an
@@ -18,7 +19,7 @@ blocks than the pool holds, so a long generation, or a recompute after preemptio
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from kiln.config import SchedulerConfig
@@ -130,8 +131,11 @@ class Scheduler:
             scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
             i += 1
+        running_by_group = Counter(r.group for r in self.running if r.group is not None)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and len(scheduled) < share:
-            req = self.waiting[0]
+            req = self._next_waiting(running_by_group)
+            if req is None:
+                break
             num_new = req.num_tokens - req.num_computed_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
@@ -144,7 +148,9 @@ class Scheduler:
                 break
             for group in self.groups:
                 group.grow(req, req.num_computed_tokens + num_new)
-            self.waiting.popleft()
+            self.waiting.remove(req)
+            if req.group is not None:
+                running_by_group[req.group] += 1
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.monotonic()
@@ -154,6 +160,11 @@ class Scheduler:
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
         out.scheduled = scheduled
         return out
+
+    def _next_waiting(self, running_by_group: Counter[str]) -> Request | None:
+        """The first waiting request whose client request is under its cap of running sequences."""
+        cap = self.config.running_per_request
+        return next((r for r in self.waiting if r.group is None or running_by_group[r.group] < cap), None)
 
     def _chunk(self, wanted: int) -> int:
         """At most `long_prefill_token_threshold` prompt tokens for one request while others run or wait (with
