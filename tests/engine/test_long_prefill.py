@@ -49,18 +49,18 @@ def test_alone_a_prompt_takes_the_whole_budget_and_zero_turns_the_cap_off() -> N
 def test_one_request_of_many_sequences_leaves_batch_slots_to_others() -> None:
     """An n=8 request under max_num_seqs=8 runs 4 sequences at a time (half); a request that arrives after it
     runs in the same step instead of waiting for all 8 to finish."""
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048), BlockPool(512, 16))
+    first = run_step(eight_siblings_then_one(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048)))
+    assert sorted(first) == ["big-0", "big-1", "big-2", "big-3", "small"]
+    wide = eight_siblings_then_one(SchedulerConfig(max_num_seqs=8, max_running_per_request=8))
+    assert "small" not in run_step(wide)  # without the cap the siblings take every slot
+
+
+def eight_siblings_then_one(config: SchedulerConfig) -> Scheduler:
+    """A scheduler holding one client request of 8 sequences (n=8), then a 4-token request of its own."""
+    scheduler = Scheduler(config, BlockPool(512, 16))
     for i in range(8):
         sibling = request(f"big-{i}", 16)
         sibling.group = "big"
         scheduler.add(sibling)
     scheduler.add(request("small", 4))
-    first = run_step(scheduler)
-    assert sorted(first) == ["big-0", "big-1", "big-2", "big-3", "small"]
-    wide = Scheduler(SchedulerConfig(max_num_seqs=8, max_running_per_request=8), BlockPool(512, 16))
-    for i in range(8):
-        sibling = request(f"big-{i}", 16)
-        sibling.group = "big"
-        wide.add(sibling)
-    wide.add(request("small", 4))
-    assert "small" not in run_step(wide)  # without the cap the siblings take every slot
+    return scheduler
