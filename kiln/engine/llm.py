@@ -104,8 +104,12 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of {role, content}) or many; the model's chat template makes the prompt."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts: list[Prompt] = [self.tokenizer.encode_chat(list(c)) for c in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, params, use_tqdm=use_tqdm)
+        conversations = [list(c) for c in conversations]  # type: ignore[arg-type]
+        # NOTE: the ids keep special-token text in contents as text (encode_chat); outputs carry the prompt's text
+        prompts: list[Prompt] = [self.tokenizer.encode_chat(c) for c in conversations]
+        outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
+        texts = [self.tokenizer.apply_chat_template(c) for c in conversations]
+        return [replace(out, prompt=text) for out, text in zip(outputs, texts, strict=True)]
 
 
 def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
