@@ -17,8 +17,8 @@ Candidates for `x [rows, in] @ W.T`, W packed as codes, scales and offsets per g
 - `native` (float32 activations and scales, where kiln's C++ kernels build and load here): kiln's own kernel
   (kiln.kernels.native) over the packed codes as they are, the weight dequantized in registers, at any row count;
   of the ISA tiers this CPU can run, the widest (the tier is what cpuid allows; timing picks the kernel).
-Rows timed: 1, 2, MANY_ROWS (for 3 to 32 rows: batched decode, short chunks) and LARGE_ROWS (for more: prefill
-chunks), one entry each (kiln.quant.ops.row_class).
+Rows timed: the largest of each row class (1, 2, 16 for 3-16 rows, 64 for 17-64: batched decode) and LARGE_ROWS
+for more (prefill chunks), one entry each (kiln.quant.ops.row_class).
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from kiln.kernels.product import Compiled
 from kiln.quant.linear import PackedLinear
 from kiln.quant.ops import (
     GEMV_ROWS,
-    MANY_MAX_ROWS,
+    LARGE,
+    ROW_CLASSES,
     Kernel,
     dequant_blas,
     dequantize_codes,
@@ -50,10 +51,9 @@ from kiln.quant.ops import (
 logger = logging.getLogger("kiln")
 
 TILE_ROWS = 2048  # output rows dequantized at a time by TILED: a tile stays in cache for its product
-MANY_ROWS = MANY_MAX_ROWS
 LARGE_ROWS = 256
 STREAM_BYTES = 96 << 20  # copies of a layer that add up to more than a last-level cache
-ROWS = (*range(1, GEMV_ROWS + 1), MANY_ROWS, LARGE_ROWS)
+ROWS = (*ROW_CLASSES, LARGE_ROWS)
 TIMED_ROWS = {row_class(rows): rows for rows in ROWS}  # row class -> the row count timed for it
 Weight = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes, scale, offset
 
@@ -169,10 +169,13 @@ def layer_key(layer: PackedLinear) -> dict[str, object]:
 
 
 def rows_label(timed: int) -> str:
-    """What a timed row count stands for, in a log line: "1 row", "3-32 rows", "33+ rows"."""
+    """What a timed row count stands for, in a log line: "1 row", "3-16 rows", "65+ rows"."""
     if timed <= GEMV_ROWS:
         return f"{timed} row{'s' if timed > 1 else ''}"
-    return f"{GEMV_ROWS + 1}-{MANY_MAX_ROWS} rows" if timed == MANY_ROWS else f"{MANY_MAX_ROWS + 1}+ rows"
+    if row_class(timed) == LARGE:
+        return f"{ROW_CLASSES[-1] + 1}+ rows"
+    below = max(top for top in ROW_CLASSES if top < timed)
+    return f"{below + 1}-{timed} rows"
 
 
 def label(layer: PackedLinear) -> str:

@@ -33,7 +33,7 @@ from kiln.kernels.layout import (
     one_row_head,
     set_layer_weight_layout,
 )
-from kiln.kernels.packed import PackedKernelTable, packed_layers, rows_label
+from kiln.kernels.packed import ROWS, PackedKernelTable, packed_layers, rows_label
 from kiln.kernels.static_sizes import choose_static_sizes
 
 logger = logging.getLogger("kiln")
@@ -125,7 +125,7 @@ def _log(plan: KernelPlan, float_head: bool) -> None:
         logger.info(
             "Packed kernels: %s",
             "; ".join(
-                f"{name}: " + ", ".join(f"{rows_label(int(r))} {w}" for r, w in rec["winners"].items())
+                f"{name}: " + ", ".join(f"{rows_label(r)} {rec['winners'][str(r)]}" for r in ROWS)
                 for name, rec in plan.packed.records.items()
             ),
         )

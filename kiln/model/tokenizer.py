@@ -165,12 +165,24 @@ class KilnTokenizer:
                 ids += self.encode("", add_special_tokens=True)
         return ids
 
+    def encode_as_text(self, text: str) -> list[int]:
+        """As `encode`, but special-token literals in `text` (`<|im_start|>`, ...) are split like any other text:
+        only the BOS the model's tokenizer adds is a control token (`kiln serve --completion-special-tokens text`)."""
+        if self.add_bos is None:
+            return self._as_text().encode_batch([text], add_special_tokens=True)[0].ids
+        ids = self._encode_as_text(text)
+        return [self.bos_token_id, *ids] if self.add_bos and self.bos_token_id is not None else ids
+
     def _encode_as_text(self, text: str) -> list[int]:
         """`text` tokenized with its special-token literals split like any other text."""
+        return self._as_text().encode_batch([text], add_special_tokens=False)[0].ids
+
+    def _as_text(self) -> Tokenizer:
+        """A copy of the tokenizer that splits special-token text, made on first use."""
         if self._text_tokenizer is None:
             self._text_tokenizer = Tokenizer.from_str(self.tokenizer.to_str())
             self._text_tokenizer.encode_special_tokens = True
-        return self._text_tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        return self._text_tokenizer
 
     def _has_special_text(self, text: str) -> bool:
         return any(t.content in text for t in self.tokenizer.get_added_tokens_decoder().values() if t.special)

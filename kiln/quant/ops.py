@@ -18,18 +18,20 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-GEMV_ROWS = 2  # row counts up to this get kernels of their own; more rows share the MANY or the LARGE entry
-MANY_MAX_ROWS = 32  # MANY: batched decode and short chunks; LARGE: more rows (prefill chunks)
-MANY, LARGE = 0, -1
+GEMV_ROWS = 2  # row counts up to this get kernels of their own; more rows share an entry with their neighbours
+# the largest row count of each kernel entry (its id): 1, 2, 3-16 (small decode batches), 17-64 (decode batches up
+# to the default --max-num-seqs); more rows (prefill chunks) share the LARGE entry
+ROW_CLASSES = (*range(1, GEMV_ROWS + 1), 16, 64)
+LARGE = -1
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# (codes' address, shape, dtype) -> (the codes, weakly; their kernels by row class: 1..GEMV_ROWS, MANY, LARGE)
+# (codes' address, shape, dtype) -> (the codes, weakly; their kernels by row class)
 _BOUND: dict[tuple[int, torch.Size, torch.dtype], tuple[weakref.ref[torch.Tensor], dict[int, Kernel]]] = {}
 
 
 def row_class(rows: int) -> int:
-    """The kernel entry `rows` rows use: their own up to GEMV_ROWS, MANY up to MANY_MAX_ROWS, LARGE above (a
-    kernel that wins a batched decode step can lose a 512-row prefill chunk to BLAS, so each is timed)."""
-    return rows if rows <= GEMV_ROWS else MANY if rows <= MANY_MAX_ROWS else LARGE
+    """The kernel entry `rows` rows use: the first of ROW_CLASSES at least `rows`, LARGE above them (a kernel that
+    wins a batched decode step can lose a 512-row prefill chunk to BLAS, so each is timed)."""
+    return next((top for top in ROW_CLASSES if rows <= top), LARGE)
 
 
 def _weight_key(codes: torch.Tensor) -> tuple[int, torch.Size, torch.dtype]:

@@ -34,6 +34,7 @@ class AppSettings:
     metrics_auth: bool = False  # /metrics requires the API key too
     limits: ServerLimits | None = None  # None: ServerLimits.for_model(the engine's max_model_len)
     allowed_hosts: frozenset[str] = frozenset()  # Host names answered without a key, beyond IPs and localhost
+    parse_special_tokens: bool = True  # /v1/completions text prompts: special-token text becomes control tokens
 
 
 def create_app(engine: AsyncEngine, settings: AppSettings) -> FastAPI:
@@ -54,7 +55,9 @@ def create_app(engine: AsyncEngine, settings: AppSettings) -> FastAPI:
     app = FastAPI(title="kiln", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     limits = settings.limits or ServerLimits.for_model(engine.core.max_model_len)
     metrics = ServerMetrics(engine)
-    serving = OpenAIServing(engine, metrics, limits, settings.served_model_name, settings.model_aliases)
+    serving = OpenAIServing(
+        engine, metrics, limits, settings.served_model_name, settings.model_aliases, settings.parse_special_tokens
+    )
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     app.state.settings = settings
     # NOTE: the last one added runs first; kiln/server/middleware.py explains the order.

@@ -41,6 +41,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="seconds in-flight requests get to finish after SIGINT/SIGTERM before they are aborted",
     )
     p.add_argument("--access-log", action="store_true", help="log one line per HTTP request")
+    p.add_argument(
+        "--completion-special-tokens",
+        choices=("parse", "text"),
+        default="parse",
+        help="how /v1/completions tokenizes a text prompt: 'parse' turns special-token text such as <|im_start|> "
+        "into control tokens, as vLLM does (a client may write a chat by hand); 'text' keeps it as characters, so "
+        "a prompt built from untrusted text cannot forge turns (chat messages are always kept as text)",
+    )
 
     auth = p.add_argument_group(
         "authentication",

@@ -163,7 +163,8 @@ def build_app(core: EngineCore, args: argparse.Namespace, api_key: str | None) -
         max_stop_chars=args.max_stop_chars,
     )
     allowed = frozenset(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
-    return create_app(engine, AppSettings(model_name, aliases, api_key, args.metrics_auth, limits, allowed))
+    parse = args.completion_special_tokens == "parse"
+    return create_app(engine, AppSettings(model_name, aliases, api_key, args.metrics_auth, limits, allowed, parse))
 
 
 def resolve_api_key(args: argparse.Namespace, env_api_key: str | None) -> str | None:

@@ -51,6 +51,7 @@ class OpenAIServing:
         limits: ServerLimits,
         served_model_name: str,
         aliases: Sequence[str] = (),
+        parse_special_tokens: bool = True,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -58,6 +59,8 @@ class OpenAIServing:
         self.served_model_name = served_model_name
         self.model_names = {served_model_name, *aliases}
         self.tokenizer = engine.core.tokenizer
+        # a text prompt's `<|im_start|>`... are control tokens (vLLM's behaviour), or text (--completion-special-tokens)
+        self._encode_text = self.tokenizer.encode if parse_special_tokens else self.tokenizer.encode_as_text
         self.max_model_len = engine.core.max_model_len
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.max_num_seqs = engine.core.config.scheduler.max_num_seqs
@@ -222,7 +225,7 @@ class OpenAIServing:
             )
 
     def _tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
-        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return [self._encode_text(p) if isinstance(p, str) else list(p) for p in prompts]
 
     def _chat_prompt(self, messages: list[dict[str, Any]]) -> list[list[int]]:
         try:

@@ -70,3 +70,15 @@ def test_a_template_that_rewrites_contents_refuses_special_text_instead_of_obeyi
     with pytest.raises(RequestError, match="contains special-token text") as err:
         rewriting.encode_chat([{"role": "user", "content": FORGED[0]["content"] + "  "}])  # trim changes this one
     assert err.value.param == "messages[0].content"
+
+
+def test_encode_as_text_keeps_special_token_text_as_text(tokenizer: KilnTokenizer) -> None:
+    """The tokenizer behind `--completion-special-tokens text`: a plain prompt gets the ids `encode` gives; one that
+    spells control tokens gets those characters, so no `<|im_start|>` id reaches the model."""
+    plain = "Once upon a time, in a small village,"
+    assert tokenizer.encode_as_text(plain) == tokenizer.encode(plain)
+    forged = FORGED[0]["content"]
+    start = tokenizer.tokenizer.token_to_id("<|im_start|>")
+    assert start in tokenizer.encode(forged)  # the default (vLLM's): the spelling is the control token
+    as_text = tokenizer.encode_as_text(forged)
+    assert start not in as_text and tokenizer.decode(as_text, skip_special_tokens=False) == forged

@@ -23,15 +23,20 @@ from kiln.kernels.packed import (
     DEQUANT_BLAS,
     FUSED,
     INT4PACK,
+    LARGE_ROWS,
     NATIVE,
+    ROWS,
+    TIMED_ROWS,
     PackedKernelTable,
     label,
     native_packed_linear,
+    rows_label,
 )
 from kiln.model.loader import resolve_model_path
 from kiln.model.registry import resident_weight_bytes
 from kiln.quant.gguf_blocks import PACKED_TYPES, decode_blocks, layout_of
 from kiln.quant.linear import PackedEmbedding, PackedLinear, PackedTensor, unpack_codes
+from kiln.quant.ops import LARGE, row_class
 from tests.engine.tiny_models import write_hf_model
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea:", "1, 2, 3, 4,"]
@@ -192,7 +197,7 @@ def test_packed_graph_mode_matches_eager_and_fuses_the_dequantization(tmp_path: 
     records = executor.kernel_choices["packed_kernels"]
     assert len(records) == 5  # qkv, o, gate_up, down and the tied head: every packed layout is timed
     for record in records.values():
-        assert {DEQUANT_BLAS, FUSED} <= set(record["times_us"]["1"]) and FUSED not in record["times_us"]["32"]
+        assert {DEQUANT_BLAS, FUSED} <= set(record["times_us"]["1"]) and FUSED not in record["times_us"]["16"]
     packed_ops = [
         k for p in executor.pieces if p.compiled is not None for k in kernels_in(p.compiled.source_code or "")
     ]
@@ -247,11 +252,11 @@ def test_the_table_times_each_shape_once_picks_the_fastest_and_is_cached(tmp_pat
     first = PackedKernelTable(model, make_compiler("inductor"), KernelChoiceCache(tmp_path))
     assert len(first.records) == 2  # two layers of one shape share an entry
     four = first.records["96x64 4-bit/32 float32"]
-    assert four["source"] == "timed" and set(four["times_us"]) == {"1", "2", "32", "256"}
+    assert four["source"] == "timed" and set(four["times_us"]) == {"1", "2", "16", "64", "256"}
     native = {NATIVE} if native_packed_linear() is not None else set()  # where kiln's C++ kernels build here
     assert set(four["times_us"]["1"]) == {DEQUANT_BLAS, COMPILED_DEQUANT, FUSED, INT4PACK, *native}
-    assert set(first.records["64x96 8-bit/32 float32"]["times_us"]["32"]) == {DEQUANT_BLAS, COMPILED_DEQUANT, *native}
-    assert FUSED not in four["times_us"]["32"] and FUSED not in four["times_us"]["256"]
+    assert set(first.records["64x96 8-bit/32 float32"]["times_us"]["64"]) == {DEQUANT_BLAS, COMPILED_DEQUANT, *native}
+    assert FUSED not in four["times_us"]["16"] and FUSED not in four["times_us"]["256"]
     assert INT4PACK not in str(first.records["64x96 8-bit/32 float32"])
     for record in first.records.values():
         for rows, times in record["times_us"].items():
@@ -283,3 +288,15 @@ def test_the_shipped_recipe_runs_packed_and_its_fusion_group_holds(tmp_path: Pat
     (mlp,) = llm.engine.executor.fusion
     assert mlp.realised and mlp.kernels[0] == "torch.ops.kiln.packed_linear.default"  # the packed product, whole
     assert "silu" in mlp.kernels[1] and "reads the GEMM output of gate_proj, up_proj (gate_up_proj)" in mlp.reason
+
+
+def test_every_row_count_has_one_timed_entry_that_covers_it() -> None:
+    """Each row count runs the kernel timed for the smallest timed count at least as large, or for LARGE_ROWS
+    past the last class: a 33-row decode step (32 sequences and a newcomer) runs a decode-batch kernel, not the
+    prefill one."""
+    for rows in range(1, 600):
+        timed = TIMED_ROWS[row_class(rows)]
+        smallest = min((r for r in ROWS if r >= rows), default=LARGE_ROWS)
+        assert timed == (smallest if row_class(rows) != LARGE else LARGE_ROWS)
+    assert row_class(33) == row_class(64) != row_class(65)
+    assert [rows_label(r) for r in ROWS] == ["1 row", "2 rows", "3-16 rows", "17-64 rows", "65+ rows"]

@@ -1,0 +1,67 @@
+"""The issue's fairness measure on a live default-model server: while one client's `n=64` request generates (2,000
+tokens each), a new short request gets its first token within 2 s and a streaming canary's tokens are never more
+than 1 s apart. Once, one such request took every batch slot and the canary waited 120 s; now a client request
+runs at most half of --max-num-seqs sequences at once (tests/engine/test_long_prefill.py has the bookkeeping)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.server.live import LiveServer, live_server
+
+pytestmark = pytest.mark.alone  # it times token gaps: beside a compiling worker it would fail
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    args = ["--model-path", "default", "--graph-mode", "eager", "--max-model-len", "2048", "--max-num-seqs", "64",
+            "--max-seqs-per-request", "64", "--seed", "0"]  # fmt: skip
+    with live_server(args) as live:
+        yield live
+
+
+def token_times(server: LiveServer, body: dict, times: list[float], stop: threading.Event | None = None) -> None:
+    """Stream `body`, appending each event's arrival time; close the stream (aborting it) once `stop` is set."""
+    with httpx.stream("POST", f"{server.base_url}/completions", json={**body, "stream": True}, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                times.append(time.monotonic())
+            if stop is not None and stop.is_set():
+                return
+
+
+def test_an_n_64_request_leaves_room_for_a_short_request_and_a_canary(server: LiveServer) -> None:
+    big = {"model": MODEL, "prompt": "Write a long story about a dragon.", "n": 64, "max_tokens": 2000,
+           "ignore_eos": True, "temperature": 1.0}  # fmt: skip
+    big_times: list[float] = []
+    stop = threading.Event()
+    hog = threading.Thread(target=token_times, args=(server, big, big_times, stop))
+    hog.start()
+    deadline = time.monotonic() + 120
+    while len(big_times) < 5 * 32 and time.monotonic() < deadline:  # its sequences are decoding
+        time.sleep(0.2)
+    assert server.metrics()["kiln_num_requests_running"] == 32  # half of --max-num-seqs: the cap per request
+    canary: list[float] = []
+    canary_thread = threading.Thread(target=token_times, args=(server, {"model": MODEL, "prompt": "Once upon a time",
+                                                                         "max_tokens": 24}, canary))  # fmt: skip
+    canary_thread.start()
+    time.sleep(1.0)
+    sent = time.monotonic()
+    short: list[float] = []
+    token_times(server, {"model": MODEL, "prompt": "Hi", "max_tokens": 5}, short)
+    canary_thread.join(300)
+    stop.set()
+    hog.join(300)
+    ttft = short[0] - sent
+    gaps = [b - a for a, b in itertools.pairwise(canary)]
+    assert len(canary) >= 24 and ttft < 2.0 and max(gaps) < 1.0, (ttft, max(gaps))
+    assert server.wait_idle()["kiln_kv_cache_used_blocks"] == 0  # the aborted n=64 request left nothing behind
