@@ -8,7 +8,10 @@ from collections.abc import Callable
 from kiln.engine.args import EngineArgs
 from kiln.server.limits import (
     BODY_TIMEOUT_S,
+    HEADER_TIMEOUT_S,
+    KEEP_ALIVE_TIMEOUT_S,
     MAX_BODY_BYTES,
+    MAX_CONNECTIONS,
     MAX_QUEUE,
     MAX_SEQS_PER_REQUEST,
     MAX_STOP_CHARS,
@@ -79,6 +82,30 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         default=BODY_TIMEOUT_S,
         help=f"time a request body may take to arrive; a stalled or trickled upload gets 408 and its connection is "
         f"closed (default: {BODY_TIMEOUT_S:g})",
+    )
+    limits.add_argument(
+        "--header-timeout",
+        metavar="SECONDS",
+        type=_seconds,
+        default=HEADER_TIMEOUT_S,
+        help="time a request's line and headers may take to arrive, from the connection's opening or its previous "
+        f"response; a connection that sends nothing or trickles headers gets 408 and is closed (default: "
+        f"{HEADER_TIMEOUT_S:g})",
+    )
+    limits.add_argument(
+        "--keep-alive-timeout",
+        metavar="SECONDS",
+        type=_seconds,
+        default=KEEP_ALIVE_TIMEOUT_S,
+        help=f"an idle kept-alive connection is closed after this (default: {KEEP_ALIVE_TIMEOUT_S:g})",
+    )
+    limits.add_argument(
+        "--max-connections",
+        metavar="N",
+        type=_int_at_least(1),
+        default=MAX_CONNECTIONS,
+        help="open connections served at once; a request on a connection beyond them gets 503 (default: "
+        f"{MAX_CONNECTIONS}; keep it under the process's file-descriptor limit, ulimit -n)",
     )
     limits.add_argument(
         "--max-body-bytes",

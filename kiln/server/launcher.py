@@ -35,6 +35,7 @@ from kiln.env import read_env
 from kiln.errors import ConfigError
 from kiln.log import setup_logging
 from kiln.server.api import AppSettings, create_app
+from kiln.server.connections import http_config
 from kiln.server.limits import ServerLimits
 
 logger = logging.getLogger("kiln")
@@ -102,10 +103,13 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(core, args, api_key)
     engine: AsyncEngine = app.state.engine
     model_name = app.state.settings.served_model_name
-    uv_config = uvicorn.Config(
+    uv_config = http_config(
         app,
-        host=args.host,
-        port=args.port,
+        args.host,
+        args.port,
+        header_timeout=args.header_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        max_connections=args.max_connections,
         log_config=None,
         access_log=args.access_log,
         timeout_graceful_shutdown=args.shutdown_timeout,

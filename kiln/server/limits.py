@@ -17,6 +17,13 @@ from kiln.errors import RequestError
 MIB = 1 << 20
 MAX_BODY_BYTES = 4 * MIB
 BODY_TIMEOUT_S = 30.0  # a whole request body must arrive within this; a stalled upload is dropped after it
+# per connection (kiln/server/connections.py): the request line and headers must arrive within HEADER_TIMEOUT_S and
+# hold at most MAX_HEADER_BYTES (more: 400); an idle kept-alive connection closes after KEEP_ALIVE_TIMEOUT_S
+HEADER_TIMEOUT_S = 10.0
+MAX_HEADER_BYTES = 16 * 1024
+KEEP_ALIVE_TIMEOUT_S = 5.0
+MAX_CONNECTIONS = 1000
+SEND_BUFFER_BYTES = 256 * 1024  # a connection's kernel send buffer (token streams need far less)
 # NOTE: a prompt longer than max_model_len tokens is refused anyway; text averages 3-5 characters a token, so
 # 16 per token lets every prompt that could fit through while bounding the tokenizer's work (it holds the GIL:
 # about 1 s per million characters during which no other client is served).

@@ -36,7 +36,7 @@ JSON = {"Content-Type": "application/json"}
 def server() -> Iterator[LiveServer]:
     args = ["--model-path", "default", "--graph-mode", "eager", "--max-model-len", "256", "--num-kv-blocks", "96",
             "--max-num-seqs", "8", "--max-queue", "24", "--max-seqs-per-request", "8", "--max-prompt-chars", "2048",
-            "--max-body-bytes", "65536", "--max-stream-buffer", "64", "--body-timeout", "3", "--seed", "0"]  # fmt: skip
+            "--max-body-bytes", "65536", "--max-stream-buffer", "64", "--body-timeout", "3", "--header-timeout", "3", "--seed", "0"]  # fmt: skip
     with live_server(args) as live:
         yield live
 
@@ -337,8 +337,9 @@ def test_a_tiny_top_p_and_a_foreign_host(server: LiveServer) -> None:
 
 
 def test_stalled_uploads_are_dropped_within_the_body_timeout(server: LiveServer) -> None:
-    """50 connections each send half a body and stall: each gets a 408 once --body-timeout (3 s) has passed and
-    is closed; the server's memory comes back and a request after them is served."""
+    """50 connections each send half a body and stall, 10 more send nothing: each gets a 408 once --body-timeout
+    or --header-timeout (3 s) has passed and is closed; the server's memory comes back and a request after them is
+    served."""
     rss_before = psutil.Process(server.process.pid).memory_info().rss
     port = int(server.url.rsplit(":", 1)[1])
     half = b'{"model": "x", "prompt": "' + b"y" * 30_000
@@ -351,12 +352,16 @@ def test_stalled_uploads_are_dropped_within_the_body_timeout(server: LiveServer)
         sock = socket.create_connection(("127.0.0.1", port), timeout=20)
         sock.sendall(head + half)
         sockets.append(sock)
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=20) for _ in range(10)]  # never send a byte
     started = time.monotonic()
     answers = []
     for sock in sockets:
         with sock:
             answers.append(sock.recv(4096).split(b"\r\n", 1)[0])
-    assert answers == [b"HTTP/1.1 408 Request Timeout"] * 50, Counter(answers)
+    for sock in silent:  # dropped by --header-timeout (3 s) alike
+        with sock:
+            answers.append(sock.recv(4096).split(b"\r\n", 1)[0])
+    assert answers == [b"HTTP/1.1 408 Request Timeout"] * 60, Counter(answers)
     assert time.monotonic() - started < 15
     assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     growth = psutil.Process(server.process.pid).memory_info().rss - rss_before
