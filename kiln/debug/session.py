@@ -47,7 +47,7 @@ from kiln.debug.taps import (
 from kiln.debug.trace import trace_level
 from kiln.distributed.state import rank_state
 from kiln.engine.args import EngineArgs
-from kiln.engine.build import apply_device_settings, build_engine, join_ranks
+from kiln.engine.build import apply_device_settings, build_engine, engine_role
 from kiln.engine.core import EngineCore
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import ConfigError
@@ -226,9 +226,10 @@ class DebugSession:
                 model = copy.deepcopy(self.model).to(torch.float64)
                 config = replace(config, cache=replace(config.cache, dtype="auto"))
             executor = EagerExecutor(keep_layout=True)
-            engine = EngineCore(config, model, self.tokenizer, executor, self.engine.checkpoint_path, self.recorder)
-            if (state := rank_state()) is not None:  # this rank's shard, in a debug command every rank runs
-                join_ranks(engine, state, config.parallel)
+            # this rank's shard, in a debug command every rank runs
+            role = engine_role(config, model, executor, rank_state())
+            checkpoint = self.engine.checkpoint_path
+            engine = EngineCore(config, model, self.tokenizer, executor, checkpoint, self.recorder, role)
             self._eager_engines[path] = engine
         return self._eager_engines[path]
 

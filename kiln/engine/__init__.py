@@ -15,6 +15,7 @@ kv_window.py        sliding-window KV blocks: which leading blocks of a sequence
 llm.py              the offline API: `LLM(model=...).generate(prompts, params)` and `.chat(messages, params)`
 model_runner.py     a SchedulerOutput turned into tensors, the executor run under a forward context, sampling
 outputs.py          the stop rules, and the `RequestOutput` handed to callers
+rank_role.py        `RankRole`: a rank's part in each step of a multi-device engine, fixed at construction
 recipe_config.py    the recipe's overlay on the engine config: where recipe values override flags, each logged
 request.py          a request's life in the engine, and the plain output objects handed to callers
 request_stream.py   what the async engine hands asyncio callers: `RequestStream`, admission errors, stats snapshots

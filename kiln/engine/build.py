@@ -13,14 +13,15 @@ from collections.abc import Callable
 from dataclasses import replace
 
 import torch
+from torch import nn
 
 from kiln.compile.fusion_check import check_quantized
-from kiln.config import EngineConfig, ParallelConfig
-from kiln.distributed.control import distributed_head
+from kiln.config import EngineConfig
 from kiln.distributed.state import RankState, rank_state
-from kiln.distributed.workers import follow, start_ranks
+from kiln.distributed.workers import Workers, follow, start_ranks
 from kiln.engine.core import EngineCore
 from kiln.engine.model_runner import StepObserver
+from kiln.engine.rank_role import RankRole, rank_role
 from kiln.engine.step_pipeline import StepPipeline
 from kiln.env import read_env
 from kiln.errors import ConfigError
@@ -63,7 +64,7 @@ def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> 
     checkpoint = open_checkpoint(config.model)
     state, workers = rank_state(), None
     if state is not None and state.spmd:  # every rank runs the debugger's program, which builds its own engines
-        return join_ranks(_build_core(config, checkpoint, observer), state, config.parallel)
+        return _build_core(config, checkpoint, observer, state)
     if state is not None and state.is_driver:
         raise ConfigError(
             "a multi-device engine is already running in this process: close() it before building another"
@@ -72,43 +73,37 @@ def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> 
         check_parallel(checkpoint.config, config.parallel)  # before any rank starts
         state, workers = start_ranks(config, build_engine)
     try:
-        core = _build_core(config, checkpoint, observer)
+        core = _build_core(config, checkpoint, observer, state, workers)
     except BaseException:
         if workers is not None:  # this rank failed: the ranks it started must not wait for it
             workers.abort()
         raise
-    if state is None:
+    if state is None or state.is_driver or workers is None:
         return core
-    join_ranks(core, state, config.parallel)
-    if state.is_driver and workers is not None:
-        core.attach_workers(workers)
-    elif workers is not None:  # the first rank of another node: it follows rank 0 like the ranks it started
-        assert workers.channel is not None
-        steps = follow(core, workers.channel)
-        logger.info("Rank %d ran %d steps for rank 0, which has stopped: exiting", state.rank, steps)
-        workers.stop()
-        raise SystemExit(0)
-    return core
+    # the first rank of another node: it follows rank 0 like the ranks it started
+    assert workers.channel is not None
+    steps = follow(core, workers.channel)
+    logger.info("Rank %d ran %d steps for rank 0, which has stopped: exiting", state.rank, steps)
+    workers.stop()
+    raise SystemExit(0)
 
 
-def join_ranks(core: EngineCore, state: RankState, parallel: ParallelConfig) -> EngineCore:
-    """Make `core` this rank's part of a multi-device engine: its logits head (kiln.distributed.control) and, on a
-    pipeline, the steps rank 0 keeps in flight and the micro-batches of each step (neither when every rank runs its
-    own program: their heads would not pair up)."""
-    last_stage = getattr(core.model, "stage", None) is None or core.model.stage.is_last
-    core.runner.head = distributed_head(state, core.executor.compute_logits, core.model_config.vocab_size, last_stage)
-    pipelined = state.num_stages > 1 and not state.spmd
-    depth = (parallel.steps_in_flight or state.num_stages) if pipelined else 1
-    core.runner.micro_batches = (parallel.micro_batches or (1 if depth > 1 else state.num_stages)) if pipelined else 1
-    core.runner.head_each_part = last_stage
-    if depth > 1 and state.is_driver:  # rank 0 keeps steps of disjoint sequences in flight (kiln.engine.step_pipeline)
-        core.runner.defer_heads = True
-        core.scheduler.steps_in_flight = depth
-        core.pipeline = StepPipeline(depth)
-    return core
+def engine_role(
+    config: EngineConfig, model: nn.Module, executor: Executor, state: RankState | None, workers: Workers | None = None
+) -> RankRole:
+    """The role of an engine over `model` on this rank (kiln.engine.rank_role); a single device: `RankRole()`."""
+    if state is None:
+        return RankRole()
+    return rank_role(state, config.parallel, model, executor.compute_logits, model.config.vocab_size, workers)
 
 
-def _build_core(config: EngineConfig, checkpoint: Checkpoint, observer: StepObserver | None) -> EngineCore:
+def _build_core(
+    config: EngineConfig,
+    checkpoint: Checkpoint,
+    observer: StepObserver | None,
+    state: RankState | None = None,
+    workers: Workers | None = None,
+) -> EngineCore:
     max_model_len = config.max_model_len or EngineCore.default_max_model_len(checkpoint.config)
     model = build_model(
         checkpoint,
@@ -122,4 +117,6 @@ def _build_core(config: EngineConfig, checkpoint: Checkpoint, observer: StepObse
     tokenizer = load_tokenizer(checkpoint)
     graph = replace(config.graph, max_model_len=max_model_len)
     executor = make_executor(replace(config, graph=graph))
-    return EngineCore(config, model, tokenizer, executor, checkpoint.path, observer)
+    role = engine_role(config, model, executor, state, workers)
+    loop = StepPipeline(role.steps_in_flight) if role.defers_heads else None  # steps in flight on a pipeline
+    return EngineCore(config, model, tokenizer, executor, checkpoint.path, observer, role, loop)

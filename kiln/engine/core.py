@@ -20,6 +20,7 @@ from kiln.engine.kv_cache import BlockPool
 from kiln.engine.kv_plan import kv_cache_blocks, log_kv_cache
 from kiln.engine.model_runner import ModelRunner, ModelRunnerOutput, StepObserver
 from kiln.engine.outputs import request_output, stop_after
+from kiln.engine.rank_role import SINGLE_DEVICE, RankRole
 from kiln.engine.request import Request, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
@@ -52,7 +53,11 @@ class EngineCore:
         executor: Executor,
         checkpoint_path: str = "",
         observer: StepObserver | None = None,
+        role: RankRole = SINGLE_DEVICE,
+        step_loop: StepLoop | None = None,
     ) -> None:
+        """`role`: this rank's part in a multi-device engine (kiln.engine.rank_role); `step_loop`: how rank 0 of a
+        pipeline keeping steps in flight runs a step (kiln.engine.step_pipeline). Both fixed here."""
         self.config = config
         self.recipe = config.recipe
         self.checkpoint_path = checkpoint_path
@@ -73,17 +78,28 @@ class EngineCore:
         self.window_pool = BlockPool(blocks[1], cc.block_size) if blocks[1] else None
         self.shaper = StepShaper.for_engine(config, executor.pad_to)
         self.runner = ModelRunner(
-            model, executor, blocks[0], cc.block_size, kv_dtype, self.eos_token_ids, observer, self.shaper, blocks[1]
+            model,
+            executor,
+            blocks[0],
+            cc.block_size,
+            kv_dtype,
+            self.eos_token_ids,
+            observer,
+            self.shaper,
+            blocks[1],
+            role,
         )
         if self.recipe is not None and not self.shaper.fits(1, 1):  # the executor is prepared: pad_to is known
             self.shaper.check(1, 1, [])  # raises RecipeViolation naming the constraints that forbid every step
         window = mc.uniform_sliding_window or mc.hybrid_sliding_window
-        self.scheduler = Scheduler(config.scheduler, self.pool, self.shaper, window, self.window_pool)
+        self.scheduler = Scheduler(
+            config.scheduler, self.pool, self.shaper, window, self.window_pool, role.steps_in_flight
+        )
         log_kv_cache(cc, blocks, self.runner.kv_cache_bytes, kv_dtype, self.max_model_len, mc)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self.workers: Workers | None = None  # the other ranks, when this is rank 0 of a multi-device engine
-        self.pipeline: StepLoop | None = None  # rank 0 of a pipeline keeping steps in flight
+        self.workers: Workers | None = role.workers  # the other ranks, when this is rank 0 of a multi-device engine
+        self.pipeline = step_loop
         self.admission = Admission(
             tokenizer,
             mc.vocab_size,
@@ -134,11 +150,6 @@ class EngineCore:
         return self.scheduler.has_unfinished
 
     # -- the step -----------------------------------------------------------------------------------
-    def attach_workers(self, workers: Workers) -> None:
-        """Run every step on the other ranks too (rank 0 of a multi-device engine)."""
-        self.workers = workers
-        self.runner.peers = workers.channel
-
     def check_alive(self) -> None:
         """WorkerFailure if another rank of this engine has died."""
         if self.workers is not None:

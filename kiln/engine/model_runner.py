@@ -19,6 +19,7 @@ from torch import nn
 
 from kiln.compile.counters import CompileCounters
 from kiln.distributed.ops import local_collectives
+from kiln.engine.rank_role import SINGLE_DEVICE, RankRole
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kiln.engine.scheduler import SchedulerOutput
 from kiln.engine.step_plan import StepPlan, split_plan
@@ -61,6 +62,7 @@ class ModelRunner:
         observer: StepObserver | None = None,
         shaper: StepShaper | None = None,
         window_blocks: int = 0,
+        role: RankRole = SINGLE_DEVICE,
     ) -> None:
         """`window_blocks` > 0: a hybrid model's sliding layers keep that many blocks of their own (their block table
         is each request's second, kiln.engine.kv_window)."""
@@ -78,12 +80,14 @@ class ModelRunner:
         self.sampler = Sampler()
         # the logits of the sampled rows (a multi-device engine's head gathers them across ranks and stages), and
         # the other ranks, which rank 0 sends each step's plan
-        self.head: Callable[[torch.Tensor, list[int]], torch.Tensor | None] = executor.compute_logits
-        self.peers: StepPeers | None = None
+        self.head: Callable[[torch.Tensor, list[int]], torch.Tensor | None] = role.head or executor.compute_logits
+        self.peers: StepPeers | None = role.workers.channel if role.workers is not None else None
         # a pipeline stage splits each step into this many parts (kiln.engine.step_plan), and the last stage runs
         # each part's head right after its forward
-        self.micro_batches, self.head_each_part = 1, False
-        self.defer_heads = False  # rank 0 of a pipeline with steps in flight: heads run when a step completes
+        self.micro_batches, self.head_each_part = role.micro_batches, role.head_each_part
+        self.defer_heads = (
+            role.defers_heads
+        )  # rank 0 of a pipeline with steps in flight: heads run when a step completes
         with local_collectives():  # each rank prepares on its own (kiln.distributed.ops)
             executor.prepare(model, self.kv_caches)
 

@@ -84,9 +84,11 @@ class Scheduler:
         shaper: StepShaper | None = None,
         window: int = 0,
         window_pool: BlockPool | None = None,
+        steps_in_flight: int = 1,
     ) -> None:
         """`window` > 0: the layers slide with this window, so blocks behind it are released: every layer's, or with
-        `window_pool`, only the sliding layers' (their own pool; `block_pool` then holds the global layers')."""
+        `window_pool`, only the sliding layers' (their own pool; `block_pool` then holds the global layers').
+        `steps_in_flight` > 1: rank 0 of a pipeline keeps that many steps launched (kiln.engine.step_pipeline)."""
         self.config = config
         self.pool = block_pool
         self.shaper = shaper
@@ -100,7 +102,7 @@ class Scheduler:
         # a pipeline keeps `steps_in_flight` steps of disjoint sequences launched (kiln.engine.step_pipeline): the
         # requests of a launched step are neither scheduled nor preempted until it completes, and each step takes
         # at most its share of the active requests
-        self.steps_in_flight = 1
+        self.steps_in_flight = steps_in_flight
         self.in_flight: set[str] = set()
 
     @property

@@ -3,6 +3,7 @@ responses.py), errors for clients (errors.py), Prometheus metrics, the serving l
 
 api.py         the FastAPI app: OpenAI routes, /health, /metrics, the middleware stack, error handlers, engine lifespan
 cli.py         parsers of `kiln serve` and `kiln loadtest` (handlers: launcher.py, kiln.bench.loadtest)
+connections.py per-connection limits uvicorn lacks: a deadline and a size bound on headers, a fixed send buffer
 errors.py      every failure as OpenAI's error body `{"error": {...}}` with its HTTP status
 formats.py     the two OpenAI response shapes over one serving loop: `text_completion` and `chat.completion`
 launcher.py    start-up and shutdown of `kiln serve`: load the engine, bind uvicorn, exit 0 on SIGINT/SIGTERM
