@@ -1,4 +1,5 @@
-"""Graph settings: the recipe is the source of truth; flags fill in or override, and every override is logged.
+"""Graph settings: the recipe is the source of truth; flags fill in or override, and every override is logged
+(the graph-settings part of the one precedence every field follows, kiln/engine/recipe_config.py).
 
 The graph mode is one value (kiln.config.GraphMode): the recipe's `graph.mode` (or, unset, what `graph.piecewise`
 implies: full_and_piecewise, or full when false), else the default full_and_piecewise; `--graph-mode` (or one of

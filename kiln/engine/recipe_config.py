@@ -1,7 +1,14 @@
-"""The recipe's overlay on the engine config: the one place where recipe values override flags, each logged.
+"""The recipe's overlay on the engine config, with one precedence for every field (graph settings are overlaid
+by kiln.compile.settings under the same rule).
 
-Graph settings, the graph mode among them, are overlaid earlier, in `graph_config_from(recipe, **flags)`, where
-explicit flags still win (and are logged as overrides); this module overlays the rest of the contract.
+The recipe is the contract; a flag left at its default never changes it. A flag given (a value other than its
+default) that disagrees with the recipe:
+- on a setting of how the model is run (graph mode, compiler, capture and compile sizes, piece modes): wins, and is
+  logged once ("Graph setting compiler=eager overrides the recipe's inductor"): the recipe's checks still hold;
+- on a bound (max_num_seqs, max_num_batched_tokens, max_model_len): may narrow it (logged), never raise it;
+- on a fact the recipe was checked against (device, dtype, quantization and its group size, the KV cache plan, the
+  parallel layout): is refused, naming the flag, the recipe and both values.
+Every value the recipe changes is logged once ("Recipe r.yaml sets max_model_len=256 (was None)").
 """
 
 from __future__ import annotations
@@ -10,15 +17,16 @@ import logging
 from dataclasses import replace
 
 from kiln.config import EngineConfig
+from kiln.errors import ConfigError
 from kiln.recipe import Recipe
 
 logger = logging.getLogger("kiln")
 
 
 def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
-    """`config` as the recipe requires: its device, quantization, dtype, KV cache plan, bounds and parallel layout
-    (tensor and pipeline sizes, each stage's layers) win over flags. `config.graph` (the graph mode included)
-    must already come from `graph_config_from(recipe, ...)`."""
+    """`config` as the recipe requires: its device, quantization, dtype, KV cache plan, bounds and parallel layout.
+    `config.graph` (the graph mode included) must already come from `graph_config_from(recipe, ...)`. ConfigError
+    for a given flag that contradicts the recipe (see the module's precedence)."""
     cache = replace(
         config.cache, dtype=recipe.kv_cache_dtype, block_size=recipe.block_size, num_blocks=recipe.max_pages
     )
@@ -53,26 +61,52 @@ def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
         recipe=recipe,
         parallel=parallel,
     )
-    _log_changes(config, resolved, recipe.path)
+    _refuse_contradictions(config, resolved, recipe)
+    for name, _, old, new in _fields(config, resolved):
+        if old != new:
+            logger.info("Recipe %s sets %s=%s (was %s)", recipe.path, name, new, old)
     return resolved
 
 
-def _log_changes(before: EngineConfig, after: EngineConfig, path: str) -> None:
-    pairs = [
-        ("device", before.device, after.device),
-        ("quantization", before.quantization, after.quantization),
-        ("quantization group size", before.quantization_group_size, after.quantization_group_size),
-        ("dtype", before.dtype, after.dtype),
-        ("max_model_len", before.max_model_len, after.max_model_len),
-        ("kv_cache.dtype", before.cache.dtype, after.cache.dtype),
-        ("kv_cache.block_size", before.cache.block_size, after.cache.block_size),
-        ("kv_cache.num_blocks", before.cache.num_blocks, after.cache.num_blocks),
-        ("max_num_seqs", before.scheduler.max_num_seqs, after.scheduler.max_num_seqs),
-        ("max_num_batched_tokens", before.scheduler.max_num_batched_tokens, after.scheduler.max_num_batched_tokens),
-        ("parallel.tensor", before.parallel.tensor, after.parallel.tensor),
-        ("parallel.pipeline", before.parallel.pipeline, after.parallel.pipeline),
-        ("parallel.stage_layers", before.parallel.stage_layers, after.parallel.stage_layers),
+def _refuse_contradictions(given: EngineConfig, resolved: EngineConfig, recipe: Recipe) -> None:
+    """ConfigError naming every flag given (not at its default) whose value the recipe does not keep: a fact it was
+    checked against that differs, or a bound raised past the recipe's (`min` kept the recipe's, so it differs too)."""
+    defaults = EngineConfig()
+    wrong = [
+        f"{flag} {_shown(value)} (the recipe's {name} is {_shown(kept)})"
+        for (name, flag, default, _), (_, _, value, kept) in zip(
+            _fields(defaults, defaults), _fields(given, resolved), strict=True
+        )
+        if flag is not None and value != default and value != kept
     ]
-    for name, old, new in pairs:
-        if old != new:
-            logger.info("Recipe %s sets %s=%s (was %s)", path, name, new, old)
+    if wrong:
+        raise ConfigError(
+            f"{'; '.join(wrong)}: the recipe {recipe.path} is the contract the engine is checked against; drop the "
+            "flag or change the recipe (a flag may narrow a bound, never raise it)"
+        )
+
+
+def _shown(value: object) -> str:
+    return "none" if value is None else str(value)
+
+
+def _fields(before: EngineConfig, after: EngineConfig) -> list[tuple[str, str | None, object, object]]:
+    """(field, the flag that sets it or None, its value in `before`, in `after`) for every field the recipe
+    overlays."""
+    b, a = before, after
+    bs, as_ = b.scheduler, a.scheduler
+    return [
+        ("device", "--device", b.device, a.device),
+        ("quantization", "--quantization", b.quantization, a.quantization),
+        ("quantization group size", "--quantization-group-size", b.quantization_group_size, a.quantization_group_size),
+        ("dtype", "--dtype", b.dtype, a.dtype),
+        ("max_model_len", "--max-model-len", b.max_model_len, a.max_model_len),
+        ("kv_cache.dtype", None, b.cache.dtype, a.cache.dtype),
+        ("kv_cache.block_size", "--block-size", b.cache.block_size, a.cache.block_size),
+        ("kv_cache.num_blocks", "--num-kv-blocks", b.cache.num_blocks, a.cache.num_blocks),
+        ("max_num_seqs", "--max-num-seqs", bs.max_num_seqs, as_.max_num_seqs),
+        ("max_num_batched_tokens", "--max-num-batched-tokens", bs.max_num_batched_tokens, as_.max_num_batched_tokens),
+        ("parallel.tensor", "--tensor-parallel-size", b.parallel.tensor, a.parallel.tensor),
+        ("parallel.pipeline", "--pipeline-parallel-size", b.parallel.pipeline, a.parallel.pipeline),
+        ("parallel.stage_layers", None, b.parallel.stage_layers, a.parallel.stage_layers),
+    ]

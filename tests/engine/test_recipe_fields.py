@@ -11,6 +11,7 @@ import torch
 from kiln import LLM, SamplingParams
 from kiln.compile.fusion_check import FusionGroupError
 from kiln.engine.args import EngineArgs
+from kiln.errors import ConfigError
 from kiln.quant.linear import PackedLinear
 from kiln.recipe.diagnostics import RecipeError
 
@@ -35,9 +36,9 @@ def write(tmp_path: Path, piecewise: str = "false", debug: str = "false") -> str
 
 def test_graph_fields_and_device_reach_the_engine_config(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="kiln"):
-        config = EngineArgs(recipe=write(tmp_path, "true", debug="true"), device="cuda").create_engine_config()
-    assert config.device == "cpu"  # the recipe's device wins over the flag, and says so
-    assert "sets device=cpu (was cuda)" in caplog.text
+        config = EngineArgs(recipe=write(tmp_path, "true", debug="true")).create_engine_config()
+    assert config.device == "cpu" and config.dtype == "bfloat16"  # the recipe's, and each change is logged
+    assert "sets dtype=bfloat16 (was float32)" in caplog.text
     graph = config.graph
     assert (graph.capture_sizes, graph.compile_sizes, graph.compiler, graph.debug) == ((1, 2, 8), (1,), "inductor", 1)
     assert config.graph_mode == "full_and_piecewise" and config.executor == "graph"
@@ -142,3 +143,24 @@ def test_a_recipe_mode_that_runs_pieces_without_piecewise_is_refused_at_its_line
     line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if t.startswith("graph:"))
     with pytest.raises(RecipeError, match=rf"{path}:{line}:\d+: error: graph.mode piecewise runs pieces"):
         EngineArgs(recipe=str(path)).create_engine_config()
+
+
+def test_one_precedence_for_every_field(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The recipe is the contract (kiln.engine.recipe_config): a given flag may run it another way (graph settings,
+    logged) or narrow a bound (logged); one that contradicts a fact the recipe was checked against, or raises a
+    bound past it, is refused with the flag and both values named. A flag that agrees is no contradiction."""
+    recipe = write(tmp_path)
+    with pytest.raises(ConfigError) as refused:
+        EngineArgs(recipe=recipe, device="cuda", max_num_seqs=16, dtype="bfloat16").create_engine_config()
+    message = str(refused.value)
+    assert "--device cuda (the recipe's device is cpu)" in message
+    assert "--max-num-seqs 16 (the recipe's max_num_seqs is 8)" in message and "--dtype" not in message
+    assert "recipe.yaml" in message
+    with caplog.at_level(logging.INFO, logger="kiln"):
+        config = EngineArgs(
+            recipe=recipe, max_num_seqs=4, capture_sizes=(1, 4), max_model_len=128
+        ).create_engine_config()
+    assert (config.scheduler.max_num_seqs, config.max_model_len, config.graph.capture_sizes) == (4, 128, (1, 4))
+    assert "Graph setting capture_sizes=(1, 4) overrides the recipe's (1, 2, 8)" in caplog.text
+    with pytest.raises(ConfigError, match=r"--block-size 32 \(the recipe's kv_cache.block_size is 8\)"):
+        EngineArgs(recipe=recipe, block_size=32).create_engine_config()

@@ -36,7 +36,8 @@ JSON = {"Content-Type": "application/json"}
 def server() -> Iterator[LiveServer]:
     args = ["--model-path", "default", "--graph-mode", "eager", "--max-model-len", "256", "--num-kv-blocks", "96",
             "--max-num-seqs", "8", "--max-queue", "24", "--max-seqs-per-request", "8", "--max-prompt-chars", "2048",
-            "--max-body-bytes", "65536", "--max-stream-buffer", "64", "--body-timeout", "3", "--header-timeout", "3", "--seed", "0"]  # fmt: skip
+            "--max-body-bytes", "65536", "--max-stream-buffer", "64", "--body-timeout", "3", "--header-timeout", "3",
+            "--seed", "0"]  # fmt: skip
     with live_server(args) as live:
         yield live
 
