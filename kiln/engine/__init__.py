@@ -18,7 +18,7 @@ outputs.py          the stop rules, and the `RequestOutput` handed to callers
 rank_role.py        `RankRole`: a rank's part in each step of a multi-device engine, fixed at construction
 recipe_config.py    the recipe's overlay on the engine config: where recipe values override flags, each logged
 request.py          a request's life in the engine, and the plain output objects handed to callers
-request_stream.py   what the async engine hands asyncio callers: `RequestStream`, admission errors, stats snapshots
+request_stream.py   what the async engine hands asyncio callers: `RequestStream`, the table delivering outputs, stats
 sampler.py          batched sampling: penalties, temperature, top-k, top-p, min-p, seeded generators, logprobs
 sampling_params.py  per-request sampling parameters, validated on construction with errors naming the field
 scheduler.py        continuous batching with a token budget, chunked prefill and preemption by recompute

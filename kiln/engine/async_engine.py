@@ -26,15 +26,16 @@ import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from kiln.engine.core import INTERNAL_ERROR, EngineCore
 from kiln.engine.request import RequestOutput
 from kiln.engine.request_stream import (
-    SLOW_READER,
     EngineStats,
     EngineStoppedError,
     RequestStream,
+    Reservation,
+    StreamTable,
     check_capacity,
     settle,
 )
@@ -44,13 +45,6 @@ from kiln.errors import KilnError, WorkerFailure
 logger = logging.getLogger("kiln")
 
 Prompt = str | list[int]
-
-
-@dataclass
-class Reservation:
-    """Room for `held` requests in the engine's queue (AsyncEngine.reserve)."""
-
-    held: int
 
 
 class AsyncEngine:
@@ -76,14 +70,12 @@ class AsyncEngine:
         self._adding: set[asyncio.Future[None]] = set()  # add_requests calls waiting for the engine thread
         self.max_buffered_outputs = max_buffered_outputs
         self.own_thread = own_thread  # False: the caller runs `run_loop()` on a thread of its own
-        self._streams: dict[str, RequestStream] = {}
+        self._streams = StreamTable(max_buffered_outputs, lambda rid: self._submit(lambda: self.core.abort(rid)))
         self._commands: deque[Callable[[], None]] = deque()
-        self._wakeup = threading.Event()
+        self._wakeup, self._loop_done = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
-        self._loop_done = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._is_accepting = False
-        self._is_stopping = False
+        self._is_accepting = self._is_stopping = False
         self._loop_error: BaseException | None = None  # what ended the engine loop, if it died
         self._stats = EngineStats(num_kv_blocks=core.pool.num_blocks)
         if core.workers is not None:  # a rank that dies wakes the loop, which then stops (WorkerFailure)
@@ -108,14 +100,9 @@ class AsyncEngine:
         except BaseException as exc:
             self._loop_error = exc
             self._is_accepting = False
-            # NOTE: a dead rank is expected and its message says it all (no traceback); clients then get a 503
-            gone = isinstance(exc, WorkerFailure)
-            why = f" ({exc})" if gone else ""
-            logger.error(
-                "the engine loop died%s: the server accepts no more requests (/health answers 503)",
-                why,
-                exc_info=not gone,
-            )
+            gone = isinstance(exc, WorkerFailure)  # NOTE: expected, and its message says it all: no traceback
+            died = "the engine loop died%s: the server accepts no more requests (/health answers 503)"
+            logger.error(died, f" ({exc})" if gone else "", exc_info=not gone)
             failure = (f"the engine stopped: worker {exc}", "abort") if gone else (INTERNAL_ERROR, "error")
             self._call_in_loop(self._fail_streams, *failure)
             raise
@@ -137,8 +124,7 @@ class AsyncEngine:
         if self._streams:
             logger.info("Aborting %d unfinished request(s)", len(self._streams))
         self._submit(self._abort_all)
-        self._is_stopping = True
-        self._wakeup.set()
+        self.request_stop()
         await asyncio.to_thread(self._loop_done.wait)
         self._thread = None
 
@@ -187,8 +173,7 @@ class AsyncEngine:
             self.num_unfinished - held, len(requests), self.core.config.scheduler.max_num_seqs, self.max_queue
         )
         stream = RequestStream(self.abort, [rid for rid, _, _ in requests])
-        for rid in stream.request_ids:
-            self._streams[rid] = stream
+        self._streams.open(stream)
         if reservation is not None:  # the room becomes the requests: counted once, from here on as streams
             self._num_reserved -= held
             reservation.held = 0
@@ -213,7 +198,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its KV blocks; no further outputs are delivered for it."""
-        self._streams.pop(request_id, None)
+        self._streams.forget(request_id)
         self._submit(lambda: self.core.abort(request_id))
 
     def stats(self) -> EngineStats:
@@ -283,28 +268,20 @@ class AsyncEngine:
             self._stats = replace(self._stats, num_step_failures=self._stats.num_step_failures + 1)
         self._publish_stats()
         if outputs:
-            self._call_in_loop(self._deliver, outputs)
+            self._call_in_loop(self._streams.deliver, outputs)
 
     def _fail_all(self) -> list[RequestOutput]:
-        outputs = [out for rid in list(self.core.requests) if (out := self.core.abort(rid)) is not None]
-        return [replace(out, finish_reason="error", error=INTERNAL_ERROR) for out in outputs]
+        return [replace(out, finish_reason="error", error=INTERNAL_ERROR) for out in self._abort_in_core()]
+
+    def _abort_in_core(self) -> list[RequestOutput]:
+        return [out for rid in list(self.core.requests) if (out := self.core.abort(rid)) is not None]
 
     def _abort_all(self) -> None:
-        outputs = [out for rid in list(self.core.requests) if (out := self.core.abort(rid)) is not None]
-        if outputs:
-            self._call_in_loop(self._deliver, outputs)
+        if outputs := self._abort_in_core():
+            self._call_in_loop(self._streams.deliver, outputs)
 
     def _publish_stats(self) -> None:
-        sched, pool = self.core.scheduler, self.core.pool
-        self._stats = replace(
-            self._stats,
-            num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
-            num_kv_blocks_used=pool.num_used_blocks,
-            num_kv_blocks=pool.num_blocks,
-            num_preemptions=sched.num_preemptions,
-            num_steps=self.core.num_steps,
-        )
+        self._stats = self._stats.now(self.core)
 
     def _call_in_loop(self, fn: Callable[..., None], *args: object) -> None:
         assert self._loop is not None
@@ -315,34 +292,9 @@ class AsyncEngine:
             logger.debug("event loop closed; dropped %s", getattr(fn, "__name__", fn))
 
     # -- on the event loop ------------------------------------------------------------------------
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue  # aborted by its caller; the engine produced this output before the abort ran
-            limit = self.max_buffered_outputs
-            if limit is not None and not out.finished and stream.queue.qsize() >= limit:
-                out = self._cut_off(stream, out, limit)
-            if out.finished:
-                self._streams.pop(out.request_id, None)
-            stream.queue.put_nowait(out)
-
     def _fail_streams(self, message: str, reason: str) -> None:
-        """The loop died: end every open stream with an error output, so no client waits forever (not even one
-        whose requests were still waiting to be added: its stream already holds the error)."""
-        for rid, stream in list(self._streams.items()):
-            stream.fail(rid, message, reason)
-        self._streams.clear()
+        """The loop died: end every open stream with an error output (not even a client whose requests were still
+        waiting to be added waits forever: its stream already holds the error)."""
+        self._streams.fail_all(message, reason)
         for added in self._adding:
             settle(added, None)
-
-    def _cut_off(self, stream: RequestStream, out: RequestOutput, limit: int) -> RequestOutput:
-        """A reader `limit` outputs behind: abort all of its stream's requests (freeing their KV blocks)."""
-        logger.warning("request %s: its reader is %d outputs behind; aborting it", out.request_id, limit)
-        message = f"the client read the stream too slowly: {limit} outputs waited (--max-stream-buffer); stopped"
-        for rid in list(stream.unfinished):
-            if self._streams.pop(rid, None) is not None:
-                self._submit(lambda rid=rid: self.core.abort(rid))
-                if rid != out.request_id:
-                    stream.fail(rid, message, SLOW_READER)
-        return replace(out, finished=True, finish_reason=SLOW_READER, error=message, delta="", num_new_tokens=0)

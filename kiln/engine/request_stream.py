@@ -4,11 +4,15 @@ order), the admission errors, and the stats snapshot the engine thread publishes
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from kiln.engine.request import RequestOutput
 from kiln.errors import KilnError
+
+logger = logging.getLogger("kiln")
 
 # the finish reason of a request whose reader fell `max_buffered_outputs` behind: the client's doing, not the server's
 SLOW_READER = "slow_reader"
@@ -50,6 +54,19 @@ class EngineStats:
     num_preemptions: int = 0
     num_steps: int = 0
     num_step_failures: int = 0
+
+    def now(self, core: Any) -> EngineStats:
+        """These stats brought up to date from `core` (an EngineCore, read on its engine thread)."""
+        sched, pool = core.scheduler, core.pool
+        return replace(
+            self,
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_kv_blocks_used=pool.num_used_blocks,
+            num_kv_blocks=pool.num_blocks,
+            num_preemptions=sched.num_preemptions,
+            num_steps=core.num_steps,
+        )
 
 
 class RequestStream:
@@ -104,3 +121,63 @@ def settle(future: asyncio.Future[None], error: BaseException | None) -> None:
         future.set_result(None)
     else:
         future.set_exception(error)
+
+
+@dataclass
+class Reservation:
+    """Room for `held` requests in the engine's queue (AsyncEngine.reserve)."""
+
+    held: int
+
+
+class StreamTable:
+    """The open streams by request id, and the delivery of each step's outputs to them (on the event loop).
+
+    `max_buffered_outputs`: outputs a stream may hold that its reader has not taken; a reader further behind has
+    all of its stream's requests aborted (`abort`, which frees their KV blocks in the engine) and its stream ended
+    with a `slow_reader` output (None: unbounded)."""
+
+    def __init__(self, max_buffered_outputs: int | None, abort: Callable[[str], None]) -> None:
+        self.max_buffered_outputs = max_buffered_outputs
+        self.abort = abort
+        self.by_id: dict[str, RequestStream] = {}
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def open(self, stream: RequestStream) -> None:
+        for rid in stream.request_ids:
+            self.by_id[rid] = stream
+
+    def forget(self, request_id: str) -> RequestStream | None:
+        """Deliver nothing more for this request (its caller aborted it)."""
+        return self.by_id.pop(request_id, None)
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self.by_id.get(out.request_id)
+            if stream is None:
+                continue  # aborted by its caller; the engine produced this output before the abort ran
+            limit = self.max_buffered_outputs
+            if limit is not None and not out.finished and stream.queue.qsize() >= limit:
+                out = self._cut_off(stream, out, limit)
+            if out.finished:
+                self.by_id.pop(out.request_id, None)
+            stream.queue.put_nowait(out)
+
+    def fail_all(self, message: str, reason: str) -> None:
+        """End every open stream with an error output (the engine loop died), so no client waits forever."""
+        for rid, stream in list(self.by_id.items()):
+            stream.fail(rid, message, reason)
+        self.by_id.clear()
+
+    def _cut_off(self, stream: RequestStream, out: RequestOutput, limit: int) -> RequestOutput:
+        """A reader `limit` outputs behind: abort all of its stream's requests (freeing their KV blocks)."""
+        logger.warning("request %s: its reader is %d outputs behind; aborting it", out.request_id, limit)
+        message = f"the client read the stream too slowly: {limit} outputs waited (--max-stream-buffer); stopped"
+        for rid in list(stream.unfinished):
+            if self.by_id.pop(rid, None) is not None:
+                self.abort(rid)
+                if rid != out.request_id:
+                    stream.fail(rid, message, SLOW_READER)
+        return replace(out, finished=True, finish_reason=SLOW_READER, error=message, delta="", num_new_tokens=0)
