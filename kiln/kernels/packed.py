@@ -39,7 +39,6 @@ from kiln.kernels.product import Compiled
 from kiln.quant.linear import PackedLinear
 from kiln.quant.ops import (
     GEMV_ROWS,
-    LARGE,
     ROW_CLASSES,
     Kernel,
     dequant_blas,
@@ -128,10 +127,8 @@ class NativePacked(PackedCandidate):
         return on_cpu and layer.scale.dtype == torch.float32 and native_packed_linear() is not None
 
     def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
-        op = native_packed_linear()
-        if op is None:  # chosen on an earlier run, but cannot be built now: logged by the build, run the reference
-            return dequant_blas
-        return op
+        # chosen on an earlier run but not built now (the build logged why): the reference runs
+        return native_packed_linear() or dequant_blas
 
 
 def native_packed_linear() -> Kernel | None:
@@ -166,16 +163,6 @@ def layer_key(layer: PackedLinear) -> dict[str, object]:
         "rows": list(ROWS),
         "native": native,
     }
-
-
-def rows_label(timed: int) -> str:
-    """What a timed row count stands for, in a log line: "1 row", "3-16 rows", "65+ rows"."""
-    if timed <= GEMV_ROWS:
-        return f"{timed} row{'s' if timed > 1 else ''}"
-    if row_class(timed) == LARGE:
-        return f"{ROW_CLASSES[-1] + 1}+ rows"
-    below = max(top for top in ROW_CLASSES if top < timed)
-    return f"{below + 1}-{timed} rows"
 
 
 def label(layer: PackedLinear) -> str:

@@ -33,8 +33,9 @@ from kiln.kernels.layout import (
     one_row_head,
     set_layer_weight_layout,
 )
-from kiln.kernels.packed import ROWS, PackedKernelTable, packed_layers, rows_label
+from kiln.kernels.packed import ROWS, PackedKernelTable, packed_layers
 from kiln.kernels.static_sizes import choose_static_sizes
+from kiln.quant.ops import rows_label
 
 logger = logging.getLogger("kiln")
 

@@ -34,6 +34,16 @@ def row_class(rows: int) -> int:
     return next((top for top in ROW_CLASSES if rows <= top), LARGE)
 
 
+def rows_label(timed: int) -> str:
+    """What the row class timed at `timed` rows stands for, in a log line: "1 row", "3-16 rows", "65+ rows"."""
+    if timed <= GEMV_ROWS:
+        return f"{timed} row{'s' if timed > 1 else ''}"
+    if row_class(timed) == LARGE:
+        return f"{ROW_CLASSES[-1] + 1}+ rows"
+    below = max(top for top in ROW_CLASSES if top < timed)
+    return f"{below + 1}-{timed} rows"
+
+
 def _weight_key(codes: torch.Tensor) -> tuple[int, torch.Size, torch.dtype]:
     return codes.data_ptr(), codes.shape, codes.dtype
 

@@ -30,13 +30,12 @@ from kiln.kernels.packed import (
     PackedKernelTable,
     label,
     native_packed_linear,
-    rows_label,
 )
 from kiln.model.loader import resolve_model_path
 from kiln.model.registry import resident_weight_bytes
 from kiln.quant.gguf_blocks import PACKED_TYPES, decode_blocks, layout_of
 from kiln.quant.linear import PackedEmbedding, PackedLinear, PackedTensor, unpack_codes
-from kiln.quant.ops import LARGE, row_class
+from kiln.quant.ops import LARGE, row_class, rows_label
 from tests.engine.tiny_models import write_hf_model
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea:", "1, 2, 3, 4,"]
