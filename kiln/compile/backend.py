@@ -38,9 +38,6 @@ class TracedForward:
     bound: list[Any]  # the value of each bound placeholder (None where slots[i] is set)
     trace_s: float
 
-    def slot_index(self, slot: str) -> int | None:
-        return self.slots.index(slot) if slot in self.slots else None
-
     def args_for(self, values: dict[str, Any]) -> list[Any]:
         """The placeholders' values for one step: `values` by slot, the bound ones as traced."""
         return [values[slot] if slot else value for slot, value in zip(self.slots, self.bound, strict=True)]

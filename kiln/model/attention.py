@@ -70,11 +70,6 @@ def allocate_kv_caches(
     ]
 
 
-def kv_cache_num_blocks(kv_cache: torch.Tensor) -> int:
-    """Usable blocks in one layer's cache (laid out by `kv_cache_shape`), the null block not counted."""
-    return kv_cache.shape[2] - 1
-
-
 def null_block(kv_cache: torch.Tensor) -> int:
     """The block no sequence owns (`kv_cache_shape`): padding rows of a decode graph point at it."""
     return kv_cache.shape[2] - 1

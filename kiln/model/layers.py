@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,34 +35,58 @@ def per_head(norm: nn.Module, x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return norm(x.reshape(n, -1, head_dim)).view(n, x.shape[1])
 
 
+RopeScaling = Callable[[torch.Tensor, dict[str, Any], "torch.Tensor | None"], tuple[torch.Tensor, float]]
+
+
+def _linear(inv_freq: torch.Tensor, scaling: dict[str, Any], _: torch.Tensor | None) -> tuple[torch.Tensor, float]:
+    return inv_freq, 1.0 / float(scaling["factor"])
+
+
+def _llama3(inv_freq: torch.Tensor, scaling: dict[str, Any], _: torch.Tensor | None) -> tuple[torch.Tensor, float]:
+    factor = float(scaling["factor"])
+    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    is_medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    return torch.where(is_medium, smoothed, inv_freq), 1.0
+
+
+def _longrope(inv_freq: torch.Tensor, scaling: dict[str, Any], _: torch.Tensor | None) -> tuple[torch.Tensor, float]:
+    """The short factors; RotaryEmbedding switches to the long ones past the original length."""
+    return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32), 1.0
+
+
+def _freq_factors(
+    inv_freq: torch.Tensor, _: dict[str, Any], freq_factors: torch.Tensor | None
+) -> tuple[torch.Tensor, float]:
+    if freq_factors is None:
+        raise ValueError("rope_type freq_factors needs the checkpoint's rope_freqs tensor")
+    return inv_freq / freq_factors.float(), 1.0
+
+
+# rope scaling kind (HF's rope_type, or GGUF's per-frequency factors) -> (inverse frequencies, position scale)
+ROPE_SCALINGS: dict[str, RopeScaling] = {
+    "default": lambda inv_freq, _, __: (inv_freq, 1.0),
+    "linear": _linear,
+    "llama3": _llama3,
+    "longrope": _longrope,
+    "freq_factors": _freq_factors,
+}
+
+
 def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and a position scale for the config's rope scaling (none, linear, llama3, GGUF factors)."""
+    """Inverse frequencies and a position scale for the config's rope scaling (one of ROPE_SCALINGS)."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = dict(config.rope_scaling or {})
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    position_scale = 1.0
-    if kind == "linear":
-        position_scale = 1.0 / float(scaling["factor"])
-    elif kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
-        old_len = float(scaling.get("original_max_position_embeddings", 8192))
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        is_medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        inv_freq = torch.where(is_medium, smoothed, inv_freq)
-    elif kind == "longrope":  # the short factors; RotaryEmbedding switches to the long ones past the original length
-        inv_freq = inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float32)
-    elif kind == "freq_factors":
-        if freq_factors is None:
-            raise ValueError("rope_type freq_factors needs the checkpoint's rope_freqs tensor")
-        inv_freq = inv_freq / freq_factors.float()
-    elif kind != "default":
-        raise ConfigError(f"unsupported rope scaling {kind!r}: kiln runs linear, llama3, longrope and GGUF rope_freqs")
-    return inv_freq, position_scale
+    if kind not in ROPE_SCALINGS:
+        known = ", ".join(k for k in ROPE_SCALINGS if k != "default")
+        raise ConfigError(f"unsupported rope scaling {kind!r}: kiln runs {known}")
+    return ROPE_SCALINGS[kind](inv_freq, scaling, freq_factors)
 
 
 class RotaryEmbedding(nn.Module):

@@ -7,6 +7,7 @@ given Python access.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from kiln.errors import ModelLoadError, RequestError
+
+Field = Callable[..., Any]  # a GGUF checkpoint's field(key, default=None)
 
 # stands in for each message's content while the chat template renders (a private-use character, never a token)
 _MARK = "\ue000"
@@ -47,17 +50,20 @@ def _byte_level_pre(pre: str, path: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence([split, byte_level])
 
 
-def _gguf_bpe(tokens: list[str], merges: list[str], pre: str, path: str) -> Tokenizer:
+def _gguf_bpe(field: Field, tokens: list[str], path: str) -> Tokenizer:
+    """GPT-2 style byte-level BPE with the file's merges and pre-tokenizer."""
     vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    pairs = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges") or []]
     tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = _byte_level_pre(pre, path)
+    tok.pre_tokenizer = _byte_level_pre(field("tokenizer.ggml.pre", "default"), path)
     tok.decoder = decoders.ByteLevel()
     return tok
 
 
-def _gguf_spm(tokens: list[str], scores: list[float], add_space_prefix: bool) -> Tokenizer:
+def _gguf_spm(field: Field, tokens: list[str], path: str) -> Tokenizer:
     """SentencePiece-BPE vocab (Llama 2 style): merges ranked by the merged piece's score."""
+    scores = list(field("tokenizer.ggml.scores") or [0.0] * len(tokens))
+    add_space_prefix = bool(field("tokenizer.ggml.add_space_prefix", True))
     vocab = {t: i for i, t in enumerate(tokens)}
     merges = []
     for piece, piece_id in vocab.items():
@@ -77,6 +83,10 @@ def _gguf_spm(tokens: list[str], scores: list[float], add_space_prefix: bool) ->
         steps.append(decoders.Strip(content=" ", left=1, right=0))
     tok.decoder = decoders.Sequence(steps)
     return tok
+
+
+# GGUF's tokenizer.ggml.model -> the builder of that tokenizer from the file's fields
+GGUF_TOKENIZERS: dict[str, Callable[[Field, list[str], str], Tokenizer]] = {"gpt2": _gguf_bpe, "llama": _gguf_spm}
 
 
 class KilnTokenizer:
@@ -115,9 +125,6 @@ class KilnTokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
-        return [self.tokenizer.id_to_token(i) or "" for i in ids]
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The conversation as the template writes it (text: control tokens and contents alike; see
@@ -196,13 +203,10 @@ class KilnTokenizer:
         if not tokens:
             raise ModelLoadError(path, "GGUF has no tokenizer (tokenizer.ggml.tokens missing)")
         types = list(f("tokenizer.ggml.token_type") or [1] * len(tokens))
-        if kind == "gpt2":
-            tok = _gguf_bpe(tokens, list(f("tokenizer.ggml.merges") or []), f("tokenizer.ggml.pre", "default"), path)
-        elif kind == "llama":
-            scores = list(f("tokenizer.ggml.scores") or [0.0] * len(tokens))
-            tok = _gguf_spm(tokens, scores, bool(f("tokenizer.ggml.add_space_prefix", True)))
-        else:
-            raise ModelLoadError(path, f"unsupported GGUF tokenizer model {kind!r} (kiln knows gpt2 and llama)")
+        if kind not in GGUF_TOKENIZERS:
+            known = " and ".join(GGUF_TOKENIZERS)
+            raise ModelLoadError(path, f"unsupported GGUF tokenizer model {kind!r} (kiln knows {known})")
+        tok = GGUF_TOKENIZERS[kind](f, tokens, path)
         special = [
             AddedToken(t, special=True, normalized=False)
             for t, ty in zip(tokens, types, strict=False)

@@ -50,14 +50,6 @@ class CheckpointHeader:
     # tensor name -> shape as the checkpoint stores it
     tensor_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
-    @property
-    def storage_types(self) -> set[str]:
-        return set(self.tensor_types.values())
-
-    @property
-    def weights_bytes_fp32(self) -> int:
-        return 4 * self.config.num_params()
-
 
 def longrope_scaling(
     original: int,

@@ -27,14 +27,3 @@ ROPE_FREQS = "rope_freqs.weight"  # llama 3.1-style per-frequency rope factors; 
 # Phi-3's long-rope: HF rope_scaling's long_factor and short_factor, one per rotary frequency (convert_hf_to_gguf.py)
 ROPE_FACTORS_LONG = "rope_factors_long.weight"
 ROPE_FACTORS_SHORT = "rope_factors_short.weight"
-
-
-def gguf_to_hf_name(name: str) -> str | None:
-    """HF parameter name of a GGUF tensor in Llama's naming, or None for tensors with no HF counterpart
-    (rope_freqs, unknown ones)."""
-    if name in GLOBAL_NAMES:
-        return GLOBAL_NAMES[name]
-    parts = name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
-    return None
