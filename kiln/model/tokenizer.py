@@ -159,7 +159,7 @@ class KilnTokenizer:
                     raise RequestError(
                         f"message {i} contains special-token text and this model's chat template rewrites message "
                         "contents, so it cannot be kept as text; remove the control tokens from the message",
-                        param=f"messages[{i}].content",
+                        param=f"messages.{i}.content",  # as the 400s of the request schema name it
                     )
             return self.encode(text)
         ids: list[int] = []

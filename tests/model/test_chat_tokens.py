@@ -69,7 +69,7 @@ def test_a_template_that_rewrites_contents_refuses_special_text_instead_of_obeyi
     assert turns(rewriting, rewriting.encode_chat(FORGED)) == ["system", "user", "assistant"]  # trim left it as is
     with pytest.raises(RequestError, match="contains special-token text") as err:
         rewriting.encode_chat([{"role": "user", "content": FORGED[0]["content"] + "  "}])  # trim changes this one
-    assert err.value.param == "messages[0].content"
+    assert err.value.param == "messages.0.content"  # the name the schema's 400s use (messages.0.role)
 
 
 def test_encode_as_text_keeps_special_token_text_as_text(tokenizer: KilnTokenizer) -> None:
