@@ -183,7 +183,8 @@ class DebugSession:
         torch.manual_seed(config.seed)
         model = load_factory(args.model).to(device=args.device, dtype=parse_dtype(args.dtype))
         model.eval().requires_grad_(False)
-        engine = EngineCore(config, model, None, GraphExecutor(config.graph), args.model, recorder)
+        executor = GraphExecutor(config.graph, activations=config.activations)
+        engine = EngineCore(config, model, None, executor, args.model, recorder)
         return cls(engine, args, recorder)
 
     # -- piece modes -------------------------------------------------------------------------------------------

@@ -19,7 +19,9 @@ from typing import Any
 from kiln.compile.modes import PieceMode
 from kiln.compile.settings import graph_config_from
 from kiln.config import (
+    ACTIVATION_NAMES,
     COMPILER_NAMES,
+    DEFAULT_ACTIVATIONS,
     DTYPE_NAMES,
     GRAPH_MODES,
     QUANTIZATION_NAMES,
@@ -77,6 +79,13 @@ class EngineArgs:
     )
     quantization_group_size: int = _arg(
         32, "values per scale/offset group of --quantization int8|int4 (even, dividing the layers' input sizes)"
+    )
+    activations: str = _arg(
+        DEFAULT_ACTIVATIONS,
+        "activations of packed products: int8x2 (two int8 digits, about 15 bits) or int8 (one digit, llama.cpp's "
+        "arithmetic: faster, less exact), quantized per weight group for kiln's native integer kernels; or float32 "
+        "(the dequantize-then-fp32 arithmetic)",
+        choices=ACTIVATION_NAMES,
     )
     max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: min(model context, 8192))")
     seed: int | None = _arg(
@@ -220,6 +229,7 @@ class EngineArgs:
             device=self.device,
             quantization=self.quantization,
             quantization_group_size=self.quantization_group_size,
+            activations=self.activations,
             max_model_len=self.max_model_len,
             seed=self.seed,
             num_threads=self.num_threads,

@@ -36,8 +36,8 @@ from kiln.model.registry import build_model, load_tokenizer
 logger = logging.getLogger("kiln")
 
 EXECUTORS: dict[str, Callable[[EngineConfig], Executor]] = {
-    "eager": lambda config: EagerExecutor(config.graph.cache_dir),
-    "graph": lambda config: GraphExecutor(config.graph),
+    "eager": lambda config: EagerExecutor(config.graph.cache_dir, activations=config.activations),
+    "graph": lambda config: GraphExecutor(config.graph, activations=config.activations),
 }
 
 

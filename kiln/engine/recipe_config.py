@@ -6,8 +6,8 @@ default) that disagrees with the recipe:
 - on a setting of how the model is run (graph mode, compiler, capture and compile sizes, piece modes): wins, and is
   logged once ("Graph setting compiler=eager overrides the recipe's inductor"): the recipe's checks still hold;
 - on a bound (max_num_seqs, max_num_batched_tokens, max_model_len): may narrow it (logged), never raise it;
-- on a fact the recipe was checked against (device, dtype, quantization and its group size, the KV cache plan, the
-  parallel layout): is refused, naming the flag, the recipe and both values.
+- on a fact the recipe was checked against (device, dtype, quantization, its group size and activations, the KV
+  cache plan, the parallel layout): is refused, naming the flag, the recipe and both values.
 Every value the recipe changes is logged once ("Recipe r.yaml sets max_model_len=256 (was None)").
 """
 
@@ -54,6 +54,7 @@ def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
         device=recipe.device,
         quantization=recipe.quantization,
         quantization_group_size=recipe.quantization_group_size,
+        activations=recipe.activations,
         dtype=recipe.dtype,
         max_model_len=max_model_len,
         cache=cache,
@@ -99,6 +100,7 @@ def _fields(before: EngineConfig, after: EngineConfig) -> list[tuple[str, str | 
         ("device", "--device", b.device, a.device),
         ("quantization", "--quantization", b.quantization, a.quantization),
         ("quantization group size", "--quantization-group-size", b.quantization_group_size, a.quantization_group_size),
+        ("activations", "--activations", b.activations, a.activations),
         ("dtype", "--dtype", b.dtype, a.dtype),
         ("max_model_len", "--max-model-len", b.max_model_len, a.max_model_len),
         ("kv_cache.dtype", None, b.cache.dtype, a.cache.dtype),

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kiln.config import DEFAULT_ACTIVATIONS
 from kiln.env import read_env
 from kiln.executor.base import Executor
 from kiln.kernels.head import LogitsHead
@@ -29,9 +30,12 @@ logger = logging.getLogger("kiln")
 class EagerExecutor(Executor):
     name = "eager"
 
-    def __init__(self, cache_dir: str | None = None, keep_layout: bool = False) -> None:
+    def __init__(
+        self, cache_dir: str | None = None, keep_layout: bool = False, activations: str = DEFAULT_ACTIVATIONS
+    ) -> None:
         super().__init__()
         self.keep_layout = keep_layout
+        self.activations = activations
         self.cache_root = Path(cache_dir) if cache_dir else read_env().cache_dir
         self.plan = KernelPlan()
         self._model: nn.Module | None = None
@@ -45,7 +49,7 @@ class EagerExecutor(Executor):
     def prepare(self, model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
         self._model = model
         if not self.keep_layout:
-            self.plan = plan_kernels(model, self.cache_root)
+            self.plan = plan_kernels(model, self.cache_root, activations=self.activations)
             self.plan.install(model)
         self._head = LogitsHead(model, self.plan.head_t)
 

@@ -34,7 +34,7 @@ from kiln.compile.fusion_check import check_fusion
 from kiln.compile.modes import PieceMode, format_piece_modes
 from kiln.compile.piece import AfterHook, BeforeHook, Piece
 from kiln.compile.store import CompiledPieceStore
-from kiln.config import GraphConfig, GraphMode
+from kiln.config import DEFAULT_ACTIVATIONS, GraphConfig, GraphMode
 from kiln.distributed.ops import local_collectives
 from kiln.env import read_env
 from kiln.errors import ConfigError
@@ -52,9 +52,10 @@ PieceTransform = Callable[[Piece], GraphModule | None]
 class GraphExecutor(Executor):
     name = "graph"
 
-    def __init__(self, config: GraphConfig) -> None:
+    def __init__(self, config: GraphConfig, activations: str = DEFAULT_ACTIVATIONS) -> None:
         super().__init__()
         self.config = config
+        self.activations = activations  # of packed products (kiln.kernels.plan)
         self.capture_sizes = sorted(config.capture_sizes)
         self.compiler = make_compiler(config.compiler)
         self.mode = GraphMode(config.mode)  # the one value every choice below reads
@@ -73,7 +74,9 @@ class GraphExecutor(Executor):
         cache_root = Path(self.config.cache_dir) if self.config.cache_dir else read_env().cache_dir
         # NOTE: attention reads Python-side metadata, so it cannot live inside a CUDA graph.
         self.can_capture = self.mode.splits_forward or self.device.type != "cuda"
-        self.plan = plan_kernels(model, cache_root, self.compiler, self.capture_sizes, self.config.compile_sizes)
+        self.plan = plan_kernels(
+            model, cache_root, self.compiler, self.capture_sizes, self.config.compile_sizes, self.activations
+        )
         self.plan.install(model)
         self.compile_sizes = self.plan.static_sizes
         self.store = CompiledPieceStore(

@@ -25,6 +25,7 @@ from torch import nn
 
 from kiln.compile.compiler import PieceCompiler, make_compiler
 from kiln.compile.passes import GEMV_MAX_ROWS
+from kiln.config import DEFAULT_ACTIVATIONS
 from kiln.kernels.choices import KernelChoiceCache
 from kiln.kernels.layout import (
     ROW_MAJOR,
@@ -69,11 +70,12 @@ def plan_kernels(
     compiler: PieceCompiler | None = None,
     capture_sizes: Sequence[int] = (),
     configured_sizes: Sequence[int] | None = (),
+    activations: str = DEFAULT_ACTIVATIONS,
 ) -> KernelPlan:
     """The plan for `model` on this machine. `compiler` compiles the static sizes and the compiled candidates
     (the inductor compiler when None, or when it cannot compile for static shapes); `configured_sizes` are the
     static compile sizes when given (the eager executor gives none), else they are timed for the one- and
-    two-row `capture_sizes`."""
+    two-row `capture_sizes`. `activations` (int8 | float32) says which packed candidates may be timed."""
     cpu = next(model.parameters()).device.type == "cpu"
     compiler = compiler or make_compiler("inductor")
     kernel_compiler = compiler if compiler.supports_static_sizes else make_compiler("inductor")
@@ -81,7 +83,7 @@ def plan_kernels(
     plan = KernelPlan()
     weight = largest_layer_weight(model)
     if cpu and packed_layers(model):  # their one- and two-row choices live in the op: no static sizes for them
-        plan.packed = PackedKernelTable(model, kernel_compiler, cache)
+        plan.packed = PackedKernelTable(model, kernel_compiler, cache, activations)
         plan.choices["packed_kernels"] = plan.packed.records
     if configured_sizes is not None:
         plan.static_sizes = tuple(sorted(configured_sizes))
@@ -124,7 +126,9 @@ def _log(plan: KernelPlan, float_head: bool) -> None:
     )
     if plan.packed is not None:
         logger.info(
-            "Packed kernels: %s",
+            "Packed kernels (%s activations%s): %s",
+            plan.packed.activations,
+            "" if plan.packed.int8_runs else ", no int8 kernel runs here: the float32 candidates",
             "; ".join(
                 f"{name}: " + ", ".join(f"{rows_label(r)} {rec['winners'][str(r)]}" for r in ROWS)
                 for name, rec in plan.packed.records.items()

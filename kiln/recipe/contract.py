@@ -49,6 +49,12 @@ def check_refused(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
     elif q.weights == "none" and ("quantization", "group_size") in doc.values:
         message = "quantization.group_size has no effect without quantized weights (quantization.weights is none)"
         out.append(doc.diagnostic("error", message, ("quantization", "group_size")))
+    if q.weights == "none" and ("quantization", "activations") in doc.values:
+        message = (
+            "quantization.activations has no effect without quantized weights (quantization.weights is none): it "
+            "sets the activations of packed products"
+        )
+        out.append(doc.diagnostic("error", message, ("quantization", "activations")))
     kv = spec.memory_plan.kv_cache
     if kv.layout != "paged":
         message = (

@@ -63,6 +63,11 @@ class Recipe:
         return self.spec.quantization.group_size
 
     @property
+    def activations(self) -> str:
+        """int8x2 | int8 | float32: the activations of packed products."""
+        return self.spec.quantization.activations
+
+    @property
     def kv_cache_dtype(self) -> str:
         return self.spec.memory_plan.kv_cache.dtype
 

@@ -65,6 +65,11 @@ class Weights(Section):
 class Quantization(Section):
     weights: Literal["none", "int8", "int4"] = Field("none", description="Weight-only quantization at run time.")
     group_size: PositiveInt = 32
+    activations: Literal["int8x2", "int8", "float32"] = Field(
+        "int8x2",
+        description="Activations of packed products: int8x2 (two int8 digits, about 15 bits) or int8 (one digit), "
+        "quantized per weight group for integer dot products, or float32 (dequantize-then-fp32 arithmetic).",
+    )
 
 
 class FusionGroup(Section):

@@ -25,7 +25,9 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 @pytest.fixture(scope="module")
 def piecewise(tmp_path_factory: pytest.TempPathFactory) -> LLM:
     cache = tmp_path_factory.mktemp("kiln-cache")
-    return LLM("default", dtype="float32", seed=0, graph_mode="piecewise", cache_dir=str(cache))
+    # float32 activations: int8 ones round x per group, so a 1-ulp difference upstream (inductor's fused norm
+    # against eager's) can move a product by a rounding step, far above the 1e-4 this parity holds the graph to
+    return LLM("default", dtype="float32", seed=0, graph_mode="piecewise", cache_dir=str(cache), activations="float32")
 
 
 @pytest.mark.parametrize("batch", [1, 3, 5])

@@ -15,9 +15,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
+from kiln.kernels.candidates import CANDIDATES, NATIVE
 from kiln.kernels.native import build
 from kiln.kernels.native.build import TIERS, native_op, runnable_tiers
-from kiln.kernels.packed import CANDIDATES, NATIVE
 from kiln.quant.gguf_blocks import PACKED_TYPES
 from kiln.quant.linear import PackedLinear
 from tests.quant.test_packed import _packed
@@ -32,10 +32,11 @@ def built_library(tier: str) -> Path:
     return library
 
 
-def test_this_cpu_runs_the_plain_tier_and_avx2_where_cpuid_says_so() -> None:
+def test_this_cpu_runs_the_plain_tier_and_avx2_and_avx512_where_cpuid_says_so() -> None:
     flags = build.cpu_flags()
     assert "plain" in RUNNABLE
     assert ("avx2" in RUNNABLE) == ({"avx2", "fma"} <= flags)
+    assert ("avx512" in RUNNABLE) == ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags)
 
 
 @pytest.mark.parametrize("tier", RUNNABLE)
@@ -84,7 +85,7 @@ def test_the_avx2_object_has_no_avx512_instruction() -> None:
     tier = build.tier_by_name("avx2" if "avx2" in RUNNABLE else "plain")
     library = built_library(tier.name)
     listing = subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True, check=True).stdout
-    assert "packed_linear" in listing
+    assert "packed_linear" in listing and "packed_linear_q8" in listing
     assert "zmm" not in listing and "{k" not in listing  # no 512-bit register, no AVX-512 mask
     if tier.name == "plain":
         assert "ymm" not in listing  # nor AVX's 256-bit registers in the baseline object
@@ -93,15 +94,15 @@ def test_the_avx2_object_has_no_avx512_instruction() -> None:
 def test_a_tier_the_cpu_lacks_is_never_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"sse2"}))
     assert [t.name for t in runnable_tiers()] == ["plain"]
-    build.native_op.cache_clear()
+    build._loaded.cache_clear()
     try:
         assert native_op("avx2") is None
     finally:
-        build.native_op.cache_clear()
+        build._loaded.cache_clear()
 
 
 def test_the_build_key_follows_sources_flags_torch_and_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
-    avx2, plain = TIERS[0], TIERS[-1]
+    avx2, plain = build.tier_by_name("avx2"), TIERS[-1]
     key = build.build_key(avx2, "g++ 12")
     assert key != build.build_key(plain, "g++ 12") and key != build.build_key(avx2, "g++ 13")
     monkeypatch.setattr(build, "source_hash", lambda: "another source")
@@ -115,7 +116,7 @@ def test_without_a_compiler_kiln_says_so_once_and_times_the_torch_candidates(
 ) -> None:
     monkeypatch.setattr(build, "compiler_version", lambda: None)
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))  # nothing built in this cache
-    build.native_op.cache_clear()
+    build._loaded.cache_clear()
     build._say_once.cache_clear()
     layer = PackedLinear(64, 32, bits=4)
     try:
@@ -125,7 +126,7 @@ def test_without_a_compiler_kiln_says_so_once_and_times_the_torch_candidates(
         assert caplog.text.count("native kernels are off: no C++ compiler") == 1
         assert not list(tmp_path.glob("native/*/*.so"))
     finally:
-        build.native_op.cache_clear()
+        build._loaded.cache_clear()
         build._say_once.cache_clear()
 
 

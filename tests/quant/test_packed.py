@@ -16,21 +16,17 @@ from kiln.compile.compiler import make_compiler
 from kiln.compile.full_graph import STATIC_SIZES
 from kiln.compile.kernels import kernels_in
 from kiln.errors import ConfigError
-from kiln.kernels.choices import KernelChoiceCache
-from kiln.kernels.packed import (
+from kiln.kernels.candidates import (
     CANDIDATES,
     COMPILED_DEQUANT,
     DEQUANT_BLAS,
     FUSED,
     INT4PACK,
-    LARGE_ROWS,
     NATIVE,
-    ROWS,
-    TIMED_ROWS,
-    PackedKernelTable,
-    label,
     native_packed_linear,
 )
+from kiln.kernels.choices import KernelChoiceCache
+from kiln.kernels.packed import LARGE_ROWS, ROWS, TIMED_ROWS, PackedKernelTable, label
 from kiln.model.loader import resolve_model_path
 from kiln.model.registry import resident_weight_bytes
 from kiln.quant.gguf_blocks import PACKED_TYPES, decode_blocks, layout_of
@@ -144,7 +140,7 @@ def test_packed_linear_fills_fused_rows_and_multiplies_like_linear() -> None:
 
 @pytest.fixture(scope="module")
 def packed_llm() -> LLM:
-    return LLM(quantization="packed", num_kv_blocks=256, graph_mode="eager")
+    return LLM(quantization="packed", num_kv_blocks=256, graph_mode="eager", activations="float32")
 
 
 def test_packed_model_holds_less_memory_and_logits_match(packed_llm: LLM, llm: LLM) -> None:
@@ -248,7 +244,7 @@ def test_the_table_times_each_shape_once_picks_the_fastest_and_is_cached(tmp_pat
             i,
         )
         layer.load_rows(0, q)
-    first = PackedKernelTable(model, make_compiler("inductor"), KernelChoiceCache(tmp_path))
+    first = PackedKernelTable(model, make_compiler("inductor"), KernelChoiceCache(tmp_path), "float32")
     assert len(first.records) == 2  # two layers of one shape share an entry
     four = first.records["96x64 4-bit/32 float32"]
     assert four["source"] == "timed" and set(four["times_us"]) == {"1", "2", "16", "64", "256"}
@@ -260,7 +256,7 @@ def test_the_table_times_each_shape_once_picks_the_fastest_and_is_cached(tmp_pat
     for record in first.records.values():
         for rows, times in record["times_us"].items():
             assert record["winners"][rows] == min(times, key=times.__getitem__) and min(times.values()) > 0
-    again = PackedKernelTable(model, make_compiler("inductor"), KernelChoiceCache(tmp_path))
+    again = PackedKernelTable(model, make_compiler("inductor"), KernelChoiceCache(tmp_path), "float32")
     assert all(r["source"] == "process" for r in again.records.values())
     assert {k: r["winners"] for k, r in again.records.items()} == {k: r["winners"] for k, r in first.records.items()}
     again.install()

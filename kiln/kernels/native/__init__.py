@@ -1,8 +1,12 @@
 """kiln's own C++ kernels, built on the machine that runs them, one object per ISA tier, loaded only where the CPU
 has the tier's instructions (never a SIGILL on an older CPU).
 
-build.py           the tiers, the cpuid check, the JIT build (torch cpp_extension, OpenMP) into a cache keyed by
-                   torch version, compiler, tier and source hash, under a lock of kiln's own; `native_op`
+build.py           the tiers (avx512: F/BW/VL/DQ/VNNI; avx2: AVX2 + FMA; plain), the cpuid check, the JIT build
+                   (torch cpp_extension, OpenMP) into a cache keyed by torch version, compiler, tier and source
+                   hash, under a lock of kiln's own; `native_op`
 packed_linear.cpp  `packed_linear(x, codes, scale, offset)` over kiln's packed layout, float32 activations: the
                    weight dequantized in registers, group by group (AVX2 + FMA path, scalar path)
+packed_q8.cpp      `packed_linear_q8` / `packed_linear_q8x2`: x quantized per weight group to one or two int8 digits,
+                   integer dot products (AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw, scalar path)
+reference.py       the int8 arithmetic in plain torch: what every tier must equal
 """

@@ -8,7 +8,8 @@ build holds a lock of kiln's own (an flock on that folder, released by the OS wh
 lock file there, which a killed build leaves behind and which would make the next build wait forever, is removed
 under it.
 
-`native_op(tier)` is the tier's `packed_linear` op, or None where the CPU lacks the tier or the build failed
+`native_op(tier, name)` is the tier's op `name` (`packed_linear`: float32 activations; `packed_linear_q8`: int8
+activations), or None where the CPU lacks the tier or the build failed
 (no compiler, a compiler error): kiln then runs on the torch candidates and says why once, in one log line.
 """
 
@@ -33,8 +34,13 @@ from kiln.kernels.choices import cpu_info
 
 logger = logging.getLogger("kiln")
 
-SOURCES = (Path(__file__).with_name("packed_linear.cpp"),)
-COMMON_FLAGS = ("-O3", "-fopenmp", "-std=c++17")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("packed_linear.cpp", "packed_q8.cpp"))
+COMMON_FLAGS = (
+    "-O3",
+    "-fopenmp",
+    "-std=c++17",
+    "-ffp-contract=off",
+)  # no fused multiply-adds the source does not write
 
 
 @dataclass(frozen=True)
@@ -48,7 +54,9 @@ class Tier:
         return f"kiln_native_{self.name}"
 
 
+AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma")
 TIERS = (
+    Tier("avx512", AVX512_FLAGS, frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma"})),
     Tier("avx2", ("-mavx2", "-mfma"), frozenset({"avx2", "fma"})),
     Tier("plain", (), frozenset()),  # the compiler's baseline for the platform (x86-64: SSE2)
 )
@@ -95,24 +103,34 @@ def tier_by_name(name: str) -> Tier:
     return next(t for t in TIERS if t.name == name)
 
 
+OPS = ("packed_linear", "packed_linear_q8", "packed_linear_q8x2")
+
+
+def native_op(tier_name: str, name: str = "packed_linear") -> Callable[..., torch.Tensor] | None:
+    """The tier's op `name` (built or read from the cache, then loaded), None where it cannot run here."""
+    if name not in OPS:
+        raise ValueError(f"no native op {name!r}; the native ops are {', '.join(OPS)}")
+    return getattr(getattr(torch.ops, tier_by_name(tier_name).namespace), name) if _loaded(tier_name) else None
+
+
 @functools.cache
-def native_op(tier_name: str) -> Callable[..., torch.Tensor] | None:
-    """The tier's `packed_linear` op (built or read from the cache, then loaded), None where it cannot run here."""
+def _loaded(tier_name: str) -> bool:
+    """Whether the tier's object is loaded in this process (built first where it is not in the cache)."""
     tier = tier_by_name(tier_name)
     if tier not in runnable_tiers():
-        return None
+        return False
     compiler = compiler_version()
     if compiler is None:
         _say_once("native kernels are off: no C++ compiler (c++ or $CXX) on this machine; packed products run on "
                   "the torch candidates")  # fmt: skip
-        return None
+        return False
     try:
         _load(tier, compiler)
     except Exception as exc:  # a compiler's error, a missing header: the torch candidates still run
         logger.warning("Native kernels (%s) could not be built, packed products run without them: %s", tier.name,
                        str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)  # fmt: skip
-        return None
-    return getattr(torch.ops, tier.namespace).packed_linear
+        return False
+    return True
 
 
 @functools.cache

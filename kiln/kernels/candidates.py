@@ -1,0 +1,224 @@
+"""The candidates of the packed kernel table (kiln.kernels.packed): every way kiln has to compute `x [rows, in] @ W.T`,
+W packed as codes, scales and offsets per group, one `PackedCandidate` each in `CANDIDATES` (a new kernel is one
+subclass and one entry). A candidate's `activations` says which arithmetic it is: float32 candidates compute what
+dequantize-then-fp32 computes (in another order); int8 and int8x2 candidates quantize x per weight group first, to
+one or two int8 digits (kiln.kernels.native.reference), and are timed only where the engine runs those activations
+(`--activations`).
+
+float32:
+- `dequant-blas`: W dequantized by torch ops, then the BLAS product (the reference);
+- `compiled-dequant-blas`: W dequantized by one inductor kernel, then the BLAS product;
+- `tiled-dequant-blas` (more than 2 rows, more than TILE_ROWS outputs): the same, TILE_ROWS output rows at a time,
+  so each dequantized tile is still in cache when BLAS reads it (the logits head at batch 32: 20 ms against 70 ms
+  dequantized whole and 27 ms for the float32 head, measured on a 2-core EPYC);
+- `fused-reduction` (1 and 2 rows): the product as one reduction over the codes (kiln.quant.ops.reduction),
+  compiled for the static row count, so the weight streams at its packed width and is never written out;
+- `int4pack-mm` (4-bit codes in groups of 32, where this torch has the op): torch's CPU int4 kernel over a copy
+  of the codes repacked into its layout (held by the kernel, made once per weight);
+- `native` (float32 scales, where kiln's C++ kernels build and load here): kiln's own kernel (kiln.kernels.native)
+  over the packed codes as they are, the weight dequantized in registers, at any row count.
+int8 / int8x2:
+- `native-int8` / `native-int8x2`: kiln's own kernel over the packed codes as they are, x quantized per weight
+  group to one int8 digit (llama.cpp's q8 arithmetic) or two (about 15 bits), integer dot products (AVX-512 VNNI
+  vpdpbusd, AVX2 vpmaddubsw).
+The native candidates run the widest ISA tier this CPU can run (what cpuid allows; timing picks the kernel).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from kiln.compile.compiler import PieceCompiler
+from kiln.kernels.native.build import native_op, runnable_tiers
+from kiln.kernels.product import Compiled
+from kiln.quant.linear import PackedLinear
+from kiln.quant.ops import GEMV_ROWS, Kernel, dequant_blas, dequantize_codes, reduction
+
+TILE_ROWS = 2048  # output rows dequantized at a time by TILED: a tile stays in cache for its product
+Weight = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes, scale, offset
+FLOAT32, INT8, INT8X2 = "float32", "int8", "int8x2"
+
+
+class PackedCandidate(ABC):
+    """One way to compute a packed product. `applies` says for which layers and row counts it is timed; `make`
+    builds the kernel for a layer (compiled for `rows` when it compiles), which must compute on any weight of the
+    layer's layout passed to it (the timing calls it on copies)."""
+
+    name: ClassVar[str]
+    activations: ClassVar[str] = FLOAT32  # the arithmetic: float32 (dequantize-then-fp32's) or int8
+
+    def applies(self, layer: PackedLinear, rows: int) -> bool:
+        return True
+
+    @abstractmethod
+    def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel: ...
+
+
+class DequantBlas(PackedCandidate):
+    name = "dequant-blas"
+
+    def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
+        return dequant_blas
+
+
+class CompiledDequantBlas(PackedCandidate):
+    name = "compiled-dequant-blas"
+
+    def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
+        dequant = Compiled(dequantize_codes, compiler, None, layer.codes, layer.scale, layer.offset)
+        return lambda x, c, s, o: nn.functional.linear(x, dequant(c, s, o).view(c.shape[0], -1))
+
+
+class TiledDequantBlas(PackedCandidate):
+    name = "tiled-dequant-blas"
+
+    def applies(self, layer: PackedLinear, rows: int) -> bool:
+        return rows > GEMV_ROWS and layer.out_features > TILE_ROWS
+
+    def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
+        return Tiled(layer, compiler)
+
+
+class FusedReduction(PackedCandidate):
+    name = "fused-reduction"
+
+    def applies(self, layer: PackedLinear, rows: int) -> bool:
+        return rows <= GEMV_ROWS
+
+    def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
+        x = torch.zeros(rows, layer.in_features, dtype=layer.scale.dtype)
+        return Compiled(reduction, compiler, rows, x, layer.codes, layer.scale, layer.offset)
+
+
+class Int4PackMM(PackedCandidate):
+    name = "int4pack-mm"
+
+    def applies(self, layer: PackedLinear, rows: int) -> bool:
+        """torch's CPU int4 kernel takes 4-bit codes in groups of 32 and float32 or bfloat16 activations."""
+        has_op = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+        return has_op and layer.bits == 4 and layer.group == 32 and layer.scale.dtype in (torch.float32, torch.bfloat16)
+
+    def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
+        return Int4Packed(weights)
+
+
+class NativePacked(PackedCandidate):
+    name = "native"
+
+    def applies(self, layer: PackedLinear, rows: int) -> bool:
+        on_cpu = layer.codes.device.type == "cpu"  # the objects hold CPU kernels only
+        return on_cpu and layer.scale.dtype == torch.float32 and native_packed_linear() is not None
+
+    def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
+        # chosen on an earlier run but not built now (the build logged why): the reference runs
+        return native_packed_linear() or dequant_blas
+
+
+class NativeInt8(PackedCandidate):
+    name = "native-int8"
+    activations = INT8
+
+    def applies(self, layer: PackedLinear, rows: int) -> bool:
+        on_cpu = layer.codes.device.type == "cpu"
+        return on_cpu and layer.scale.dtype == torch.float32 and native_int8_linear(self.activations) is not None
+
+    def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
+        # chosen on an earlier run but not built now: the float32 reference runs (the build logged why)
+        return native_int8_linear(self.activations) or dequant_blas
+
+
+class NativeInt8x2(NativeInt8):
+    name = "native-int8x2"
+    activations = INT8X2
+
+
+def native_packed_linear() -> Kernel | None:
+    """The widest tier's native float32-activation op this CPU runs (None where none builds)."""
+    tiers = runnable_tiers()
+    return native_op(tiers[0].name) if tiers else None
+
+
+INT8_OPS = {INT8: "packed_linear_q8", INT8X2: "packed_linear_q8x2"}
+
+
+def native_int8_linear(activations: str = INT8) -> Kernel | None:
+    """The widest tier's native op for int8 activations of one or two digits (int8 | int8x2) this CPU runs (None
+    where none builds)."""
+    tiers = runnable_tiers()
+    return native_op(tiers[0].name, INT8_OPS[activations]) if tiers else None
+
+
+CANDIDATES: dict[str, PackedCandidate] = {
+    c.name: c
+    for c in (
+        DequantBlas(),
+        CompiledDequantBlas(),
+        TiledDequantBlas(),
+        FusedReduction(),
+        Int4PackMM(),
+        NativePacked(),
+        NativeInt8(),
+        NativeInt8x2(),
+    )
+}
+DEQUANT_BLAS, COMPILED_DEQUANT, TILED = DequantBlas.name, CompiledDequantBlas.name, TiledDequantBlas.name
+FUSED, INT4PACK, NATIVE = FusedReduction.name, Int4PackMM.name, NativePacked.name
+NATIVE_INT8, NATIVE_INT8X2 = NativeInt8.name, NativeInt8x2.name
+
+
+def candidates_for(activations: str) -> dict[str, PackedCandidate]:
+    """The candidates an engine with these activations may time: float32 ones always (they compute the same
+    product more exactly), and those of its int8 arithmetic (one digit or two)."""
+    return {name: c for name, c in CANDIDATES.items() if c.activations in (FLOAT32, activations)}
+
+
+class Tiled:
+    """Dequantize-then-BLAS over TILE_ROWS output rows at a time (one compiled dequantization per tile shape)."""
+
+    def __init__(self, layer: PackedLinear, compiler: PieceCompiler) -> None:
+        self.tiles = [
+            (start, min(TILE_ROWS, layer.out_features - start)) for start in range(0, layer.out_features, TILE_ROWS)
+        ]
+        self.dequant = {
+            rows: Compiled(
+                dequantize_codes, compiler, None, layer.codes[:rows], layer.scale[:rows], layer.offset[:rows]
+            )
+            for rows in {rows for _, rows in self.tiles}
+        }
+
+    def __call__(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for start, rows in self.tiles:
+            part = slice(start, start + rows)
+            weight = self.dequant[rows](codes[part], scale[part], offset[part]).view(rows, -1)
+            outs.append(nn.functional.linear(x, weight))
+        return torch.cat(outs, dim=1)
+
+
+class Int4Packed:
+    """torch's CPU int4 kernel over its own copy of each weight's codes in torch's int4 layout (0.5 byte a weight)
+    and per group (scale, zero) with w = (q - 8) * scale + zero, so zero = offset + 8 * scale. The weights given
+    are repacked up front (as before serving); another is repacked at its first call."""
+
+    def __init__(self, weights: list[Weight]) -> None:
+        self.packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # codes' address -> (repacked codes, pairs)
+        for weight in weights:
+            self._repacked(*weight)
+
+    def _repacked(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        packed = self.packed.get(codes.data_ptr())
+        if packed is None:
+            q = torch.cat([codes & 15, codes >> 4], dim=-1).reshape(codes.shape[0], -1).to(torch.int32)
+            s, o = scale.squeeze(-1), offset.squeeze(-1)
+            pairs = torch.stack([s.t(), (o + 8 * s).t()], dim=-1).contiguous()  # [groups, out, 2]
+            q4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            packed = self.packed[codes.data_ptr()] = (q4, pairs)
+        return packed
+
+    def __call__(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        weight, pairs = self._repacked(codes, scale, offset)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, 32, pairs)

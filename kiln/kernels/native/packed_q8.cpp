@@ -1,0 +1,380 @@
+// kiln's native packed product with int8 activations: out[r, o] = sum over groups g of
+//   scale[o, g] * d[r, g] * sum_i code[o, g, i] * q[r, g, i]  +  offset[o, g] * xsum[r, g]
+// where each row of x is quantized per weight group (the group's G inputs): d = max|x| / 127, q = round(x / d)
+// (x times 1/d, rounded half to even, as llama.cpp's q8 blocks), xsum = the float sum of the group's x. The code
+// sums are integer dot products: AVX-512 VNNI `vpdpbusd` (u8 x s8 -> s32) or AVX2 `vpmaddubsw` + `vpmaddwd`.
+// `packed_linear_q8x2` adds a second int8 digit: the residual x - q * d quantized with d / 128, so x is
+// d / 128 * (128 q + q2) (about 15 bits) and the code sums are 128 * (codes . q) + (codes . q2), still exact.
+// Codes are kiln's packed layout as they are (kiln/quant/linear.py): [out, groups, G/2] nibble pairs (byte i holds
+// code i low and code i + G/2 high, values 0..15) or [out, groups, G] int8 (signed: |code| times x with x's sign
+// flipped where the code is negative, so the unsigned operand stays within vpmaddubsw's range).
+//
+// A vector holds one 128-bit lane per output (4 outputs in a zmm, 2 in a ymm): each lane multiplies 16 codes of
+// its output by the same 16 activations, so a group's codes are read once for every row of x.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define KILN_Q8_ZMM 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KILN_Q8_YMM 1
+#endif
+
+#ifndef KILN_TIER_NS
+#error "KILN_TIER_NS (the op namespace of this tier) must be defined"
+#endif
+
+namespace {
+
+constexpr int64_t OUT_CHUNK = 16;  // outputs a thread takes at a time
+
+struct Weights {
+  const uint8_t* codes;  // nibble pairs, or int8 codes read as bytes
+  const float* scale;
+  const float* offset;
+  int64_t groups, group, code_bytes;
+  bool nibbles;
+};
+
+struct Acts {  // x quantized per (row, group)
+  const int8_t* q;  // [rows, in]
+  const int8_t* q2; // [rows, in], the second digit (packed_linear_q8x2), else null
+  const float* d;   // [rows, groups]
+  const float* sum; // [rows, groups]
+  int64_t in, groups;
+};
+
+// q = round(x * id) for n values, and with `q2`, the second digit round((x - q * d) * id * 128) (n: a multiple of
+// the vector width where a vector tier runs; the scalar loop below is the same arithmetic, op by op).
+void round_scaled(const float* x, int64_t n, float d, float id, int8_t* q, int8_t* q2) {
+  int64_t i = 0;
+  const float id2 = id * 128.f;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  for (; i + 16 <= n; i += 16) {  // cvtps rounds half to even under the default MXCSR, as nearbyint does
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(id)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(r));
+    if (q2) {
+      const __m512 rest = _mm512_sub_ps(v, _mm512_mul_ps(_mm512_cvtepi32_ps(r), _mm512_set1_ps(d)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + i),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(rest, _mm512_set1_ps(id2)))));
+    }
+  }
+#elif defined(__AVX2__)
+  const auto narrow = [](__m256i v, int8_t* out) {
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packs_epi16(w, w));
+  };
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(v, _mm256_set1_ps(id)));
+    narrow(r, q + i);
+    if (q2) {
+      const __m256 rest = _mm256_sub_ps(v, _mm256_mul_ps(_mm256_cvtepi32_ps(r), _mm256_set1_ps(d)));
+      narrow(_mm256_cvtps_epi32(_mm256_mul_ps(rest, _mm256_set1_ps(id2))), q2 + i);
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    const float r = std::nearbyint(x[i] * id);
+    q[i] = static_cast<int8_t>(r);
+    if (q2) q2[i] = static_cast<int8_t>(std::nearbyint((x[i] - r * d) * id2));
+  }
+}
+
+void quantize_row(const float* x, int64_t groups, int64_t group, int8_t* q, int8_t* q2, float* d, float* sum) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* xg = x + g * group;
+    float amax = 0.f, s = 0.f;
+#pragma omp simd reduction(max : amax) reduction(+ : s)
+    for (int64_t i = 0; i < group; ++i) {
+      amax = std::max(amax, std::fabs(xg[i]));
+      s += xg[i];
+    }
+    const float dg = amax / 127.f, id = dg != 0.f ? 1.f / dg : 0.f;
+    round_scaled(xg, group, dg, id, q + g * group, q2 ? q2 + g * group : nullptr);
+    d[g] = q2 ? dg / 128.f : dg;  // the scale of the integer sums: 128 q + q2 with two digits
+    sum[g] = s;
+  }
+}
+
+// One (row, output) pair: the plain tier, and the vector tiers' tail. Not auto-vectorized: GCC 12 turns the int8
+// loop into vpdpbusd, which reads the codes as unsigned (wrong for negative codes).
+__attribute__((optimize("no-tree-vectorize"))) float dot_scalar(const Weights& w, const Acts& a, int64_t r, int64_t o) {
+  float acc = 0.f;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const uint8_t* c = w.codes + (o * w.groups + g) * w.code_bytes;
+    int32_t isum = 0;
+    for (const int8_t* digits : {a.q, a.q2}) {
+      if (!digits) continue;
+      const int8_t* q = digits + r * a.in + g * w.group;
+      int32_t part = 0;
+      if (w.nibbles) {
+        const int64_t half = w.code_bytes;
+        for (int64_t i = 0; i < half; ++i) part += int32_t(c[i] & 15) * q[i] + int32_t(c[i] >> 4) * q[half + i];
+      } else {
+        for (int64_t i = 0; i < w.group; ++i) part += int32_t(static_cast<int8_t>(c[i])) * q[i];
+      }
+      isum = digits == a.q && a.q2 ? part * 128 : isum + part;
+    }
+    const int64_t k = o * w.groups + g, rg = r * a.groups + g;
+    acc = std::fma(float(isum), w.scale[k] * a.d[rg], acc);
+    acc = std::fma(w.offset[k], a.sum[rg], acc);
+  }
+  return acc;
+}
+
+#if defined(KILN_Q8_ZMM) || defined(KILN_Q8_YMM)
+#ifdef KILN_Q8_ZMM
+using VI = __m512i;
+using VF = __m512;
+constexpr int OUTS = 4;  // outputs per vector: one 128-bit lane each
+using Sign = __mmask64;
+
+inline VI zero_i() { return _mm512_setzero_si512(); }
+inline VF zero_f() { return _mm512_setzero_ps(); }
+inline VI load_lanes(const uint8_t* p, int64_t stride) {  // 16 bytes of each of OUTS outputs
+  VI v = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + stride)), 1);
+  v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * stride)), 2);
+  return _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 3 * stride)), 3);
+}
+inline VI broadcast16(const int8_t* p) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VI low_nibbles(VI v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
+inline VI high_nibbles(VI v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
+inline VI dot_u8s8(VI acc, VI u, VI s) { return _mm512_dpbusd_epi32(acc, u, s); }
+inline VI magnitude(VI w) { return _mm512_abs_epi8(w); }
+inline VI two_digits(VI high, VI low) { return _mm512_add_epi32(_mm512_slli_epi32(high, 7), low); }
+inline Sign sign_of(VI w) { return _mm512_movepi8_mask(w); }
+inline VI with_sign(VI x, Sign negative) { return _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x); }
+inline VF to_float(VI v) { return _mm512_cvtepi32_ps(v); }
+inline VF fmadd(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+inline VF set1(float v) { return _mm512_set1_ps(v); }
+inline VF spread(const float* p, int64_t stride) {  // output j's value in all 4 lanes of its part
+  const __m128 v = _mm_set_ps(p[3 * stride], p[2 * stride], p[stride], p[0]);
+  return _mm512_permutexvar_ps(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0), _mm512_castps128_ps512(v));
+}
+inline VF first_lanes(const float* p, int64_t stride) {  // output j's value in the first lane of its part, 0 elsewhere
+  const __m128 v = _mm_set_ps(p[3 * stride], p[2 * stride], p[stride], p[0]);
+  return _mm512_maskz_permutexvar_ps(0x1111, _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                     _mm512_castps128_ps512(v));
+}
+inline void store_sums(VF v, float* out) {  // each part's 4 lanes summed, one float per output
+  const __m128 a = _mm512_castps512_ps128(v), b = _mm512_extractf32x4_ps(v, 1);
+  const __m128 c = _mm512_extractf32x4_ps(v, 2), d = _mm512_extractf32x4_ps(v, 3);
+  _mm_storeu_ps(out, _mm_hadd_ps(_mm_hadd_ps(a, b), _mm_hadd_ps(c, d)));
+}
+#else
+using VI = __m256i;
+using VF = __m256;
+constexpr int OUTS = 2;
+using Sign = __m256i;
+
+inline VI zero_i() { return _mm256_setzero_si256(); }
+inline VF zero_f() { return _mm256_setzero_ps(); }
+inline VI load_lanes(const uint8_t* p, int64_t stride) {
+  return _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(p + stride), reinterpret_cast<const __m128i*>(p));
+}
+inline VI broadcast16(const int8_t* p) { return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline VI low_nibbles(VI v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
+inline VI high_nibbles(VI v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
+inline VI dot_u8s8(VI acc, VI u, VI s) {  // pairs of u8 x s8 products fit in int16: |u| <= 128, |s| <= 127
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+inline VI magnitude(VI w) { return _mm256_abs_epi8(w); }
+inline VI two_digits(VI high, VI low) { return _mm256_add_epi32(_mm256_slli_epi32(high, 7), low); }
+inline Sign sign_of(VI w) { return w; }
+inline VI with_sign(VI x, Sign w) { return _mm256_sign_epi8(x, w); }
+inline VF to_float(VI v) { return _mm256_cvtepi32_ps(v); }
+inline VF fmadd(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+inline VF set1(float v) { return _mm256_set1_ps(v); }
+inline VF spread(const float* p, int64_t stride) { return _mm256_set_m128(_mm_set1_ps(p[stride]), _mm_set1_ps(p[0])); }
+inline VF first_lanes(const float* p, int64_t stride) { return _mm256_set_ps(0, 0, 0, p[stride], 0, 0, 0, p[0]); }
+inline void store_sums(VF v, float* out) {
+  const __m256 h = _mm256_hadd_ps(v, v), s = _mm256_hadd_ps(h, h);
+  out[0] = _mm256_cvtss_f32(s);
+  out[1] = _mm_cvtss_f32(_mm256_extractf128_ps(s, 1));
+}
+#endif
+
+// R rows of x times T vectors of OUTS outputs (o0 .. o0 + T * OUTS), every group; D digits of x (1 or 2).
+template <int R, int T, int D>
+void tile(const Weights& w, const Acts& a, int64_t r0, int64_t o0, float* out, int64_t n) {
+  VF f[R][T];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) f[r][t] = zero_f();
+  const int64_t stride = w.groups * w.code_bytes;  // bytes from one output's codes to the next
+  for (int64_t g = 0; g < w.groups; ++g) {
+    VI acc[R][T], acc2[R][T];
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) acc[r][t] = acc2[r][t] = zero_i();
+    const uint8_t* cg = w.codes + (o0 * w.groups + g) * w.code_bytes;
+    const int8_t* qg = a.q + r0 * a.in + g * w.group;
+    const int8_t* qg2 = D == 2 ? a.q2 + r0 * a.in + g * w.group : nullptr;
+    for (int64_t c = 0; c < w.code_bytes; c += 16) {
+      if (w.nibbles) {  // bytes c .. c+15: codes c .. c+15 (low) and half + c .. (high)
+        VI lo[T], hi[T];
+        for (int t = 0; t < T; ++t) {
+          const VI v = load_lanes(cg + t * OUTS * stride + c, stride);
+          lo[t] = low_nibbles(v);
+          hi[t] = high_nibbles(v);
+        }
+        for (int r = 0; r < R; ++r) {
+          const VI xl = broadcast16(qg + r * a.in + c), xh = broadcast16(qg + r * a.in + w.code_bytes + c);
+          for (int t = 0; t < T; ++t) acc[r][t] = dot_u8s8(dot_u8s8(acc[r][t], lo[t], xl), hi[t], xh);
+          if (D == 2) {
+            const VI yl = broadcast16(qg2 + r * a.in + c), yh = broadcast16(qg2 + r * a.in + w.code_bytes + c);
+            for (int t = 0; t < T; ++t) acc2[r][t] = dot_u8s8(dot_u8s8(acc2[r][t], lo[t], yl), hi[t], yh);
+          }
+        }
+      } else {
+        VI u[T];
+        Sign s[T];
+        for (int t = 0; t < T; ++t) {
+          const VI v = load_lanes(cg + t * OUTS * stride + c, stride);
+          u[t] = magnitude(v);
+          s[t] = sign_of(v);
+        }
+        for (int r = 0; r < R; ++r) {
+          const VI x = broadcast16(qg + r * a.in + c);
+          for (int t = 0; t < T; ++t) acc[r][t] = dot_u8s8(acc[r][t], u[t], with_sign(x, s[t]));
+          if (D == 2) {
+            const VI y = broadcast16(qg2 + r * a.in + c);
+            for (int t = 0; t < T; ++t) acc2[r][t] = dot_u8s8(acc2[r][t], u[t], with_sign(y, s[t]));
+          }
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      const int64_t k = (o0 + t * OUTS) * w.groups + g;
+      const VF sc = spread(w.scale + k, w.groups), off = first_lanes(w.offset + k, w.groups);
+      for (int r = 0; r < R; ++r) {
+        const int64_t rg = (r0 + r) * a.groups + g;
+        const VI sums = D == 2 ? two_digits(acc[r][t], acc2[r][t]) : acc[r][t];
+        f[r][t] = fmadd(to_float(sums), mul(sc, set1(a.d[rg])), f[r][t]);
+        f[r][t] = fmadd(off, set1(a.sum[rg]), f[r][t]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < T; ++t) store_sums(f[r][t], out + (r0 + r) * n + o0 + t * OUTS);
+}
+
+// Rows r0 .. r0+R over outputs [begin, end): T vectors at a time, then one, then the scalar tail.
+template <int R, int T, int D>
+void rows_tiles(const Weights& w, const Acts& a, int64_t r0, int64_t begin, int64_t end, float* out, int64_t n) {
+  int64_t o = begin;
+  for (; o + T * OUTS <= end; o += T * OUTS) tile<R, T, D>(w, a, r0, o, out, n);
+  for (; o + OUTS <= end; o += OUTS) tile<R, 1, D>(w, a, r0, o, out, n);
+  for (; o < end; ++o)
+    for (int r = 0; r < R; ++r) out[(r0 + r) * n + o] = dot_scalar(w, a, r0 + r, o);
+}
+
+// Blocks of rows that share one unpacking of a tile's codes, sized to the tier's registers (32 zmm, 16 ymm).
+template <int D>
+void outputs_vector(const Weights& w, const Acts& a, int64_t rows, int64_t begin, int64_t end, float* out, int64_t n) {
+  int64_t r = 0;
+#ifdef KILN_Q8_ZMM
+  for (; r + 8 <= rows; r += 8) rows_tiles<8, 1, D>(w, a, r, begin, end, out, n);
+  switch (rows - r) {
+    case 7: rows_tiles<7, 1, D>(w, a, r, begin, end, out, n); break;
+    case 6: rows_tiles<6, 1, D>(w, a, r, begin, end, out, n); break;
+    case 5: rows_tiles<5, 1, D>(w, a, r, begin, end, out, n); break;
+    case 4: rows_tiles<4, 1, D>(w, a, r, begin, end, out, n); break;
+    case 3: rows_tiles<3, 2, D>(w, a, r, begin, end, out, n); break;
+    case 2: rows_tiles<2, 2, D>(w, a, r, begin, end, out, n); break;
+    case 1: rows_tiles<1, 4, D>(w, a, r, begin, end, out, n); break;
+    default: break;
+  }
+#else
+  for (; r + 4 <= rows; r += 4) rows_tiles<4, 1, D>(w, a, r, begin, end, out, n);
+  switch (rows - r) {
+    case 3: rows_tiles<3, 1, D>(w, a, r, begin, end, out, n); break;
+    case 2: rows_tiles<2, 2, D>(w, a, r, begin, end, out, n); break;
+    case 1: rows_tiles<1, 2, D>(w, a, r, begin, end, out, n); break;
+    default: break;
+  }
+#endif
+}
+#endif
+
+void outputs(const Weights& w, const Acts& a, int64_t rows, int64_t begin, int64_t end, float* out, int64_t n) {
+#if defined(KILN_Q8_ZMM) || defined(KILN_Q8_YMM)
+  if (w.code_bytes % 16 == 0) {
+    if (a.q2)
+      outputs_vector<2>(w, a, rows, begin, end, out, n);
+    else
+      outputs_vector<1>(w, a, rows, begin, end, out, n);
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t o = begin; o < end; ++o) out[r * n + o] = dot_scalar(w, a, r, o);
+}
+
+at::Tensor product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
+                   int digits) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "kiln native packed_linear_q8: x must be [rows, in] float32");
+  TORCH_CHECK(codes.dim() == 3 && (codes.scalar_type() == at::kByte || codes.scalar_type() == at::kChar),
+              "kiln native packed_linear_q8: codes must be [out, groups, width] uint8 nibble pairs or int8");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && offset.scalar_type() == at::kFloat,
+              "kiln native packed_linear_q8: scale and offset must be float32");
+  const bool nibbles = codes.scalar_type() == at::kByte;
+  const int64_t n = codes.size(0), groups = codes.size(1), code_bytes = codes.size(2);
+  const int64_t group = nibbles ? 2 * code_bytes : code_bytes;
+  TORCH_CHECK(x.size(1) == groups * group, "kiln native packed_linear_q8: x has ", x.size(1), " inputs, the weight ",
+              groups * group);
+  TORCH_CHECK(scale.numel() == n * groups && offset.numel() == n * groups,
+              "kiln native packed_linear_q8: one scale and one offset per group");
+  const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous(), oc = offset.contiguous();
+  const int64_t rows = xc.size(0), in = xc.size(1);
+  std::vector<int8_t> q(rows * in), q2(digits == 2 ? rows * in : 0);
+  std::vector<float> d(rows * groups), sum(rows * groups);
+  int8_t* second = digits == 2 ? q2.data() : nullptr;
+  const float* xp = xc.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      quantize_row(xp + r * in, groups, group, q.data() + r * in, second ? second + r * in : nullptr,
+                   d.data() + r * groups, sum.data() + r * groups);
+  });
+  at::Tensor out = at::empty({rows, n}, xc.options());
+  const Weights w{static_cast<const uint8_t*>(cc.data_ptr()), sc.data_ptr<float>(), oc.data_ptr<float>(), groups,
+                  group, code_bytes, nibbles};
+  const Acts a{q.data(), second, d.data(), sum.data(), in, groups};
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, (n + OUT_CHUNK - 1) / OUT_CHUNK, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) outputs(w, a, rows, c * OUT_CHUNK, std::min(n, (c + 1) * OUT_CHUNK), op, n);
+  });
+  return out;
+}
+
+at::Tensor packed_linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                            const at::Tensor& offset) {
+  return product(x, codes, scale, offset, 1);
+}
+
+at::Tensor packed_linear_q8x2(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                              const at::Tensor& offset) {
+  return product(x, codes, scale, offset, 2);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(KILN_TIER_NS, m) {
+  m.def("packed_linear_q8(Tensor x, Tensor codes, Tensor scale, Tensor offset) -> Tensor");
+  m.impl("packed_linear_q8", c10::DispatchKey::CPU, TORCH_FN(packed_linear_q8));
+  m.def("packed_linear_q8x2(Tensor x, Tensor codes, Tensor scale, Tensor offset) -> Tensor");
+  m.impl("packed_linear_q8x2", c10::DispatchKey::CPU, TORCH_FN(packed_linear_q8x2));
+}
