@@ -3,13 +3,14 @@
 Both executors call `plan_kernels(model, ...)` (plan.py) at prepare and install the plan on the model's layers;
 nothing lives in process globals except the per-process memo of timed choices, which every engine shares on
 purpose (two engines over one model make the same plan). A new kernel is a candidate class and one registry entry
-(packed.py `CANDIDATES`), timed against the others where it runs.
+(candidates.py `CANDIDATES`), timed against the others where it runs.
 
 plan.py          `KernelPlan` and `plan_kernels`: static compile sizes, decoder layout, one-row head, packed kernels
 choices.py       the per-machine cache of timed choices (JSON on disk + the process memo), timing helpers
 layout.py        row- or column-major decoder weights and the transposed one-row head copy, timed
 static_sizes.py  which one- and two-row capture sizes compile statically (GEMV reductions), timed
-packed.py        the packed products' candidates (registry), their timing table, binding the winners to layers
+candidates.py    the packed products' candidates (registry), float32 and int8 ones (`--activations`)
+packed.py        the packed products' timing table, binding the winners to layers
 product.py       small functions traced and compiled for static shapes (the timed product, compiled candidates)
 head.py          `LogitsHead`: one-row logits the fastest way the plan found
 native/          kiln's own C++ kernels, one object per ISA tier, built here and loaded where cpuid allows

@@ -41,6 +41,7 @@ from kiln.quant.ops import GEMV_ROWS, Kernel, dequant_blas, dequantize_codes, re
 TILE_ROWS = 2048  # output rows dequantized at a time by TILED: a tile stays in cache for its product
 Weight = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes, scale, offset
 FLOAT32, INT8, INT8X2 = "float32", "int8", "int8x2"
+INT8_MAX_GROUP = 1024  # packed_q8.cpp's MAX_GROUP: two digits' integer sums of a larger group could pass int32
 
 
 class PackedCandidate(ABC):
@@ -124,7 +125,8 @@ class NativeInt8(PackedCandidate):
 
     def applies(self, layer: PackedLinear, rows: int) -> bool:
         on_cpu = layer.codes.device.type == "cpu"
-        return on_cpu and layer.scale.dtype == torch.float32 and native_int8_linear(self.activations) is not None
+        fits = layer.group <= INT8_MAX_GROUP and layer.scale.dtype == torch.float32
+        return on_cpu and fits and native_int8_linear(self.activations) is not None
 
     def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
         # chosen on an earlier run but not built now: the float32 reference runs (the build logged why)
@@ -136,20 +138,23 @@ class NativeInt8x2(NativeInt8):
     activations = INT8X2
 
 
+def widest_native(name: str) -> Kernel | None:
+    """Native op `name` of the widest tier this CPU runs and that builds here (a tier whose build fails gives way
+    to the next), None where none does."""
+    return next((op for op in (native_op(t.name, name) for t in runnable_tiers()) if op is not None), None)
+
+
 def native_packed_linear() -> Kernel | None:
-    """The widest tier's native float32-activation op this CPU runs (None where none builds)."""
-    tiers = runnable_tiers()
-    return native_op(tiers[0].name) if tiers else None
+    """The native float32-activation op (None where no tier builds)."""
+    return widest_native("packed_linear")
 
 
 INT8_OPS = {INT8: "packed_linear_q8", INT8X2: "packed_linear_q8x2"}
 
 
 def native_int8_linear(activations: str = INT8) -> Kernel | None:
-    """The widest tier's native op for int8 activations of one or two digits (int8 | int8x2) this CPU runs (None
-    where none builds)."""
-    tiers = runnable_tiers()
-    return native_op(tiers[0].name, INT8_OPS[activations]) if tiers else None
+    """The native op for int8 activations of one or two digits (int8 | int8x2), None where no tier builds."""
+    return widest_native(INT8_OPS[activations])
 
 
 CANDIDATES: dict[str, PackedCandidate] = {

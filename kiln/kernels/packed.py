@@ -2,7 +2,7 @@
 layout the model uses and every row count the table covers, the candidate kernels (kiln.kernels.candidates) are
 timed on this machine, over copies of the weight streamed from DRAM, and the winner is cached per machine
 (kiln.kernels.choices) and bound to the layers of that layout (`PackedLinear.use_kernels`). Nothing is assumed from
-the box the code was written on. The engine's activations (int8 | float32) say which candidates are timed.
+the box the code was written on. The engine's activations (int8x2 | int8 | float32) say which candidates are timed.
 
 Rows timed: the largest of each row class (1, 2, 16 for 3-16 rows, 64 for 17-64: batched decode) and LARGE_ROWS
 for more (prefill chunks), one entry each (kiln.quant.ops.row_class).

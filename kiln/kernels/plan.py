@@ -75,7 +75,8 @@ def plan_kernels(
     """The plan for `model` on this machine. `compiler` compiles the static sizes and the compiled candidates
     (the inductor compiler when None, or when it cannot compile for static shapes); `configured_sizes` are the
     static compile sizes when given (the eager executor gives none), else they are timed for the one- and
-    two-row `capture_sizes`. `activations` (int8 | float32) says which packed candidates may be timed."""
+    two-row `capture_sizes`. `activations` (int8x2 | int8 | float32, kiln.config.ACTIVATION_NAMES) says which
+    packed candidates may be timed."""
     cpu = next(model.parameters()).device.type == "cpu"
     compiler = compiler or make_compiler("inductor")
     kernel_compiler = compiler if compiler.supports_static_sizes else make_compiler("inductor")
@@ -128,7 +129,7 @@ def _log(plan: KernelPlan, float_head: bool) -> None:
         logger.info(
             "Packed kernels (%s activations%s): %s",
             plan.packed.activations,
-            "" if plan.packed.int8_runs else ", no int8 kernel runs here: the float32 candidates",
+            "" if plan.packed.int8_runs or plan.packed.activations == "float32" else ", no int8 kernel runs here",
             "; ".join(
                 f"{name}: " + ", ".join(f"{rows_label(r)} {rec['winners'][str(r)]}" for r in ROWS)
                 for name, rec in plan.packed.records.items()

@@ -49,10 +49,11 @@ def check_refused(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
     elif q.weights == "none" and ("quantization", "group_size") in doc.values:
         message = "quantization.group_size has no effect without quantized weights (quantization.weights is none)"
         out.append(doc.diagnostic("error", message, ("quantization", "group_size")))
-    if q.weights == "none" and ("quantization", "activations") in doc.values:
+    if ("quantization", "activations") in doc.values and (q.weights == "none" or spec.hardware.device != "cpu"):
+        why = "without quantized weights (quantization.weights is none)" if q.weights == "none" else "on cuda"
         message = (
-            "quantization.activations has no effect without quantized weights (quantization.weights is none): it "
-            "sets the activations of packed products"
+            f"quantization.activations has no effect {why}: it sets the activations of kiln's CPU kernels for "
+            "packed products"
         )
         out.append(doc.diagnostic("error", message, ("quantization", "activations")))
     kv = spec.memory_plan.kv_cache

@@ -6,6 +6,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kiln.config import ACTIVATION_NAMES, DEFAULT_ACTIVATIONS
+
 DType = Literal["float32", "float16", "bfloat16"]
 PositiveInt = Annotated[int, Field(gt=0)]
 SPLITTING_OPS = ("kiln.attention", "kiln::attention")
@@ -65,8 +67,8 @@ class Weights(Section):
 class Quantization(Section):
     weights: Literal["none", "int8", "int4"] = Field("none", description="Weight-only quantization at run time.")
     group_size: PositiveInt = 32
-    activations: Literal["int8x2", "int8", "float32"] = Field(
-        "int8x2",
+    activations: Literal[ACTIVATION_NAMES] = Field(  # type: ignore[valid-type]
+        DEFAULT_ACTIVATIONS,
         description="Activations of packed products: int8x2 (two int8 digits, about 15 bits) or int8 (one digit), "
         "quantized per weight group for integer dot products, or float32 (dequantize-then-fp32 arithmetic).",
     )

@@ -35,12 +35,13 @@ def test_eager_keeps_the_layout_its_timing_chose(monkeypatch: pytest.MonkeyPatch
     before = {n: p.clone() for n, p in model.named_parameters()}
     hidden = torch.randn(3, model.config.hidden_size)
     want = model.compute_logits(hidden)
+    want_two = model.compute_logits(hidden[0::2])  # BLAS need not sum 2 rows bit for bit as it sums 3
     executor = EagerExecutor()
     make_runner(model, executor)
     assert all(is_column_major(w) == (winner == COLUMN_MAJOR) for w in _layer_weights(model))
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
     torch.testing.assert_close(executor.compute_logits(hidden, [1]), want[1:2], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(executor.compute_logits(hidden, [0, 2]), want[0::2], rtol=0, atol=0)
+    torch.testing.assert_close(executor.compute_logits(hidden, [0, 2]), want_two, rtol=0, atol=0)
     assert set(executor.kernel_choices) == {"decoder_layout", "lm_head"}
 
 

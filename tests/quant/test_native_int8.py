@@ -24,6 +24,7 @@ from tests.quant.test_packed import _packed
 
 RUNNABLE = [t.name for t in runnable_tiers()]
 ROWS = (1, 2, 7, 32, 100)
+DIGITS = {"packed_linear_q8": 1, "packed_linear_q8x2": 2}  # the op of one int8 digit and of two
 
 
 def weights() -> dict[str, PackedTensor]:
@@ -41,30 +42,48 @@ def assert_within(got: torch.Tensor, ref: torch.Tensor, tolerance: float) -> Non
     torch.testing.assert_close(got, ref, rtol=tolerance, atol=tolerance * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("op_name", list(DIGITS))
 @pytest.mark.parametrize("tier", RUNNABLE)
 @pytest.mark.parametrize("name", list(WEIGHTS))
-def test_every_tier_equals_the_reference_arithmetic(tier: str, name: str) -> None:
-    op = native_op(tier, "packed_linear_q8")
+def test_every_tier_equals_the_reference_arithmetic(tier: str, name: str, op_name: str) -> None:
+    op = native_op(tier, op_name)
     assert op is not None, f"the {tier} tier runs on this CPU, so it must build and load"
     weight = WEIGHTS[name]
     for rows in ROWS:
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)) * 3
         got = op(x, weight.codes, weight.scale, weight.offset)
         assert got.shape == (rows, 72)
-        assert_within(got, q8_linear(x, weight.codes, weight.scale, weight.offset), 1e-5)
+        assert_within(got, q8_linear(x, *weight_parts(weight), DIGITS[op_name]), 1e-5)
 
 
+@pytest.mark.parametrize("op_name", list(DIGITS))
 @pytest.mark.parametrize("tier", RUNNABLE)
 @pytest.mark.parametrize("kind", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0], ids=lambda k: k.name)
-def test_odd_outputs_rows_and_strided_x(tier: str, kind: GGMLQuantizationType) -> None:
+def test_odd_outputs_rows_and_strided_x(tier: str, kind: GGMLQuantizationType, op_name: str) -> None:
     """37 outputs (a remainder after every vector tile, run by the scalar tail) and 3, 5, 9 rows: the tail once
     read negative int8 codes as unsigned where GCC vectorised it into vpdpbusd."""
-    op = native_op(tier, "packed_linear_q8")
+    op = native_op(tier, op_name)
     assert op is not None
     weight = _packed(kind, 37, 96, 5)
     for rows in (3, 5, 9):
         x = torch.randn(96, rows).t()  # a transposed view
-        assert_within(op(x, weight.codes, weight.scale, weight.offset), q8_linear(x, *weight_parts(weight)), 1e-5)
+        want = q8_linear(x, *weight_parts(weight), DIGITS[op_name])
+        assert_within(op(x, weight.codes, weight.scale, weight.offset), want, 1e-5)
+
+
+@pytest.mark.parametrize("op_name", list(DIGITS))
+def test_a_group_of_zeros_or_subnormals_adds_nothing(op_name: str) -> None:
+    """A group whose largest |x| is 0 or subnormal quantizes to 0 (its scale would overflow 1/d): finite, and the
+    same as the reference."""
+    op = native_op(RUNNABLE[0], op_name)
+    assert op is not None
+    weight = WEIGHTS["Q4_1"]
+    x = torch.randn(2, 512)
+    x[0, :32] = 0
+    x[1, 32:64] = 1e-39  # subnormal in float32
+    got = op(x, *weight_parts(weight))
+    assert torch.isfinite(got).all()
+    assert_within(got, q8_linear(x, *weight_parts(weight), DIGITS[op_name]), 1e-5)
 
 
 def weight_parts(weight: PackedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -92,6 +111,10 @@ def test_bad_operands_are_clear_errors() -> None:
         op(torch.randn(1, 32), *weight_parts(weight))
     with pytest.raises(ValueError, match="no native op 'packed_linear_q4'"):
         native_op(RUNNABLE[0], "packed_linear_q4")
+    big = torch.zeros(4, 1, 2048, dtype=torch.int8), torch.ones(4, 1, 1), torch.zeros(4, 1, 1)
+    with pytest.raises(RuntimeError, match="groups of at most 1024 values, got 2048"):
+        op(torch.randn(1, 2048), *big)
+    assert not CANDIDATES[NATIVE_INT8X2].applies(PackedLinear(2048, 4, bits=8, group=2048), 1)
 
 
 def test_int8_candidates_are_timed_only_for_int8_activations(tmp_path) -> None:

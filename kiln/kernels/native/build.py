@@ -8,8 +8,8 @@ build holds a lock of kiln's own (an flock on that folder, released by the OS wh
 lock file there, which a killed build leaves behind and which would make the next build wait forever, is removed
 under it.
 
-`native_op(tier, name)` is the tier's op `name` (`packed_linear`: float32 activations; `packed_linear_q8`: int8
-activations), or None where the CPU lacks the tier or the build failed
+`native_op(tier, name)` is the tier's op `name` (`packed_linear`: float32 activations; `packed_linear_q8` and
+`packed_linear_q8x2`: one or two int8 digits), or None where the CPU lacks the tier or the build failed
 (no compiler, a compiler error): kiln then runs on the torch candidates and says why once, in one log line.
 """
 

@@ -17,6 +17,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -37,6 +38,7 @@
 namespace {
 
 constexpr int64_t OUT_CHUNK = 16;  // outputs a thread takes at a time
+constexpr int64_t MAX_GROUP = 1024;
 
 struct Weights {
   const uint8_t* codes;  // nibble pairs, or int8 codes read as bytes
@@ -101,7 +103,7 @@ void quantize_row(const float* x, int64_t groups, int64_t group, int8_t* q, int8
       amax = std::max(amax, std::fabs(xg[i]));
       s += xg[i];
     }
-    const float dg = amax / 127.f, id = dg != 0.f ? 1.f / dg : 0.f;
+    const float dg = amax / 127.f, id = dg >= FLT_MIN ? 1.f / dg : 0.f;  // a subnormal scale: the group is 0
     round_scaled(xg, group, dg, id, q + g * group, q2 ? q2 + g * group : nullptr);
     d[g] = q2 ? dg / 128.f : dg;  // the scale of the integer sums: 128 q + q2 with two digits
     sum[g] = s;
@@ -338,6 +340,8 @@ at::Tensor product(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
               groups * group);
   TORCH_CHECK(scale.numel() == n * groups && offset.numel() == n * groups,
               "kiln native packed_linear_q8: one scale and one offset per group");
+  // 128 * 127 * 127 * group must fit the int32 sums of two digits
+  TORCH_CHECK(group <= MAX_GROUP, "kiln native packed_linear_q8: groups of at most ", MAX_GROUP, " values, got ", group);
   const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous(), oc = offset.contiguous();
   const int64_t rows = xc.size(0), in = xc.size(1);
   std::vector<int8_t> q(rows * in), q2(digits == 2 ? rows * in : 0);

@@ -25,7 +25,8 @@ def quantize_activations(
     128 q + q2 (int32) and d the scale of that."""
     xg = x.view(x.shape[0], -1, group)
     d = xg.abs().amax(-1) / 127
-    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d)).unsqueeze(-1)
+    tiny = torch.finfo(x.dtype).tiny  # a subnormal scale (or 0): the group quantizes to 0, as in the kernel
+    inverse = torch.where(d >= tiny, 1 / d, torch.zeros_like(d)).unsqueeze(-1)
     q = torch.round(xg * inverse)
     if digits == 2:
         q2 = torch.round((xg - q * d.unsqueeze(-1)) * (inverse * 128))
