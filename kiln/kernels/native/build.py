@@ -35,6 +35,7 @@ from kiln.kernels.choices import cpu_info
 logger = logging.getLogger("kiln")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("packed_linear.cpp", "packed_q8.cpp"))
+HEADERS = (Path(__file__).with_name("packed_operands.h"),)  # included by the sources: part of their hash
 COMMON_FLAGS = (
     "-O3",
     "-fopenmp",
@@ -76,7 +77,7 @@ def runnable_tiers() -> list[Tier]:
 def source_hash() -> str:
     """A hash of the native sources: part of every kernel choice that timed them, so a change times again."""
     digest = hashlib.sha256()
-    for path in SOURCES:
+    for path in (*SOURCES, *HEADERS):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 

@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "packed_operands.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define KILN_VECTOR 1
@@ -145,18 +147,7 @@ void outputs(const Packed& w, int64_t begin, int64_t end, const float* x, int64_
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                          const at::Tensor& offset) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "kiln native packed_linear: x must be [rows, in] float32");
-  TORCH_CHECK(codes.dim() == 3 && (codes.scalar_type() == at::kByte || codes.scalar_type() == at::kChar),
-              "kiln native packed_linear: codes must be [out, groups, width] uint8 nibble pairs or int8");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && offset.scalar_type() == at::kFloat,
-              "kiln native packed_linear: scale and offset must be float32");
-  const bool nibbles = codes.scalar_type() == at::kByte;
-  const int64_t n = codes.size(0), groups = codes.size(1), code_bytes = codes.size(2);
-  const int64_t group = nibbles ? 2 * code_bytes : code_bytes;
-  TORCH_CHECK(x.size(1) == groups * group, "kiln native packed_linear: x has ", x.size(1), " inputs, the weight ",
-              groups * group);
-  TORCH_CHECK(scale.numel() == n * groups && offset.numel() == n * groups,
-              "kiln native packed_linear: one scale and one offset per group");
+  const auto [nibbles, n, groups, code_bytes, group] = check_packed_operands("packed_linear", x, codes, scale, offset);
   const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous(), oc = offset.contiguous();
   const int64_t rows = xc.size(0), in = xc.size(1);
   at::Tensor out = at::empty({rows, n}, xc.options());

@@ -22,6 +22,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "packed_operands.h"
+
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -328,20 +330,10 @@ void outputs(const Weights& w, const Acts& a, int64_t rows, int64_t begin, int64
 
 at::Tensor product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
                    int digits) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "kiln native packed_linear_q8: x must be [rows, in] float32");
-  TORCH_CHECK(codes.dim() == 3 && (codes.scalar_type() == at::kByte || codes.scalar_type() == at::kChar),
-              "kiln native packed_linear_q8: codes must be [out, groups, width] uint8 nibble pairs or int8");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && offset.scalar_type() == at::kFloat,
-              "kiln native packed_linear_q8: scale and offset must be float32");
-  const bool nibbles = codes.scalar_type() == at::kByte;
-  const int64_t n = codes.size(0), groups = codes.size(1), code_bytes = codes.size(2);
-  const int64_t group = nibbles ? 2 * code_bytes : code_bytes;
-  TORCH_CHECK(x.size(1) == groups * group, "kiln native packed_linear_q8: x has ", x.size(1), " inputs, the weight ",
-              groups * group);
-  TORCH_CHECK(scale.numel() == n * groups && offset.numel() == n * groups,
-              "kiln native packed_linear_q8: one scale and one offset per group");
+  const char* name = digits == 2 ? "packed_linear_q8x2" : "packed_linear_q8";
+  const auto [nibbles, n, groups, code_bytes, group] = check_packed_operands(name, x, codes, scale, offset);
   // 128 * 127 * 127 * group must fit the int32 sums of two digits
-  TORCH_CHECK(group <= MAX_GROUP, "kiln native packed_linear_q8: groups of at most ", MAX_GROUP, " values, got ", group);
+  TORCH_CHECK(group <= MAX_GROUP, "kiln native ", name, ": groups of at most ", MAX_GROUP, " values, got ", group);
   const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous(), oc = offset.contiguous();
   const int64_t rows = xc.size(0), in = xc.size(1);
   std::vector<int8_t> q(rows * in), q2(digits == 2 ? rows * in : 0);
