@@ -7,7 +7,10 @@ import argparse
 
 from kiln.bench.modes import MODE_ARGS
 from kiln.config import DEFAULT_GRAPH_MODE
+from kiln.engine.arg_types import int_at_least
 from kiln.engine.args import EngineArgs
+
+POSITIVE = int_at_least(1)
 
 # The systems --compare runs (kiln.bench.anchors.ANCHORS), named here so that `kiln --help` loads no torch.
 ANCHOR_NAMES = ("hf", "llama.cpp")
@@ -16,10 +19,10 @@ ANCHOR_NAMES = ("hf", "llama.cpp")
 def add_bench_subcommand(subparsers: argparse._SubParsersAction) -> None:
     b = subparsers.add_parser("bench", help="offline throughput/latency benchmark (optionally vs HF and llama.cpp)")
     EngineArgs.add_cli_args(b)
-    b.add_argument("--num-requests", type=_positive_int, default=32, help="requests per batch size")
-    b.add_argument("--num-requests-bs1", type=_positive_int, default=4, help="requests at batch size 1")
-    b.add_argument("--input-len", type=_positive_int, default=128, help="prompt tokens (random ids)")
-    b.add_argument("--output-len", type=_positive_int, default=128, help="output tokens per request (>= 2)")
+    b.add_argument("--num-requests", type=POSITIVE, default=32, help="requests per batch size")
+    b.add_argument("--num-requests-bs1", type=POSITIVE, default=4, help="requests at batch size 1")
+    b.add_argument("--input-len", type=POSITIVE, default=128, help="prompt tokens (random ids)")
+    b.add_argument("--output-len", type=POSITIVE, default=128, help="output tokens per request (>= 2)")
     b.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32], help="concurrency levels, e.g. 1,8,32")
     b.add_argument(
         "--modes", type=_mode_list, default=[DEFAULT_GRAPH_MODE.value], help=f"comma list of {', '.join(MODE_ARGS)}"
@@ -37,15 +40,8 @@ def add_bench_subcommand(subparsers: argparse._SubParsersAction) -> None:
     b.set_defaults(handler="kiln.bench.commands:cmd_bench")
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
-    return value
-
-
 def _int_list(text: str) -> list[int]:
-    return [_positive_int(t) for t in text.split(",") if t.strip()]
+    return [POSITIVE(t) for t in text.split(",") if t.strip()]
 
 
 def _mode_list(text: str) -> list[str]:

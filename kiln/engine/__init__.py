@@ -1,6 +1,7 @@
 """The engine: one configuration path (args.py -> build.py), the step (core.py: schedule -> execute -> update),
 the scheduler and KV block pool, the model runner, sampling, detokenization, and the offline `LLM` API.
 
+arg_types.py        argparse value types every subcommand shares (int_at_least, parse_sizes)
 admission.py        a client's prompt and parameters checked and turned into a `Request` (never touching state)
 args.py             `EngineArgs`: every engine option in one dataclass; generates the CLI flags and the `EngineConfig`
 async_engine.py     the engine loop for serving: one thread owns the EngineCore; asyncio callers get per-request queues

@@ -30,33 +30,10 @@ from kiln.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from kiln.engine.arg_types import int_at_least, parse_sizes
 from kiln.errors import ConfigError
 
 logger = logging.getLogger("kiln")
-
-
-def parse_sizes(text: str) -> tuple[int, ...]:
-    """`1,2,4` -> (1, 2, 4); `none` -> () (an argparse `type`: a bad value is a usage error naming the flag)."""
-    if text.strip().lower() == "none":
-        return ()
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, or none") from None
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive integer")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected an integer >= 0")
-    return value
 
 
 def _arg(default: Any, help: str, group: str = "engine", **argparse_kwargs: Any) -> Any:
@@ -93,11 +70,11 @@ class EngineArgs:
     )
     num_threads: int | None = _arg(None, "torch intra-op threads (default: all cores, or KILN_NUM_THREADS)")
     recipe: str | None = _arg(None, "recipe YAML: validated, then its settings and guards apply")
-    block_size: int = _arg(16, "KV cache block size in tokens", group="KV cache", type=_positive_int)
+    block_size: int = _arg(16, "KV cache block size in tokens", group="KV cache", type=int_at_least(1))
     num_kv_blocks: int | None = _arg(None, "KV cache blocks (default: --kv-cache-memory-gb worth)", group="KV cache")
     kv_cache_memory_gb: float = _arg(1.0, "KV cache size when --num-kv-blocks is not given", group="KV cache")
-    max_num_seqs: int = _arg(64, "most sequences in one step", group="scheduler", type=_positive_int)
-    max_num_batched_tokens: int = _arg(2048, "most tokens in one step", group="scheduler", type=_positive_int)
+    max_num_seqs: int = _arg(64, "most sequences in one step", group="scheduler", type=int_at_least(1))
+    max_num_batched_tokens: int = _arg(2048, "most tokens in one step", group="scheduler", type=int_at_least(1))
     enable_chunked_prefill: bool = _arg(
         True, "split long prompts over steps", group="scheduler", action=argparse.BooleanOptionalAction
     )
@@ -106,14 +83,14 @@ class EngineArgs:
         "with chunked prefill, most prompt tokens one request prefills in a step while others run or wait, so a "
         "long prompt delays their next token by one chunk (0: no cap)",
         group="scheduler",
-        type=_non_negative_int,
+        type=int_at_least(0),
     )
     max_running_per_request: int | None = _arg(
         None,
         "most sequences of one client request (prompts x n) running at once, so one n=64 request cannot take every "
         "batch slot (default: half of --max-num-seqs)",
         group="scheduler",
-        type=_positive_int,
+        type=int_at_least(1),
     )
     graph_mode: str | None = _arg(
         None,
@@ -155,10 +132,10 @@ class EngineArgs:
         1,
         "ranks that split every layer (heads, MLP, vocabulary) over torch.distributed",
         "parallel",
-        type=_positive_int,
+        type=int_at_least(1),
     )
     pipeline_parallel_size: int = _arg(
-        1, "stages of contiguous layers, one per rank group", "parallel", type=_positive_int
+        1, "stages of contiguous layers, one per rank group", "parallel", type=int_at_least(1)
     )
     pipeline_micro_batches: int = _arg(
         0, "parts each step is split into so pipeline stages overlap (0: one per stage, or 1 with steps in flight)",

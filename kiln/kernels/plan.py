@@ -26,6 +26,7 @@ from torch import nn
 from kiln.compile.compiler import PieceCompiler, make_compiler
 from kiln.compile.passes import GEMV_MAX_ROWS
 from kiln.config import DEFAULT_ACTIVATIONS
+from kiln.kernels.candidates import FLOAT32
 from kiln.kernels.choices import KernelChoiceCache
 from kiln.kernels.layout import (
     ROW_MAJOR,
@@ -129,7 +130,7 @@ def _log(plan: KernelPlan, float_head: bool) -> None:
         logger.info(
             "Packed kernels (%s activations%s): %s",
             plan.packed.activations,
-            "" if plan.packed.int8_runs or plan.packed.activations == "float32" else ", no int8 kernel runs here",
+            "" if plan.packed.int8_runs or plan.packed.activations == FLOAT32 else ", no int8 kernel runs here",
             "; ".join(
                 f"{name}: " + ", ".join(f"{rows_label(r)} {rec['winners'][str(r)]}" for r in ROWS)
                 for name, rec in plan.packed.records.items()

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 
+from kiln.engine.arg_types import int_at_least
 from kiln.engine.args import EngineArgs
 from kiln.server.limits import (
     BODY_TIMEOUT_S,
@@ -102,7 +102,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     limits.add_argument(
         "--max-connections",
         metavar="N",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=MAX_CONNECTIONS,
         help="open connections served at once; a request on a connection beyond them gets 503 (default: "
         f"{MAX_CONNECTIONS}; keep it under the process's file-descriptor limit, ulimit -n)",
@@ -110,7 +110,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     limits.add_argument(
         "--max-body-bytes",
         metavar="BYTES",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=MAX_BODY_BYTES,
         help=f"largest request body, checked before it is parsed; larger ones get 413 (default: {MAX_BODY_BYTES}, "
         f"{MAX_BODY_BYTES // MIB} MiB)",
@@ -118,7 +118,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     limits.add_argument(
         "--max-prompt-chars",
         metavar="N",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=None,
         help="most characters in one prompt (a chat's messages together), checked before tokenizing, which holds "
         f"the GIL for ~1 s per million characters (default: {PROMPT_CHARS_PER_TOKEN} x --max-model-len, more than "
@@ -127,28 +127,28 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     limits.add_argument(
         "--max-seqs-per-request",
         metavar="N",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=MAX_SEQS_PER_REQUEST,
         help=f"most completions one request may ask for: prompts x n (default: {MAX_SEQS_PER_REQUEST})",
     )
     limits.add_argument(
         "--max-stop-strings",
         metavar="N",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=MAX_STOP_STRINGS,
         help=f"most stop strings in one request; each is matched after every token (default: {MAX_STOP_STRINGS})",
     )
     limits.add_argument(
         "--max-stop-chars",
         metavar="N",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=MAX_STOP_CHARS,
         help=f"longest stop string, in characters (default: {MAX_STOP_CHARS})",
     )
     limits.add_argument(
         "--max-queue",
         metavar="N",
-        type=_int_at_least(0),
+        type=int_at_least(0),
         default=MAX_QUEUE,
         help="completions (prompts x n) allowed to wait beyond --max-num-seqs; more are answered 429 with "
         f"Retry-After (default: {MAX_QUEUE})",
@@ -156,7 +156,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     limits.add_argument(
         "--max-stream-buffer",
         metavar="N",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=MAX_STREAM_BUFFER,
         help="outputs (one per token per choice) a streaming response may hold that its client has not read; a "
         f"client further behind is cut off and its requests aborted (default: {MAX_STREAM_BUFFER})",
@@ -172,19 +172,6 @@ def _seconds(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
     return value
-
-
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
-        return value
-
-    return parse
 
 
 def add_serve_subcommand(subparsers: argparse._SubParsersAction) -> None:

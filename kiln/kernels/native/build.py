@@ -36,12 +36,8 @@ logger = logging.getLogger("kiln")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("packed_linear.cpp", "packed_q8.cpp"))
 HEADERS = (Path(__file__).with_name("packed_operands.h"),)  # included by the sources: part of their hash
-COMMON_FLAGS = (
-    "-O3",
-    "-fopenmp",
-    "-std=c++17",
-    "-ffp-contract=off",
-)  # no fused multiply-adds the source does not write
+# -ffp-contract=off: no fused multiply-add the source does not write (the reference rounds op by op)
+COMMON_FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off")
 
 
 @dataclass(frozen=True)

@@ -118,19 +118,18 @@ __attribute__((optimize("no-tree-vectorize"))) float dot_scalar(const Weights& w
   float acc = 0.f;
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint8_t* c = w.codes + (o * w.groups + g) * w.code_bytes;
-    int32_t isum = 0;
-    for (const int8_t* digits : {a.q, a.q2}) {
-      if (!digits) continue;
+    const auto code_dot = [&](const int8_t* digits) {  // the group's codes . one digit of x
       const int8_t* q = digits + r * a.in + g * w.group;
-      int32_t part = 0;
+      int32_t sum = 0;
       if (w.nibbles) {
         const int64_t half = w.code_bytes;
-        for (int64_t i = 0; i < half; ++i) part += int32_t(c[i] & 15) * q[i] + int32_t(c[i] >> 4) * q[half + i];
+        for (int64_t i = 0; i < half; ++i) sum += int32_t(c[i] & 15) * q[i] + int32_t(c[i] >> 4) * q[half + i];
       } else {
-        for (int64_t i = 0; i < w.group; ++i) part += int32_t(static_cast<int8_t>(c[i])) * q[i];
+        for (int64_t i = 0; i < w.group; ++i) sum += int32_t(static_cast<int8_t>(c[i])) * q[i];
       }
-      isum = digits == a.q && a.q2 ? part * 128 : isum + part;
-    }
+      return sum;
+    };
+    const int32_t isum = a.q2 ? 128 * code_dot(a.q) + code_dot(a.q2) : code_dot(a.q);
     const int64_t k = o * w.groups + g, rg = r * a.groups + g;
     acc = std::fma(float(isum), w.scale[k] * a.d[rg], acc);
     acc = std::fma(w.offset[k], a.sum[rg], acc);
