@@ -17,6 +17,7 @@ import torch
 from torch.fx import GraphModule
 
 from kiln.compile.passes import KilnPostGradPasses
+from kiln.compile.split import structure_key
 from kiln.compile.verify import probe_inputs
 from kiln.errors import ConfigError
 
@@ -113,6 +114,27 @@ class InductorCompiler(PieceCompiler):
         return CompiledPiece(artifact, _source(new_modules), artifact)
 
 
+class CompileOnce(PieceCompiler):
+    """`compiler`, compiling each graph structure (and static size) once: the packed kernel table builds the same
+    small graph for many row counts and again for its winners (the structure key holds the input shapes and
+    strides, so equal keys mean the same code)."""
+
+    def __init__(self, compiler: PieceCompiler) -> None:
+        self.inner = compiler
+        self.name, self.has_artifact = compiler.name, compiler.has_artifact
+        self.supports_static_sizes = compiler.supports_static_sizes
+        self.compiled: dict[tuple[str, int | None], CompiledPiece] = {}
+
+    def options(self, static_size: int | None = None) -> dict[str, Any]:
+        return self.inner.options(static_size)
+
+    def compile(self, graph: GraphModule, static_size: int | None = None) -> CompiledPiece:
+        key = (structure_key(graph), static_size)
+        if key not in self.compiled:
+            self.compiled[key] = self.inner.compile(graph, static_size)
+        return self.compiled[key]
+
+
 COMPILERS: dict[str, type[PieceCompiler]] = {cls.name: cls for cls in (InductorCompiler, EagerCompiler)}
 
 
@@ -133,6 +155,13 @@ def _graph_device(graph: GraphModule) -> torch.device:
 def returns_tuple(graph: GraphModule) -> bool:
     output = next(n for n in reversed(graph.graph.nodes) if n.op == "output")
     return isinstance(output.args[0], (tuple, list))
+
+
+def return_tuple(graph: GraphModule) -> None:
+    """Make `graph` return its single output as a one-element tuple (in place): what every compiler expects."""
+    output = next(n for n in reversed(graph.graph.nodes) if n.op == "output")
+    output.args = ((output.args[0],),)
+    graph.recompile()
 
 
 class _new_generated_modules:

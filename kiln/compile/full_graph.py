@@ -1,11 +1,12 @@
-"""The full decode graph: the whole forward of a decode-only step, attention included, as one compiled graph.
+"""The full decode graph: the whole forward of a decode-only step, attention included, as one graph.
 
 vLLM's FULL cudagraph for decode batches, built the kiln way: the forward is traced once more with the forward
 context's `DecodeInputs` set, so attention is the traced decode attention of kiln.model.graph_attention (no
 opaque op, `fullgraph=True`), and the graph's positions input is replaced by positions derived from the
-persistent `seq_lens`. The graph is compiled once
-through the compiled-piece store for a symbolic num_tokens and table width, so no size and no context length
-ever recompiles. Per step, `DecodeBuffers` takes the step's inputs in one copy, and the graph runs on its views:
+persistent `seq_lens`. The graph is compiled in layer units (kiln.compile.decode_units: one compile per distinct
+decoder layer, as identical pieces are) through the compiled-piece store, for a symbolic num_tokens and table
+width, so no size and no context length ever recompiles. Per step, `DecodeBuffers` takes the step's inputs in one
+copy, and the graph runs on its views:
 - CUDA: one CUDA graph per capture size, recorded over those views at the captured table width;
 - CPU (no CUDA graphs): the compiled graph called on the same persistent views, at the step's table width.
 
@@ -37,6 +38,7 @@ from kiln.compile.backend import (
 from kiln.compile.capture import available_memory_gb, make_capture
 from kiln.compile.counters import CompileCounters
 from kiln.compile.decode_buffers import DecodeBuffers
+from kiln.compile.decode_units import LayerUnits
 from kiln.compile.modes import PieceMode
 from kiln.compile.piece import Piece
 from kiln.compile.split import PieceGraph, module_paths, structure_key
@@ -82,7 +84,6 @@ class DecodeVariant:
         table = traced.slots.index(BLOCK_TABLE)
         # CUDA graphs are captured per (num_tokens, table width) (DecodeBuffers.widths)
         self.piece.capture_key = lambda args: (self.piece.num_tokens(args), args[table].shape[1])
-        self.key = f"full_decode:{self.piece.info.structure_key}"
 
     def args(self, ids: torch.Tensor, decode: DecodeInputs, size: int, width: int) -> list[Any]:
         values = {
@@ -151,12 +152,13 @@ class FullDecodeGraph:
         return self.variants.get(size) or self.variants[None]
 
     def compile(self, store: CompiledPieceStore) -> None:
+        """Each variant in layer units (kiln.compile.decode_units): one compile per distinct decoder layer."""
         for v in self.variants.values():
             piece = v.piece
             if piece.compiled is None:
-                label = f"the {piece.label}"
-                key = v.key if piece.persistent else None
-                piece.compiled = store.get(piece.compile_source, label, persistent=piece.persistent, key=key)
+                units = LayerUnits(piece.compile_source)
+                piece.compiled = units.compile(store, f"the {piece.label}", piece.persistent)
+                logger.info("The %s runs %d layer units (%d distinct)", piece.label, len(units.units), units.distinct)
 
     def set_mode(self, mode: PieceMode, store: CompiledPieceStore, pool: Any) -> None:
         """Eager (the traced graph op by op), compiled, or captured (CUDA graphs per size; on CPU, compiled on the
@@ -197,7 +199,7 @@ class FullDecodeGraph:
         return out[0] if v.piece.returns_tuple else out
 
 
-# NOTE: each static variant is one more whole-model compile (~70 s cold on 2 cores, cached after): for packed
+# NOTE: each static variant is one more trace and set of layer units to compile (cached after): for packed
 # products only batch-1 decode, where ~120 op calls a step cost as much as a fifth of it, gets one
 STATIC_SIZES = (1,)
 

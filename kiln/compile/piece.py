@@ -22,7 +22,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from kiln.compile.capture import Capture
-from kiln.compile.compiler import CompiledPiece, returns_tuple
+from kiln.compile.compiler import CompiledPiece, return_tuple, returns_tuple
 from kiln.compile.counters import CompileCounters
 from kiln.compile.modes import PieceMode
 from kiln.compile.split import PieceGraph
@@ -53,7 +53,7 @@ class Piece(nn.Module):
         self.capture_hook: Callable[[Piece, tuple[Any, ...]], Sequence[torch.Tensor]] | None = None
         self.returns_tuple = returns_tuple(self.graph)
         if not self.returns_tuple:
-            _return_tuple(self.graph)  # every compiler then sees (and returns) a sequence
+            return_tuple(self.graph)  # every compiler then sees (and returns) a sequence
         self.size_arg, self.size_is_int = _size_argument(self.graph)
         self.num_outputs = _num_outputs(self.graph)
         self.dynamic_args = _dynamic_arguments(self.graph)
@@ -65,7 +65,7 @@ class Piece(nn.Module):
         """Run `graph` from now on (or only build compiled code from it): it must take the same inputs and return
         the piece's outputs first. Compiled code and captures are dropped; the owner compiles them again."""
         if not returns_tuple(graph):
-            _return_tuple(graph)
+            return_tuple(graph)
         if _num_outputs(graph) < self.num_outputs:
             raise ValueError(f"{self.label}: a rewrite must keep the piece's {self.num_outputs} outputs first")
         if not compiled_only:
@@ -161,12 +161,6 @@ class Piece(nn.Module):
     @property
     def num_ops(self) -> int:
         return sum(n.op in ("call_function", "call_method", "call_module") for n in self.graph.graph.nodes)
-
-
-def _return_tuple(graph: GraphModule) -> None:
-    output = next(n for n in reversed(graph.graph.nodes) if n.op == "output")
-    output.args = ((output.args[0],),)
-    graph.recompile()
 
 
 def _num_outputs(graph: GraphModule) -> int:

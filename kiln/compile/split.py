@@ -16,6 +16,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.passes.split_module import split_module
 
 _SYMBOL = re.compile(r"\b[su]\d+\b")
+_NODE_NAME = re.compile(r"on node '\w+'")  # a runtime assertion's message names its node: not structure
 
 
 @dataclass
@@ -121,7 +122,7 @@ def structure_key(gm: GraphModule) -> str:
             return {k: ref(v) for k, v in a.items()}
         if isinstance(a, slice):
             return f"slice({ref(a.start)},{ref(a.stop)},{ref(a.step)})"
-        return _SYMBOL.sub("s", repr(a))
+        return _SYMBOL.sub("s", _NODE_NAME.sub("on node", repr(a)))
 
     for node in gm.graph.nodes:
         index[node] = len(index)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.fx import GraphModule
@@ -54,13 +56,15 @@ class CompiledPieceStore:
         static_size: int | None = None,
         persistent: bool = True,
         key: str | None = None,
+        probe: Callable[[], Sequence[Any]] | None = None,
     ) -> CompiledPiece:
-        """`graph` compiled once per structure (`key`, default its structure key) and size."""
+        """`graph` compiled once per structure (`key`, default its structure key) and size. A cache hit is checked
+        on a probe input: `probe()`'s arguments where given, else random ones made from the graph's inputs."""
         skey = key or structure_key(graph)
         memo = (skey, static_size)
         if memo not in self._memo:
             start = time.perf_counter()
-            compiled = self._load(graph, skey, label, static_size) if persistent else None
+            compiled = self._load(graph, skey, label, static_size, probe) if persistent else None
             if compiled is None:
                 compiled = self._compile(graph, skey, label, static_size, persistent)
             if static_size is None:
@@ -68,7 +72,14 @@ class CompiledPieceStore:
             self._memo[memo] = compiled
         return self._memo[memo]
 
-    def _load(self, graph: GraphModule, skey: str, label: str, static_size: int | None) -> CompiledPiece | None:
+    def _load(
+        self,
+        graph: GraphModule,
+        skey: str,
+        label: str,
+        static_size: int | None,
+        probe: Callable[[], Sequence[Any]] | None,
+    ) -> CompiledPiece | None:
         if self.cache is None:
             return None
         start = time.perf_counter()
@@ -79,8 +90,8 @@ class CompiledPieceStore:
         try:
             compiled = self.compiler.load(path, graph)
             with set_forward_context(padding_context(0, self.kv_caches, self.device)):
-                probe = {} if static_size is None else {"num_tokens": static_size}
-                check_against_graph(compiled.fn, graph, self.device, **probe)
+                size = {} if static_size is None else {"num_tokens": static_size}
+                check_against_graph(compiled.fn, graph, self.device, args=probe() if probe else None, **size)
         except Exception as exc:  # any failure: the entry is not to be trusted
             self.cache.reject(key, f"{type(exc).__name__}: {exc}")
             return None

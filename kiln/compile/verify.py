@@ -45,11 +45,16 @@ def _with_traced_strides(arg: torch.Tensor, value: torch.Tensor) -> torch.Tensor
 
 
 def check_against_graph(
-    fn: Callable[..., Sequence[torch.Tensor]], graph: GraphModule, device: torch.device, num_tokens: int = PROBE_TOKENS
+    fn: Callable[..., Sequence[torch.Tensor]],
+    graph: GraphModule,
+    device: torch.device,
+    num_tokens: int = PROBE_TOKENS,
+    args: Sequence[Any] | None = None,
 ) -> None:
     """Raise ValueError when a compiled piece `fn`'s outputs differ from the graph's on a probe input
-    (`num_tokens` rows: a piece compiled for a static size runs only at that size)."""
-    args = probe_inputs(graph, device, num_tokens)
+    (`num_tokens` rows: a piece compiled for a static size runs only at that size), or on `args` where given (a
+    part of a larger graph, whose inputs only the whole graph's probe makes consistent)."""
+    args = list(args) if args is not None else probe_inputs(graph, device, num_tokens)
     with torch.inference_mode():
         want = graph(*args)
         got = fn(*args)
@@ -58,6 +63,10 @@ def check_against_graph(
     if len(got) != len(want):
         raise ValueError(f"compiled piece returns {len(got)} outputs, the graph {len(want)}")
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if not isinstance(w, torch.Tensor):  # a size a graph passes on (a layer unit's symbolic num_tokens)
+            if g != w:
+                raise ValueError(f"output {i}: compiled {g!r} vs graph {w!r}")
+            continue
         if g.shape != w.shape or g.dtype != w.dtype:
             raise ValueError(f"output {i}: compiled {g.dtype}{list(g.shape)} vs graph {w.dtype}{list(w.shape)}")
         if not torch.allclose(g.float(), w.float(), rtol=1e-3, atol=1e-3):

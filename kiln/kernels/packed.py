@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from kiln.compile.compiler import PieceCompiler
+from kiln.compile.compiler import CompileOnce, PieceCompiler
 from kiln.config import DEFAULT_ACTIVATIONS
 from kiln.kernels.candidates import (
     CANDIDATES,
@@ -78,7 +78,7 @@ class PackedKernelTable:
         cache: KernelChoiceCache,
         activations: str = DEFAULT_ACTIVATIONS,
     ) -> None:
-        self.compiler = compiler
+        self.compiler = CompileOnce(compiler)  # a compiled candidate's graph is the same for many row counts
         self.activations = activations
         self.candidates = candidates_for(activations)
         # int8 activations asked for and an int8 kernel runs here (else the float32 candidates alone are timed)
@@ -140,13 +140,21 @@ def time_us(kernel: Kernel, x: torch.Tensor, copies: list[tuple], budget_s: floa
     return (time.perf_counter() - start) / calls * 1e6
 
 
+OUT_OF_RACE = 3.0  # a candidate this many times slower than the best after a round is not timed again
+
+
 def time_candidates(kernels: dict[str, Kernel], x: torch.Tensor, copies: list[tuple], rounds: int = 3) -> dict:
     """Each candidate's best sweep over `rounds` rounds, the candidates taking turns within a round: a burst of
-    other work on the machine slows one sweep of one candidate, not a candidate's every sweep."""
+    other work on the machine slows one sweep of one candidate, not a candidate's every sweep. After each round
+    the candidates more than OUT_OF_RACE times slower than the best so far sit out the rest (their time is their
+    best sweep until then): ruling out a kernel 10x slower takes one sweep, not three."""
     for kernel in kernels.values():
         kernel(x, *copies[0])  # warm-up (first-call allocations, lazy repacking)
     best = dict.fromkeys(kernels, float("inf"))
+    racing = dict(kernels)
     for _ in range(rounds):
-        for name, kernel in kernels.items():
+        for name, kernel in racing.items():
             best[name] = min(best[name], time_us(kernel, x, copies))
+        lead = min(best[name] for name in racing)
+        racing = {name: kernel for name, kernel in racing.items() if best[name] <= OUT_OF_RACE * lead}
     return {name: round(us, 2) for name, us in best.items()}
