@@ -7,7 +7,8 @@
 // This file is compiled once per ISA tier (kiln/kernels/native/build.py): the tier's flags select the vector path
 // below, and KILN_TIER_NS names the op namespace, so tiers can be loaded side by side.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -2,7 +2,7 @@
 // uint8 nibble pairs (width = group / 2) or int8 (width = group); scale and offset, one float32 per group.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 

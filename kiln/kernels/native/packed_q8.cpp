@@ -12,7 +12,8 @@
 // A vector holds one 128-bit lane per output (4 outputs in a zmm, 2 in a ymm): each lane multiplies 16 codes of
 // its output by the same 16 activations, so a group's codes are read once for every row of x.
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
