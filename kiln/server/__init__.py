@@ -11,6 +11,7 @@ limits.py      how much work one HTTP request may ask for, and the checks that r
 metrics.py     Prometheus metrics on a per-app registry: HTTP requests by status, latency histograms, engine state
 middleware.py  what runs on every HTTP request before a route sees it: a request id, the API key, the body-size limit
 protocol.py    OpenAI request bodies (the fields kiln serves) and their mapping onto SamplingParams
+request_fields.py  the fields kiln does not serve, why (each a 400 naming it), and those that ask for nothing
 responses.py   OpenAI response bodies built from RequestOutputs: usage, logprobs in both API shapes, SSE framing
 serving.py     /v1/completions and /v1/chat/completions: validate, tokenize off the event loop, add to engine, answer
 """

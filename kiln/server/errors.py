@@ -18,6 +18,7 @@ from kiln.engine.request_stream import EngineStoppedError, QueueFullError
 from kiln.errors import RequestError
 from kiln.recipe.guards import RecipeViolation
 from kiln.server.limits import LimitExceeded
+from kiln.server.request_fields import refusal_reason
 
 CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection before the answer (logs and metrics)
 
@@ -107,6 +108,9 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     for error in errors[:3]:
         field = _field(error.get("loc", ()))
         got = error.get("input")
+        if error.get("type") == "extra_forbidden":  # a field the request models do not declare
+            parts.append(f"{field}: {refusal_reason(field.rpartition('.')[2])}")
+            continue
         found = "" if error.get("type") == "missing" else f" (got {_short(got)})"
         parts.append(f"{field or 'body'}: {error.get('msg', 'invalid')}{found}")
     more = f" (+{len(errors) - 3} more)" if len(errors) > 3 else ""

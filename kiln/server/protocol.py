@@ -1,6 +1,7 @@
 """OpenAI request bodies (the fields kiln serves) and their mapping onto SamplingParams.
 
-Unknown fields are ignored, as OpenAI-compatible servers do, so clients that send extra options keep working.
+No field is silently ignored: a field the models do not declare is a 400 naming it, as OpenAI answers, unless it
+asks for nothing (OpenAI's default value, or a no-op by design such as `user`: kiln/server/request_fields.py).
 Types are strict, as OpenAI's are: a string or a boolean where a number belongs is a 400 (`"max_tokens": "10"`,
 `"prompt": [true]`, which would otherwise be token id 1), never converted.
 Fields kiln cannot honour (`echo`, `best_of` != n, non-text message parts) are rejected with a 400 naming them,
@@ -12,10 +13,11 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import RequestError
+from kiln.server.request_fields import drop_fields_asking_nothing
 
 MAX_N = 64
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -34,16 +36,24 @@ def check_text(text: str, param: str) -> None:
         )
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class RequestPart(BaseModel):
+    """A request body or a part of one: strict types, and its undeclared fields refused unless they ask for
+    nothing (those are dropped before validation)."""
 
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_fields_asking_nothing(cls, data: Any) -> Any:
+        return drop_fields_asking_nothing(data, set(cls.model_fields))
+
+
+class StreamOptions(RequestPart):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(RequestPart):
     """Options shared by /v1/completions and /v1/chat/completions (kiln extensions as in vLLM: top_k, min_p, ...)."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -140,19 +150,21 @@ def prompt_param(prompt: Any, index: int) -> str:
     return "prompt" if isinstance(prompt, str) else f"prompt.{index}"
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+class TextPart(RequestPart):
+    """A content part. Only text is served; the fields of OpenAI's other parts are declared so that such a part
+    is refused by its `type` (`template_messages`), not as an unknown field."""
 
     type: str
     text: str | None = None
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestPart):
     """One turn. `role` is one the chat templates know (anything else would be spliced into the prompt as a turn
     the model never saw); `developer` is OpenAI's newer name for `system` and becomes one. `name` follows OpenAI's
     pattern, so it cannot carry template syntax or control tokens either."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None

@@ -1,0 +1,101 @@
+"""Request fields kiln does not serve, and why: no field of a request is silently ignored.
+
+The request models (kiln/server/protocol.py) forbid fields they do not declare, so a field kiln does not
+implement is a 400 that names it (`param`), as OpenAI answers a field it does not know. Before that check,
+`drop_fields_asking_nothing` removes the fields that ask for nothing: a field at OpenAI's default
+(`"response_format": {"type": "text"}`, `"logit_bias": {}`, `"tools": []`, `null` for any of them; clients and
+SDKs send these unasked) and the fields kiln takes as no-ops by design (`NO_OPS`, listed in the README).
+`NOT_SERVED` gives the reason a refused field names; any other unknown field is refused as unknown.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# the field -> why kiln refuses it; the values at which it asks for nothing (besides None) are in ASKS_NOTHING
+NOT_SERVED: dict[str, str] = {
+    "response_format": "structured outputs (JSON mode, JSON schemas) are not implemented in kiln yet",
+    "structured_outputs": "structured outputs are not implemented in kiln yet",
+    "guided_json": "guided decoding (structured outputs) is not implemented in kiln yet",
+    "guided_regex": "guided decoding (structured outputs) is not implemented in kiln yet",
+    "guided_choice": "guided decoding (structured outputs) is not implemented in kiln yet",
+    "guided_grammar": "guided decoding (structured outputs) is not implemented in kiln yet",
+    "guided_decoding_backend": "guided decoding (structured outputs) is not implemented in kiln yet",
+    "guided_whitespace_pattern": "guided decoding (structured outputs) is not implemented in kiln yet",
+    "tools": "tool calling is not implemented in kiln yet",
+    "tool_choice": "tool calling is not implemented in kiln yet",
+    "parallel_tool_calls": "tool calling is not implemented in kiln yet",
+    "functions": "function calling (OpenAI's older form of tools) is not implemented in kiln",
+    "function_call": "function calling (OpenAI's older form of tools) is not implemented in kiln",
+    "logit_bias": "logit_bias is not implemented in kiln yet",
+    "suffix": "suffix (text insertion) is not supported by kiln",
+    "prediction": "predicted outputs are not supported by kiln",
+    "audio": "audio is not supported: kiln serves text",
+    "modalities": "kiln serves text only",
+    "reasoning_effort": "kiln has no reasoning controls",
+    "web_search_options": "kiln offers no web search",
+    "store": "kiln does not store completions",
+    "metadata": "kiln does not store completions, so it keeps no metadata",
+    "service_tier": "kiln has one service tier",
+    "use_beam_search": "beam search is not implemented in kiln",
+    "length_penalty": "beam search (length_penalty) is not implemented in kiln",
+    "prompt_logprobs": "prompt_logprobs is not implemented in kiln",
+    "echo": "echo is not supported by kiln",
+    "continuous_usage_stats": "usage in every chunk is not implemented; include_usage gives it in the last chunk",
+    # in a chat message
+    "tool_calls": "tool calling is not implemented in kiln yet, so a message cannot carry tool calls",
+    "tool_call_id": "tool calling is not implemented in kiln yet, so a message cannot answer a tool call",
+    "refusal": "a refusal is not text kiln can put in a prompt; send it as the message's content",
+    "annotations": "message annotations are not supported by kiln",
+}
+
+ASKS_NOTHING: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True,),
+    "functions": ([],),
+    "function_call": ("none",),
+    "logit_bias": ({},),
+    "suffix": ("",),
+    "modalities": (["text"],),
+    "store": (False,),
+    "metadata": ({},),
+    "service_tier": ("auto", "default"),
+    "use_beam_search": (False,),
+    "echo": (False,),
+    "continuous_usage_stats": (False,),
+    "tool_calls": ([],),
+    "annotations": ([],),
+}
+
+# accepted and ignored by design (README, "OpenAI API coverage")
+NO_OPS: dict[str, str] = {
+    "user": "an end-user id, which OpenAI uses for abuse monitoring; kiln keeps no per-user records",
+}
+
+
+def asks_nothing(field: str, value: Any) -> bool:
+    """True when `field` with `value` leaves kiln's answer as it would be without it."""
+    if field in NO_OPS:
+        return True
+    if field not in NOT_SERVED:
+        return False
+    return value is None or any(type(value) is type(d) and value == d for d in ASKS_NOTHING.get(field, ()))
+
+
+def drop_fields_asking_nothing(data: Any, declared: set[str]) -> Any:
+    """`data` (a request body, or a part of one) without its undeclared fields that ask for nothing."""
+    if not isinstance(data, dict):
+        return data
+    return {k: v for k, v in data.items() if k in declared or not asks_nothing(k, v)}
+
+
+def refusal_reason(field: str) -> str:
+    """What a 400 says about the undeclared field `field`."""
+    if field in NOT_SERVED:
+        return f"{NOT_SERVED[field]}; remove the field"
+    return (
+        "not a field kiln serves (the README lists the OpenAI and vLLM fields it takes); check its spelling or "
+        "remove it"
+    )

@@ -1,0 +1,145 @@
+"""No request field is silently ignored: each field of OpenAI's request kiln does not implement is a 400 that names
+it (`param`), before anything is tokenized; the same field at OpenAI's default, and `user`, change nothing. Over a
+FakeCore, through the app `kiln serve` builds, with httpx and with the `openai` client."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+
+from kiln.server.request_fields import ASKS_NOTHING, NO_OPS, NOT_SERVED
+from tests.server.app_harness import Served, openai_error, serve
+from tests.server.fake_core import FakeCore
+
+CHAT = [{"role": "user", "content": "hi"}]
+COMPLETION = {"prompt": "hi", "max_tokens": 3, "temperature": 0}
+# one value of each field that asks kiln for something it does not do
+ASKING = {
+    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+    "structured_outputs": {"json": {"type": "object"}},
+    "guided_json": {"type": "object"},
+    "guided_regex": "[a-z]+",
+    "guided_choice": ["yes", "no"],
+    "guided_grammar": 'root ::= "a"',
+    "guided_decoding_backend": "xgrammar",
+    "guided_whitespace_pattern": " ",
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "tool_choice": "required",
+    "parallel_tool_calls": False,
+    "functions": [{"name": "f"}],
+    "function_call": "auto",
+    "logit_bias": {"42": 100},
+    "suffix": " the end",
+    "prediction": {"type": "content", "content": "x"},
+    "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"],
+    "reasoning_effort": "high",
+    "web_search_options": {},
+    "store": True,
+    "metadata": {"a": "b"},
+    "service_tier": "flex",
+    "use_beam_search": True,
+    "length_penalty": 0.5,
+    "prompt_logprobs": 1,
+    "echo": True,
+}
+MESSAGE_FIELDS = {"tool_calls", "tool_call_id", "refusal", "annotations"}
+
+
+def test_every_field_not_served_has_a_value_that_asks_for_it() -> None:
+    """The table of reasons and this test's values cover the same fields (a new entry needs a case here)."""
+    assert set(ASKING) | MESSAGE_FIELDS | {"continuous_usage_stats"} == set(NOT_SERVED)
+    assert set(ASKS_NOTHING) <= set(NOT_SERVED)
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_fields_kiln_does_not_serve_are_400s_naming_them(route: str) -> None:
+    core = FakeCore()
+    base: dict[str, Any] = {"prompt": "hi"} if route == "completions" else {"messages": CHAT}
+
+    async def body(s: Served) -> None:
+        for field, value in ASKING.items():
+            if route == "completions" and field == "echo":
+                continue  # a field of /v1/completions, refused by its own check (test_server_live)
+            error = openai_error(await s.client.post(f"/v1/{route}", json={**base, field: value}), 400)
+            assert error["param"] == field, (field, error)
+            assert f"{field}: {NOT_SERVED[field]}; remove the field" in error["message"]
+        unknown = openai_error(await s.client.post(f"/v1/{route}", json={**base, "temprature": 0.5}), 400)
+        assert unknown["param"] == "temprature" and "check its spelling" in unknown["message"]
+        nested = {**base, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        error = openai_error(await s.client.post(f"/v1/{route}", json=nested), 400)
+        assert error["param"] == "stream_options.continuous_usage_stats"
+        assert core.tokenizer.num_encode_calls == 0  # refused before anything was tokenized or queued
+        assert not core.requests
+
+    serve(core, body)
+
+
+def test_fields_at_their_default_and_no_ops_change_nothing() -> None:
+    """What SDKs and clients send unasked: null, OpenAI's defaults, `user`. The answer is the same as without."""
+    core = FakeCore()
+    defaults: dict[str, Any] = {field: values[0] for field, values in ASKS_NOTHING.items()}
+    defaults.pop("tool_calls"), defaults.pop("annotations")  # message fields
+    defaults |= {"guided_json": None, "logit_bias": None, "user": "user-1234"}
+    assert set(NO_OPS) <= set(defaults)
+    message = {**CHAT[0]}
+    echoed = {"role": "assistant", "content": "hello", "tool_calls": [], "refusal": None, "annotations": []}
+
+    async def body(s: Served) -> None:
+        plain = await s.client.post("/v1/completions", json=COMPLETION)
+        dressed = await s.client.post("/v1/completions", json={**COMPLETION, **defaults})
+        assert plain.status_code == dressed.status_code == 200, dressed.text
+        assert plain.json()["choices"] == dressed.json()["choices"]
+        chat = {"messages": [message, echoed, message], "max_tokens": 3, "temperature": 0}
+        plain = await s.client.post("/v1/chat/completions", json=chat)
+        dressed = await s.client.post("/v1/chat/completions", json={**chat, **defaults})
+        assert plain.status_code == dressed.status_code == 200, dressed.text
+        assert plain.json()["choices"] == dressed.json()["choices"]
+
+    serve(core, body)
+
+
+def test_message_fields_of_tool_calls_are_refused_where_they_stand() -> None:
+    core = FakeCore()
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+    ]
+
+    async def body(s: Served) -> None:
+        error = openai_error(await s.client.post("/v1/chat/completions", json={"messages": history}), 400)
+        assert error["param"] == "messages.1.tool_calls" and "tool calling" in error["message"]
+        answer = [history[0], {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]
+        error = openai_error(await s.client.post("/v1/chat/completions", json={"messages": answer}), 400)
+        assert error["param"] == "messages.1.tool_call_id"
+        image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]
+        error = openai_error(await s.client.post("/v1/chat/completions", json={"messages": image}), 400)
+        assert error["param"] == "messages.0.content.0.type" and "kiln serves text only" in error["message"]
+        assert core.tokenizer.num_encode_calls == 0
+
+    serve(core, body)
+
+
+def test_the_openai_client_gets_a_bad_request_error_naming_the_field() -> None:
+    """As the issue's new user tried: `response_format`, `tools` and `logit_bias` through the `openai` client."""
+    core = FakeCore()
+
+    async def body(s: Served) -> None:
+        client = openai.AsyncOpenAI(api_key="none", base_url="http://localhost/v1", http_client=s.client, max_retries=0)
+        asks: list[dict[str, Any]] = [
+            {"response_format": {"type": "json_object"}},
+            {"tools": ASKING["tools"], "tool_choice": "auto"},
+            {"logit_bias": {"42": -100}},
+        ]
+        for ask in asks:
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.chat.completions.create(model="default", messages=CHAT, **ask)  # type: ignore[call-overload]
+            assert refused.value.param in ask and "not implemented" in refused.value.message
+        done = await client.chat.completions.create(model="default", messages=CHAT, max_tokens=2, user="u-1")  # type: ignore[arg-type]
+        assert done.choices[0].message.content is not None
+
+    serve(core, body)
