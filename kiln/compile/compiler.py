@@ -157,11 +157,16 @@ def returns_tuple(graph: GraphModule) -> bool:
     return isinstance(output.args[0], (tuple, list))
 
 
-def return_tuple(graph: GraphModule) -> None:
-    """Make `graph` return its single output as a one-element tuple (in place): what every compiler expects."""
+def make_tuple_output(graph: GraphModule) -> bool:
+    """Make `graph` return a sequence, what every compiler expects: a single output becomes a one-element tuple
+    (in place). True when it already returned one (its callers get the sequence), False when its callers want
+    element 0 of what the compiled code returns."""
+    if returns_tuple(graph):
+        return True
     output = next(n for n in reversed(graph.graph.nodes) if n.op == "output")
     output.args = ((output.args[0],),)
     graph.recompile()
+    return False
 
 
 class _new_generated_modules:

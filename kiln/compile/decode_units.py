@@ -21,7 +21,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 from torch.fx.passes.split_module import split_module
 
-from kiln.compile.compiler import CompiledPiece, return_tuple, returns_tuple
+from kiln.compile.compiler import CompiledPiece, make_tuple_output
 from kiln.compile.split import module_paths, node_module_path, structure_key
 from kiln.compile.store import CompiledPieceStore
 from kiln.compile.verify import probe_inputs
@@ -78,16 +78,15 @@ class LayerUnits:
         for node in self.outer.graph.nodes:
             if node.op == "call_module":
                 sub = getattr(self.outer, node.target)
-                single = not returns_tuple(sub)
-                if single:
-                    return_tuple(sub)  # every compiler sees (and returns) a sequence
+                single = not make_tuple_output(sub)  # every compiler sees (and returns) a sequence
                 setattr(self.outer, node.target, _Unit(sub.forward, single))
                 self.units.append((node.target, sub))
+        self.keys = [structure_key(g) for _, g in self.units]  # what the store caches each unit under
         self._probes: dict[str, list[Any]] | None = None
 
     @property
     def distinct(self) -> int:
-        return len({structure_key(g) for _, g in self.units})
+        return len(set(self.keys))
 
     def probes(self, device: torch.device) -> dict[str, list[Any]]:
         """Each unit's arguments in one eager run of the whole graph on a probe input: what a cached unit is
@@ -112,8 +111,7 @@ class LayerUnits:
     def compile(self, store: CompiledPieceStore, label: str, persistent: bool) -> CompiledPiece:
         """Every unit through `store` (once per structure), then the outer module over the compiled units."""
         sources: dict[str, str] = {}
-        for i, (name, graph) in enumerate(self.units):
-            skey = structure_key(graph)
+        for i, ((name, graph), skey) in enumerate(zip(self.units, self.keys, strict=True)):
             paths = module_paths(graph)
             where = f"{paths[0]} .. {paths[-1]}" if len(paths) > 1 else (paths[0] if paths else "no module")
             unit_label = f"{label}, layer unit {i + 1}/{len(self.units)} ({where})"

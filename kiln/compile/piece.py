@@ -22,7 +22,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from kiln.compile.capture import Capture
-from kiln.compile.compiler import CompiledPiece, return_tuple, returns_tuple
+from kiln.compile.compiler import CompiledPiece, make_tuple_output
 from kiln.compile.counters import CompileCounters
 from kiln.compile.modes import PieceMode
 from kiln.compile.split import PieceGraph
@@ -51,9 +51,7 @@ class Piece(nn.Module):
         self.capture_key: Callable[[Sequence[Any]], Hashable] = self.num_tokens
         # set while capturing: called with the real arguments of one forward at that size
         self.capture_hook: Callable[[Piece, tuple[Any, ...]], Sequence[torch.Tensor]] | None = None
-        self.returns_tuple = returns_tuple(self.graph)
-        if not self.returns_tuple:
-            return_tuple(self.graph)  # every compiler then sees (and returns) a sequence
+        self.returns_tuple = make_tuple_output(self.graph)  # every compiler then sees (and returns) a sequence
         self.size_arg, self.size_is_int = _size_argument(self.graph)
         self.num_outputs = _num_outputs(self.graph)
         self.dynamic_args = _dynamic_arguments(self.graph)
@@ -64,8 +62,7 @@ class Piece(nn.Module):
     def rewrite(self, graph: GraphModule, compiled_only: bool = False) -> None:
         """Run `graph` from now on (or only build compiled code from it): it must take the same inputs and return
         the piece's outputs first. Compiled code and captures are dropped; the owner compiles them again."""
-        if not returns_tuple(graph):
-            return_tuple(graph)
+        make_tuple_output(graph)
         if _num_outputs(graph) < self.num_outputs:
             raise ValueError(f"{self.label}: a rewrite must keep the piece's {self.num_outputs} outputs first")
         if not compiled_only:

@@ -2,7 +2,9 @@
 
 Used on every compile-cache hit: an artifact that loads but computes something else (stale kernels, a
 mismatched graph) must be rebuilt, not trusted. Inputs are random with num_tokens = 3 (a static compile's
-own size for those); integer inputs (token ids, positions) are zeros, a valid index into any table.
+own size for those); integer inputs (token ids, positions) are zeros, a valid index into any table. A large
+input (a whole model's KV cache, a weight) repeats one random run of RANDOM_RUN values: drawing every value took
+seconds of each start for the full decode graph's probe, and the check needs varied values, not independent ones.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from torch.fx import GraphModule
 
 PROBE_TOKENS = 3
+RANDOM_RUN = 65521  # a prime: the repeats do not line up with a tensor's power-of-two rows
 
 
 def probe_inputs(graph: GraphModule, device: torch.device, num_tokens: int = PROBE_TOKENS) -> list[Any]:
@@ -28,11 +31,26 @@ def probe_inputs(graph: GraphModule, device: torch.device, num_tokens: int = PRO
             continue
         shape = [num_tokens if isinstance(d, torch.SymInt) else int(d) for d in value.shape]
         if value.dtype.is_floating_point:
-            arg = (torch.rand(shape, generator=gen) - 0.5).to(device=device, dtype=value.dtype)
+            arg = _uniform(shape, gen).to(device=device, dtype=value.dtype)
         else:
             arg = torch.zeros(shape, dtype=value.dtype, device=device)
         args.append(_with_traced_strides(arg, value))
     return args
+
+
+def _uniform(shape: list[int], gen: torch.Generator) -> torch.Tensor:
+    """Values in [-0.5, 0.5): drawn, or for more than RANDOM_RUN of them one drawn run repeated."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel <= RANDOM_RUN:
+        return torch.rand(shape, generator=gen) - 0.5
+    run = torch.rand(RANDOM_RUN, generator=gen) - 0.5
+    out = torch.empty(numel)
+    whole = numel // RANDOM_RUN * RANDOM_RUN
+    out[:whole].view(-1, RANDOM_RUN).copy_(run)
+    out[whole:] = run[: numel - whole]
+    return out.view(shape)
 
 
 def _with_traced_strides(arg: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
