@@ -5,17 +5,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutput", "__version__"]
 
 if TYPE_CHECKING:
     from kiln.engine.llm import LLM
     from kiln.engine.request import RequestOutput
     from kiln.engine.sampling_params import SamplingParams
+    from kiln.engine.structured_output import StructuredOutput
 
 _LAZY = {
     "LLM": "kiln.engine.llm",
     "RequestOutput": "kiln.engine.request",
     "SamplingParams": "kiln.engine.sampling_params",
+    "StructuredOutput": "kiln.engine.structured_output",
 }
 
 

@@ -20,10 +20,11 @@ rank_role.py        `RankRole`: a rank's part in each step of a multi-device eng
 recipe_config.py    the recipe's overlay on the engine config: where recipe values override flags, each logged
 request.py          a request's life in the engine, and the plain output objects handed to callers
 request_stream.py   what the async engine hands asyncio callers: `RequestStream`, the table delivering outputs, stats
-sampler.py          batched sampling: penalties, temperature, top-k, top-p, min-p, seeded generators, logprobs
+sampler.py          batched sampling: grammar masks, penalties, temperature, top-k, top-p, min-p, generators, logprobs
 sampling_params.py  per-request sampling parameters, validated on construction with errors naming the field
 scheduler.py        continuous batching with a token budget, chunked prefill and preemption by recompute
 step_pipeline.py    steps in flight on a pipeline: rank 0 launches the next step while later stages run the last one
 step_plan.py        a step's inputs as plain lists (what rank 0 sends the other ranks), and their micro-batch split
 step_shape.py       the shape of each step under a recipe's step constraints (padding tokens and sequences)
+structured_output.py  outputs held to a JSON schema, regex, choice or grammar (llguidance), masked per step
 """

@@ -16,6 +16,7 @@ import torch
 from kiln.engine.request import Request
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.step_shape import StepShaper
+from kiln.engine.structured_output import Grammars
 from kiln.errors import RequestError
 from kiln.model.tokenizer import KilnTokenizer
 
@@ -31,8 +32,10 @@ class Admission:
         chunked_prefill: bool,
         blocks_short: Callable[[int], tuple[int, int] | None],
         seed: int | None,
+        grammars: Grammars | None = None,
     ) -> None:
-        """`blocks_short(total)`: (blocks needed, blocks the cache holds) when `total` tokens cannot fit at once."""
+        """`blocks_short(total)`: (blocks needed, blocks the cache holds) when `total` tokens cannot fit at once;
+        `grammars`: the engine's compiled structured outputs (None: the model has no tokenizer, so none)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -41,6 +44,7 @@ class Admission:
         self.chunked_prefill = chunked_prefill
         self.blocks_short = blocks_short
         self._seed_rng = torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(63))
+        self.grammars = grammars
 
     def make_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, forced_output: list[int] | None = None
@@ -74,7 +78,12 @@ class Admission:
         # engine was given --seed (then a run of the same requests repeats).
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
         generator = None if params.is_greedy else torch.Generator().manual_seed(seed)
-        return Request(request_id, text, ids, params, generator, forced_output)
+        request = Request(request_id, text, ids, params, generator, forced_output)
+        if (constraint := params.structured_output) is not None:
+            if self.grammars is None:
+                raise RequestError("structured outputs need the model's tokenizer", request_id, constraint.param)
+            request.grammar = self.grammars.start(constraint)  # compiled already when the server prepared it
+        return request
 
     def _prompt_ids(self, request_id: str, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):

@@ -25,6 +25,7 @@ from kiln.engine.request import Request, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
 from kiln.engine.step_shape import StepShaper
+from kiln.engine.structured_output import Grammars
 from kiln.errors import RequestError, WorkerFailure
 from kiln.executor.base import Executor
 from kiln.model.dtypes import parse_dtype
@@ -100,6 +101,7 @@ class EngineCore:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.workers: Workers | None = role.workers  # the other ranks, when this is rank 0 of a multi-device engine
         self.pipeline = step_loop
+        self.grammars = Grammars(tokenizer.tokenizer, mc.vocab_size, self.eos_token_ids) if tokenizer else None
         self.admission = Admission(
             tokenizer,
             mc.vocab_size,
@@ -109,6 +111,7 @@ class EngineCore:
             config.scheduler.enable_chunked_prefill,
             self.scheduler.blocks_short,
             config.seed,
+            self.grammars,
         )
         self.num_steps = 0
 
@@ -226,6 +229,12 @@ class EngineCore:
             if forced is not None and len(req.output_token_ids) < len(forced):
                 token = forced[len(req.output_token_ids)]
             req.output_token_ids.append(token)
+            if req.grammar is not None:
+                try:
+                    req.grammar.advance(token)
+                except RequestError as exc:  # a forced token outside the grammar: this request alone fails
+                    outputs.append(self.fail(req.request_id, str(exc)))
+                    continue
             if req.request_id in result.logprobs:
                 req.logprobs.append(result.logprobs[req.request_id])
             if req.metrics.first_token_time is None:

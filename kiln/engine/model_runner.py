@@ -262,7 +262,8 @@ class ModelRunner:
             p = req.params
             too_early = len(req.output_token_ids) < p.min_tokens
             block_eos = self.eos_token_ids + p.stop_token_ids if too_early else []
-            rows.append(SamplingRow(p, req.prompt_token_ids, req.output_token_ids, req.generator, block_eos))
+            allowed = req.grammar.token_bitmask() if req.grammar is not None else None
+            rows.append(SamplingRow(p, req.prompt_token_ids, req.output_token_ids, req.generator, block_eos, allowed))
         out: SamplerOutput = self.sampler(logits, rows)
         ids = plan.sample_request_ids
         errors = {rid: e for rid, e in zip(ids, out.errors, strict=True) if e is not None}

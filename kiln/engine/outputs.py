@@ -1,7 +1,8 @@
 """What a step's sampled token means for its request: the stop rules, and the `RequestOutput` handed to callers.
 
-Stop rules, in order, once `min_tokens` tokens are out (min_tokens holds off every stop): an EOS token (unless
-`ignore_eos`), a stop token id, a stop string (seen by the detokenizer), `max_tokens`, `max_model_len`.
+Stop rules, in order: a structured output's grammar that allows nothing more (even before `min_tokens`: nothing
+else could follow); then, once `min_tokens` tokens are out (min_tokens holds off the others): an EOS token
+(unless `ignore_eos`), a stop token id, a stop string (seen by the detokenizer), `max_tokens`, `max_model_len`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ def stop_after(
     p = req.params
     held_off = len(req.output_token_ids) < p.min_tokens
     detok.update(check_stops=not held_off)
+    if req.grammar is not None and req.grammar.is_complete:
+        return "stop", None
     if held_off:
         return None
     if not p.ignore_eos and token in eos_token_ids:

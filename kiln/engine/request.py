@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.structured_output import GrammarState
 
 
 class RequestStatus(enum.Enum):
@@ -60,6 +61,7 @@ class Request:
         self.stop_reason: str | int | None = None
         self.error: str | None = None
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
+        self.grammar: GrammarState | None = None  # its place in its structured output's grammar (Admission sets it)
 
     @property
     def block_ids(self) -> list[int]:

@@ -1,4 +1,5 @@
-"""Batched sampling: penalties, temperature, top-k, top-p, min-p, per-request seeded generators, logprobs.
+"""Batched sampling: grammar masks, penalties, temperature, top-k, top-p, min-p, per-request seeded generators,
+logprobs (of the model's distribution, before masks and filters).
 
 A row whose logits or probabilities are not finite (the model produced NaN/inf for it, or its filters left
 nothing to sample) fails alone: its entry in `SamplerOutput.errors` says why and its token is meaningless;
@@ -23,6 +24,7 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None
     block_eos: list[int]  # token ids masked out (eos before min_tokens)
+    allowed: bytes | None = None  # a structured output's bitmask of the tokens allowed (kiln.engine.structured_output)
 
 
 @dataclass
@@ -30,6 +32,22 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
     errors: list[str | None]  # per row: why it could not be sampled (None: sampled)
+
+
+_BITS = 1 << torch.arange(32, dtype=torch.int64)
+
+
+def mask_disallowed(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Set to -inf (in place) every token a constrained row's grammar does not allow: one batched unpacking of
+    the rows' bitmasks (bit t % 32 of word t // 32)."""
+    constrained = [i for i, row in enumerate(rows) if row.allowed is not None]
+    if not constrained:
+        return
+    words = torch.frombuffer(bytearray(b"".join(rows[i].allowed or b"" for i in constrained)), dtype=torch.int32)
+    words = words.view(len(constrained), -1).to(torch.int64) & 0xFFFFFFFF
+    allowed = ((words.unsqueeze(-1) & _BITS) != 0).flatten(1)[:, : logits.shape[1]]
+    index = torch.tensor(constrained)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -75,10 +93,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: [len(rows), vocab] float32. Returns one token (and optional logprobs) per row."""
         raw = logits
-        logits = logits.clone() if any(r.params.has_penalties or r.block_eos for r in rows) else logits
+        changes = any(r.params.has_penalties or r.block_eos or r.allowed is not None for r in rows)
+        logits = logits.clone() if changes else logits
         for i, row in enumerate(rows):
             if row.block_eos:
                 logits[i, row.block_eos] = float("-inf")
+        mask_disallowed(logits, rows)
         logits = apply_penalties(logits, rows)
         # NOTE: one pass finds both the greedy tokens and the rows that cannot be sampled: a row's max is NaN or
         # inf when any logit is NaN or +inf, and -inf when every candidate was masked out.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kiln.engine.structured_output import StructuredOutput
 from kiln.errors import RequestError
 
 TEMPERATURE_EPS = 1e-5  # below this a temperature is greedy (vLLM's rule too)
@@ -34,6 +35,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to return per token (0 = only the chosen token)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None  # the output held to a schema, regex, choice or grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +62,11 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "must be token ids"),
             ("seed", self.seed is None or INT64[0] <= self.seed <= INT64[1], "must fit in a signed 64-bit integer"),
+            (
+                "structured_output",
+                self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+                "must be a kiln.StructuredOutput",
+            ),
         ]
         for name, ok, rule in checks:
             if not ok:

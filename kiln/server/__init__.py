@@ -13,5 +13,6 @@ middleware.py  what runs on every HTTP request before a route sees it: a request
 protocol.py    OpenAI request bodies (the fields kiln serves) and their mapping onto SamplingParams
 request_fields.py  the fields kiln does not serve, why (each a 400 naming it), and those that ask for nothing
 responses.py   OpenAI response bodies built from RequestOutputs: usage, logprobs in both API shapes, SSE framing
+structured_fields.py  response_format, structured_outputs and guided_*: the one constraint a request asks for
 serving.py     /v1/completions and /v1/chat/completions: validate, tokenize off the event loop, add to engine, answer
 """

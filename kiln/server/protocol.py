@@ -13,11 +13,13 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 
 from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.structured_output import StructuredOutput
 from kiln.errors import RequestError
-from kiln.server.request_fields import drop_fields_asking_nothing
+from kiln.server.request_fields import RequestPart
+from kiln.server.structured_fields import ResponseFormatField, StructuredOutputsField, requested_constraint
 
 MAX_N = 64
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -34,18 +36,6 @@ def check_text(text: str, param: str) -> None:
             None,
             param,
         )
-
-
-class RequestPart(BaseModel):
-    """A request body or a part of one: strict types, and its undeclared fields refused unless they ask for
-    nothing (those are dropped before validation)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _drop_fields_asking_nothing(cls, data: Any) -> Any:
-        return drop_fields_asking_nothing(data, set(cls.model_fields))
 
 
 class StreamOptions(RequestPart):
@@ -73,6 +63,13 @@ class SamplingFields(RequestPart):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* (at most one)
+    response_format: ResponseFormatField | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage_in_stream(self) -> bool:
@@ -84,6 +81,19 @@ class SamplingFields(RequestPart):
         for i, text in enumerate(stop):
             check_text(text, f"stop.{i}")
         return stop
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The one constraint the structured-output fields ask for (RequestError when several do)."""
+        return requested_constraint(self.response_format, self.structured_outputs, self.guided_fields)
+
+    @property
+    def guided_fields(self) -> dict[str, Any]:
+        return {
+            "json": self.guided_json,
+            "regex": self.guided_regex,
+            "choice": self.guided_choice,
+            "grammar": self.guided_grammar,
+        }
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, choice_index: int) -> SamplingParams:
         """Build validated SamplingParams (RequestError names the field). Choice `i` of `n` samples with seed+i."""
@@ -106,6 +116,7 @@ class SamplingFields(RequestPart):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_output=self.structured_output(),
             **{name: value for name, value in optional.items() if value is not None},
         )
 

@@ -3,7 +3,7 @@
 The request models (kiln/server/protocol.py) forbid fields they do not declare, so a field kiln does not
 implement is a 400 that names it (`param`), as OpenAI answers a field it does not know. Before that check,
 `drop_fields_asking_nothing` removes the fields that ask for nothing: a field at OpenAI's default
-(`"response_format": {"type": "text"}`, `"logit_bias": {}`, `"tools": []`, `null` for any of them; clients and
+(`"tool_choice": "none"`, `"logit_bias": {}`, `"tools": []`, `null` for any of them; clients and
 SDKs send these unasked) and the fields kiln takes as no-ops by design (`NO_OPS`, listed in the README).
 `NOT_SERVED` gives the reason a refused field names; any other unknown field is refused as unknown.
 """
@@ -12,16 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, model_validator
+
 # the field -> why kiln refuses it; the values at which it asks for nothing (besides None) are in ASKS_NOTHING
 NOT_SERVED: dict[str, str] = {
-    "response_format": "structured outputs (JSON mode, JSON schemas) are not implemented in kiln yet",
-    "structured_outputs": "structured outputs are not implemented in kiln yet",
-    "guided_json": "guided decoding (structured outputs) is not implemented in kiln yet",
-    "guided_regex": "guided decoding (structured outputs) is not implemented in kiln yet",
-    "guided_choice": "guided decoding (structured outputs) is not implemented in kiln yet",
-    "guided_grammar": "guided decoding (structured outputs) is not implemented in kiln yet",
-    "guided_decoding_backend": "guided decoding (structured outputs) is not implemented in kiln yet",
-    "guided_whitespace_pattern": "guided decoding (structured outputs) is not implemented in kiln yet",
+    "guided_decoding_backend": "kiln's structured outputs run on llguidance (auto, guidance or llguidance)",
+    "guided_whitespace_pattern": "kiln writes structured JSON on one line; a whitespace pattern is not supported",
     "tools": "tool calling is not implemented in kiln yet",
     "tool_choice": "tool calling is not implemented in kiln yet",
     "parallel_tool_calls": "tool calling is not implemented in kiln yet",
@@ -50,7 +46,7 @@ NOT_SERVED: dict[str, str] = {
 }
 
 ASKS_NOTHING: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},),
+    "guided_decoding_backend": ("auto", "guidance", "llguidance"),
     "tools": ([],),
     "tool_choice": ("none",),
     "parallel_tool_calls": (True,),
@@ -99,3 +95,15 @@ def refusal_reason(field: str) -> str:
         "not a field kiln serves (the README lists the OpenAI and vLLM fields it takes); check its spelling or "
         "remove it"
     )
+
+
+class RequestPart(BaseModel):
+    """A request body or a part of one: strict types, and its undeclared fields refused unless they ask for
+    nothing (those are dropped before validation)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_fields_asking_nothing(cls, data: Any) -> Any:
+        return drop_fields_asking_nothing(data, set(cls.model_fields))

@@ -28,6 +28,7 @@ from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.request import RequestOutput
 from kiln.engine.request_stream import SLOW_READER, RequestStream
 from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.structured_output import StructuredOutput
 from kiln.errors import RequestError
 from kiln.server.errors import CLIENT_CLOSED, APIError, error_body, expected_error, internal_error
 from kiln.server.formats import ChatFormat, CompletionFormat, ResponseFormat
@@ -126,8 +127,11 @@ class OpenAIServing:
         arrival: float,
     ) -> Response:
         # NOTE: the room is held while the tokenizer works, so a flood is answered 429 before it is tokenized
+        constraint = body.structured_output()
         with self.engine.reserve(num_prompts * body.n) as reservation:
             prompt_ids = await self._in_tokenizer_thread(tokenize)
+            if constraint is not None:  # compiled here, off the step loop; the engine finds it in its cache
+                await self._in_tokenizer_thread(functools.partial(self._compile_grammar, constraint))
             jobs: list[tuple[str, list[int], SamplingParams]] = []
             for p, ids in enumerate(prompt_ids):
                 # NOTE: no max_tokens means "the rest of the context"; with no room left, 1 token makes the engine
@@ -223,6 +227,12 @@ class OpenAIServing:
                 "model",
                 "model_not_found",
             )
+
+    def _compile_grammar(self, constraint: StructuredOutput) -> None:
+        grammars = self.engine.core.grammars
+        if grammars is None:
+            raise RequestError("structured outputs need the model's tokenizer", None, constraint.param)
+        grammars.compile(constraint)
 
     def _tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
         return [self._encode_text(p) if isinstance(p, str) else list(p) for p in prompts]

@@ -96,6 +96,7 @@ class FakeCore:
         self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0)
         self.runner = SimpleNamespace(counters=SimpleNamespace(replays=7, dynamic_fallbacks=2))
         self.requests: dict[str, FakeRequest] = {}
+        self.grammars = None  # its fake tokens follow no grammar: structured outputs are refused
         self.num_steps = 0
         self.gate = threading.Event()
         self.gate.set()

@@ -17,12 +17,6 @@ CHAT = [{"role": "user", "content": "hi"}]
 COMPLETION = {"prompt": "hi", "max_tokens": 3, "temperature": 0}
 # one value of each field that asks kiln for something it does not do
 ASKING = {
-    "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
-    "structured_outputs": {"json": {"type": "object"}},
-    "guided_json": {"type": "object"},
-    "guided_regex": "[a-z]+",
-    "guided_choice": ["yes", "no"],
-    "guided_grammar": 'root ::= "a"',
     "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ",
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
@@ -82,7 +76,7 @@ def test_fields_at_their_default_and_no_ops_change_nothing() -> None:
     core = FakeCore()
     defaults: dict[str, Any] = {field: values[0] for field, values in ASKS_NOTHING.items()}
     defaults.pop("tool_calls"), defaults.pop("annotations")  # message fields
-    defaults |= {"guided_json": None, "logit_bias": None, "user": "user-1234"}
+    defaults |= {"guided_json": None, "response_format": {"type": "text"}, "logit_bias": None, "user": "user-1234"}
     assert set(NO_OPS) <= set(defaults)
     message = {**CHAT[0]}
     echoed = {"role": "assistant", "content": "hello", "tool_calls": [], "refusal": None, "annotations": []}
@@ -125,13 +119,13 @@ def test_message_fields_of_tool_calls_are_refused_where_they_stand() -> None:
 
 
 def test_the_openai_client_gets_a_bad_request_error_naming_the_field() -> None:
-    """As the issue's new user tried: `response_format`, `tools` and `logit_bias` through the `openai` client."""
+    """As the issue's new user tried: `tools` and `logit_bias` through the `openai` client (`response_format` is
+    served: tests/server/test_structured_live.py)."""
     core = FakeCore()
 
     async def body(s: Served) -> None:
         client = openai.AsyncOpenAI(api_key="none", base_url="http://localhost/v1", http_client=s.client, max_retries=0)
         asks: list[dict[str, Any]] = [
-            {"response_format": {"type": "json_object"}},
             {"tools": ASKING["tools"], "tool_choice": "auto"},
             {"logit_bias": {"42": -100}},
         ]

@@ -1,0 +1,158 @@
+"""Structured outputs on a live server over the default model, through the `openai` client: a held JSON schema
+(nested objects, arrays, enums, bounded numbers) over 50 requests, streamed and not, greedy and sampled; a
+pydantic model through `chat.completions.parse`; vLLM's guided_regex / guided_choice / guided_grammar; bad
+constraints refused with a 400 naming them; a grammar longer than max_tokens ending with "length"."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from tests.server.live import LiveServer, live_server
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 24},
+        "age": {"type": "integer", "minimum": 1, "maximum": 120},
+        "height_cm": {"type": "integer", "minimum": 50, "maximum": 250},
+        "role": {"enum": ["knight", "wizard", "baker"]},
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 1, "maxItems": 3},
+        "home": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "floor": {"type": "integer", "minimum": 0, "maximum": 99},
+            },
+            "required": ["city", "floor"],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age", "height_cm", "role", "skills", "home"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Invent a fantasy character and describe them as JSON."}]
+
+
+class Character(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=24)
+    role: Literal["knight", "wizard", "baker"]
+    level: int = pydantic.Field(ge=1, le=99)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    args = ["--model-path", "default", "--graph-mode", "eager", "--max-model-len", "512", "--num-kv-blocks", "512",
+            "--max-num-seqs", "16", "--seed", "0"]  # fmt: skip
+    with live_server(args) as live:
+        yield live
+
+
+def test_50_requests_with_a_held_schema_all_validate(server: LiveServer) -> None:
+    client = openai.AsyncOpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
+    response_format = {"type": "json_schema", "json_schema": {"name": "character", "schema": SCHEMA, "strict": True}}
+
+    async def one(i: int) -> tuple[str, str | None]:
+        kwargs: dict[str, Any] = {"model": MODEL, "messages": ASK, "max_tokens": 200, "seed": i}
+        kwargs |= {"temperature": 0 if i % 4 < 2 else 0.8, "response_format": response_format}
+        if i % 2 == 0:
+            done = await client.chat.completions.create(**kwargs)
+            return done.choices[0].message.content or "", done.choices[0].finish_reason
+        text, finish = "", None
+        async for chunk in await client.chat.completions.create(**kwargs, stream=True):
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+        return text, finish
+
+    async def main() -> list[tuple[str, str | None]]:
+        return await asyncio.gather(*(one(i) for i in range(50)))
+
+    results = asyncio.run(main())
+    for text, finish in results:
+        jsonschema.validate(json.loads(text), SCHEMA)  # raises with the path of what does not match
+        assert finish == "stop", (finish, text)
+    sampled = {text for i, (text, _) in enumerate(results) if i % 4 >= 2}
+    assert len(sampled) > 1  # temperature 0.8 with different seeds: not one answer repeated
+    greedy = {text for i, (text, _) in enumerate(results) if i % 4 < 2}
+    assert len(greedy) == 1  # greedy, streamed or not: the same JSON every time
+    server.wait_idle()
+
+
+def test_a_pydantic_model_through_parse(server: LiveServer) -> None:
+    done = server.client().chat.completions.parse(
+        model=MODEL, messages=ASK, response_format=Character, max_tokens=100, temperature=0
+    )
+    parsed = done.choices[0].message.parsed
+    assert isinstance(parsed, Character) and 1 <= parsed.level <= 99
+
+
+def test_guided_regex_choice_and_grammar_in_completions(server: LiveServer) -> None:
+    client = server.client()
+    regex = r"[A-Z][a-z]{2,8} (19|20)\d\d"
+    done = client.completions.create(
+        model=MODEL, prompt="A name and a year:", max_tokens=20, n=3, temperature=1.0, seed=5,
+        extra_body={"guided_regex": regex},
+    )  # fmt: skip
+    assert len(done.choices) == 3
+    for choice in done.choices:
+        assert re.fullmatch(regex, choice.text), choice.text
+        assert choice.finish_reason == "stop"
+    choices = ["red", "green", "blue"]
+    done = client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=5, temperature=0, extra_body={"guided_choice": choices}
+    )
+    assert done.choices[0].text in choices
+    gbnf = 'root ::= "(" [0-9]+ " + " [0-9]+ ")"'
+    streamed = client.completions.create(
+        model=MODEL, prompt="A sum:", max_tokens=20, temperature=0, stream=True, extra_body={"guided_grammar": gbnf}
+    )
+    text = "".join(c.choices[0].text for c in streamed if c.choices)
+    assert re.fullmatch(r"\(\d+ \+ \d+\)", text), text
+    any_object = client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=120, temperature=0, response_format={"type": "json_object"}
+    )
+    assert isinstance(json.loads(any_object.choices[0].message.content or ""), dict)
+
+
+def test_bad_constraints_are_400s_naming_them(server: LiveServer) -> None:
+    def error(body: dict[str, Any], route: str = "chat/completions") -> dict[str, Any]:
+        base = {"model": MODEL, "messages": ASK} if route == "chat/completions" else {"model": MODEL, "prompt": "x"}
+        response = httpx.post(f"{server.base_url}/{route}", json={**base, **body}, timeout=60)
+        assert response.status_code == 400, response.text
+        return response.json()["error"]
+
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "thing"}}}
+    e = error({"response_format": bad_schema})
+    assert e["param"] == "response_format.json_schema.schema" and "thing" in e["message"]
+    e = error({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
+    assert e["param"] == "response_format.json_schema.schema"
+    e = error({"guided_regex": "[a-"}, "completions")
+    assert e["param"] == "guided_regex" and "regex" in e["message"]
+    e = error({"guided_grammar": "root ::= ( unclosed"}, "completions")
+    assert e["param"] == "guided_grammar"
+    e = error({"guided_choice": []}, "completions")
+    assert e["param"] == "guided_choice"
+    e = error({"guided_regex": "a", "response_format": {"type": "json_object"}})
+    assert "give one structured output" in e["message"] and e["param"] == "guided_regex"
+    e = error({"response_format": {"type": "yaml"}})
+    assert e["param"] == "response_format.type"
+    server.wait_idle()
+
+
+def test_a_grammar_longer_than_max_tokens_ends_with_length(server: LiveServer) -> None:
+    done = server.client().completions.create(
+        model=MODEL, prompt="Scream:", max_tokens=6, temperature=0, extra_body={"guided_regex": "A{200}"}
+    )
+    choice = done.choices[0]
+    assert choice.finish_reason == "length" and re.fullmatch("A+", choice.text), choice
