@@ -56,6 +56,11 @@ class Admission:
             raise RequestError(
                 f"stop token id {bad_stops[0]} is outside the vocabulary [0, {vocab})", request_id, "stop_token_ids"
             )
+        bad_bias = [t for t in params.logit_bias if t >= vocab]
+        if bad_bias:
+            raise RequestError(
+                f"logit_bias token id {bad_bias[0]} is outside the vocabulary [0, {vocab})", request_id, "logit_bias"
+            )
         total = len(ids) + params.max_tokens
         if self.recipe is not None:
             self.recipe.guards.check_request(request_id, seq_len=total, first=len(ids), span=self.max_model_len)

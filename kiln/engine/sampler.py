@@ -1,5 +1,5 @@
-"""Batched sampling: grammar masks, penalties, temperature, top-k, top-p, min-p, per-request seeded generators,
-logprobs (of the model's distribution, before masks and filters).
+"""Batched sampling: grammar masks, logit_bias, penalties, temperature, top-k, top-p, min-p, per-request seeded
+generators, logprobs (of the model's distribution, before masks and filters).
 
 A row whose logits or probabilities are not finite (the model produced NaN/inf for it, or its filters left
 nothing to sample) fails alone: its entry in `SamplerOutput.errors` says why and its token is meaningless;
@@ -50,6 +50,15 @@ def mask_disallowed(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
+def add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Add each row's logit_bias (in place), all rows in one indexed add."""
+    entries = [(i, t, b) for i, row in enumerate(rows) for t, b in row.params.logit_bias.items()]
+    if entries:
+        index, tokens, biases = zip(*entries, strict=True)
+        values = torch.tensor(biases, dtype=logits.dtype)
+        logits.index_put_((torch.tensor(index), torch.tensor(tokens)), values, accumulate=True)
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     for i, row in enumerate(rows):
         p = row.params
@@ -93,12 +102,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: [len(rows), vocab] float32. Returns one token (and optional logprobs) per row."""
         raw = logits
-        changes = any(r.params.has_penalties or r.block_eos or r.allowed is not None for r in rows)
+        changes = any(
+            r.params.has_penalties or r.block_eos or r.allowed is not None or r.params.logit_bias for r in rows
+        )
         logits = logits.clone() if changes else logits
         for i, row in enumerate(rows):
             if row.block_eos:
                 logits[i, row.block_eos] = float("-inf")
         mask_disallowed(logits, rows)
+        add_logit_bias(logits, rows)
         logits = apply_penalties(logits, rows)
         # NOTE: one pass finds both the greedy tokens and the rows that cannot be sampled: a row's max is NaN or
         # inf when any logit is NaN or +inf, and -inf when every candidate was masked out.

@@ -15,6 +15,7 @@ from kiln.errors import RequestError
 
 TEMPERATURE_EPS = 1e-5  # below this a temperature is greedy (vLLM's rule too)
 INT64 = (-(2**63), 2**63 - 1)
+MAX_LOGIT_BIAS = 1024  # entries per request: each costs the sampler an index per step
 
 
 @dataclass
@@ -36,12 +37,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None  # the output held to a schema, regex, choice or grammar
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI: -100..100)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        self.logit_bias = dict(self.logit_bias)
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -62,6 +65,13 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "must be token ids"),
             ("seed", self.seed is None or INT64[0] <= self.seed <= INT64[1], "must fit in a signed 64-bit integer"),
+            (
+                "logit_bias",
+                len(self.logit_bias) <= MAX_LOGIT_BIAS
+                and all(isinstance(t, int) and t >= 0 for t in self.logit_bias)
+                and all(isinstance(b, (int, float)) and -100 <= b <= 100 for b in self.logit_bias.values()),
+                f"must map at most {MAX_LOGIT_BIAS} token ids to biases in [-100, 100]",
+            ),
             (
                 "structured_output",
                 self.structured_output is None or isinstance(self.structured_output, StructuredOutput),

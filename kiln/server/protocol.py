@@ -63,6 +63,7 @@ class SamplingFields(RequestPart):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None  # token id (as text, OpenAI's JSON) -> bias in [-100, 100]
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* (at most one)
     response_format: ResponseFormatField | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -95,6 +96,17 @@ class SamplingFields(RequestPart):
             "grammar": self.guided_grammar,
         }
 
+    def token_biases(self) -> dict[int, float]:
+        """`logit_bias` with its token ids as ints (RequestError naming it for a key that is not one)."""
+        biases: dict[int, float] = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.isdigit():
+                raise RequestError(
+                    f"logit_bias keys must be token ids (decimal text), got {key[:40]!r}", None, "logit_bias"
+                )
+            biases[int(key)] = bias
+        return biases
+
     def sampling_params(self, max_tokens: int, logprobs: int | None, choice_index: int) -> SamplingParams:
         """Build validated SamplingParams (RequestError names the field). Choice `i` of `n` samples with seed+i."""
         optional: dict[str, Any] = {
@@ -117,6 +129,7 @@ class SamplingFields(RequestPart):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_output=self.structured_output(),
+            logit_bias=self.token_biases(),
             **{name: value for name, value in optional.items() if value is not None},
         )
 

@@ -3,8 +3,8 @@
 The request models (kiln/server/protocol.py) forbid fields they do not declare, so a field kiln does not
 implement is a 400 that names it (`param`), as OpenAI answers a field it does not know. Before that check,
 `drop_fields_asking_nothing` removes the fields that ask for nothing: a field at OpenAI's default
-(`"tool_choice": "none"`, `"logit_bias": {}`, `"tools": []`, `null` for any of them; clients and
-SDKs send these unasked) and the fields kiln takes as no-ops by design (`NO_OPS`, listed in the README).
+(`"tool_choice": "none"`, `"tools": []`, `null` for any of them; clients and SDKs send these unasked) and the
+fields kiln takes as no-ops by design (`NO_OPS`, listed in the README).
 `NOT_SERVED` gives the reason a refused field names; any other unknown field is refused as unknown.
 """
 
@@ -23,7 +23,6 @@ NOT_SERVED: dict[str, str] = {
     "parallel_tool_calls": "tool calling is not implemented in kiln yet",
     "functions": "function calling (OpenAI's older form of tools) is not implemented in kiln",
     "function_call": "function calling (OpenAI's older form of tools) is not implemented in kiln",
-    "logit_bias": "logit_bias is not implemented in kiln yet",
     "suffix": "suffix (text insertion) is not supported by kiln",
     "prediction": "predicted outputs are not supported by kiln",
     "audio": "audio is not supported: kiln serves text",
@@ -52,7 +51,6 @@ ASKS_NOTHING: dict[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (True,),
     "functions": ([],),
     "function_call": ("none",),
-    "logit_bias": ({},),
     "suffix": ("",),
     "modalities": (["text"],),
     "store": (False,),

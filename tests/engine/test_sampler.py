@@ -1,11 +1,14 @@
-"""The sampler's filters on one row: every in-range value is served."""
+"""The sampler's filters on one row (every in-range value is served), and logit_bias."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from kiln.engine.sampler import filter_logits
+from kiln import LLM
+from kiln.engine.sampler import Sampler, SamplingRow, filter_logits
 from kiln.engine.sampling_params import SamplingParams
+from kiln.errors import RequestError
 
 
 def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token() -> None:
@@ -21,3 +24,24 @@ def test_top_p_keeps_the_smallest_set_reaching_its_mass() -> None:
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     kept = filter_logits(logits, SamplingParams(temperature=1.0, top_p=0.75)).isfinite()
     assert kept.tolist() == [True, True, False, False]
+
+
+def test_logit_bias_is_added_to_its_rows_only() -> None:
+    logits = torch.zeros(2, 10)
+    logits[:, 4] = 5.0
+    biased = SamplingParams(temperature=0, logit_bias={7: 100.0, 4: -100.0})
+    rows = [SamplingRow(biased, [1], [], None, []), SamplingRow(SamplingParams(temperature=0), [1], [], None, [])]
+    out = Sampler()(logits.clone(), rows)
+    assert out.token_ids == [7, 4]
+    assert out.logprobs == [None, None]
+    with pytest.raises(RequestError) as too_big:
+        SamplingParams(logit_bias={3: 101.0})
+    assert too_big.value.param == "logit_bias"
+
+
+def test_logit_bias_through_the_llm_api(llm: LLM) -> None:
+    token = llm.engine.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    out = llm.generate("My favourite fruit is", SamplingParams(max_tokens=3, temperature=0, logit_bias={token: 100}))
+    assert out[0].token_ids == [token] * 3
+    (outside,) = llm.generate("x", SamplingParams(logit_bias={10**6: 1.0}))  # refused alone, named
+    assert outside.finish_reason == "error" and "logit_bias token id 1000000 is outside" in (outside.error or "")

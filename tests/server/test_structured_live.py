@@ -1,7 +1,7 @@
 """Structured outputs on a live server over the default model, through the `openai` client: a held JSON schema
 (nested objects, arrays, enums, bounded numbers) over 50 requests, streamed and not, greedy and sampled; a
 pydantic model through `chat.completions.parse`; vLLM's guided_regex / guided_choice / guided_grammar; bad
-constraints refused with a 400 naming them; a grammar longer than max_tokens ending with "length"."""
+constraints refused with a 400 naming them; a grammar longer than max_tokens ending with "length"; logit_bias."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ import openai
 import pydantic
 import pytest
 
+from kiln.model.loader import open_checkpoint
+from kiln.model.registry import load_tokenizer
 from tests.server.live import LiveServer, live_server
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -156,3 +158,15 @@ def test_a_grammar_longer_than_max_tokens_ends_with_length(server: LiveServer) -
     )
     choice = done.choices[0]
     assert choice.finish_reason == "length" and re.fullmatch("A+", choice.text), choice
+
+
+def test_logit_bias_through_the_openai_client(server: LiveServer) -> None:
+    token = load_tokenizer(open_checkpoint("default")).encode(" banana", add_special_tokens=False)[0]
+    client = server.client()
+    ask = {"model": MODEL, "prompt": "My favourite fruit is", "max_tokens": 3, "temperature": 0}
+    assert client.completions.create(**ask).choices[0].text != " banana" * 3
+    biased = client.completions.create(**ask, logit_bias={str(token): 100})
+    assert biased.choices[0].text == " banana" * 3
+    for bad in ({"abc": 1}, {str(token): 101}, {"99999999": 1}):
+        response = httpx.post(f"{server.base_url}/completions", json={**ask, "logit_bias": bad}, timeout=60)
+        assert response.status_code == 400 and response.json()["error"]["param"] == "logit_bias", response.text
