@@ -1,6 +1,10 @@
 """Batched sampling: grammar masks, logit_bias, penalties, temperature, top-k, top-p, min-p, per-request seeded
 generators, logprobs (of the model's distribution, before masks and filters).
 
+Every filter runs on the whole batch with tensor ops, each row by its own parameters (rows with different settings
+share one step), and the draw is one inverse-CDF search whose uniforms come from the rows' own generators: no
+loop over rows does tensor work, and nothing waits on the device per row.
+
 A row whose logits or probabilities are not finite (the model produced NaN/inf for it, or its filters left
 nothing to sample) fails alone: its entry in `SamplerOutput.errors` says why and its token is meaningless;
 the other rows are sampled as usual.
@@ -59,43 +63,131 @@ def add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         logits.index_put_((torch.tensor(index), torch.tensor(tokens)), values, accumulate=True)
 
 
+def _padded(lists: list[list[int]], pad: int) -> torch.Tensor:
+    """Token-id lists as one [len(lists), longest] tensor, padded with `pad`."""
+    width = max(1, max(len(ids) for ids in lists))
+    return torch.tensor([ids + [pad] * (width - len(ids)) for ids in lists], dtype=torch.long)
+
+
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    for i, row in enumerate(rows):
-        p = row.params
-        if not p.has_penalties:
-            continue
-        vocab = logits.shape[1]
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(row.prompt_token_ids + row.output_token_ids)), dtype=torch.long)
-            seen = seen[seen < vocab]
-            vals = logits[i, seen]
-            logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-        if row.output_token_ids and (p.presence_penalty or p.frequency_penalty):
-            counts = torch.bincount(torch.tensor(row.output_token_ids, dtype=torch.long), minlength=vocab)[:vocab]
-            logits[i] -= p.frequency_penalty * counts.to(logits.dtype)
-            logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
+    """Repetition (prompt and output tokens), presence and frequency (output tokens) penalties, in place, for
+    every penalised row at once: token counts by one scatter into a [rows, vocab + 1] table (the extra column
+    takes the padding)."""
+    index = [i for i, row in enumerate(rows) if row.params.has_penalties]
+    if not index:
+        return logits
+    vocab = logits.shape[1]
+    params = [rows[i].params for i in index]
+    outputs = _padded([[t for t in rows[i].output_token_ids if t < vocab] for i in index], vocab)
+    counts = torch.zeros(len(index), vocab + 1, dtype=logits.dtype).scatter_add_(
+        1, outputs, torch.ones(outputs.shape, dtype=logits.dtype)
+    )[:, :vocab]
+    history = _padded([[t for t in rows[i].prompt_token_ids if t < vocab] for i in index], vocab)
+    seen = torch.zeros(len(index), vocab + 1, dtype=torch.bool).scatter_(1, history, True)[:, :vocab] | (counts > 0)
+    rep = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype).unsqueeze(1)
+    freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype).unsqueeze(1)
+    pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype).unsqueeze(1)
+    rows_t = torch.tensor(index)
+    x = logits[rows_t]
+    x = torch.where(seen & (rep != 1.0), torch.where(x > 0, x / rep, x * rep), x)
+    x = x - freq * counts - pres * (counts > 0).to(logits.dtype)
+    logits[rows_t] = x
     return logits
+
+
+CANDIDATES = 1024  # top-k and top-p look among this many likeliest tokens (a row they cannot serve sorts all)
+# rows' filtered logits: (their positions in the batch, the logits, the token id of each column; None: all in order)
+Group = tuple[list[int], torch.Tensor, torch.Tensor | None]
+
+
+def filter_rows(logits: torch.Tensor, params: list[SamplingParams]) -> list[Group]:
+    """Temperature, then top-k, top-p and min-p, each row by its own parameters (removed entries become -inf), in
+    at most three batched groups. Rows with top-k or top-p keep only their likeliest CANDIDATES tokens (one
+    `topk`, not a sort of the vocabulary): every token they can keep is among them, except for a top-p row whose
+    candidates hold less than its mass, which is sorted whole, so the result is exact."""
+    dtype, vocab = logits.dtype, logits.shape[1]
+    x = logits / torch.tensor([p.temperature or 1.0 for p in params], dtype=dtype).unsqueeze(1)
+    narrow = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    wide = [i for i in range(len(params)) if i not in set(narrow)]
+    groups: list[Group] = []
+    if narrow:
+        index = torch.tensor(narrow)
+        values, tokens, short = _candidates(x[index], [params[i] for i in narrow])
+        kept = [n for n, is_short in zip(narrow, short.tolist(), strict=True) if not is_short]
+        if kept:
+            rows = ~short
+            groups.append((kept, _min_p(values[rows], [params[i] for i in kept]), tokens[rows]))
+        shorts = [n for n, is_short in zip(narrow, short.tolist(), strict=True) if is_short]
+        if shorts:
+            cut = _sorted_top_p(x[torch.tensor(shorts)], [params[i].top_p for i in shorts])
+            groups.append((shorts, _min_p(cut, [params[i] for i in shorts]), None))
+    if wide:
+        groups.append((wide, _min_p(x[torch.tensor(wide)], [params[i] for i in wide]), None))
+    return groups
+
+
+def _candidates(x: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's likeliest tokens cut by its top-k and top-p: (logits, token ids, whether the row's nucleus
+    reaches past them). top-p drops a token when the mass before it already reaches top_p; the top token always
+    stays, even when a tiny top_p (1e-46) rounds to 0 in float32."""
+    vocab = x.shape[1]
+    ks = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params]).unsqueeze(1)
+    values, tokens = torch.topk(x, min(vocab, max(CANDIDATES, int(ks.max()))), dim=-1)  # sorted, descending
+    kth = torch.where(ks > 0, values.gather(1, (ks - 1).clamp(min=0)), float("-inf"))
+    values = values.masked_fill(values < kth, float("-inf"))  # ties with the k-th stay, as topk's would
+    # the mass is over what top-k kept (all among the candidates), else over the whole vocabulary
+    total = torch.where(ks > 0, torch.logsumexp(values, -1, keepdim=True), torch.logsumexp(x, -1, keepdim=True))
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], dtype=x.dtype).unsqueeze(1)
+    probs = (values - total).exp()
+    before = probs.cumsum(-1) - probs
+    drop = before >= top_p
+    drop[:, 0] = False
+    short = (before[:, -1:] + probs[:, -1:] < top_p).squeeze(1) & (ks.squeeze(1) == 0)
+    return values.masked_fill(drop, float("-inf")), tokens, short
+
+
+def _sorted_top_p(x: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Top-p over the whole sorted vocabulary (rows whose nucleus is larger than the candidates)."""
+    ordered, order = torch.sort(x, dim=-1, descending=True)
+    probs = ordered.softmax(-1)
+    drop = (probs.cumsum(-1) - probs) >= torch.tensor(top_p, dtype=x.dtype).unsqueeze(1)
+    drop[:, 0] = False
+    return torch.empty_like(ordered).scatter_(1, order, ordered.masked_fill(drop, float("-inf")))
+
+
+def _min_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Drop tokens less likely than min_p times the likeliest (rows with min_p > 0)."""
+    if not any(p.min_p > 0.0 for p in params):
+        return x
+    min_p = torch.tensor([p.min_p for p in params], dtype=x.dtype).unsqueeze(1)
+    probs = x.softmax(-1)
+    return x.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+
+
+def filter_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`filter_rows` as one [rows, vocab] tensor."""
+    out = torch.full_like(logits, float("-inf"))
+    for rows, values, tokens in filter_rows(logits, params):
+        index = torch.tensor(rows)
+        out[index] = values if tokens is None else out[index].scatter_(1, tokens, values)
+    return out
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p on one row; removed entries become -inf."""
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # drop a token when the mass before it already reaches top_p; the top token always stays, even when a tiny
-        # top_p (1e-46) rounds to 0 in float32
-        drop_sorted = (probs.cumsum(-1) - probs) >= params.top_p
-        drop_sorted[..., 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    if params.min_p > 0.0:
-        probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    return logits
+    """`filter_batch` on one row."""
+    return filter_batch(logits.unsqueeze(0), [params])[0]
+
+
+def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of `probs` by inverse CDF: each row's uniform comes from its own generator (seeded
+    requests repeat), the search over the rows' CDFs is one batched call."""
+    uniform = torch.cat([torch.rand(1, generator=g, dtype=probs.dtype) for g in generators])
+    cdf = probs.cumsum(-1)
+    target = (uniform * cdf[:, -1]).unsqueeze(1)
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    # float rounding at the very top of the CDF may land past the last token with mass: take the likeliest
+    lost = probs.gather(1, tokens.unsqueeze(1)).squeeze(1) <= 0
+    return torch.where(lost, probs.argmax(-1), tokens)
 
 
 class Sampler:
@@ -114,24 +206,31 @@ class Sampler:
         logits = apply_penalties(logits, rows)
         # NOTE: one pass finds both the greedy tokens and the rows that cannot be sampled: a row's max is NaN or
         # inf when any logit is NaN or +inf, and -inf when every candidate was masked out.
-        best, greedy = logits.max(dim=-1)
-        token_ids = greedy.tolist()
+        best, tokens = logits.max(dim=-1)
+        finite = torch.isfinite(best)
+        bad = ~finite
+        sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if sampled:
+            groups = filter_rows(logits[torch.tensor(sampled)], [rows[i].params for i in sampled])
+            for members, values, columns in groups:
+                index = torch.tensor([sampled[m] for m in members])
+                probs = values.softmax(-1)
+                usable = torch.isfinite(probs).all(-1)
+                bad[index] |= ~usable
+                probs = torch.where(usable.unsqueeze(1), probs, 1.0)  # rows that fail still draw, unused
+                drawn = draw(probs, [rows[i].generator for i in index.tolist()])
+                tokens[index] = drawn if columns is None else columns.gather(1, drawn.unsqueeze(1)).squeeze(1)
+        token_ids = tokens.tolist()
         errors: list[str | None] = [None] * len(rows)
-        for i in torch.nonzero(~torch.isfinite(best)).flatten().tolist():
-            errors[i] = (
-                "no token is left to sample: every candidate was masked out or penalised to -inf"
-                if bool(torch.isfinite(raw[i]).all())
-                else "the model produced non-finite logits (NaN or inf) for this sequence"
-            )
-        for i, row in enumerate(rows):
-            if errors[i] is not None:
-                continue
-            if not row.params.is_greedy:
-                probs = filter_logits(logits[i], row.params).softmax(-1)
-                if not torch.isfinite(probs).all():
-                    errors[i] = "the sampling probabilities are not finite; check temperature and penalties"
-                    continue
-                token_ids[i] = int(torch.multinomial(probs, 1, generator=row.generator).item())
+        for i in torch.nonzero(bad).flatten().tolist():
+            if not bool(finite[i]):
+                errors[i] = (
+                    "no token is left to sample: every candidate was masked out or penalised to -inf"
+                    if bool(torch.isfinite(raw[i]).all())
+                    else "the model produced non-finite logits (NaN or inf) for this sequence"
+                )
+            else:
+                errors[i] = "the sampling probabilities are not finite; check temperature and penalties"
         logprobs: list[dict[int, float] | None] = [None] * len(rows)
         if any(r.params.logprobs is not None for r in rows):
             all_logprobs = raw.log_softmax(-1)
