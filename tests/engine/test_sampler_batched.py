@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from kiln.engine.sampler import Sampler, SamplingRow, apply_penalties, draw, filter_batch
+from kiln.engine.sampler import CANDIDATES, Sampler, SamplingRow, apply_penalties, draw, filter_batch
 from kiln.engine.sampling_params import SamplingParams
 from tests.engine import rowwise_sampler
 from tests.engine.rowwise_sampler import RowwiseSampler
@@ -86,3 +86,30 @@ def test_seeded_rows_repeat_and_seeds_differ() -> None:
     assert first == again
     sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy and r.params.top_p > 1e-3]
     assert any(first[s][i] != other[s][i] for s in range(10) for i in sampled)
+
+
+def test_rows_past_the_candidates_are_exact_too() -> None:
+    """A vocabulary larger than the candidates: a flat row's nucleus reaches past them (its row is sorted whole),
+    a peaked row's does not, and a top-k larger than the candidates widens them."""
+    vocab = 3 * CANDIDATES
+    gen = torch.Generator().manual_seed(7)
+    flat, peaked = torch.randn(2, vocab, generator=gen) * 0.05, torch.randn(2, vocab, generator=gen) * 8
+    logits = torch.cat([flat, peaked, flat[:1]])
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=0.8, top_p=0.5, min_p=0.01),
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=1.2, top_k=50, top_p=0.7),
+        SamplingParams(temperature=1.0, top_k=CANDIDATES + 500),
+    ]
+    batched = filter_batch(logits, params)
+    for row, got, x in zip(params, batched, logits, strict=True):
+        want = rowwise_sampler.filter_logits(x, row)
+        assert torch.equal(got.isfinite(), want.isfinite())
+        torch.testing.assert_close(got.softmax(-1), want.softmax(-1), rtol=1e-5, atol=1e-7)
+    assert int(batched[0].isfinite().sum()) > CANDIDATES  # the flat row's nucleus: past the candidates
+    assert int(batched[4].isfinite().sum()) == CANDIDATES + 500
+    rows = [SamplingRow(p, [1], [], torch.Generator().manual_seed(i), []) for i, p in enumerate(params)]
+    for _ in range(50):  # what the sampler draws lies in each row's filtered support, whichever group it took
+        tokens = Sampler()(logits.clone(), rows).token_ids
+        assert all(bool(batched[i, t].isfinite()) for i, t in enumerate(tokens)), tokens
