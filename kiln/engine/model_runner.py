@@ -256,13 +256,15 @@ class ModelRunner:
         if logits is None:
             return ModelRunnerOutput({}, {})
         by_id = {s.request.request_id: s.request for s in sched.scheduled}
+        requests = [by_id[rid] for rid in plan.sample_request_ids]
+        states = [req.grammar for req in requests if req.grammar is not None]
+        masks = iter(states[0].grammars.bitmasks(states)) if states else None  # all constrained rows at once
         rows = []
-        for rid in plan.sample_request_ids:
-            req = by_id[rid]
+        for req in requests:
             p = req.params
             too_early = len(req.output_token_ids) < p.min_tokens
             block_eos = self.eos_token_ids + p.stop_token_ids if too_early else []
-            allowed = req.grammar.token_bitmask() if req.grammar is not None else None
+            allowed = next(masks) if masks is not None and req.grammar is not None else None
             rows.append(SamplingRow(p, req.prompt_token_ids, req.output_token_ids, req.generator, block_eos, allowed))
         out: SamplerOutput = self.sampler(logits, rows)
         ids = plan.sample_request_ids

@@ -28,7 +28,9 @@ class SamplingRow:
     output_token_ids: list[int]
     generator: torch.Generator | None
     block_eos: list[int]  # token ids masked out (eos before min_tokens)
-    allowed: bytes | None = None  # a structured output's bitmask of the tokens allowed (kiln.engine.structured_output)
+    # a structured output's bitmask of the tokens allowed: little-endian 32-bit words, as int32 or raw bytes
+    # (kiln.engine.structured_output)
+    allowed: torch.Tensor | bytes | None = None
 
 
 @dataclass
@@ -38,20 +40,34 @@ class SamplerOutput:
     errors: list[str | None]  # per row: why it could not be sampled (None: sampled)
 
 
-_BITS = 1 << torch.arange(32, dtype=torch.int64)
+# for every byte value v, 0.0 where bit b of v is set and -inf where not: a bitmask's bytes index it to turn 8 tokens
+# at a time into an additive mask (bit t % 8 of byte t // 8 is token t: the mask's little-endian 32-bit words, read
+# byte by byte). An add is ~10x faster than a boolean masked_fill over a [32, 49152] batch on CPU.
+_BYTE_MASK = torch.where(((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool(), 0.0, float("-inf"))
 
 
 def mask_disallowed(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """Set to -inf (in place) every token a constrained row's grammar does not allow: one batched unpacking of
-    the rows' bitmasks (bit t % 32 of word t // 32)."""
+    """Set to -inf (in place) every token a constrained row's grammar does not allow: the rows' bitmasks unpacked
+    by one table lookup into an additive mask, added in one go."""
     constrained = [i for i, row in enumerate(rows) if row.allowed is not None]
     if not constrained:
         return
-    words = torch.frombuffer(bytearray(b"".join(rows[i].allowed or b"" for i in constrained)), dtype=torch.int32)
-    words = words.view(len(constrained), -1).to(torch.int64) & 0xFFFFFFFF
-    allowed = ((words.unsqueeze(-1) & _BITS) != 0).flatten(1)[:, : logits.shape[1]]
-    index = torch.tensor(constrained)
-    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+    words = [_words(rows[i].allowed) for i in constrained]
+    packed = torch.stack(words).view(torch.uint8).flatten()  # little-endian words, byte by byte
+    table = _BYTE_MASK.to(device=logits.device, dtype=logits.dtype)
+    mask = table.index_select(0, packed.to(device=logits.device, dtype=torch.int32)).view(len(constrained), -1)
+    mask = mask[:, : logits.shape[1]]
+    if len(constrained) == len(rows):
+        logits.add_(mask)
+    else:
+        index = torch.tensor(constrained, device=logits.device)
+        logits[index] = logits[index] + mask
+
+
+def _words(allowed: torch.Tensor | bytes | None) -> torch.Tensor:
+    if isinstance(allowed, torch.Tensor):
+        return allowed
+    return torch.frombuffer(bytearray(allowed or b""), dtype=torch.int32)
 
 
 def add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:

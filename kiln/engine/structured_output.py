@@ -22,6 +22,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import torch
+
 from kiln.errors import RequestError
 
 Kind = Literal["json", "regex", "choice", "grammar"]
@@ -64,8 +66,8 @@ class StructuredOutput:
 class GrammarState:
     """One sequence's place in its grammar."""
 
-    def __init__(self, matcher: Any, param: str) -> None:
-        self.matcher, self.param = matcher, param
+    def __init__(self, matcher: Any, param: str, grammars: Grammars) -> None:
+        self.matcher, self.param, self.grammars = matcher, param, grammars
 
     def token_bitmask(self) -> bytes:
         """The tokens allowed next: bit t % 32 of 32-bit word t // 32 (little-endian words)."""
@@ -91,6 +93,7 @@ class Grammars:
         self._tokenizer: Any = None  # llguidance's view of the vocabulary, built on first use (~0.3 s)
         self._compiled: OrderedDict[StructuredOutput, Any] = OrderedDict()
         self._lock = threading.Lock()
+        self._executor: Any = None  # llguidance's thread pool for masks of many sequences at once
 
     def compile(self, constraint: StructuredOutput) -> Any:
         """The grammar's matcher at its start (a template each sequence copies); RequestError naming the field when
@@ -116,7 +119,18 @@ class Grammars:
 
     def start(self, constraint: StructuredOutput) -> GrammarState:
         """A new sequence's state in `constraint`'s grammar."""
-        return GrammarState(self.compile(constraint).deep_copy(), constraint.param)
+        return GrammarState(self.compile(constraint).deep_copy(), constraint.param, self)
+
+    def bitmasks(self, states: list[GrammarState]) -> torch.Tensor:
+        """The tokens each of `states` allows next, as rows of little-endian 32-bit words ([len(states),
+        ceil(vocab / 32)] int32), computed by llguidance's threads in parallel (the GIL released): a mask inside a
+        JSON string takes ~0.4 ms, so one at a time they cost a 32-row step ~12 ms."""
+        out = torch.empty(len(states), (self.vocab_size + 31) // 32, dtype=torch.int32)
+        if self._executor is None:
+            self._executor = _llguidance().LLExecutor(max(1, torch.get_num_threads()))
+        jobs = [(state.matcher, i) for i, state in enumerate(states)]
+        self._executor.unsafe_compute_mask_ptr(jobs, out.data_ptr(), out.shape[1] * 4, len(states))
+        return out
 
     def _llg_tokenizer(self) -> Any:
         if self._tokenizer is None:
