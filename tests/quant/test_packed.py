@@ -186,8 +186,10 @@ def test_packed_greedy_tokens_equal_the_dequantized_reference(packed_llm: LLM, l
 
 
 @pytest.mark.timeout(1800)  # the default model compiled whole for its full decode graph: minutes on 2 slow cores
-def test_packed_graph_mode_matches_eager_and_fuses_the_dequantization(tmp_path: Path, llm: LLM) -> None:
-    graph = LLM(quantization="packed", enable_piecewise_graph=True, capture_sizes=[1, 2, 4], cache_dir=str(tmp_path))
+def test_packed_graph_mode_matches_eager_and_fuses_the_dequantization(llm: LLM) -> None:
+    # the suite's compile cache and kernel choices (KILN_CACHE_DIR), as other tests of the packed model use them:
+    # nothing here depends on whether they were timed and compiled now or earlier
+    graph = LLM(quantization="packed", enable_piecewise_graph=True, capture_sizes=[1, 2, 4])
     executor = graph.engine.executor
     records = executor.kernel_choices["packed_kernels"]
     assert len(records) == 5  # qkv, o, gate_up, down and the tied head: every packed layout is timed
@@ -218,9 +220,9 @@ def test_packed_graph_mode_matches_eager_and_fuses_the_dequantization(tmp_path: 
     assert executor.counters.full_replays > 0
 
 
-def test_packed_graph_mode_with_only_batch_1_captured(tmp_path: Path, llm: LLM) -> None:
+def test_packed_graph_mode_with_only_batch_1_captured(llm: LLM) -> None:
     """Capture sizes [1]: the forward is still traced for a symbolic num_tokens (traced at 3 tokens, not 2)."""
-    graph = LLM(quantization="packed", graph_mode="piecewise", capture_sizes=[1], cache_dir=str(tmp_path))
+    graph = LLM(quantization="packed", graph_mode="piecewise", capture_sizes=[1])
     params = SamplingParams(max_tokens=4, temperature=0)
     assert [o.token_ids for o in graph.generate(PROMPTS[:1], params)] == [
         o.token_ids for o in llm.generate(PROMPTS[:1], params)
@@ -278,7 +280,7 @@ def test_the_shipped_recipe_runs_packed_and_its_fusion_group_holds(tmp_path: Pat
     text = shipped.read_text().replace("quantization: {weights: none}", "quantization: {weights: int4}")
     assert "weights: int4" in text
     (tmp_path / "recipe.yaml").write_text(text)
-    llm = LLM(recipe=str(tmp_path / "recipe.yaml"), capture_sizes=[1, 4], cache_dir=str(tmp_path))
+    llm = LLM(recipe=str(tmp_path / "recipe.yaml"), capture_sizes=[1, 4])  # the suite's cache, as above
     assert isinstance(llm.engine.model.model.layers[0].mlp.gate_up_proj, PackedLinear)
     (mlp,) = llm.engine.executor.fusion
     assert mlp.realised and mlp.kernels[0] == "torch.ops.kiln.packed_linear.default"  # the packed product, whole
