@@ -206,20 +206,42 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch
     return torch.where(lost, probs.argmax(-1), tokens)
 
 
+def adjusted_logits(logits: torch.Tensor, rows: list[SamplingRow], penalised: bool = True) -> torch.Tensor:
+    """`logits` (a copy when anything changes) with EOS held off before min_tokens, grammar masks, logit_bias and
+    (unless not `penalised`) penalties applied: what the filters and the greedy pick see."""
+    changes = any(r.params.has_penalties or r.block_eos or r.allowed is not None or r.params.logit_bias for r in rows)
+    logits = logits.clone() if changes else logits
+    for i, row in enumerate(rows):
+        if row.block_eos:
+            logits[i, row.block_eos] = float("-inf")
+    mask_disallowed(logits, rows)
+    add_logit_bias(logits, rows)
+    return apply_penalties(logits, rows) if penalised else logits
+
+
+def token_logprobs(raw: torch.Tensor, rows: list[SamplingRow], token_ids: list[int]) -> list[dict[int, float] | None]:
+    """Per row asking for logprobs: the chosen token's and its top alternatives', from the model's own `raw`
+    distribution (before masks and filters)."""
+    logprobs: list[dict[int, float] | None] = [None] * len(rows)
+    if any(r.params.logprobs is not None for r in rows):
+        all_logprobs = raw.log_softmax(-1)
+        for i, row in enumerate(rows):
+            k = row.params.logprobs
+            if k is None:
+                continue
+            entry = {token_ids[i]: float(all_logprobs[i, token_ids[i]])}
+            if k > 0:
+                top = all_logprobs[i].topk(k)
+                entry.update(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+            logprobs[i] = entry
+    return logprobs
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: [len(rows), vocab] float32. Returns one token (and optional logprobs) per row."""
         raw = logits
-        changes = any(
-            r.params.has_penalties or r.block_eos or r.allowed is not None or r.params.logit_bias for r in rows
-        )
-        logits = logits.clone() if changes else logits
-        for i, row in enumerate(rows):
-            if row.block_eos:
-                logits[i, row.block_eos] = float("-inf")
-        mask_disallowed(logits, rows)
-        add_logit_bias(logits, rows)
-        logits = apply_penalties(logits, rows)
+        logits = adjusted_logits(logits, rows)
         # NOTE: one pass finds both the greedy tokens and the rows that cannot be sampled: a row's max is NaN or
         # inf when any logit is NaN or +inf, and -inf when every candidate was masked out.
         best, tokens = logits.max(dim=-1)
@@ -247,16 +269,4 @@ class Sampler:
                 )
             else:
                 errors[i] = "the sampling probabilities are not finite; check temperature and penalties"
-        logprobs: list[dict[int, float] | None] = [None] * len(rows)
-        if any(r.params.logprobs is not None for r in rows):
-            all_logprobs = raw.log_softmax(-1)
-            for i, row in enumerate(rows):
-                k = row.params.logprobs
-                if k is None:
-                    continue
-                entry = {token_ids[i]: float(all_logprobs[i, token_ids[i]])}
-                if k > 0:
-                    top = all_logprobs[i].topk(k)
-                    entry.update(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-                logprobs[i] = entry
-        return SamplerOutput(token_ids, logprobs, errors)
+        return SamplerOutput(token_ids, token_logprobs(raw, rows, token_ids), errors)

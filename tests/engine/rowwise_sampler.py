@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.engine.sampler import SamplerOutput, SamplingRow, add_logit_bias, mask_disallowed
+from kiln.engine.sampler import SamplerOutput, SamplingRow, adjusted_logits, token_logprobs
 from kiln.engine.sampling_params import SamplingParams
 
 
@@ -52,16 +52,7 @@ class RowwiseSampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: [len(rows), vocab] float32. Returns one token (and optional logprobs) per row."""
         raw = logits
-        changes = any(
-            r.params.has_penalties or r.block_eos or r.allowed is not None or r.params.logit_bias for r in rows
-        )
-        logits = logits.clone() if changes else logits
-        for i, row in enumerate(rows):
-            if row.block_eos:
-                logits[i, row.block_eos] = float("-inf")
-        mask_disallowed(logits, rows)
-        add_logit_bias(logits, rows)
-        logits = apply_penalties(logits, rows)
+        logits = apply_penalties(adjusted_logits(logits, rows, penalised=False), rows)
         # NOTE: one pass finds both the greedy tokens and the rows that cannot be sampled: a row's max is NaN or
         # inf when any logit is NaN or +inf, and -inf when every candidate was masked out.
         best, greedy = logits.max(dim=-1)
@@ -82,16 +73,4 @@ class RowwiseSampler:
                     errors[i] = "the sampling probabilities are not finite; check temperature and penalties"
                     continue
                 token_ids[i] = int(torch.multinomial(probs, 1, generator=row.generator).item())
-        logprobs: list[dict[int, float] | None] = [None] * len(rows)
-        if any(r.params.logprobs is not None for r in rows):
-            all_logprobs = raw.log_softmax(-1)
-            for i, row in enumerate(rows):
-                k = row.params.logprobs
-                if k is None:
-                    continue
-                entry = {token_ids[i]: float(all_logprobs[i, token_ids[i]])}
-                if k > 0:
-                    top = all_logprobs[i].topk(k)
-                    entry.update(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-                logprobs[i] = entry
-        return SamplerOutput(token_ids, logprobs, errors)
+        return SamplerOutput(token_ids, token_logprobs(raw, rows, token_ids), errors)
