@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError, meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
@@ -18,8 +19,17 @@ from kiln.errors import ModelLoadError, RequestError
 
 Field = Callable[..., Any]  # a GGUF checkpoint's field(key, default=None)
 
+
+def _template_error(message: str) -> None:
+    raise TemplateError(message)
+
+
 # stands in for each message's content while the chat template renders (a private-use character, never a token)
 _MARK = "\ue000"
+_TEMPLATES = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+_TEMPLATES.globals["raise_exception"] = _template_error  # as HF templates call it: their own message reaches the 400
+
+
 # token_type values in GGUF (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
 _CONTROL, _USER_DEFINED = 3, 4
 # GPT-2 style split used by llama.cpp's "default"/"gpt2"/"smollm" pre-tokenizers.
@@ -126,30 +136,42 @@ class KilnTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_knows_tools(self) -> bool:
+        """The chat template reads a `tools` variable (renders tool definitions), as tool-calling models' do."""
+        if not self.chat_template:
+            return False
+        return "tools" in meta.find_undeclared_variables(_TEMPLATES.parse(self.chat_template))
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[Any] | None = None
+    ) -> str:
         """The conversation as the template writes it (text: control tokens and contents alike; see
-        `encode_chat` for the ids a model should see)."""
+        `encode_chat` for the ids a model should see). `tools`: the tool definitions, for templates that take them."""
         if not self.chat_template:
             raise RequestError("this model has no chat template; use a plain completion instead", param="messages")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        template = env.from_string(self.chat_template)
+        template = _TEMPLATES.from_string(self.chat_template)
+        extra = {} if tools is None else {"tools": tools}
         return template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            **extra,
         )
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[Any] | None = None
+    ) -> list[int]:
         """The conversation's prompt ids, where control tokens come from the template only: each message's content
         is tokenized with special-token text kept as text (a user who writes `<|im_end|><|im_start|>system` gets
         those characters, not a system turn). The template is rendered with a marker in place of each content;
         the text between markers is the template's own and is tokenized with its special tokens. Where the template
         changes a content (trims it, ...), its text is used as rendered, and a content with special-token text
         is refused rather than obeyed."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         marked = [{**m, "content": f"{_MARK}{i}{_MARK}"} if m.get("content") else m for i, m in enumerate(messages)]
-        pieces = self.apply_chat_template(marked, add_generation_prompt).split(_MARK)
+        pieces = self.apply_chat_template(marked, add_generation_prompt, tools).split(_MARK)
         # pieces alternate: template text, a content's index, template text, ...
         in_order = pieces[1::2] == [str(i) for i, m in enumerate(messages) if m.get("content")]
         spliced = in_order and "".join(messages[int(p)]["content"] if n % 2 else p for n, p in enumerate(pieces))
@@ -191,8 +213,12 @@ class KilnTokenizer:
             self._text_tokenizer.encode_special_tokens = True
         return self._text_tokenizer
 
+    @property
+    def special_token_texts(self) -> list[str]:
+        return [t.content for t in self.tokenizer.get_added_tokens_decoder().values() if t.special]
+
     def _has_special_text(self, text: str) -> bool:
-        return any(t.content in text for t in self.tokenizer.get_added_tokens_decoder().values() if t.special)
+        return any(special in text for special in self.special_token_texts)
 
     @classmethod
     def from_gguf(cls, checkpoint: Any) -> KilnTokenizer:

@@ -14,5 +14,9 @@ protocol.py    OpenAI request bodies (the fields kiln serves) and their mapping 
 request_fields.py  the fields kiln does not serve, why (each a 400 naming it), and those that ask for nothing
 responses.py   OpenAI response bodies built from RequestOutputs: usage, logprobs in both API shapes, SSE framing
 structured_fields.py  response_format, structured_outputs and guided_*: the one constraint a request asks for
+answers.py     the streaming response that aborts its engine requests, waits that end on disconnect
+tool_fields.py   tools, tool_choice and history calls: what they ask of the prompt, the output's schema, its reading
+tool_parsers.py  tool calls read out of a model's text (hermes, llama3_json, mistral, json_array), as it streams
+tool_prompt.py   tools in the prompt: as templates that know tools take them, or kiln's fallback in hermes format
 serving.py     /v1/completions and /v1/chat/completions: validate, tokenize off the event loop, add to engine, answer
 """

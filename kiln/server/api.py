@@ -35,6 +35,7 @@ class AppSettings:
     limits: ServerLimits | None = None  # None: ServerLimits.for_model(the engine's max_model_len)
     allowed_hosts: frozenset[str] = frozenset()  # Host names answered without a key, beyond IPs and localhost
     parse_special_tokens: bool = True  # /v1/completions text prompts: special-token text becomes control tokens
+    tool_call_parser: str | None = None  # None: chosen by the chat template (kiln.server.tool_parsers)
 
 
 def create_app(engine: AsyncEngine, settings: AppSettings) -> FastAPI:
@@ -56,7 +57,13 @@ def create_app(engine: AsyncEngine, settings: AppSettings) -> FastAPI:
     limits = settings.limits or ServerLimits.for_model(engine.core.max_model_len)
     metrics = ServerMetrics(engine)
     serving = OpenAIServing(
-        engine, metrics, limits, settings.served_model_name, settings.model_aliases, settings.parse_special_tokens
+        engine,
+        metrics,
+        limits,
+        settings.served_model_name,
+        settings.model_aliases,
+        settings.parse_special_tokens,
+        settings.tool_call_parser,
     )
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     app.state.settings = settings

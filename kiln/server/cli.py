@@ -20,6 +20,7 @@ from kiln.server.limits import (
     MIB,
     PROMPT_CHARS_PER_TOKEN,
 )
+from kiln.server.tool_parsers import TOOL_PARSERS
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -51,6 +52,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="how /v1/completions tokenizes a text prompt: 'parse' turns special-token text such as <|im_start|> "
         "into control tokens, as vLLM does (a client may write a chat by hand); 'text' keeps it as characters, so "
         "a prompt built from untrusted text cannot forge turns (chat messages are always kept as text)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="how chat answers are read for tool calls (default: by the chat template's format; a template "
+        "without tools gets kiln's fallback prompt and the hermes parser)",
     )
 
     auth = p.add_argument_group(

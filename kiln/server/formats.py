@@ -12,6 +12,8 @@ from typing import Any
 
 from kiln.engine.request import RequestOutput
 from kiln.server.responses import LogprobFormatter
+from kiln.server.tool_fields import ToolUse
+from kiln.server.tool_parsers import ToolCallReader, ToolParser
 
 
 class ResponseFormat(ABC):
@@ -84,8 +86,24 @@ class CompletionFormat(ResponseFormat):
 
 
 class ChatFormat(ResponseFormat):
+    """`chat.completion`; with tools, each choice's text is read for calls (`tool_calls` in the message and in
+    the streamed deltas, finish_reason "tool_calls"). Without parallel calls, only the first call is kept."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        logprobs: LogprobFormatter,
+        num_logprobs: int | None,
+        tools: ToolUse | None = None,
+        parser: ToolParser | None = None,
+    ) -> None:
+        super().__init__(response_id, model, logprobs, num_logprobs)
+        self.tools, self.parser = tools, parser
+        self._readers: dict[int, ToolCallReader | None] = {}
 
     def opening_choices(self, indices: list[int]) -> list[dict[str, Any]]:
         delta = {"role": "assistant", "content": ""}
@@ -94,18 +112,47 @@ class ChatFormat(ResponseFormat):
     def stream_choice(
         self, index: int, out: RequestOutput, new_ids: list[int], new_logprobs: list[dict[int, float]] | None
     ) -> dict[str, Any] | None:
-        if not (out.delta or out.finished or new_logprobs):
-            return None
         lp = None
         if new_logprobs is not None and self.num_logprobs is not None:
             lp = {"content": self.logprobs.chat(new_ids, new_logprobs, self.num_logprobs)}
-        delta = {"content": out.delta} if out.delta else {}
-        finish = out.finish_reason if out.finished else None
+        reader = self._reader(index)
+        delta: dict[str, Any] = {"content": out.delta} if out.delta else {}
+        if reader is not None:
+            reading = reader.read(out.text, out.finished)
+            delta = {"content": reading.content} if reading.content else {}
+            calls = [c for c in reading.tool_calls if self._kept(c["index"])]
+            if calls:
+                delta["tool_calls"] = calls
+        if not (delta or out.finished or lp):
+            return None
+        finish = self._finish_reason(reader, out) if out.finished else None
         return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
     def final_choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
         lp = None
         if out.logprobs is not None and self.num_logprobs is not None:
             lp = {"content": self.logprobs.chat(out.token_ids, out.logprobs, self.num_logprobs)}
-        message = {"role": "assistant", "content": out.text}
-        return {"index": index, "message": message, "logprobs": lp, "finish_reason": out.finish_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": out.text}
+        reader = self._reader(index)
+        if reader is not None:
+            reader.read(out.text, final=True)
+            if not (reader.has_calls and (reader.complete or reader.named is not None)):
+                reader = None  # no call, or one the text does not finish: the text is the answer, as written
+            else:
+                calls = [c.message() for c in reader.calls if self._kept(c.index)]
+                message = {"role": "assistant", "content": reader.content.strip() or None, "tool_calls": calls}
+        return {"index": index, "message": message, "logprobs": lp, "finish_reason": self._finish_reason(reader, out)}
+
+    def _reader(self, index: int) -> ToolCallReader | None:
+        if index not in self._readers:
+            use, parser = self.tools, self.parser
+            self._readers[index] = use.reader(parser) if use is not None and parser is not None else None
+        return self._readers[index]
+
+    def _kept(self, call_index: int) -> bool:
+        return self.tools is None or self.tools.parallel or call_index == 0
+
+    def _finish_reason(self, reader: ToolCallReader | None, out: RequestOutput) -> str | None:
+        if reader is not None and self.tools is not None and reader.has_calls and out.finish_reason == "stop":
+            return self.tools.finish_reason
+        return out.finish_reason

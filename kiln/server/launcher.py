@@ -168,7 +168,9 @@ def build_app(core: EngineCore, args: argparse.Namespace, api_key: str | None) -
     )
     allowed = frozenset(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
     parse = args.completion_special_tokens == "parse"
-    return create_app(engine, AppSettings(model_name, aliases, api_key, args.metrics_auth, limits, allowed, parse))
+    parser = args.tool_call_parser
+    settings = AppSettings(model_name, aliases, api_key, args.metrics_auth, limits, allowed, parse, parser)
+    return create_app(engine, settings)
 
 
 def resolve_api_key(args: argparse.Namespace, env_api_key: str | None) -> str | None:

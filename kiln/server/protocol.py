@@ -20,6 +20,7 @@ from kiln.engine.structured_output import StructuredOutput
 from kiln.errors import RequestError
 from kiln.server.request_fields import RequestPart
 from kiln.server.structured_fields import ResponseFormatField, StructuredOutputsField, requested_constraint
+from kiln.server.tool_fields import NamedToolChoice, ToolCallItem, ToolDefinition, ToolUse, history_calls, tool_use
 
 MAX_N = 64
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -107,8 +108,11 @@ class SamplingFields(RequestPart):
             biases[int(key)] = bias
         return biases
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None, choice_index: int) -> SamplingParams:
-        """Build validated SamplingParams (RequestError names the field). Choice `i` of `n` samples with seed+i."""
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, choice_index: int, constraint: StructuredOutput | None
+    ) -> SamplingParams:
+        """Build validated SamplingParams (RequestError names the field). Choice `i` of `n` samples with seed+i;
+        `constraint`: what `structured_output()` gave (computed once per request)."""
         optional: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -128,7 +132,7 @@ class SamplingFields(RequestPart):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_output=self.structured_output(),
+            structured_output=constraint,
             logit_bias=self.token_biases(),
             **{name: value for name, value in optional.items() if value is not None},
         )
@@ -193,6 +197,8 @@ class ChatMessage(RequestPart):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    tool_calls: list[ToolCallItem] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = Field(None, max_length=256)  # the call a tool turn answers
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -201,6 +207,28 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_use(self) -> ToolUse | None:
+        """What the tool fields ask for (kiln.server.tool_fields), None without tools."""
+        return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The structured-output fields' constraint, or the one a required or named tool_choice holds the output
+        to (RequestError when both ask for one)."""
+        asked = super().structured_output()
+        use = self.tool_use()
+        by_tools = use.constraint() if use is not None else None
+        if asked is not None and by_tools is not None:
+            raise RequestError(
+                f"tool_choice {use.mode if use else ''} holds the output to the tools' schema, so {asked.param} "
+                "cannot also constrain it; send one of them",
+                None,
+                asked.param,
+            )
+        return asked or by_tools
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template expects them: {role, content: str}; text parts are concatenated, and
@@ -219,10 +247,21 @@ class ChatCompletionRequest(SamplingFields):
                 content = "".join(part.text or "" for part in content)
             role = "system" if m.role == "developer" else m.role
             message: dict[str, Any] = {"role": role, "content": content or ""}
-            if m.name is not None:
-                message["name"] = m.name
+            for key in ("name", "tool_call_id"):
+                if getattr(m, key) is not None:
+                    message[key] = getattr(m, key)
             for key, text in message.items():
                 check_text(text, f"messages.{i}.{key}")
+            if m.tool_calls:
+                if m.role != "assistant":
+                    raise RequestError("only assistant messages carry tool_calls", None, f"messages.{i}.tool_calls")
+                for j, call in enumerate(m.tool_calls):
+                    check_text(call.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments")
+                message["tool_calls"] = history_calls(m.tool_calls, f"messages.{i}.tool_calls")
+            if m.role == "tool" and m.tool_call_id is None:
+                raise RequestError(
+                    "a tool message needs tool_call_id: the id of the call it answers", None, f"messages.{i}"
+                )
             messages.append(message)
         return messages
 

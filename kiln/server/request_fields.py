@@ -3,7 +3,7 @@
 The request models (kiln/server/protocol.py) forbid fields they do not declare, so a field kiln does not
 implement is a 400 that names it (`param`), as OpenAI answers a field it does not know. Before that check,
 `drop_fields_asking_nothing` removes the fields that ask for nothing: a field at OpenAI's default
-(`"tool_choice": "none"`, `"tools": []`, `null` for any of them; clients and SDKs send these unasked) and the
+(`"function_call": "none"`, `"functions": []`, `null` for any of them; clients and SDKs send these unasked) and the
 fields kiln takes as no-ops by design (`NO_OPS`, listed in the README).
 `NOT_SERVED` gives the reason a refused field names; any other unknown field is refused as unknown.
 """
@@ -18,11 +18,11 @@ from pydantic import BaseModel, ConfigDict, model_validator
 NOT_SERVED: dict[str, str] = {
     "guided_decoding_backend": "kiln's structured outputs run on llguidance (auto, guidance or llguidance)",
     "guided_whitespace_pattern": "kiln writes structured JSON on one line; a whitespace pattern is not supported",
-    "tools": "tool calling is not implemented in kiln yet",
-    "tool_choice": "tool calling is not implemented in kiln yet",
-    "parallel_tool_calls": "tool calling is not implemented in kiln yet",
-    "functions": "function calling (OpenAI's older form of tools) is not implemented in kiln",
-    "function_call": "function calling (OpenAI's older form of tools) is not implemented in kiln",
+    "functions": "function calling (OpenAI's older form of tools) is not implemented in kiln; send tools",
+    "function_call": "function calling (OpenAI's older form of tools) is not implemented in kiln; send tools",
+    "tools": "tool calling is served by /v1/chat/completions, not /v1/completions",
+    "tool_choice": "tool calling is served by /v1/chat/completions, not /v1/completions",
+    "parallel_tool_calls": "tool calling is served by /v1/chat/completions, not /v1/completions",
     "suffix": "suffix (text insertion) is not supported by kiln",
     "prediction": "predicted outputs are not supported by kiln",
     "audio": "audio is not supported: kiln serves text",
@@ -38,19 +38,17 @@ NOT_SERVED: dict[str, str] = {
     "echo": "echo is not supported by kiln",
     "continuous_usage_stats": "usage in every chunk is not implemented; include_usage gives it in the last chunk",
     # in a chat message
-    "tool_calls": "tool calling is not implemented in kiln yet, so a message cannot carry tool calls",
-    "tool_call_id": "tool calling is not implemented in kiln yet, so a message cannot answer a tool call",
     "refusal": "a refusal is not text kiln can put in a prompt; send it as the message's content",
     "annotations": "message annotations are not supported by kiln",
 }
 
 ASKS_NOTHING: dict[str, tuple[Any, ...]] = {
     "guided_decoding_backend": ("auto", "guidance", "llguidance"),
+    "functions": ([],),
+    "function_call": ("none",),
     "tools": ([],),
     "tool_choice": ("none",),
     "parallel_tool_calls": (True,),
-    "functions": ([],),
-    "function_call": ("none",),
     "suffix": ("",),
     "modalities": (["text"],),
     "store": (False,),
@@ -59,7 +57,6 @@ ASKS_NOTHING: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),
     "echo": (False,),
     "continuous_usage_stats": (False,),
-    "tool_calls": ([],),
     "annotations": ([],),
 }
 

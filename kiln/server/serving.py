@@ -10,26 +10,26 @@ ending in `data: [DONE]`, also when they fail (an error event comes first); a cl
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
+import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import jinja2
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
 
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.request import RequestOutput
-from kiln.engine.request_stream import SLOW_READER, RequestStream
+from kiln.engine.request_stream import RequestStream
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.structured_output import StructuredOutput
 from kiln.errors import RequestError
+from kiln.server.answers import EngineStreamingResponse, raise_if_failed, unless_disconnected
 from kiln.server.errors import CLIENT_CLOSED, APIError, error_body, expected_error, internal_error
 from kiln.server.formats import ChatFormat, CompletionFormat, ResponseFormat
 from kiln.server.limits import MESSAGE_MARKUP_CHARS, ServerLimits
@@ -37,6 +37,8 @@ from kiln.server.metrics import ServerMetrics
 from kiln.server.middleware import request_id_of
 from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, prompt_param
 from kiln.server.responses import SSE_DONE, LogprobFormatter, sse, usage
+from kiln.server.tool_parsers import TOOL_PARSERS, choose_tool_parser
+from kiln.server.tool_prompt import prompt_messages
 
 logger = logging.getLogger("kiln")
 
@@ -53,6 +55,7 @@ class OpenAIServing:
         served_model_name: str,
         aliases: Sequence[str] = (),
         parse_special_tokens: bool = True,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -69,6 +72,12 @@ class OpenAIServing:
         # characters), so the event loop waits for at most one encode at a time instead of one per pool thread;
         # encodes cannot run in parallel under the GIL anyway.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kiln-tokenize")
+        tok = self.tokenizer
+        name, why = choose_tool_parser(tok.chat_template, tok.template_knows_tools, tool_call_parser)
+        logger.info("Tool calls: %s parser (%s)", name, why)
+        self.tool_parser = TOOL_PARSERS[name]
+        opener = self.tool_parser.opener
+        self._tool_opener_is_special = opener in tok.special_token_texts
 
     def close(self) -> None:
         """Let the tokenizer thread exit once its queued work is done (the app's shutdown calls this)."""
@@ -94,15 +103,22 @@ class OpenAIServing:
         self._check_model(body.model)
         self.limits.check_stop(body.stop_strings())
         self.limits.check_num_seqs(1, body.n)
-        messages = body.template_messages()
+        tools = body.tool_use()
+        messages, shown = prompt_messages(
+            body.template_messages(), tools.shown if tools else (), self.tokenizer.template_knows_tools
+        )
         # NOTE: the messages become one prompt, so their texts share one limit, and each message costs the
         # template's markup too (150k empty messages were 0 characters, yet rendering them stalled the server)
-        chars = sum(MESSAGE_MARKUP_CHARS + sum(len(text) for text in m.values()) for m in messages)
+        chars = sum(MESSAGE_MARKUP_CHARS + _chars(m) for m in messages) + _chars(shown or [])
         self.limits.check_prompt_chars(chars, "messages")
         num_logprobs = body.num_logprobs
-        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.served_model_name, self.logprobs, num_logprobs)
-        tokenize = functools.partial(self._chat_prompt, messages)
-        return await self._serve(request, body, fmt, tokenize, 1, body.requested_max_tokens, num_logprobs, arrival)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        fmt = ChatFormat(rid, self.served_model_name, self.logprobs, num_logprobs, tools, self.tool_parser)
+        tokenize = functools.partial(self._chat_prompt, messages, shown)
+        keep_special = tools is not None and tools.mode == "auto" and self._tool_opener_is_special
+        return await self._serve(
+            request, body, fmt, tokenize, 1, body.requested_max_tokens, num_logprobs, arrival, keep_special
+        )
 
     def models(self) -> dict[str, Any]:
         card = {
@@ -125,6 +141,7 @@ class OpenAIServing:
         max_tokens: int | None,
         num_logprobs: int | None,
         arrival: float,
+        keep_special_tokens: bool = False,
     ) -> Response:
         # NOTE: the room is held while the tokenizer works, so a flood is answered 429 before it is tokenized
         constraint = body.structured_output()
@@ -138,7 +155,9 @@ class OpenAIServing:
                 # reject the request with both numbers and the limit in the message.
                 limit = max_tokens if max_tokens is not None else max(self.max_model_len - len(ids), 1)
                 for c in range(body.n):
-                    params = body.sampling_params(limit, num_logprobs, c)
+                    params = body.sampling_params(limit, num_logprobs, c, constraint)
+                    if keep_special_tokens:  # the tool parser reads an opener that is a special token
+                        params.skip_special_tokens = False
                     jobs.append((f"{fmt.response_id}-{p * body.n + c}", ids, params))
             stream = await self.engine.add_requests(jobs, reservation)
         index = {rid: i for i, (rid, _, _) in enumerate(jobs)}
@@ -148,7 +167,7 @@ class OpenAIServing:
             events = self._stream(stream, fmt, index, prompt_tokens, body.include_usage_in_stream, arrival, request_id)
             return EngineStreamingResponse(events, on_close=lambda: self._close(stream))
         try:
-            finals = await _unless_disconnected(request, self._collect(stream, arrival))
+            finals = await unless_disconnected(request, self._collect(stream, arrival))
         finally:
             self._close(stream)
         if finals is None:
@@ -156,7 +175,7 @@ class OpenAIServing:
             return Response(status_code=CLIENT_CLOSED)
         outputs = [finals[rid] for rid in index]
         for out in outputs:
-            _raise_if_failed(out, request_id)
+            raise_if_failed(out, request_id)
         choices = [fmt.final_choice(index[out.request_id], out) for out in outputs]
         body_json = fmt.response(choices, usage(prompt_tokens, sum(len(out.token_ids) for out in outputs)))
         return JSONResponse(body_json)
@@ -196,7 +215,7 @@ class OpenAIServing:
                 if out.finished:
                     self.metrics.observe_finished(out, arrival)
                     completion_tokens += len(out.token_ids)
-                _raise_if_failed(out, request_id)
+                raise_if_failed(out, request_id)
                 start, num_sent[out.request_id] = num_sent[out.request_id], len(out.token_ids)
                 new_logprobs = out.logprobs[start:] if out.logprobs is not None else None
                 choice = fmt.stream_choice(index[out.request_id], out, out.token_ids[start:], new_logprobs)
@@ -237,57 +256,18 @@ class OpenAIServing:
     def _tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
         return [self._encode_text(p) if isinstance(p, str) else list(p) for p in prompts]
 
-    def _chat_prompt(self, messages: list[dict[str, Any]]) -> list[list[int]]:
+    def _chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[list[int]]:
         try:
-            return [self.tokenizer.encode_chat(messages)]  # contents' special-token text stays text
+            return [self.tokenizer.encode_chat(messages, tools=tools)]  # contents' special-token text stays text
         except jinja2.TemplateError as exc:
             raise RequestError(f"the model's chat template rejected the messages: {exc}", None, "messages") from None
 
 
-class EngineStreamingResponse(StreamingResponse):
-    """SSE whose engine requests are aborted however the response ends, even if the client left before the
-    first event (then the event generator never starts, so its own cleanup never runs)."""
-
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self.on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.on_close()
-
-
-def _raise_if_failed(out: RequestOutput, request_id: str) -> None:
-    if out.finish_reason == SLOW_READER:
-        raise APIError(408, out.error or "the client read the stream too slowly", code="slow_reader")
-    if out.finish_reason == "error":
-        # NOTE: the engine logged the cause under its own request id; this line ties that to the HTTP request's.
-        logger.warning("request %s: engine request %s failed: %s", request_id, out.request_id, out.error)
-        what = out.error or "the engine failed this request"
-        raise APIError(500, f"{what} (request {request_id})", code="engine_error")
-    if out.finish_reason == "abort":
-        why = out.error or "the server is shutting down"
-        raise APIError(503, f"request {out.request_id} was aborted: {why}", code="aborted")
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
-    """Run `work`; if the client disconnects first, cancel it (which aborts its engine requests) and return None."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    return task.result() if not task.cancelled() else None
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    # NOTE: the body is already read, so the next ASGI message is `http.disconnect` when the client goes away.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+def _chars(value: Any) -> int:
+    """The characters of a message's texts (or the tools'), as the prompt limit counts them: structured values
+    (tool calls, definitions) by their JSON."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_chars(v) for v in value.values())
+    return len(json.dumps(value, ensure_ascii=False))

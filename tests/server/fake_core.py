@@ -30,6 +30,9 @@ class FakeTokenizer:
     `gate` (cleared) holds every encode, so tests can keep requests in tokenization."""
 
     eos_token_id = 0
+    chat_template = None
+    template_knows_tools = False  # tools reach the prompt by kiln's fallback (kiln/server/tool_prompt.py)
+    special_token_texts: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self.num_encode_calls = 0
@@ -45,12 +48,16 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: Any = None
+    ) -> str:
         self.num_template_calls += 1
         return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: Any = None
+    ) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools))
 
 
 @dataclass

@@ -19,9 +19,6 @@ COMPLETION = {"prompt": "hi", "max_tokens": 3, "temperature": 0}
 ASKING = {
     "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ",
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-    "tool_choice": "required",
-    "parallel_tool_calls": False,
     "functions": [{"name": "f"}],
     "function_call": "auto",
     "suffix": " the end",
@@ -38,12 +35,18 @@ ASKING = {
     "prompt_logprobs": 1,
     "echo": True,
 }
-MESSAGE_FIELDS = {"tool_calls", "tool_call_id", "refusal", "annotations"}
+MESSAGE_FIELDS = {"refusal", "annotations"}
+# fields of /v1/chat/completions that /v1/completions refuses
+CHAT_ONLY = {
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "tool_choice": "required",
+    "parallel_tool_calls": False,
+}
 
 
 def test_every_field_not_served_has_a_value_that_asks_for_it() -> None:
     """The table of reasons and this test's values cover the same fields (a new entry needs a case here)."""
-    assert set(ASKING) | MESSAGE_FIELDS | {"continuous_usage_stats"} == set(NOT_SERVED)
+    assert set(ASKING) | set(CHAT_ONLY) | MESSAGE_FIELDS | {"continuous_usage_stats"} == set(NOT_SERVED)
     assert set(ASKS_NOTHING) <= set(NOT_SERVED)
 
 
@@ -59,6 +62,9 @@ def test_fields_kiln_does_not_serve_are_400s_naming_them(route: str) -> None:
             error = openai_error(await s.client.post(f"/v1/{route}", json={**base, field: value}), 400)
             assert error["param"] == field, (field, error)
             assert f"{field}: {NOT_SERVED[field]}; remove the field" in error["message"]
+        for field, value in CHAT_ONLY.items() if route == "completions" else ():  # chat: tests/server/test_tools.py
+            error = openai_error(await s.client.post(f"/v1/{route}", json={**base, field: value}), 400)
+            assert error["param"] == field and "served by /v1/chat/completions" in error["message"], error
         unknown = openai_error(await s.client.post(f"/v1/{route}", json={**base, "temprature": 0.5}), 400)
         assert unknown["param"] == "temprature" and "check its spelling" in unknown["message"]
         nested = {**base, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
@@ -74,11 +80,11 @@ def test_fields_at_their_default_and_no_ops_change_nothing() -> None:
     """What SDKs and clients send unasked: null, OpenAI's defaults, `user`. The answer is the same as without."""
     core = FakeCore()
     defaults: dict[str, Any] = {field: values[0] for field, values in ASKS_NOTHING.items()}
-    defaults.pop("tool_calls"), defaults.pop("annotations")  # message fields
+    defaults.pop("annotations")  # a message field
     defaults |= {"guided_json": None, "response_format": {"type": "text"}, "logit_bias": {}, "user": "user-1234"}
     assert set(NO_OPS) <= set(defaults)
     message = {**CHAT[0]}
-    echoed = {"role": "assistant", "content": "hello", "tool_calls": [], "refusal": None, "annotations": []}
+    echoed = {"role": "assistant", "content": "hello", "tool_calls": None, "refusal": None, "annotations": []}
 
     async def body(s: Served) -> None:
         plain = await s.client.post("/v1/completions", json=COMPLETION)
@@ -94,38 +100,44 @@ def test_fields_at_their_default_and_no_ops_change_nothing() -> None:
     serve(core, body)
 
 
-def test_message_fields_of_tool_calls_are_refused_where_they_stand() -> None:
-    core = FakeCore()
-    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+def test_history_with_tool_calls_is_taken_and_its_mistakes_are_400s_where_they_stand() -> None:
+    core = FakeCore(num_blocks=256, max_model_len=1024)
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Oslo"}'}}
     history = [
         {"role": "user", "content": "weather?"},
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
     ]
+    broken_call = {**call, "function": {"name": "f", "arguments": "city=Oslo"}}
+    mistakes = {
+        "messages.1.tool_calls.0.function.arguments": [history[0], {**history[1], "tool_calls": [broken_call]}],
+        "messages.2": [*history[:2], {"role": "tool", "content": "sunny"}],
+        "messages.0.tool_calls": [{**history[0], "tool_calls": [call]}],
+    }
 
     async def body(s: Served) -> None:
-        error = openai_error(await s.client.post("/v1/chat/completions", json={"messages": history}), 400)
-        assert error["param"] == "messages.1.tool_calls" and "tool calling" in error["message"]
-        answer = [history[0], {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}]
-        error = openai_error(await s.client.post("/v1/chat/completions", json={"messages": answer}), 400)
-        assert error["param"] == "messages.1.tool_call_id"
+        taken = await s.client.post("/v1/chat/completions", json={"messages": history, "max_tokens": 2})
+        assert taken.status_code == 200, taken.text
+        for param, messages in mistakes.items():
+            error = openai_error(await s.client.post("/v1/chat/completions", json={"messages": messages}), 400)
+            assert error["param"] == param, (param, error)
         image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}]
         error = openai_error(await s.client.post("/v1/chat/completions", json={"messages": image}), 400)
         assert error["param"] == "messages.0.content.0.type" and "kiln serves text only" in error["message"]
-        assert core.tokenizer.num_encode_calls == 0
+        assert core.tokenizer.num_encode_calls == 1  # only the good history was tokenized
 
     serve(core, body)
 
 
 def test_the_openai_client_gets_a_bad_request_error_naming_the_field() -> None:
-    """As the issue's new user tried: `tools` through the `openai` client (`response_format` and `logit_bias` are
-    served: tests/server/test_structured_live.py)."""
+    """A field kiln refuses, through the `openai` client: OpenAI's older `functions` (`tools`, `response_format`
+    and `logit_bias` are served: tests/server/test_tools.py, tests/server/test_structured_live.py)."""
     core = FakeCore()
 
     async def body(s: Served) -> None:
         client = openai.AsyncOpenAI(api_key="none", base_url="http://localhost/v1", http_client=s.client, max_retries=0)
         asks: list[dict[str, Any]] = [
-            {"tools": ASKING["tools"], "tool_choice": "auto"},
+            {"functions": [{"name": "f", "parameters": {"type": "object"}}]},
         ]
         for ask in asks:
             with pytest.raises(openai.BadRequestError) as refused:

@@ -1,7 +1,10 @@
 """Structured outputs on a live server over the default model, through the `openai` client: a held JSON schema
 (nested objects, arrays, enums, bounded numbers) over 50 requests, streamed and not, greedy and sampled; a
 pydantic model through `chat.completions.parse`; vLLM's guided_regex / guided_choice / guided_grammar; bad
-constraints refused with a 400 naming them; a grammar longer than max_tokens ending with "length"; logit_bias."""
+constraints refused with a 400 naming them; a grammar longer than max_tokens ending with "length"; logit_bias.
+Tool calls: tool_choice required and named hold the output to the tools' schemas; the Hermes parser reads a
+teacher-forced output (the model held to the exact text by a regex), streamed and not; a history with tool results;
+tool fields that do not fit refused with a 400 naming them."""
 
 from __future__ import annotations
 
@@ -170,3 +173,131 @@ def test_logit_bias_through_the_openai_client(server: LiveServer) -> None:
     for bad in ({"abc": 1}, {str(token): 101}, {"99999999": 1}):
         response = httpx.post(f"{server.base_url}/completions", json={**ask, "logit_bias": bad}, timeout=60)
         assert response.status_code == 400 and response.json()["error"]["param"] == "logit_bias", response.text
+
+
+# -- tool calls -------------------------------------------------------------------------------------------------
+WEATHER_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+ADD_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"],
+}
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather now in a city",
+                                      "parameters": WEATHER_PARAMETERS}},
+    {"type": "function", "function": {"name": "add", "description": "a + b", "parameters": ADD_PARAMETERS}},
+]  # fmt: skip
+PARAMETERS = {"get_weather": WEATHER_PARAMETERS, "add": ADD_PARAMETERS}
+WEATHER = [{"role": "user", "content": "What is the weather in Paris? Then add 2 and 3."}]
+
+
+def streamed_calls(chunks: Any) -> tuple[str, dict[int, dict[str, str]], str | None]:
+    """A streamed answer's content, its calls by index (id, name and the joined arguments), its finish_reason."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or []:
+            call = calls.setdefault(delta.index, {"id": "", "name": "", "arguments": ""})
+            if delta.id:
+                assert not call["id"], "a call's id and name come in its first delta only"
+                call["id"], call["name"] = delta.id, delta.function.name
+            call["arguments"] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def test_tool_choice_required_and_named_return_valid_calls(server: LiveServer) -> None:
+    client = server.client()
+    for temperature in (0.0, 0.9):
+        ask = {"model": MODEL, "messages": WEATHER, "tools": TOOLS, "max_tokens": 120, "temperature": temperature,
+               "seed": 3}  # fmt: skip
+        done = client.chat.completions.create(**ask, tool_choice="required")
+        message = done.choices[0].message
+        # a small model may go on calling until max_tokens: then the whole calls so far are the answer
+        assert done.choices[0].finish_reason in ("tool_calls", "length") and message.tool_calls, done
+        for call in message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+            assert call.id.startswith("call_") and call.type == "function"
+        content, calls, finish = streamed_calls(
+            client.chat.completions.create(**ask, tool_choice="required", stream=True)
+        )
+        assert finish == done.choices[0].finish_reason and not content and calls
+        # same seed: the same calls, token for token, streamed or not
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+            (c.function.name, c.function.arguments) for c in message.tool_calls
+        ]
+        one = client.chat.completions.create(**ask, tool_choice="required", parallel_tool_calls=False)
+        assert one.choices[0].finish_reason == "tool_calls" and len(one.choices[0].message.tool_calls or []) == 1
+        named = client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "add"}})
+        calls_named = named.choices[0].message.tool_calls or []
+        assert named.choices[0].finish_reason == "stop" and [c.function.name for c in calls_named] == ["add"]
+        jsonschema.validate(json.loads(calls_named[0].function.arguments), ADD_PARAMETERS)
+
+
+def test_the_hermes_parser_reads_a_teacher_forced_output_streamed_and_not(server: LiveServer) -> None:
+    """The model is forced (a regex of the exact text) to write content then two calls in the Hermes format the
+    fallback prompt asks for; `tool_choice: auto` reads them as the parser does any output."""
+    written = (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    )
+    ask = {"model": MODEL, "messages": WEATHER, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 120,
+           "temperature": 0, "extra_body": {"guided_regex": re.escape(written)}}  # fmt: skip
+    client = server.client()
+    done = client.chat.completions.create(**ask)
+    message = done.choices[0].message
+    assert done.choices[0].finish_reason == "tool_calls" and message.content == "Let me check."
+    got = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+    assert got == [("get_weather", {"city": "Paris", "unit": "c"}), ("add", {"a": 2, "b": 3})]
+    content, calls, finish = streamed_calls(client.chat.completions.create(**ask, stream=True))
+    assert finish == "tool_calls" and content == "Let me check.\n"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == got
+    assert len({c["id"] for c in calls.values()}) == 2
+    # the same text as plain content when tools are off (tool_choice none), and no tools in the prompt then
+    plain = client.chat.completions.create(**{**ask, "tool_choice": "none"})
+    assert plain.choices[0].message.content == written and plain.choices[0].finish_reason == "stop"
+    bare = client.chat.completions.create(model=MODEL, messages=WEATHER, max_tokens=1)
+    assert plain.usage.prompt_tokens == bare.usage.prompt_tokens < done.usage.prompt_tokens
+
+
+def test_a_conversation_with_tool_results_continues(server: LiveServer) -> None:
+    history = [
+        *WEATHER,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"},
+    ]  # fmt: skip
+    done = server.client().chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, max_tokens=8, temperature=0
+    )
+    assert done.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert done.usage.prompt_tokens > 0 and done.usage.completion_tokens > 0
+
+
+def test_tool_fields_that_do_not_fit_are_400s_naming_them(server: LiveServer) -> None:
+    def error(body: dict[str, Any]) -> dict[str, Any]:
+        response = httpx.post(f"{server.base_url}/chat/completions", json={"model": MODEL, "messages": WEATHER,
+                                                                           **body}, timeout=60)  # fmt: skip
+        assert response.status_code == 400, response.text
+        return response.json()["error"]
+
+    assert error({"tool_choice": "required"})["param"] == "tool_choice"
+    unknown = error({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "fly"}}})
+    assert unknown["param"] == "tool_choice.function.name" and "fly" in unknown["message"]
+    both = error({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}})
+    assert both["param"] == "response_format"
+    twice = error({"tools": [TOOLS[0], TOOLS[0]]})
+    assert twice["param"] == "tools.1.function.name"
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "thing"}}}]
+    assert error({"tools": bad, "tool_choice": "required"})["param"] == "tools"
+    assert error({"tools": [{"type": "retrieval"}]})["param"] == "tools.0.type"
+    server.wait_idle()
