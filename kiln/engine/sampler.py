@@ -30,7 +30,7 @@ class SamplingRow:
     block_eos: list[int]  # token ids masked out (eos before min_tokens)
     # a structured output's bitmask of the tokens allowed: little-endian 32-bit words, as int32 or raw bytes
     # (kiln.engine.structured_output)
-    allowed: torch.Tensor | bytes | None = None
+    allowed: torch.Tensor | None = None
 
 
 @dataclass
@@ -52,7 +52,7 @@ def mask_disallowed(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     constrained = [i for i, row in enumerate(rows) if row.allowed is not None]
     if not constrained:
         return
-    words = [_words(rows[i].allowed) for i in constrained]
+    words = [rows[i].allowed for i in constrained]
     packed = torch.stack(words).view(torch.uint8).flatten()  # little-endian words, byte by byte
     table = _BYTE_MASK.to(device=logits.device, dtype=logits.dtype)
     mask = table.index_select(0, packed.to(device=logits.device, dtype=torch.int32)).view(len(constrained), -1)
@@ -62,12 +62,6 @@ def mask_disallowed(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     else:
         index = torch.tensor(constrained, device=logits.device)
         logits[index] = logits[index] + mask
-
-
-def _words(allowed: torch.Tensor | bytes | None) -> torch.Tensor:
-    if isinstance(allowed, torch.Tensor):
-        return allowed
-    return torch.frombuffer(bytearray(allowed or b""), dtype=torch.int32)
 
 
 def add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -187,11 +181,6 @@ def filter_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
         index = torch.tensor(rows)
         out[index] = values if tokens is None else out[index].scatter_(1, tokens, values)
     return out
-
-
-def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """`filter_batch` on one row."""
-    return filter_batch(logits.unsqueeze(0), [params])[0]
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

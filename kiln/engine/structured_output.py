@@ -4,7 +4,7 @@
 constraint with llguidance (chosen over xgrammar: one 3 MB wheel with no dependencies, where xgrammar needs
 triton and transformers at run time; its Earley parser over a token trie computes a mask in ~20 us on the default
 model's 49k vocabulary) and hands each sequence its own `GrammarState`. Each step, a constrained row's logits
-are masked to the tokens the grammar allows (`token_bitmask`, applied in kiln.engine.sampler); the sampled token
+are masked to the tokens the grammar allows (`Grammars.bitmasks`, applied in kiln.engine.sampler); the sampled token
 advances the state; once the grammar allows nothing more the sequence stops with `finish_reason: "stop"`.
 
 llguidance is imported on the first constraint, so an engine runs without it (a machine without the package gets
@@ -68,10 +68,6 @@ class GrammarState:
 
     def __init__(self, matcher: Any, param: str, grammars: Grammars) -> None:
         self.matcher, self.param, self.grammars = matcher, param, grammars
-
-    def token_bitmask(self) -> bytes:
-        """The tokens allowed next: bit t % 32 of 32-bit word t // 32 (little-endian words)."""
-        return self.matcher.compute_bitmask()
 
     def advance(self, token: int) -> None:
         """Take the sampled `token`; RequestError when the grammar cannot (a token it did not allow was forced)."""

@@ -6,9 +6,14 @@ import pytest
 import torch
 
 from kiln import LLM
-from kiln.engine.sampler import Sampler, SamplingRow, filter_logits
+from kiln.engine.sampler import Sampler, SamplingRow, filter_batch
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import RequestError
+
+
+def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """`filter_batch` on one row."""
+    return filter_batch(logits.unsqueeze(0), [params])[0]
 
 
 def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token() -> None:

@@ -32,11 +32,12 @@ SCHEMA = {
 }
 
 
-def bitmask(allowed: set[int], vocab: int) -> bytes:
+def bitmask(allowed: set[int], vocab: int) -> torch.Tensor:
+    """The grammar's mask layout: bit t % 32 of little-endian 32-bit word t // 32."""
     words = [0] * ((vocab + 31) // 32)
     for t in allowed:
         words[t // 32] |= 1 << (t % 32)
-    return struct.pack(f"<{len(words)}I", *words)
+    return torch.frombuffer(bytearray(struct.pack(f"<{len(words)}I", *words)), dtype=torch.int32)
 
 
 def test_the_sampler_masks_constrained_rows_only() -> None:
@@ -91,8 +92,8 @@ def test_a_sequence_state_follows_its_tokens_and_completes(grammars: Grammars, t
     state = grammars.start(StructuredOutput.json(SCHEMA))
     other = grammars.start(StructuredOutput.json(SCHEMA))  # its own copy: untouched by the first
     for token in tokenizer.encode(text, add_special_tokens=False):
-        mask = state.token_bitmask()
-        assert mask[token // 8] >> (token % 8) & 1, tokenizer.decode([token])
+        mask = grammars.bitmasks([state])[0]
+        assert int(mask[token // 32]) >> (token % 32) & 1, tokenizer.decode([token])
         state.advance(token)
     assert state.is_complete and not other.is_complete
     with pytest.raises(RequestError, match="left the grammar"):

@@ -98,7 +98,7 @@ def test_developer_is_openais_name_for_system() -> None:
     core = FakeCore()
     prompts: list[list[int]] = []
     encode_chat = core.tokenizer.encode_chat
-    core.tokenizer.encode_chat = lambda messages: prompts.append(encode_chat(messages)) or prompts[-1]
+    core.tokenizer.encode_chat = lambda messages, **kw: prompts.append(encode_chat(messages, **kw)) or prompts[-1]
 
     async def body(s: Served) -> None:
         messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}]
