@@ -22,10 +22,13 @@ class IncrementalDetokenizer:
         self.stop_hit: str | None = None
         self.stops_from = 0  # text before this offset was produced before min_tokens: no stop string starts there
 
-    def update(self, check_stops: bool = True) -> None:
+    def update(self, check_stops: bool = True, drop_last: bool = False) -> None:
         """Decode new output tokens into `self.text`; check stop strings in the new text (truncating at the
-        first match) unless `check_stops` is False (before min_tokens: text produced then is never a stop)."""
+        first match) unless `check_stops` is False (before min_tokens: text produced then is never a stop).
+        `drop_last`: the latest token stopped the request (EOS, a stop token id) and its text is not output."""
         ids = self.request.all_token_ids
+        if drop_last:
+            ids = ids[:-1]
         if self.tokenizer is None or self.stop_hit is not None or len(ids) <= self.read_offset:
             return
         prefix = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset], self.skip_special)

@@ -20,7 +20,10 @@ def stop_after(
     """How `req` finishes now that `token` is its latest output token (already appended), or None to go on."""
     p = req.params
     held_off = len(req.output_token_ids) < p.min_tokens
-    detok.update(check_stops=not held_off)
+    # as vLLM: the text of the token that stops the request is not output (EOS as `</s>` when special tokens
+    # are kept), unless include_stop_str_in_output; its id stays in token_ids
+    stop_token = not held_off and ((not p.ignore_eos and token in eos_token_ids) or token in p.stop_token_ids)
+    detok.update(check_stops=not held_off, drop_last=stop_token and not p.include_stop_str_in_output)
     if req.grammar is not None and req.grammar.is_complete:
         return "stop", None
     if held_off:

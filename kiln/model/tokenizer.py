@@ -24,10 +24,15 @@ def _template_error(message: str) -> None:
     raise TemplateError(message)
 
 
+def _tojson(value: Any, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 # stands in for each message's content while the chat template renders (a private-use character, never a token)
 _MARK = "\ue000"
 _TEMPLATES = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 _TEMPLATES.globals["raise_exception"] = _template_error  # as HF templates call it: their own message reaches the 400
+_TEMPLATES.filters["tojson"] = _tojson  # as HF renders it: keys in order, text as UTF-8 (jinja's sorts and escapes)
 
 
 # token_type values in GGUF (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte

@@ -16,7 +16,8 @@ responses.py   OpenAI response bodies built from RequestOutputs: usage, logprobs
 structured_fields.py  response_format, structured_outputs and guided_*: the one constraint a request asks for
 answers.py     the streaming response that aborts its engine requests, waits that end on disconnect
 tool_fields.py   tools, tool_choice and history calls: what they ask of the prompt, the output's schema, its reading
-tool_parsers.py  tool calls read out of a model's text (hermes, llama3_json, mistral, json_array), as it streams
+tool_parsers.py  the formats models write tool calls in (hermes, llama3_json, mistral, json_array), chosen by template
+tool_reader.py   one choice's output read for tool calls as it streams: content, call names, arguments as written
 tool_prompt.py   tools in the prompt: as templates that know tools take them, or kiln's fallback in hermes format
 serving.py     /v1/completions and /v1/chat/completions: validate, tokenize off the event loop, add to engine, answer
 """

@@ -13,7 +13,8 @@ from typing import Any
 from kiln.engine.request import RequestOutput
 from kiln.server.responses import LogprobFormatter
 from kiln.server.tool_fields import ToolUse
-from kiln.server.tool_parsers import ToolCallReader, ToolParser
+from kiln.server.tool_parsers import ToolParser
+from kiln.server.tool_reader import ToolCallReader
 
 
 class ResponseFormat(ABC):
@@ -136,11 +137,13 @@ class ChatFormat(ResponseFormat):
         reader = self._reader(index)
         if reader is not None:
             reader.read(out.text, final=True)
-            if not (reader.has_calls and (reader.complete or reader.named is not None)):
-                reader = None  # no call, or one the text does not finish: the text is the answer, as written
-            else:
-                calls = [c.message() for c in reader.calls if self._kept(c.index)]
-                message = {"role": "assistant", "content": reader.content.strip() or None, "tool_calls": calls}
+            calls = reader.calls if reader.named is not None else reader.whole_calls
+            if not calls:
+                reader = None  # no whole call: the text is the answer, as written
+            else:  # as streamed: the content before the calls, and the calls (a call cut off is left out)
+                kept = [c.message() for c in calls if self._kept(c.index)]
+                message = {"role": "assistant", "content": reader.content if reader.content.strip() else None,
+                           "tool_calls": kept}  # fmt: skip
         return {"index": index, "message": message, "logprobs": lp, "finish_reason": self._finish_reason(reader, out)}
 
     def _reader(self, index: int) -> ToolCallReader | None:

@@ -10,6 +10,7 @@ and so is text the tokenizer cannot take (a lone UTF-16 surrogate, which JSON's 
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
@@ -212,7 +213,10 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
 
     def tool_use(self) -> ToolUse | None:
-        """What the tool fields ask for (kiln.server.tool_fields), None without tools."""
+        """What the tool fields ask for (kiln.server.tool_fields), None without tools; their texts checked to be
+        valid Unicode."""
+        for i, tool in enumerate(self.tools or []):
+            check_text(json.dumps(tool.model_dump(exclude_none=True), ensure_ascii=False), f"tools.{i}")
         return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def structured_output(self) -> StructuredOutput | None:
@@ -256,7 +260,7 @@ class ChatCompletionRequest(SamplingFields):
                 if m.role != "assistant":
                     raise RequestError("only assistant messages carry tool_calls", None, f"messages.{i}.tool_calls")
                 for j, call in enumerate(m.tool_calls):
-                    check_text(call.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments")
+                    check_text(json.dumps(call.model_dump(), ensure_ascii=False), f"messages.{i}.tool_calls.{j}")
                 message["tool_calls"] = history_calls(m.tool_calls, f"messages.{i}.tool_calls")
             if m.role == "tool" and m.tool_call_id is None:
                 raise RequestError(

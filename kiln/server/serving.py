@@ -38,7 +38,7 @@ from kiln.server.middleware import request_id_of
 from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, prompt_param
 from kiln.server.responses import SSE_DONE, LogprobFormatter, sse, usage
 from kiln.server.tool_parsers import TOOL_PARSERS, choose_tool_parser
-from kiln.server.tool_prompt import prompt_messages
+from kiln.server.tool_prompt import prompt_messages, refuse_control_text
 
 logger = logging.getLogger("kiln")
 
@@ -257,9 +257,10 @@ class OpenAIServing:
         return [self._encode_text(p) if isinstance(p, str) else list(p) for p in prompts]
 
     def _chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[list[int]]:
+        refuse_control_text(messages, tools, self.tokenizer.special_token_texts)
         try:
             return [self.tokenizer.encode_chat(messages, tools=tools)]  # contents' special-token text stays text
-        except jinja2.TemplateError as exc:
+        except (jinja2.TemplateError, TypeError, ValueError) as exc:  # a template's own checks, or its filters'
             raise RequestError(f"the model's chat template rejected the messages: {exc}", None, "messages") from None
 
 

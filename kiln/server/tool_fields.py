@@ -20,9 +20,9 @@ from pydantic import Field
 from kiln.engine.structured_output import StructuredOutput
 from kiln.errors import RequestError
 from kiln.server.request_fields import RequestPart
-from kiln.server.tool_parsers import TOOL_PARSERS, ToolCallReader, ToolParser
+from kiln.server.tool_parsers import NAME_PATTERN, TOOL_PARSERS, ToolParser
+from kiln.server.tool_reader import ToolCallReader
 
-NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
@@ -77,16 +77,21 @@ class ToolUse:
             return StructuredOutput.json(_parameters(tool), "tool_choice")
         if self.mode != "required":
             return None
-        calls = [
-            {
-                "type": "object",
-                "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)},
-                "required": ["name", "parameters"],
-                "additionalProperties": False,
-            }
-            for t in self.shown
-        ]
+        calls, defs = [], {}
+        for t in self.shown:
+            parameters, own_defs = _hoisted(t["function"]["name"], _parameters(t))
+            defs |= own_defs
+            calls.append(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": t["function"]["name"]}, "parameters": parameters},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+            )
         schema: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+        if defs:
+            schema["$defs"] = defs
         if not self.parallel:
             schema["maxItems"] = 1
         return StructuredOutput.json(schema, "tools")
@@ -136,6 +141,28 @@ def tool_use(
 
 def _parameters(tool: dict[str, Any]) -> dict[str, Any]:
     return tool["function"].get("parameters") or NO_PARAMETERS
+
+
+def _hoisted(name: str, parameters: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """A tool's parameters schema to nest in the array of calls, and its definitions (`$defs`, `definitions`)
+    lifted to that array's root under `<tool>__<name>`, each `$ref` to them rewritten (pydantic's schemas
+    refer to `#/$defs/...`, which nested would point at the wrong root)."""
+    parameters = dict(parameters)
+    own = {**parameters.pop("definitions", {}), **parameters.pop("$defs", {})}
+    prefixes = ("#/$defs/", "#/definitions/")
+
+    def renamed(value: Any) -> Any:
+        if isinstance(value, dict):
+            ref = value.get("$ref")
+            out = {k: renamed(v) for k, v in value.items()}
+            if isinstance(ref, str) and ref.startswith(prefixes):
+                out["$ref"] = f"#/$defs/{name}__{ref.split('/', 2)[2]}"
+            return out
+        if isinstance(value, list):
+            return [renamed(v) for v in value]
+        return value
+
+    return renamed(parameters), {f"{name}__{key}": renamed(schema) for key, schema in own.items()}
 
 
 def history_calls(calls: list[ToolCallItem], where: str) -> list[dict[str, Any]]:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kiln.errors import RequestError
+
 FALLBACK_INTRO = (
     "You can call functions to help answer. These are the functions, one JSON signature per line, between "
     "<tools> and </tools>:\n<tools>\n{signatures}\n</tools>\n\n"
@@ -41,6 +43,27 @@ def prompt_messages(
         else:
             rendered.insert(0, {"role": "system", "content": intro})
     return rendered, None
+
+
+def refuse_control_text(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, special_texts: list[str]
+) -> None:
+    """RequestError naming the part of the tools or of a message's calls that holds special-token text: the
+    template writes those parts as its own text, so `<|im_start|>` there would become a control token (a forged
+    turn), where a message's content is always kept as text."""
+    parts = {f"tools.{i}": tool for i, tool in enumerate(tools or [])}
+    for i, m in enumerate(messages):
+        parts |= {f"messages.{i}.{key}": m[key] for key in ("tool_calls", "tool_call_id", "name") if key in m}
+    for param, part in parts.items():
+        text = part if isinstance(part, str) else json.dumps(part, ensure_ascii=False)
+        found = next((t for t in special_texts if t in text), None)
+        if found is not None:
+            raise RequestError(
+                f"{param} contains the special-token text {found!r}, which the chat template would make a control "
+                "token; remove it",
+                None,
+                param,
+            )
 
 
 def _fallback_message(message: dict[str, Any]) -> dict[str, Any]:

@@ -143,6 +143,10 @@ def test_stop_token_ids_and_max_tokens(llm: LLM, alone: list[list[int]]) -> None
     out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[target]))[0]
     assert out.token_ids == alone[0][: alone[0].index(target) + 1]
     assert out.finish_reason == "stop" and out.stop_reason == target
+    # the stopping token's text is not output (as vLLM), unless include_stop_str_in_output
+    assert out.text == llm.tokenizer.decode(out.token_ids[:-1]) != llm.tokenizer.decode(out.token_ids)
+    kept = SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[target], include_stop_str_in_output=True)
+    assert llm.generate(PROMPTS[0], kept)[0].text == llm.tokenizer.decode(out.token_ids)
     assert llm.generate(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0))[0].finish_reason == "length"
 
 

@@ -242,6 +242,26 @@ def test_tool_choice_required_and_named_return_valid_calls(server: LiveServer) -
         jsonschema.validate(json.loads(calls_named[0].function.arguments), ADD_PARAMETERS)
 
 
+def test_required_with_a_pydantic_schema_that_has_definitions(server: LiveServer) -> None:
+    class Place(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")  # else a small model adds keys until max_tokens
+        city: str = pydantic.Field(max_length=20)
+
+    class Trip(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        start: Place
+        stops: list[Place] = pydantic.Field(max_length=2)
+
+    tools = [{"type": "function", "function": {"name": "plan", "parameters": Trip.model_json_schema()}}]
+    done = server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Plan a trip from Oslo."}], tools=tools,
+        tool_choice="required", parallel_tool_calls=False, max_tokens=150, temperature=0,
+    )  # fmt: skip
+    calls = done.choices[0].message.tool_calls or []
+    assert done.choices[0].finish_reason == "tool_calls" and [c.function.name for c in calls] == ["plan"]
+    Trip.model_validate_json(calls[0].function.arguments)
+
+
 def test_the_hermes_parser_reads_a_teacher_forced_output_streamed_and_not(server: LiveServer) -> None:
     """The model is forced (a regex of the exact text) to write content then two calls in the Hermes format the
     fallback prompt asks for; `tool_choice: auto` reads them as the parser does any output."""
@@ -254,7 +274,7 @@ def test_the_hermes_parser_reads_a_teacher_forced_output_streamed_and_not(server
     client = server.client()
     done = client.chat.completions.create(**ask)
     message = done.choices[0].message
-    assert done.choices[0].finish_reason == "tool_calls" and message.content == "Let me check."
+    assert done.choices[0].finish_reason == "tool_calls" and message.content == "Let me check.\n"
     got = [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls or []]
     assert got == [("get_weather", {"city": "Paris", "unit": "c"}), ("add", {"a": 2, "b": 3})]
     content, calls, finish = streamed_calls(client.chat.completions.create(**ask, stream=True))
@@ -285,8 +305,9 @@ def test_a_conversation_with_tool_results_continues(server: LiveServer) -> None:
 
 def test_tool_fields_that_do_not_fit_are_400s_naming_them(server: LiveServer) -> None:
     def error(body: dict[str, Any]) -> dict[str, Any]:
-        response = httpx.post(f"{server.base_url}/chat/completions", json={"model": MODEL, "messages": WEATHER,
-                                                                           **body}, timeout=60)  # fmt: skip
+        sent = json.dumps({"model": MODEL, "messages": WEATHER, **body})  # ASCII: a lone surrogate as its escape
+        headers = {"Content-Type": "application/json"}
+        response = httpx.post(f"{server.base_url}/chat/completions", content=sent, headers=headers, timeout=60)
         assert response.status_code == 400, response.text
         return response.json()["error"]
 
@@ -300,4 +321,6 @@ def test_tool_fields_that_do_not_fit_are_400s_naming_them(server: LiveServer) ->
     bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "thing"}}}]
     assert error({"tools": bad, "tool_choice": "required"})["param"] == "tools"
     assert error({"tools": [{"type": "retrieval"}]})["param"] == "tools.0.type"
+    lone = [{"type": "function", "function": {"name": "f", "description": "\ud800"}}]
+    assert error({"tools": lone})["param"] == "tools.0"
     server.wait_idle()
