@@ -34,6 +34,10 @@ class ToolCall:
     done: bool = False
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
 
+    def opening(self, arguments: str) -> dict[str, Any]:
+        """The call's first streamed delta: its index, id, type and name (and `arguments`, its first ones)."""
+        return {"index": self.index, **self.message(), "function": {"name": self.name, "arguments": arguments}}
+
     def message(self) -> dict[str, Any]:
         """The call as OpenAI's message lists it."""
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -104,7 +108,7 @@ class ToolCallReader:
     def _read_named(self, text: str, final: bool, reading: Reading) -> None:
         if not self.calls:
             self.calls.append(ToolCall(0, self.named or ""))
-            reading.tool_calls.append(_opening(self.calls[0], ""))
+            reading.tool_calls.append(self.calls[0].opening(""))
         call = self.calls[0]
         if len(text) > len(call.arguments):
             reading.add_arguments(0, text[len(call.arguments) :])
@@ -205,7 +209,7 @@ class ToolCallReader:
             call = ToolCall(len(self.calls), name)
             self.calls.append(call)
             self._call_at, self._args_at = self._cursor, head.end()
-            reading.tool_calls.append(_opening(call, ""))
+            reading.tool_calls.append(call.opening(""))
             return True
         obj, end = self._whole_object(text, self._cursor)
         if obj is None:
@@ -217,7 +221,7 @@ class ToolCallReader:
             return None
         call = ToolCall(len(self.calls), name, json.dumps(arguments), done=True)
         self.calls.append(call)
-        reading.tool_calls.append(_opening(call, call.arguments))
+        reading.tool_calls.append(call.opening(call.arguments))
         self._cursor = end
         return False
 
@@ -283,16 +287,6 @@ def _incomplete(text: str, exc: json.JSONDecodeError) -> bool:
     """The JSON decoder stopped because `text` ends too soon (more text could make it JSON), not at an error."""
     rest = text[exc.pos :]
     return exc.msg.startswith("Unterminated string") or not rest.strip() or bool(_PARTIAL_SCALAR.fullmatch(rest))
-
-
-def _opening(call: ToolCall, arguments: str) -> dict[str, Any]:
-    """A call's first streamed delta: its index, id, type and name."""
-    return {
-        "index": call.index,
-        "id": call.id,
-        "type": "function",
-        "function": {"name": call.name, "arguments": arguments},
-    }
 
 
 def _partial_suffix(text: str, marker: str) -> int:
