@@ -172,6 +172,9 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_memory_gb: float = 1.0
     dtype: str = "auto"  # "auto" = model dtype
+    # automatic prefix caching (kiln.engine.prefix_sharing): full blocks are kept after their request and shared
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"  # the key of a block (kiln.engine.prefix_cache.HASH_ALGOS)
 
 
 @dataclass(frozen=True)

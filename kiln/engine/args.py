@@ -31,6 +31,7 @@ from kiln.config import (
     SchedulerConfig,
 )
 from kiln.engine.arg_types import int_at_least, parse_sizes
+from kiln.engine.prefix_cache import HASH_ALGOS
 from kiln.errors import ConfigError
 
 logger = logging.getLogger("kiln")
@@ -73,6 +74,12 @@ class EngineArgs:
     block_size: int = _arg(16, "KV cache block size in tokens", group="KV cache", type=int_at_least(1))
     num_kv_blocks: int | None = _arg(None, "KV cache blocks (default: --kv-cache-memory-gb worth)", group="KV cache")
     kv_cache_memory_gb: float = _arg(1.0, "KV cache size when --num-kv-blocks is not given", group="KV cache")
+    enable_prefix_caching: bool = _arg(
+        True, "reuse the KV blocks of any cached prompt prefix", "KV cache", action=argparse.BooleanOptionalAction
+    )
+    prefix_caching_hash_algo: str = _arg(
+        "sha256", "cached blocks' key (builtin: faster, still compared by tokens)", "KV cache", choices=HASH_ALGOS
+    )
     max_num_seqs: int = _arg(64, "most sequences in one step", group="scheduler", type=int_at_least(1))
     max_num_batched_tokens: int = _arg(2048, "most tokens in one step", group="scheduler", type=int_at_least(1))
     enable_chunked_prefill: bool = _arg(
@@ -210,7 +217,13 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             seed=self.seed,
             num_threads=self.num_threads,
-            cache=CacheConfig(self.block_size, self.num_kv_blocks, self.kv_cache_memory_gb),
+            cache=CacheConfig(
+                self.block_size,
+                self.num_kv_blocks,
+                self.kv_cache_memory_gb,
+                enable_prefix_caching=self.enable_prefix_caching,
+                prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+            ),
             scheduler=SchedulerConfig(
                 self.max_num_seqs,
                 self.max_num_batched_tokens,

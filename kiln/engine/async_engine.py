@@ -4,8 +4,7 @@ The engine thread is a background thread by default; `kiln serve` runs the loop 
 (`own_thread=False` + `run_loop()`), with HTTP in a thread.
 
 NOTE: libgomp parallel regions launched from a second thread run about 2x slower once the main thread owns an
-OpenMP pool (it does: the engine is built there; measured on the 2-core box: a piecewise decode step 23 ms vs
-40 ms). So model work stays on the thread that loaded and compiled the model.
+OpenMP pool (the engine is built there; a piecewise decode step 23 vs 40 ms): model work stays on that thread.
 
 Rules:
 - Only the engine thread touches the EngineCore. Callers submit commands (add, abort) as closures; the thread
@@ -77,7 +76,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._is_accepting = self._is_stopping = False
         self._loop_error: BaseException | None = None  # what ended the engine loop, if it died
-        self._stats = EngineStats(num_kv_blocks=core.pool.num_blocks)
+        self._stats = EngineStats().now(core)
         if core.workers is not None:  # a rank that dies wakes the loop, which then stops (WorkerFailure)
             core.workers.on_failure(self._wakeup.set)
 
@@ -201,13 +200,19 @@ class AsyncEngine:
         self._streams.forget(request_id)
         self._submit(lambda: self.core.abort(request_id))
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> EngineStats:  # the snapshot of the last step
         return self._stats
+
+    async def reset_prefix_cache(self) -> int:
+        """Drop every evictable block of the prefix cache between two steps; returns how many were dropped."""
+        assert self._loop is not None
+        done: asyncio.Future[int] = self._loop.create_future()
+        self._submit(lambda: self._call_in_loop(settle, done, None, self.core.reset_prefix_cache()))
+        return await done
 
     @property
     def num_unfinished(self) -> int:
-        """Requests admitted and not finished (running, waiting, or about to be added), and the room reserved for
-        requests being prepared."""
+        """Requests admitted and not finished (running, waiting, about to be added), and room reserved for more."""
         return len(self._streams) + self._num_reserved
 
     # -- the engine thread ------------------------------------------------------------------------
@@ -233,9 +238,7 @@ class AsyncEngine:
             command = self._commands.popleft()
             try:
                 command()
-            except Exception:
-                # NOTE: commands are engine bookkeeping (add, abort); a failure here is a kiln bug, so log it
-                # with its traceback for the operator and keep serving the other requests.
+            except Exception:  # NOTE: commands are bookkeeping (add, abort): a failure is a kiln bug, logged
                 logger.exception("engine command failed")
 
     def _add_all(self, requests: Sequence[tuple[str, Prompt, SamplingParams]], added: asyncio.Future[None]) -> None:
@@ -249,9 +252,8 @@ class AsyncEngine:
                 error = exc
                 break
             done.append(rid)
-        if error is not None:
-            for rid in done:
-                self.core.abort(rid)
+        for rid in done if error is not None else ():
+            self.core.abort(rid)
         self._call_in_loop(settle, added, error)
 
     def _step(self) -> None:
@@ -259,9 +261,7 @@ class AsyncEngine:
             outputs = self.core.step()
         except WorkerFailure:
             raise  # another rank is gone: this engine cannot run any step again
-        except Exception:
-            # NOTE: EngineCore.step already isolates failures of a batch to the requests that fail alone; what
-            # reaches here could not be traced to a request (the scheduler, or a lone request's step)
+        except Exception:  # NOTE: not traced to a request by EngineCore.step (the scheduler, or a lone request's step)
             ids = sorted(self.core.requests)
             logger.exception("engine step failed; failing the %d request(s) in the engine: %s", len(ids), ids)
             outputs = self._fail_all()

@@ -20,6 +20,7 @@ from kiln.engine.kv_cache import BlockPool
 from kiln.engine.kv_plan import kv_cache_blocks, log_kv_cache
 from kiln.engine.model_runner import ModelRunner, ModelRunnerOutput, StepObserver
 from kiln.engine.outputs import request_output, stop_after
+from kiln.engine.prefix_sharing import prefix_keys_for
 from kiln.engine.rank_role import SINGLE_DEVICE, RankRole
 from kiln.engine.request import Request, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
@@ -93,9 +94,11 @@ class EngineCore:
         if self.recipe is not None and not self.shaper.fits(1, 1):  # the executor is prepared: pad_to is known
             self.shaper.check(1, 1, [])  # raises RecipeViolation naming the constraints that forbid every step
         window = mc.uniform_sliding_window or mc.hybrid_sliding_window
+        namespace = f"{checkpoint_path or config.model}|{config.quantization}|{config.activations}|{kv_dtype}"
         self.scheduler = Scheduler(
-            config.scheduler, self.pool, self.shaper, window, self.window_pool, role.steps_in_flight
-        )
+            config.scheduler, self.pool, self.shaper, window, self.window_pool, role.steps_in_flight,
+            prefix_keys_for(cc, mc, namespace),
+        )  # fmt: skip
         log_kv_cache(cc, blocks, self.runner.kv_cache_bytes, kv_dtype, self.max_model_len, mc)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -151,6 +154,15 @@ class EngineCore:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no request holds (POST /reset_prefix_cache); returns how many, logged."""
+        if self.scheduler.prefix is None:
+            return 0
+        dropped = self.scheduler.prefix.reset()
+        held = self.pool.num_cached_blocks
+        logger.info("Prefix cache cleared: %d cached blocks dropped (%d held by running requests stay)", dropped, held)
+        return dropped
 
     # -- the step -----------------------------------------------------------------------------------
     def check_alive(self) -> None:

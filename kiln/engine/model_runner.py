@@ -22,7 +22,7 @@ from kiln.distributed.ops import local_collectives
 from kiln.engine.rank_role import SINGLE_DEVICE, RankRole
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kiln.engine.scheduler import SchedulerOutput
-from kiln.engine.step_plan import StepPlan, split_plan
+from kiln.engine.step_plan import StepPlan, kv_slots, padded_tables, split_plan
 from kiln.engine.step_shape import StepShaper
 from kiln.executor.base import Executor
 from kiln.model.attention import allocate_kv_caches, kv_cache_block_size
@@ -140,7 +140,7 @@ class ModelRunner:
         padded, batch_size = self.shaper.check(len(input_ids), len(sched.scheduled), seq_lens)
         return StepPlan(
             input_ids, positions, slots, query_start_loc, seq_lens, tables, num_decodes, padded, batch_size,
-            sample_indices, sample_ids, window_slots, window_tables,
+            sample_indices, sample_ids, window_slots, window_tables, sched.block_copies,
         )  # fmt: skip
 
     def prepare(self, sched: SchedulerOutput) -> ModelInputs:
@@ -184,6 +184,15 @@ class ModelRunner:
         """fp32 logits of `hidden[rows]` over the whole vocabulary (None on a rank that does not sample)."""
         return self.head(hidden, rows)
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each (source, copy) pair of KV blocks in every layer's cache (copy on write of a shared block)."""
+        if not copies:
+            return
+        src = torch.tensor([a for a, _ in copies], device=self.device)
+        dst = torch.tensor([b for _, b in copies], device=self.device)
+        for cache in self.kv_caches:
+            cache.index_copy_(2, dst, cache.index_select(2, src))
+
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Hidden states of every fed token (padding included): [padded_num_tokens, hidden]."""
@@ -196,6 +205,7 @@ class ModelRunner:
         that does not sample, or when no row samples). Every rank of a multi-device engine runs each plan."""
         if self.micro_batches > 1 and len(plan.seq_lens) > 1:
             return self._heads(self._forwards(plan))
+        self.copy_blocks(plan.block_copies)
         inputs = self.inputs(plan)
         if self.observer is not None:
             self.observer.begin_step(inputs)
@@ -212,6 +222,7 @@ class ModelRunner:
         The last stage computes each part's logits as soon as its forward ends (its outputs are reused by the next
         part); the others run every forward here and their heads later (`_heads`: rank 0 receives the logits)."""
         done: list[tuple[StepPlan, torch.Tensor | None]] = []
+        self.copy_blocks(plan.block_copies)
         split = self.micro_batches > 1 and len(plan.seq_lens) > 1
         for part in split_plan(plan, self.micro_batches, self.executor.pad_to) if split else [plan]:
             hidden = self.forward(self.inputs(part))
@@ -282,14 +293,3 @@ class Launched:
     plan: StepPlan
     parts: list[tuple[StepPlan, torch.Tensor | None]] | None = None  # deferred heads: the parts' hidden states
     logits: torch.Tensor | None = None  # computed already: the sampled rows' logits (None: none sampled)
-
-
-def kv_slots(blocks: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """Flat KV-cache slots of positions [start, end) of a sequence whose logical blocks are `blocks`."""
-    return [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
-
-
-def padded_tables(tables: list[list[int]]) -> list[list[int]]:
-    """Block tables as rows of one width (the longest), padded with block 0 (past every sequence's length)."""
-    width = max(len(t) for t in tables)
-    return [t + [0] * (width - len(t)) for t in tables]

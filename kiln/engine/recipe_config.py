@@ -28,7 +28,12 @@ def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
     `config.graph` (the graph mode included) must already come from `graph_config_from(recipe, ...)`. ConfigError
     for a given flag that contradicts the recipe (see the module's precedence)."""
     cache = replace(
-        config.cache, dtype=recipe.kv_cache_dtype, block_size=recipe.block_size, num_blocks=recipe.max_pages
+        config.cache,
+        dtype=recipe.kv_cache_dtype,
+        block_size=recipe.block_size,
+        num_blocks=recipe.max_pages,
+        # either the recipe or --no-enable-prefix-caching turns caching off
+        enable_prefix_caching=config.cache.enable_prefix_caching and recipe.prefix_caching,
     )
     sched = config.scheduler
     if recipe.max_num_seqs is not None:
@@ -106,6 +111,7 @@ def _fields(before: EngineConfig, after: EngineConfig) -> list[tuple[str, str | 
         ("kv_cache.dtype", None, b.cache.dtype, a.cache.dtype),
         ("kv_cache.block_size", "--block-size", b.cache.block_size, a.cache.block_size),
         ("kv_cache.num_blocks", "--num-kv-blocks", b.cache.num_blocks, a.cache.num_blocks),
+        ("kv_cache.prefix_caching", None, b.cache.enable_prefix_caching, a.cache.enable_prefix_caching),
         ("max_num_seqs", "--max-num-seqs", bs.max_num_seqs, as_.max_num_seqs),
         ("max_num_batched_tokens", "--max-num-batched-tokens", bs.max_num_batched_tokens, as_.max_num_batched_tokens),
         ("parallel.tensor", "--tensor-parallel-size", b.parallel.tensor, a.parallel.tensor),

@@ -57,6 +57,10 @@ class Request:
         # per block pool (kiln.engine.scheduler.BlockGroup): every layer's blocks, then a hybrid model's sliding
         # layers' own; each maps the sequence's logical blocks in order (released ones hold the pool's null block)
         self.block_tables: list[list[int]] = [[], []]
+        # prefix caching (kiln.engine.prefix_cache): the keys of the sequence's full blocks, computed once each, and
+        # the cache serials of the blocks it holds that are full and registered (or found cached), in order
+        self.block_keys: list[object] = []
+        self.block_serials: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None

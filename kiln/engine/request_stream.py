@@ -54,6 +54,9 @@ class EngineStats:
     num_preemptions: int = 0
     num_steps: int = 0
     num_step_failures: int = 0
+    prefix_caching: bool = False
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of them, found cached
 
     def now(self, core: Any) -> EngineStats:
         """These stats brought up to date from `core` (an EngineCore, read on its engine thread)."""
@@ -66,7 +69,14 @@ class EngineStats:
             num_kv_blocks=pool.num_blocks,
             num_preemptions=sched.num_preemptions,
             num_steps=core.num_steps,
+            prefix_caching=sched.prefix is not None,
+            prefix_cache_queries=sched.prefix.stats.queries if sched.prefix else 0,
+            prefix_cache_hits=sched.prefix.stats.hits if sched.prefix else 0,
         )
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class RequestStream:
@@ -113,12 +123,13 @@ class RequestStream:
         self.close()
 
 
-def settle(future: asyncio.Future[None], error: BaseException | None) -> None:
-    """Resolve an add-requests future from the event loop: done, or failed with `error`."""
-    if future.done():  # the caller was cancelled while waiting; add_requests already aborted its requests
+def settle(future: asyncio.Future[Any], error: BaseException | None, result: object = None) -> None:
+    """Resolve a future of an engine-thread command from the event loop: done with `result`, or failed with
+    `error`."""
+    if future.done():  # the caller was cancelled while waiting (add_requests has aborted its requests)
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(error)
 

@@ -38,6 +38,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None  # the output held to a schema, regex, choice or grammar
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI: -100..100)
+    # prefix caching: only requests with the same salt share cached KV blocks (vLLM's cache_salt), so one tenant
+    # cannot time another's cache hits; None: the shared cache
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,6 +80,7 @@ class SamplingParams:
                 self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
                 "must be a kiln.StructuredOutput",
             ),
+            ("cache_salt", self.cache_salt is None or isinstance(self.cache_salt, str), "must be a string"),
         ]
         for name, ok, rule in checks:
             if not ok:

@@ -25,8 +25,11 @@ from dataclasses import dataclass, field
 from kiln.config import SchedulerConfig
 from kiln.engine.kv_cache import BlockPool
 from kiln.engine.kv_window import chunk_limit, max_decode_blocks, num_dead_blocks
+from kiln.engine.prefix_cache import PrefixKeys
+from kiln.engine.prefix_sharing import NOTHING_CACHED, CachedPrefix, PrefixSharing
 from kiln.engine.request import Request, RequestStatus
 from kiln.engine.step_shape import StepShaper
+from kiln.errors import KilnError
 
 
 @dataclass(frozen=True)
@@ -45,8 +48,10 @@ class BlockGroup:
         req.block_tables[self.index] += self.pool.allocate(max(0, self.needed(req, num_tokens)))
 
     def release(self, req: Request) -> None:
-        self.pool.free(req.block_tables[self.index])
+        """Free `req`'s blocks, its last first: cached, its tail is evicted before the prefix others may share."""
+        self.pool.free(reversed(req.block_tables[self.index]))
         req.block_tables[self.index] = []
+        req.block_serials = []
 
 
 @dataclass
@@ -66,6 +71,8 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # (source, copy) KV blocks to copy before the forward: a choice's own copy of its sibling's partial prompt block
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -85,10 +92,12 @@ class Scheduler:
         window: int = 0,
         window_pool: BlockPool | None = None,
         steps_in_flight: int = 1,
+        prefix_keys: PrefixKeys | None = None,
     ) -> None:
         """`window` > 0: the layers slide with this window, so blocks behind it are released: every layer's, or with
         `window_pool`, only the sliding layers' (their own pool; `block_pool` then holds the global layers').
-        `steps_in_flight` > 1: rank 0 of a pipeline keeps that many steps launched (kiln.engine.step_pipeline)."""
+        `steps_in_flight` > 1: rank 0 of a pipeline keeps that many steps launched (kiln.engine.step_pipeline).
+        `prefix_keys`: prefix caching on (kiln.engine.prefix_sharing), for models without a sliding window."""
         self.config = config
         self.pool = block_pool
         self.shaper = shaper
@@ -104,6 +113,9 @@ class Scheduler:
         # at most its share of the active requests
         self.steps_in_flight = steps_in_flight
         self.in_flight: set[str] = set()
+        if prefix_keys is not None and window:
+            raise KilnError("prefix caching needs every layer to keep its whole context (this model slides)")
+        self.prefix = PrefixSharing(block_pool, prefix_keys, steps_in_flight == 1) if prefix_keys else None
 
     @property
     def has_unfinished(self) -> bool:
@@ -138,7 +150,9 @@ class Scheduler:
             req = self._next_waiting(running_by_group)
             if req is None:
                 break
-            num_new = req.num_tokens - req.num_computed_tokens
+            found = self.prefix.lookup(req, self.running) if self.prefix else NOTHING_CACHED
+            start = max(req.num_computed_tokens, found.start)
+            num_new = req.num_tokens - start
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = self._chunk(min(num_new, budget))
@@ -146,8 +160,10 @@ class Scheduler:
             if fitted == 0 or (fitted < num_new and not self.config.enable_chunked_prefill):
                 break
             num_new = fitted
-            if not self._can_grow(req, req.num_computed_tokens + num_new):
+            if not self._can_admit(req, start + num_new, found):
                 break
+            if self.prefix is not None and (copy := self.prefix.admit(req, found)) is not None:
+                out.block_copies.append(copy)
             for group in self.groups:
                 group.grow(req, req.num_computed_tokens + num_new)
             self.waiting.remove(req)
@@ -166,7 +182,12 @@ class Scheduler:
     def _next_waiting(self, running_by_group: Counter[str]) -> Request | None:
         """The first waiting request whose client request is under its cap of running sequences."""
         cap = self.config.running_per_request
-        return next((r for r in self.waiting if r.group is None or running_by_group[r.group] < cap), None)
+        for r in self.waiting:
+            if r.group is None:
+                return r
+            if running_by_group[r.group] < cap and not (self.prefix and self.prefix.waits(r, self.running)):
+                return r
+        return None
 
     def _chunk(self, wanted: int) -> int:
         """At most `long_prefill_token_threshold` prompt tokens for one request while others run or wait (with
@@ -209,6 +230,8 @@ class Scheduler:
         """Record `num_new` more computed tokens of `req` and, in its sliding groups, free the blocks no later query
         sees."""
         req.num_computed_tokens += num_new
+        if self.prefix is not None:
+            self.prefix.register(req)
         for g in self.groups:
             blocks = req.block_tables[g.index]
             dead = num_dead_blocks(req.num_computed_tokens, g.window, g.pool.block_size)
@@ -222,6 +245,11 @@ class Scheduler:
 
     def _can_grow(self, req: Request, num_tokens: int) -> bool:
         return all(g.pool.can_allocate(g.needed(req, num_tokens)) for g in self.groups)
+
+    def _can_admit(self, req: Request, num_tokens: int, found: CachedPrefix) -> bool:
+        if self.prefix is None or not found.blocks:
+            return self._can_grow(req, num_tokens)
+        return self.pool.can_allocate(self.prefix.blocks_needed(found, num_tokens))  # caching: one group only
 
     def _grow(self, req: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Give `req` blocks for `num_new` more tokens, preempting from the back; False if `req` was preempted."""

@@ -32,6 +32,8 @@ class StepPlan:
     # a hybrid model's sliding layers' own slots and block tables (kiln.engine.kv_window); empty otherwise
     window_slots: list[int] = field(default_factory=list)
     window_tables: list[list[int]] = field(default_factory=list)
+    # (source, copy) blocks each rank copies in its KV caches before the forward (kiln.engine.prefix_sharing)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 def split_plan(plan: StepPlan, parts: int, pad_to: Callable[[int], int]) -> list[StepPlan]:
@@ -67,4 +69,16 @@ def _part(plan: StepPlan, first: int, end: int, pad_to: Callable[[int], int]) ->
         sample_request_ids=[rid for _, rid in sampled],
         window_slots=plan.window_slots[lo:hi],
         window_tables=plan.window_tables[first:end],
+        block_copies=plan.block_copies if first == 0 else [],
     )
+
+
+def kv_slots(blocks: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat KV-cache slots of positions [start, end) of a sequence whose logical blocks are `blocks`."""
+    return [blocks[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def padded_tables(tables: list[list[int]]) -> list[list[int]]:
+    """Block tables as rows of one width (the longest), padded with block 0 (past every sequence's length)."""
+    width = max(len(t) for t in tables)
+    return [t + [0] * (width - len(t)) for t in tables]

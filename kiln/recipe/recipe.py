@@ -80,6 +80,10 @@ class Recipe:
         return self.spec.memory_plan.kv_cache.max_pages
 
     @property
+    def prefix_caching(self) -> bool:
+        return self.spec.memory_plan.kv_cache.prefix_caching
+
+    @property
     def max_num_seqs(self) -> int | None:
         return self.bounds.get("batch_size")
 

@@ -92,6 +92,9 @@ class KVCache(Section):
     layout: Literal["paged", "contiguous"] = "paged"
     block_size: PositiveInt = Field(16, description="Tokens per page.")
     max_pages: PositiveInt = Field(1024, description="Pages in the pool; capacity = max_pages * block_size tokens.")
+    prefix_caching: bool = Field(
+        True, description="Keep full pages after their request and share them with prompts of the same prefix."
+    )
 
 
 class MemoryPlan(Section):

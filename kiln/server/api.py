@@ -96,6 +96,8 @@ def create_app(engine: AsyncEngine, settings: AppSettings) -> FastAPI:
             "num_requests_unfinished": engine.num_unfinished,
             "kv_cache_used_blocks": stats.num_kv_blocks_used,
             "kv_cache_total_blocks": stats.num_kv_blocks,
+            "prefix_caching": stats.prefix_caching,
+            "prefix_cache_hit_rate": round(stats.prefix_cache_hit_rate, 4),
         }
         if reason is not None:
             body["reason"] = reason
@@ -104,6 +106,13 @@ def create_app(engine: AsyncEngine, settings: AppSettings) -> FastAPI:
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, Any]:
+        """Drop every cached KV block no request holds (as vLLM and SGLang); behind the API key when one is set."""
+        if not engine.stats().prefix_caching:
+            return {"prefix_caching": False, "dropped_blocks": 0}
+        return {"prefix_caching": True, "dropped_blocks": await engine.reset_prefix_cache()}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

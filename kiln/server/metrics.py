@@ -58,6 +58,12 @@ class EngineCollector(Collector):
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily("kiln_num_preemptions", "Requests preempted for KV blocks", value=s.num_preemptions)
+        yield CounterMetricFamily(
+            "kiln_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", value=s.prefix_cache_queries
+        )
+        yield CounterMetricFamily(
+            "kiln_prefix_cache_hits", "Prompt tokens found in the prefix cache", value=s.prefix_cache_hits
+        )
         yield CounterMetricFamily("kiln_engine_steps", "Engine steps run", value=s.num_steps)
         yield CounterMetricFamily("kiln_engine_step_failures", "Engine steps that raised", value=s.num_step_failures)
         yield from self._graph_metrics()

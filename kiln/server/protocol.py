@@ -66,6 +66,8 @@ class SamplingFields(RequestPart):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None  # token id (as text, OpenAI's JSON) -> bias in [-100, 100]
+    # prefix caching: only requests with the same salt share cached KV blocks (vLLM's field)
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* (at most one)
     response_format: ResponseFormatField | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -135,6 +137,7 @@ class SamplingFields(RequestPart):
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_output=constraint,
             logit_bias=self.token_biases(),
+            cache_salt=self.cache_salt,
             **{name: value for name, value in optional.items() if value is not None},
         )
 

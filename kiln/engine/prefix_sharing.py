@@ -1,0 +1,141 @@
+"""The scheduler's side of prefix caching: a waiting request takes its longest cached prefix, and the choices of one
+`n > 1` request share their prompt.
+
+A request admitted with its first `k` full blocks cached holds them (one more reference each) and prefills only the
+rest; a prompt whose blocks are all cached still recomputes its last token, which is what yields the first output
+token's logits, so at most `(num_tokens - 1) // block_size` blocks are taken.
+
+Parallel sampling: while one choice of a client request prefills, its siblings with the same prompt wait; then each
+takes the prompt's full blocks from the cache and a copy of the first choice's partial last block (copy on write:
+the copy is made in the step's KV caches before its forward, kiln.engine.model_runner), and recomputes only the
+prompt's last token with its own sampling. `n = 4` prefills the prompt once.
+
+Full blocks are registered after the step that computed them (`register`, from `Scheduler.advance`), never before,
+so a failed step leaves nothing cached.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kiln.config import CacheConfig, ModelConfig
+from kiln.engine.kv_cache import BlockPool
+from kiln.engine.prefix_cache import KEY_FUNCTIONS, PrefixCacheStats, PrefixKeys
+from kiln.engine.request import Request
+
+logger = logging.getLogger("kiln")
+
+
+@dataclass
+class CachedPrefix:
+    """What a waiting request finds: cached blocks (with their serials), the tokens it need not compute, and the
+    sibling's block to copy as its next one (None: no copy)."""
+
+    blocks: list[int] = field(default_factory=list)
+    serials: list[int] = field(default_factory=list)
+    start: int = 0
+    copy_from: int | None = None
+
+
+NOTHING_CACHED = CachedPrefix()
+
+
+class PrefixSharing:
+    def __init__(self, pool: BlockPool, keys: PrefixKeys, fork: bool = True) -> None:
+        """`fork`: siblings copy the first choice's partial block (off when steps are in flight on a pipeline: the
+        block's last write may not have run yet)."""
+        self.pool = pool
+        self.keys = keys
+        self.fork = fork
+        self.stats = PrefixCacheStats()
+
+    def waits(self, req: Request, running: Iterable[Request]) -> bool:
+        """`req` is a choice whose sibling still prefills the same prompt: it shares that prompt when the sibling is
+        done, rather than computing it alongside."""
+        if req.group is None or req.output_token_ids or req.block_ids:
+            return False
+        last = req.num_prompt_tokens - 1
+        return any(s.group == req.group and s.num_computed_tokens < last and _same_prompt(s, req) for s in running)
+
+    def lookup(self, req: Request, running: Iterable[Request]) -> CachedPrefix:
+        """`req`'s cached prefix (it holds no blocks yet): never its last token, which is recomputed."""
+        if req.block_ids:
+            return NOTHING_CACHED
+        bs = self.pool.block_size
+        n = (req.num_tokens - 1) // bs
+        keys = self.keys.extend(req, n, bs)[:n]
+        tokens = req.all_token_ids
+        chunks = [tuple(tokens[i * bs : (i + 1) * bs]) for i in range(n)]
+        blocks, serials = self.pool.match(keys, chunks, self.keys.root(req))
+        found = CachedPrefix(blocks, serials, len(blocks) * bs)
+        last = req.num_tokens - 1
+        if self.fork and len(blocks) == n and last % bs and req.group is not None and not req.output_token_ids:
+            for s in running:
+                ready = s.group == req.group and s.num_computed_tokens >= last and _same_prompt(s, req)
+                if ready and s.block_ids[:n] == blocks:
+                    found.copy_from, found.start = s.block_ids[n], last
+                    break
+        return found
+
+    def blocks_needed(self, found: CachedPrefix, num_tokens: int) -> int:
+        """Free blocks admitting a request with `found` to `num_tokens` tokens uses: new ones and evictable hits."""
+        return self.pool.blocks_for(num_tokens) - len(found.blocks) + self.pool.evictable(found.blocks)
+
+    def admit(self, req: Request, found: CachedPrefix) -> tuple[int, int] | None:
+        """Give `req` its cached prefix (counted in the stats); returns the (source, copy) block pair to copy."""
+        self.stats.queries += req.num_tokens
+        self.stats.hits += found.start
+        self.pool.take(found.blocks)
+        req.block_ids = list(found.blocks)
+        req.block_serials = list(found.serials)
+        req.num_computed_tokens = found.start
+        if found.copy_from is None:
+            return None
+        copy = self.pool.allocate(1)[0]
+        req.block_ids.append(copy)
+        return found.copy_from, copy
+
+    def register(self, req: Request) -> None:
+        """Cache the blocks of `req` that its computed tokens have filled since the last call."""
+        bs = self.pool.block_size
+        full = req.num_computed_tokens // bs
+        done = len(req.block_serials)
+        if full <= done:
+            return
+        keys = self.keys.extend(req, full, bs)
+        tokens = req.all_token_ids
+        for i in range(done, full):
+            parent = req.block_serials[i - 1] if i else self.keys.root(req)
+            block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
+            req.block_serials.append(self.pool.register(req.block_ids[i], keys[i], block_tokens, parent))
+
+    def reset(self) -> int:
+        """Drop every evictable block from the cache; returns how many."""
+        self.stats.resets += 1
+        return self.pool.reset_prefix_cache()
+
+
+def _same_prompt(a: Request, b: Request) -> bool:
+    return a is not b and a.prompt_token_ids == b.prompt_token_ids and a.params.cache_salt == b.params.cache_salt
+
+
+def prefix_keys_for(cc: CacheConfig, mc: ModelConfig, namespace: str) -> PrefixKeys | None:
+    """How the engine keys its blocks (None: prefix caching off), logged in one start-up line."""
+    if not cc.enable_prefix_caching:
+        logger.info("Prefix caching: off (--no-enable-prefix-caching or the recipe's kv_cache.prefix_caching)")
+        return None
+    if window := mc.uniform_sliding_window or mc.hybrid_sliding_window:
+        logger.info(
+            "Prefix caching: off: the model's layers slide (window %d), so blocks behind the window are released "
+            "and a prefix cannot be kept",
+            window,
+        )
+        return None
+    logger.info(
+        "Prefix caching: on (%s block keys): full %d-token blocks are kept after their request and shared",
+        cc.prefix_caching_hash_algo,
+        cc.block_size,
+    )
+    return PrefixKeys(namespace, KEY_FUNCTIONS[cc.prefix_caching_hash_algo])
