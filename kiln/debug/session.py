@@ -108,8 +108,8 @@ def load_factory(spec: str) -> nn.Module:
 
 def debug_engine_args(args: EngineArgs) -> EngineArgs:
     """The session's engine arguments: graph mode (never eager: the session bisects pieces) with every piece eager
-    until a path asks for more, one sequence at a time, a small KV cache (unless the blocks are given) and a fixed
-    seed by default."""
+    until a path asks for more, one sequence at a time, a small KV cache (unless the blocks are given), a fixed
+    seed by default, and no prefix caching: every path prefills the whole prompt, so their steps compare."""
     return replace(
         args,
         seed=args.seed if args.seed is not None else DEBUG_SEED,
@@ -118,6 +118,7 @@ def debug_engine_args(args: EngineArgs) -> EngineArgs:
         default_piece_mode=PieceMode.EAGER.value,
         max_num_seqs=1,
         kv_cache_memory_gb=min(args.kv_cache_memory_gb, DEBUG_KV_CACHE_GB),
+        enable_prefix_caching=False,
     )
 
 

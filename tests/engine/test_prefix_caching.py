@@ -47,7 +47,7 @@ def turns(llm: LLM) -> list[tuple[list[int], list[int], list[dict[int, float]]]]
     """A workload one request at a time: a prompt, another with its prefix, the first again (every block cached),
     then the first turn's prompt and answer with a new question (a multi-turn chat)."""
     done = []
-    prompts = [PREFIX + [11, 12, 13], PREFIX + [21, 22], PREFIX + [11, 12, 13]]
+    prompts = [[*PREFIX, 11, 12, 13], [*PREFIX, 21, 22], [*PREFIX, 11, 12, 13]]
     for prompt in prompts:
         out = llm.generate([prompt], GREEDY)[0]
         done.append((prompt, out.token_ids, out.logprobs))
@@ -130,7 +130,7 @@ def test_n_choices_prefill_their_prompt_once(tiny) -> None:
     """n=4: the first choice prefills the prompt, the others copy its partial last block and recompute only the
     prompt's last token; each choice samples as a request of its own with its seed would."""
     path, _ = tiny
-    prompt = PREFIX + [11, 12]  # 39 tokens: 9 full blocks and a partial one of 3 tokens
+    prompt = [*PREFIX, 11, 12]  # 39 tokens: 9 full blocks and a partial one of 3 tokens
     shared = LLM(str(path), block_size=BLOCK, num_kv_blocks=64, graph_mode="eager").engine
     copies = []
     execute = shared.runner.execute
@@ -151,7 +151,7 @@ def test_finished_aborted_and_failed_requests_leave_no_block_held(tiny) -> None:
     engine = llm.engine
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     for i in range(4):
-        engine.add_request(f"r{i}", PREFIX + [50 + i], params)
+        engine.add_request(f"r{i}", [*PREFIX, 50 + i], params)
     for _ in range(3):
         engine.step()
     engine.abort("r1")
@@ -162,5 +162,5 @@ def test_finished_aborted_and_failed_requests_leave_no_block_held(tiny) -> None:
     cached = engine.pool.num_cached_blocks
     assert cached >= 9  # the prefix stays cached, evictable
     assert engine.reset_prefix_cache() == cached and engine.pool.num_cached_blocks == 0
-    out = llm.generate([PREFIX + [60]], params)[0]  # after the reset nothing is found: the whole prompt is computed
+    out = llm.generate([[*PREFIX, 60]], params)[0]  # after the reset nothing is found: the whole prompt is computed
     assert out.error is None and engine.scheduler.prefix.stats.resets == 1
