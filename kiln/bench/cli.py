@@ -23,6 +23,14 @@ def add_bench_subcommand(subparsers: argparse._SubParsersAction) -> None:
     b.add_argument("--num-requests-bs1", type=POSITIVE, default=4, help="requests at batch size 1")
     b.add_argument("--input-len", type=POSITIVE, default=128, help="prompt tokens (random ids)")
     b.add_argument("--output-len", type=POSITIVE, default=128, help="output tokens per request (>= 2)")
+    b.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        metavar="P",
+        help="every prompt starts with the same P random tokens before its own --input-len (a shared system "
+        "prompt: measures prefix caching; compare with --no-enable-prefix-caching)",
+    )
     b.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32], help="concurrency levels, e.g. 1,8,32")
     b.add_argument(
         "--modes", type=_mode_list, default=[DEFAULT_GRAPH_MODE.value], help=f"comma list of {', '.join(MODE_ARGS)}"

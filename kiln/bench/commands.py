@@ -52,6 +52,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 anchor.check(model_path)
             vocab = llm.engine.model_config.vocab_size
             prompts = random_prompts(args.num_requests, args.input_len, vocab, _prompt_seed(args))
+            if args.shared_prefix_len > 0:
+                prefix = random_prompts(1, args.shared_prefix_len, vocab, _prompt_seed(args) + 1)[0]
+                prompts = [prefix + p for p in prompts]
             batches = {bs: prompts[: _num_requests(args, bs)] for bs in args.batch_sizes}
         warm_up_kiln(llm, prompts[0])
         for bs, batch in batches.items():
@@ -109,6 +112,8 @@ def _config(args: argparse.Namespace, model_path: str) -> dict[str, Any]:
         "num_requests": args.num_requests,
         "num_requests_bs1": min(args.num_requests_bs1, args.num_requests),
         "input_len": args.input_len,
+        "shared_prefix_len": args.shared_prefix_len,
+        "enable_prefix_caching": args.enable_prefix_caching,
         "output_len": args.output_len,
         "batch_sizes": args.batch_sizes,
         "modes": args.modes,

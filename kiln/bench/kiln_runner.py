@@ -20,13 +20,18 @@ def run_kiln(llm: LLM, mode: str, prompts: list[list[int]], output_len: int, bat
     """Run `prompts` with at most `batch_size` in flight (a new one is added as soon as one finishes),
     after a prefill-only pass (one output token each) at the same concurrency."""
     prefill_s, _ = _closed_loop(llm, prompts, 1, batch_size, f"kiln {mode} bs={batch_size} prefill")
+    prefix = llm.engine.scheduler.prefix
+    queries, hits = (prefix.stats.queries, prefix.stats.hits) if prefix else (0, 0)
     wall_s, outputs = _closed_loop(llm, prompts, output_len, batch_size, f"kiln {mode} bs={batch_size}")
     done = []
     for out in outputs:
         m = out.metrics
         assert m.first_token_time is not None and m.finished_time is not None
         done.append((m.arrival_time, m.first_token_time, m.finished_time, out.token_ids))
-    return RunResult.closed_loop("kiln", mode, batch_size, prompts, output_len, wall_s, prefill_s, done)
+    result = RunResult.closed_loop("kiln", mode, batch_size, prompts, output_len, wall_s, prefill_s, done)
+    if prefix is not None:
+        result.prefix_hit_rate = (prefix.stats.hits - hits) / max(1, prefix.stats.queries - queries)
+    return result
 
 
 def warm_up_kiln(llm: LLM, prompt: list[int]) -> None:
@@ -38,6 +43,8 @@ def _closed_loop(
     llm: LLM, prompts: list[list[int]], output_len: int, batch_size: int, desc: str | None
 ) -> tuple[float, list[RequestOutput]]:
     engine = llm.engine
+    # NOTE: each pass starts from an empty prefix cache: a pass must not find the prompts of the one before it
+    engine.reset_prefix_cache(quiet=True)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     tag = f"bench-{time.monotonic_ns()}"
     done: dict[str, RequestOutput] = {}

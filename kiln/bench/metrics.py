@@ -40,6 +40,7 @@ class RunResult:
     token_ids: list[list[int]]
     hf_match: int | None = None  # requests whose greedy tokens equal HF's, when compared
     roofline_efficiency: float | None = None
+    prefix_hit_rate: float | None = None  # kiln with prefix caching: prompt tokens found cached in the run
 
     @classmethod
     def closed_loop(

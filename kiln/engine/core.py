@@ -155,13 +155,15 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
-    def reset_prefix_cache(self) -> int:
-        """Drop every cached block no request holds (POST /reset_prefix_cache); returns how many, logged."""
+    def reset_prefix_cache(self, quiet: bool = False) -> int:
+        """Drop every cached block no request holds (POST /reset_prefix_cache); returns how many, logged unless
+        `quiet` (the bench, between its passes)."""
         if self.scheduler.prefix is None:
             return 0
         dropped = self.scheduler.prefix.reset()
         held = self.pool.num_cached_blocks
-        logger.info("Prefix cache cleared: %d cached blocks dropped (%d held by running requests stay)", dropped, held)
+        log = logger.debug if quiet else logger.info
+        log("Prefix cache cleared: %d cached blocks dropped (%d held by running requests stay)", dropped, held)
         return dropped
 
     # -- the step -----------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from kiln.config import CacheConfig, ModelConfig
 from kiln.engine.kv_cache import BlockPool
-from kiln.engine.prefix_cache import KEY_FUNCTIONS, PrefixCacheStats, PrefixKeys
+from kiln.engine.prefix_cache import KEY_FUNCTIONS, Key, PrefixCacheStats, PrefixKeys
 from kiln.engine.request import Request
 
 logger = logging.getLogger("kiln")
@@ -50,14 +50,24 @@ class PrefixSharing:
         self.keys = keys
         self.fork = fork
         self.stats = PrefixCacheStats()
+        # key -> the running request computing that block (full blocks of prompts being prefilled, not cached yet)
+        self.computing: dict[Key, str] = {}
 
     def waits(self, req: Request, running: Iterable[Request]) -> bool:
-        """`req` is a choice whose sibling still prefills the same prompt: it shares that prompt when the sibling is
-        done, rather than computing it alongside."""
-        if req.group is None or req.output_token_ids or req.block_ids:
+        """`req` would compute a block that a running request is computing now (its next uncached one), or is a
+        choice whose sibling still prefills the same prompt: it waits to share them rather than computing them
+        alongside (32 prompts with one system prompt compute it once)."""
+        if req.block_ids:
             return False
-        last = req.num_prompt_tokens - 1
-        return any(s.group == req.group and s.num_computed_tokens < last and _same_prompt(s, req) for s in running)
+        if req.group is not None and not req.output_token_ids:
+            last = req.num_prompt_tokens - 1
+            if any(s.group == req.group and s.num_computed_tokens < last and _same_prompt(s, req) for s in running):
+                return True
+        if not self.computing:
+            return False
+        found = self.lookup(req, ())
+        keys = req.block_keys
+        return len(found.blocks) < len(keys) and keys[len(found.blocks)] in self.computing
 
     def lookup(self, req: Request, running: Iterable[Request]) -> CachedPrefix:
         """`req`'s cached prefix (it holds no blocks yet): never its last token, which is recomputed."""
@@ -91,6 +101,8 @@ class PrefixSharing:
         req.block_ids = list(found.blocks)
         req.block_serials = list(found.serials)
         req.num_computed_tokens = found.start
+        for key in req.block_keys[len(found.blocks) : req.num_prompt_tokens // self.pool.block_size]:
+            self.computing.setdefault(key, req.request_id)
         if found.copy_from is None:
             return None
         copy = self.pool.allocate(1)[0]
@@ -110,6 +122,14 @@ class PrefixSharing:
             parent = req.block_serials[i - 1] if i else self.keys.root(req)
             block_tokens = tuple(tokens[i * bs : (i + 1) * bs])
             req.block_serials.append(self.pool.register(req.block_ids[i], keys[i], block_tokens, parent))
+            if self.computing.get(keys[i]) == req.request_id:
+                del self.computing[keys[i]]
+
+    def forget(self, req: Request) -> None:
+        """`req` released its blocks (finished, aborted, preempted): it computes none of them any more."""
+        for key in req.block_keys:
+            if self.computing.get(key) == req.request_id:
+                del self.computing[key]
 
     def reset(self) -> int:
         """Drop every evictable block from the cache; returns how many."""

@@ -180,12 +180,13 @@ class Scheduler:
         return out
 
     def _next_waiting(self, running_by_group: Counter[str]) -> Request | None:
-        """The first waiting request whose client request is under its cap of running sequences."""
+        """The first waiting request whose client request is under its cap of running sequences and that need not
+        wait for a block another request is computing (kiln.engine.prefix_sharing)."""
         cap = self.config.running_per_request
         for r in self.waiting:
-            if r.group is None:
-                return r
-            if running_by_group[r.group] < cap and not (self.prefix and self.prefix.waits(r, self.running)):
+            if r.group is not None and running_by_group[r.group] >= cap:
+                continue
+            if self.prefix is None or not self.prefix.waits(r, self.running):
                 return r
         return None
 
@@ -265,14 +266,19 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        for g in self.groups:
-            g.release(req)
+        self._release(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted.append(req.request_id)
+
+    def _release(self, req: Request) -> None:
+        if self.prefix is not None:
+            self.prefix.forget(req)
+        for g in self.groups:
+            g.release(req)
 
     def finish(self, req: Request, reason: str, stop_reason: str | int | None = None) -> None:
         """Free a request's blocks and drop it from whichever queue holds it."""
@@ -282,8 +288,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        for g in self.groups:
-            g.release(req)
+        self._release(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason

@@ -219,6 +219,31 @@ def test_loadtest_against_live_server(server: LiveServer, tmp_path: Path) -> Non
     assert (tmp_path / "lt.png").stat().st_size > 10_000
 
 
+def test_prefix_cache_hits_salts_and_reset(server: LiveServer) -> None:
+    """A repeated prompt is found in the prefix cache (counters, /health); another cache_salt finds nothing of it;
+    POST /reset_prefix_cache needs the API key, drops the evictable blocks and is logged."""
+    client = server.client()
+    prompt = "You are a careful assistant who answers in one word. " * 8 + "Name a colour."
+
+    def hits_after(**extra: object) -> float:
+        before = server.metrics()["kiln_prefix_cache_hits_total"]
+        client.completions.create(model="default", prompt=prompt, max_tokens=2, temperature=0, extra_body=extra)
+        return server.metrics()["kiln_prefix_cache_hits_total"] - before
+
+    hits_after()
+    assert hits_after() >= 64  # the whole prompt but its last block, at least 4 blocks of 16
+    assert hits_after(cache_salt="tenant-b") == 0  # another tenant's cache holds nothing yet
+    assert hits_after(cache_salt="tenant-b") >= 64
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["prefix_caching"] is True and 0 < health["prefix_cache_hit_rate"] <= 1
+    assert httpx.post(f"{server.url}/reset_prefix_cache").status_code == 401
+    server.wait_idle()
+    reset = httpx.post(f"{server.url}/reset_prefix_cache", headers=server.headers)
+    assert reset.status_code == 200 and reset.json()["dropped_blocks"] >= 8
+    assert hits_after() == 0  # dropped: the prompt is computed again
+    assert any("Prefix cache cleared" in line for line in server.log)
+
+
 def test_sigterm_finishes_in_flight_requests_and_exits_0(server: LiveServer) -> None:
     """Must run last: it stops the module's server."""
     headers = {"Authorization": f"Bearer {API_KEY}"}
