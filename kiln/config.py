@@ -165,13 +165,18 @@ class ModelConfig:
         return 2 * self.num_layers * self.kv_size * itemsize
 
 
+DEFAULT_KV_CACHE_GB = 1.0
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    # None: size the pool from `kv_cache_memory_gb`.
+    # None: size the pool from `kv_cache_memory_gb`, else `kv_cache_memory_fraction`, else DEFAULT_KV_CACHE_GB
     num_blocks: int | None = None
-    kv_cache_memory_gb: float = 1.0
+    kv_cache_memory_gb: float | None = None
     dtype: str = "auto"  # "auto" = model dtype
+    # set: the pool is this fraction of the memory available after the weights, instead of `kv_cache_memory_gb`
+    kv_cache_memory_fraction: float | None = None
     # automatic prefix caching (kiln.engine.prefix_sharing): full blocks are kept after their request and shared
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"  # the key of a block (kiln.engine.prefix_cache.HASH_ALGOS)

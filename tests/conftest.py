@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 
@@ -10,6 +11,7 @@ import torch
 
 from kiln import LLM
 from kiln.kernels.choices import forget_process_choices
+from kiln.log import setup_logging
 
 
 def share_cores_between_workers() -> None:
@@ -38,3 +40,17 @@ def fresh_kernel_choices() -> Iterator[None]:
     forget_process_choices()
     yield
     forget_process_choices()
+
+
+@pytest.fixture
+def kiln_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """caplog for the "kiln" logger, which does not propagate to the root logger (caplog's) once `setup_logging`
+    ran: it runs first here (it runs once per process), so the lines of engines the test builds are caught too."""
+    setup_logging()
+    logger = logging.getLogger("kiln")
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.INFO, logger="kiln"):
+            yield caplog
+    finally:
+        logger.removeHandler(caplog.handler)

@@ -94,7 +94,9 @@ class RunResult:
             "ttft_ms": _summary_ms(self.ttft_s),
             "tpot_ms": _summary_ms(self.tpot_s),
             "wall_s": self.wall_s,
-        } | _present(hf_match=self.hf_match, roofline_efficiency=self.roofline_efficiency)
+        } | _present(
+            hf_match=self.hf_match, roofline_efficiency=self.roofline_efficiency, prefix_hit_rate=self.prefix_hit_rate
+        )
 
 
 def _present(**fields: Any) -> dict[str, Any]:

@@ -23,12 +23,15 @@ def print_report(
     table = Table(title="kiln bench (TTFT / TPOT in ms: mean/p50/p90)")
     for name in ("system", "bs", "reqs", "out tok/s", "prefill tok/s", "decode tok/s/seq", "TTFT", "TPOT", "wall s"):
         table.add_column(name, justify="left" if name == "system" else "right")
-    compared = any(r.hf_match is not None for r in results)
-    if compared:
-        table.add_column("=HF", justify="right")
-    has_roofline = any(r.roofline_efficiency is not None for r in results)
-    if has_roofline:
-        table.add_column("roofline", justify="right")
+    # columns shown when some run has the value: (heading, the cell of a run, None when it has none)
+    optional = [
+        ("=HF", lambda r: None if r.hf_match is None else f"{r.hf_match}/{r.num_requests}"),
+        ("roofline", lambda r: None if r.roofline_efficiency is None else f"{r.roofline_efficiency:.0%}"),
+        ("prefix hits", lambda r: None if r.prefix_hit_rate is None else f"{r.prefix_hit_rate:.0%}"),
+    ]
+    optional = [(name, cell) for name, cell in optional if any(cell(r) is not None for r in results)]
+    for name, _ in optional:
+        table.add_column(name, justify="right")
     for r in sorted(results, key=lambda r: (r.batch_size, r.system != "kiln", r.system, r.mode)):
         row = r.to_row()
         cells = [
@@ -42,10 +45,7 @@ def print_report(
             _triple(row["tpot_ms"]),
             f"{r.wall_s:.2f}",
         ]
-        if compared:
-            cells.append("" if r.hf_match is None else f"{r.hf_match}/{r.num_requests}")
-        if has_roofline:
-            cells.append("" if r.roofline_efficiency is None else f"{r.roofline_efficiency:.0%}")
+        cells += [cell(r) or "" for _, cell in optional]
         table.add_row(*cells)
     console.print(table)
     if roofline is not None:

@@ -117,7 +117,8 @@ def debug_engine_args(args: EngineArgs) -> EngineArgs:
         enforce_eager=False,
         default_piece_mode=PieceMode.EAGER.value,
         max_num_seqs=1,
-        kv_cache_memory_gb=min(args.kv_cache_memory_gb, DEBUG_KV_CACHE_GB),
+        kv_cache_memory_gb=min(args.kv_cache_memory_gb or DEBUG_KV_CACHE_GB, DEBUG_KV_CACHE_GB),
+        kv_cache_memory_fraction=None,
         enable_prefix_caching=False,
     )
 

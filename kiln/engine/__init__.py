@@ -1,7 +1,7 @@
 """The engine: one configuration path (args.py -> build.py), the step (core.py: schedule -> execute -> update),
 the scheduler and KV block pool, the model runner, sampling, detokenization, and the offline `LLM` API.
 
-arg_types.py        argparse value types every subcommand shares (int_at_least, parse_sizes)
+arg_types.py        argparse value types every subcommand shares, and the flag each `EngineArgs` field gets
 admission.py        a client's prompt and parameters checked and turned into a `Request` (never touching state)
 args.py             `EngineArgs`: every engine option in one dataclass; generates the CLI flags and the `EngineConfig`
 async_engine.py     the engine loop for serving: one thread owns the EngineCore; asyncio callers get per-request queues
@@ -16,6 +16,8 @@ kv_window.py        sliding-window KV blocks: which leading blocks of a sequence
 llm.py              the offline API: `LLM(model=...).generate(prompts, params)` and `.chat(messages, params)`
 model_runner.py     a SchedulerOutput turned into tensors, the executor run under a forward context, sampling
 outputs.py          the stop rules, and the `RequestOutput` handed to callers
+prefix_cache.py     the keys of cached KV blocks (chained hashes over tokens and a root), and the cache's stats
+prefix_sharing.py   automatic prefix caching: a waiting request's longest cached prefix, sibling copies, registering
 rank_role.py        `RankRole`: a rank's part in each step of a multi-device engine, fixed at construction
 recipe_config.py    the recipe's overlay on the engine config: where recipe values override flags, each logged
 request.py          a request's life in the engine, and the plain output objects handed to callers

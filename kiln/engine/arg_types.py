@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import MISSING, Field
+from typing import Any
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -22,6 +24,17 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def fraction(text: str) -> float:
+    """A number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {value}")
+    return value
+
+
 def parse_sizes(text: str) -> tuple[int, ...]:
     """`1,2,4` -> (1, 2, 4); `none` -> ()."""
     if text.strip().lower() == "none":
@@ -30,3 +43,31 @@ def parse_sizes(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, or none") from None
+
+
+def cli_flag(f: Field) -> str:
+    """The flag of an EngineArgs field: `--max-model-len` for `max_model_len`."""
+    return "--" + f.name.replace("_", "-")
+
+
+def argparse_kwargs(f: Field) -> dict[str, Any]:
+    """`add_argument` keywords of an EngineArgs field: its help, default, and action or type."""
+    kwargs = dict(f.metadata["argparse"])
+    default = f.default if f.default is not MISSING else None
+    kwargs.setdefault("help", f.metadata["help"])
+    kwargs["default"] = default
+    if "action" not in kwargs:
+        if isinstance(default, bool):
+            kwargs["action"] = "store_true"
+        elif "type" not in kwargs:
+            kwargs["type"] = _field_type(f)
+    return kwargs
+
+
+def _field_type(f: Field) -> Any:
+    kind = str(f.type)
+    if kind.startswith("int"):
+        return int
+    if kind.startswith("float"):
+        return float
+    return str

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Sequence
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kiln.compile.modes import PieceMode
@@ -30,7 +30,7 @@ from kiln.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from kiln.engine.arg_types import int_at_least, parse_sizes
+from kiln.engine.arg_types import argparse_kwargs, cli_flag, fraction, int_at_least, parse_sizes
 from kiln.engine.prefix_cache import HASH_ALGOS
 from kiln.errors import ConfigError
 
@@ -72,8 +72,17 @@ class EngineArgs:
     num_threads: int | None = _arg(None, "torch intra-op threads (default: all cores, or KILN_NUM_THREADS)")
     recipe: str | None = _arg(None, "recipe YAML: validated, then its settings and guards apply")
     block_size: int = _arg(16, "KV cache block size in tokens", group="KV cache", type=int_at_least(1))
-    num_kv_blocks: int | None = _arg(None, "KV cache blocks (default: --kv-cache-memory-gb worth)", group="KV cache")
-    kv_cache_memory_gb: float = _arg(1.0, "KV cache size when --num-kv-blocks is not given", group="KV cache")
+    num_kv_blocks: int | None = _arg(None, "KV cache blocks (default: the memory flags' worth)", group="KV cache")
+    kv_cache_memory_gb: float | None = _arg(
+        None, "KV cache size in GB (default 1, unless --kv-cache-memory-fraction); --num-kv-blocks wins", "KV cache"
+    )
+    kv_cache_memory_fraction: float | None = _arg(
+        None,
+        "KV cache as this fraction of the memory available once the weights are loaded (vLLM's "
+        "--gpu-memory-utilization, of free memory; CPU: RAM); --num-kv-blocks and a recipe's pages win",
+        "KV cache",
+        type=fraction,
+    )
     enable_prefix_caching: bool = _arg(
         True, "reuse the KV blocks of any cached prompt prefix", "KV cache", action=argparse.BooleanOptionalAction
     )
@@ -169,7 +178,7 @@ class EngineArgs:
             group = f.metadata["group"]
             if group not in groups:
                 groups[group] = parser if group == "engine" else parser.add_argument_group(group)
-            groups[group].add_argument(cli_flag(f), dest=f.name, **_argparse_kwargs(f))
+            groups[group].add_argument(cli_flag(f), dest=f.name, **argparse_kwargs(f))
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineArgs:
@@ -221,6 +230,7 @@ class EngineArgs:
                 self.block_size,
                 self.num_kv_blocks,
                 self.kv_cache_memory_gb,
+                kv_cache_memory_fraction=self.kv_cache_memory_fraction,
                 enable_prefix_caching=self.enable_prefix_caching,
                 prefix_caching_hash_algo=self.prefix_caching_hash_algo,
             ),
@@ -272,29 +282,3 @@ class EngineArgs:
         if self.enable_piecewise_graph:
             logger.info("--enable-piecewise-graph: graph mode is on by default (kept as an alias)")
         return next(iter(given.values()), None)
-
-
-def cli_flag(f: Field) -> str:
-    return "--" + f.name.replace("_", "-")
-
-
-def _argparse_kwargs(f: Field) -> dict[str, Any]:
-    kwargs = dict(f.metadata["argparse"])
-    default = f.default if f.default is not MISSING else None
-    kwargs.setdefault("help", f.metadata["help"])
-    kwargs["default"] = default
-    if "action" not in kwargs:
-        if isinstance(default, bool):
-            kwargs["action"] = "store_true"
-        elif "type" not in kwargs:
-            kwargs["type"] = _field_type(f)
-    return kwargs
-
-
-def _field_type(f: Field) -> Any:
-    kind = str(f.type)
-    if kind.startswith("int"):
-        return int
-    if kind.startswith("float"):
-        return float
-    return str

@@ -17,7 +17,7 @@ from kiln.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, ModelConfig
 from kiln.engine.admission import Admission
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.kv_cache import BlockPool
-from kiln.engine.kv_plan import kv_cache_blocks, log_kv_cache
+from kiln.engine.kv_plan import kv_budget, kv_cache_blocks, log_kv_cache
 from kiln.engine.model_runner import ModelRunner, ModelRunnerOutput, StepObserver
 from kiln.engine.outputs import request_output, stop_after
 from kiln.engine.prefix_sharing import prefix_keys_for
@@ -75,7 +75,9 @@ class EngineCore:
         cc = config.cache
         dtype = next(model.parameters()).dtype
         kv_dtype = dtype if cc.dtype == "auto" else parse_dtype(cc.dtype)
-        blocks = kv_cache_blocks(cc, config.scheduler, model, kv_dtype)  # (every layer's, a hybrid's sliding layers')
+        p = config.parallel
+        budget, budget_reason = kv_budget(cc, next(model.parameters()).device, max(1, p.world_size // p.nnodes))
+        blocks = kv_cache_blocks(cc, config.scheduler, model, kv_dtype, budget)  # (every layer's, a hybrid's sliding)
         self.pool = BlockPool(blocks[0], cc.block_size)
         self.window_pool = BlockPool(blocks[1], cc.block_size) if blocks[1] else None
         self.shaper = StepShaper.for_engine(config, executor.pad_to)
@@ -99,7 +101,7 @@ class EngineCore:
             config.scheduler, self.pool, self.shaper, window, self.window_pool, role.steps_in_flight,
             prefix_keys_for(cc, mc, namespace),
         )  # fmt: skip
-        log_kv_cache(cc, blocks, self.runner.kv_cache_bytes, kv_dtype, self.max_model_len, mc)
+        log_kv_cache(cc, blocks, self.runner.kv_cache_bytes, kv_dtype, self.max_model_len, mc, budget_reason)
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.workers: Workers | None = role.workers  # the other ranks, when this is rank 0 of a multi-device engine

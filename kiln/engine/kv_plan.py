@@ -13,7 +13,8 @@ import logging
 import torch
 from torch import nn
 
-from kiln.config import CacheConfig, ModelConfig, SchedulerConfig
+from kiln.compile.capture import available_memory_gb
+from kiln.config import DEFAULT_KV_CACHE_GB, CacheConfig, ModelConfig, SchedulerConfig
 from kiln.distributed.control import agree_min
 from kiln.engine.kv_window import max_decode_blocks, window_pool_blocks
 from kiln.model.parallel import held_layers, local_kv_heads
@@ -21,16 +22,43 @@ from kiln.model.parallel import held_layers, local_kv_heads
 logger = logging.getLogger("kiln")
 
 
-def kv_cache_blocks(cc: CacheConfig, sc: SchedulerConfig, model: nn.Module, kv_dtype: torch.dtype) -> tuple[int, int]:
+def kv_budget(cc: CacheConfig, device: torch.device, ranks_on_node: int = 1) -> tuple[int, str]:
+    """(bytes this rank's KV cache may take, the start-up line's reason): `cc.num_blocks` (the bytes unused then),
+    else `cc.kv_cache_memory_gb`, else `cc.kv_cache_memory_fraction` of the memory available now (the weights are
+    loaded), else DEFAULT_KV_CACHE_GB. On CPU the `ranks_on_node` ranks of a machine share its RAM: each gets its
+    part of what is available."""
+    available = available_memory_gb(device)
+    where = f"{available:.1f} GB available after the weights"
+    if device.type == "cpu" and ranks_on_node > 1:
+        available /= ranks_on_node
+        where += f", {available:.1f} GB for each of {ranks_on_node} ranks"
+    if cc.num_blocks:
+        return 0, f"--num-kv-blocks or the recipe's pages; {where}"
+    if cc.kv_cache_memory_gb is None and cc.kv_cache_memory_fraction is not None:
+        f = cc.kv_cache_memory_fraction
+        return int(f * available * 1e9), f"--kv-cache-memory-fraction {f:g} of the {where}"
+    gb = cc.kv_cache_memory_gb if cc.kv_cache_memory_gb is not None else DEFAULT_KV_CACHE_GB
+    flag = "--kv-cache-memory-gb" if cc.kv_cache_memory_gb is not None else "the default"
+    if gb > available:
+        logger.warning("KV cache: %s %g GB is more than the %s: the machine may swap", flag, gb, where)
+    return int(gb * 1e9), f"{flag} {gb:g} GB; {where}"
+
+
+def kv_cache_blocks(
+    cc: CacheConfig, sc: SchedulerConfig, model: nn.Module, kv_dtype: torch.dtype, budget: int | None = None
+) -> tuple[int, int]:
     """(blocks of the cache, blocks of the sliding layers' cache when they alternate with global layers, else 0):
-    `cc.num_blocks`, else as many as `cc.kv_cache_memory_gb` holds on this rank; each count agreed by every rank.
+    `cc.num_blocks`, else as many as `budget` bytes hold on this rank (default `kv_budget`'s); each count agreed by
+    every rank.
 
     A hybrid model's sliding layers get `window_pool_blocks` (at most the global layers' count) and the global
     layers share the rest of the budget."""
     mc: ModelConfig = model.config
     held = held_layers(model) or range(mc.num_layers)
     per_layer_token = mc.kv_bytes_per_token(kv_dtype) * local_kv_heads(model) // (mc.num_kv_heads * mc.num_layers)
-    layer_blocks = int(cc.kv_cache_memory_gb * 1e9) // (cc.block_size * per_layer_token)  # blocks x layers
+    if budget is None:
+        budget = kv_budget(cc, next(model.parameters()).device)[0]
+    layer_blocks = budget // (cc.block_size * per_layer_token)  # blocks x layers
     window = mc.hybrid_sliding_window
     if not window:
         return agree_min(cc.num_blocks or max(1, layer_blocks // len(held))), 0
@@ -50,16 +78,19 @@ def log_kv_cache(
     kv_dtype: torch.dtype,
     max_model_len: int,
     mc: ModelConfig,
+    reason: str = "",
 ) -> None:
+    """The start-up lines of the cache: its size and `reason` (`kv_budget`'s), and how a sliding window uses it."""
     num_blocks, window_blocks = blocks
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens (%.2f GB %s), max_model_len=%d",
+        "KV cache: %d blocks x %d tokens = %d tokens (%.2f GB %s), max_model_len=%d%s",
         num_blocks,
         cc.block_size,
         num_blocks * cc.block_size,
         nbytes / 1e9,
         str(kv_dtype).removeprefix("torch."),
         max_model_len,
+        f" ({reason})" if reason else "",
     )
     if window := mc.uniform_sliding_window:
         logger.info(

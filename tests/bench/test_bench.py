@@ -145,3 +145,15 @@ def test_bench_compare_hf_matches_greedy_tokens(tmp_path: Path) -> None:
     kiln_rows = [r for r in report["results"] if r["system"] == "kiln"]
     assert len(kiln_rows) == 2 and all(r["hf_match"] == r["num_requests"] for r in kiln_rows), report["results"]
     assert set(report["ratios"]["eager/hf"]) == {"1", "2", "best"}
+
+
+def test_bench_shared_prefix_reports_the_hit_rate(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    assert kiln_cli.main(["bench", *SMALL, "--shared-prefix-len", "32", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["shared_prefix_len"] == 32
+    bs1, bs2 = sorted(report["results"], key=lambda r: r["batch_size"])
+    # each pass starts from an empty cache: one request alone finds nothing; of two 40-token prompts the second
+    # waits for the first's two full 16-token blocks of the shared prefix and takes them (32 of the 80 tokens)
+    assert bs1["prefix_hit_rate"] == 0.0
+    assert bs2["prefix_hit_rate"] == pytest.approx(32 / 80)

@@ -7,7 +7,6 @@ eager); the rest runs on the tiny model, whose pieces compile to the same kernel
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from kiln.compile.settings import graph_config_from
 from kiln.config import FusionGroupConfig
 from kiln.engine.args import EngineArgs
 from kiln.executor.graph import GraphExecutor
-from kiln.log import setup_logging
 from kiln.model.forward_context import ForwardContext, ModelInputs, set_forward_context
 from kiln.recipe import load_recipe
 from tests.compile.tiny import graph_runner, make_runner, prefill_metadata, tiny_model
@@ -36,22 +34,6 @@ GROUPS = [
     {"name": "q_o", "ops": ["q_proj", "o_proj"], "required": False},
     {"name": "o_mlp", "ops": ["o_proj", "gate_proj", "up_proj", "silu", "mul"], "required": False},
 ]
-
-
-@pytest.fixture
-def kiln_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """caplog attached to the "kiln" logger itself at INFO: once logging is set up (LLM does it) it stops
-    propagating to the root logger, where caplog listens."""
-    setup_logging()
-    logger = logging.getLogger("kiln")
-    level = logger.level
-    logger.addHandler(caplog.handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield caplog
-    finally:
-        logger.removeHandler(caplog.handler)
-        logger.setLevel(level)
 
 
 def recipe_with(tmp_path: Path, groups: str) -> tuple[str, int]:

@@ -51,7 +51,10 @@ def test_every_engine_subcommand_accepts_exactly_the_engine_args_flags() -> None
     reference = argparse.ArgumentParser(add_help=False)
     EngineArgs.add_cli_args(reference)
     want = _options(reference)
-    assert set(want) == {cli_flag(f) for f in fields(EngineArgs)} | {"--no-enable-chunked-prefill"}
+    assert set(want) == {cli_flag(f) for f in fields(EngineArgs)} | {
+        "--no-enable-chunked-prefill",
+        "--no-enable-prefix-caching",
+    }
     names = {f.name for f in fields(EngineArgs)}
     leaves = _leaf_parsers(cli.build_parser())
     leaves["python -m kiln.launch"] = launch.build_parser()
