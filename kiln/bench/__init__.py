@@ -8,8 +8,10 @@ commands.py         handlers of `kiln bench` and `kiln loadtest`
 hf_runner.py        the HF transformers anchor: `model.generate` in static batches on the same checkpoint and prompts
 kiln_runner.py      kiln's side of the benchmark: closed-loop runs of the engine at a fixed concurrency
 llamacpp_runner.py  the llama.cpp anchor (llama-cpp-python) on the same GGUF file, prompts and thread count as kiln
-loadtest.py         `kiln loadtest`: a dynamic-batch serving load test (random lengths, optional Poisson arrivals)
-loadtest_report.py  what `kiln loadtest` reports: throughput and TTFT / TPOT / end-to-end percentiles, as text and plot
+loadtest.py         `kiln loadtest`: a dynamic-batch serving load test (random lengths, Poisson arrivals, a shared
+                    prefix, multi-turn chats)
+loadtest_client.py  one load-test request over HTTP: a streamed completion or chat turn timed into its record
+loadtest_report.py  what `kiln loadtest` reports: throughput, latency percentiles, cached prompt tokens; text and plot
 metrics.py          what one benchmark run measured (timings per request) and the rates and ratios derived from it
 modes.py            the execution modes a bench compares: the engine flags of each
 report.py           the side-by-side tables printed by `kiln bench`

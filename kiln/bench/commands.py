@@ -140,6 +140,8 @@ def run_loadtest_command(args: argparse.Namespace) -> int:
             request_rate=args.request_rate,
             timeout=args.timeout,
             seed=args.seed,
+            shared_prefix_len=args.shared_prefix_len,
+            turns=args.turns,
         )
         result = asyncio.run(run_loadtest(cfg))
     except KilnError as exc:

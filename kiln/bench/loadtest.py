@@ -1,6 +1,8 @@
 """`kiln loadtest`: a dynamic-batch serving load test, like real traffic: random prompt and output lengths,
-optional Poisson arrivals, a cap on requests in flight. Reports throughput and TTFT / TPOT / end-to-end latency
-percentiles; optionally writes JSON and a plot of the percentiles over time.
+optional Poisson arrivals, a cap on requests in flight, optionally one shared prefix (a system prompt) and
+multi-turn chats (each turn resends the conversation so far with the answers). Reports throughput, TTFT / TPOT /
+end-to-end latency percentiles and the prompt tokens the server found cached; optionally writes JSON and a plot
+of the percentiles over time. The HTTP side of a request is kiln.bench.loadtest_client.
 
 Bounded by design: at most MAX_REQUESTS requests, a wall-clock `timeout`, and loopback URLs only.
 """
@@ -9,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-import json
 import random
 import time
 from dataclasses import dataclass, field
@@ -17,10 +18,12 @@ from urllib.parse import urlparse
 
 import httpx
 
-from kiln.errors import ConfigError, KilnError
+from kiln.bench.loadtest_client import first_model, request_body, send
+from kiln.errors import ConfigError
 
 MAX_REQUESTS = 100_000
 MAX_CONCURRENCY = 1024
+MAX_PREFIX_WORDS = 100_000
 PERCENTILES = (50, 90, 99)
 # Common English words that are one token (with their leading space) in most BPE vocabularies, so a prompt of
 # N words is close to N tokens; the report uses the server's own token counts.
@@ -50,6 +53,8 @@ class LoadTestConfig:
     request_rate: float | None = None
     timeout: float = 600.0
     seed: int = 0
+    shared_prefix_len: int = 0  # words of one prefix every request starts with (a chat's system message)
+    turns: int = 1  # > 1: chats of this many turns (the last may be shorter), one request at a time each
 
     def __post_init__(self) -> None:
         check_loopback_url(self.url)
@@ -61,6 +66,12 @@ class LoadTestConfig:
             raise ConfigError(f"--request-rate must be > 0 requests/s, got {self.request_rate}")
         if self.timeout <= 0:
             raise ConfigError(f"--timeout must be > 0 seconds, got {self.timeout}")
+        if not 0 <= self.shared_prefix_len <= MAX_PREFIX_WORDS:
+            raise ConfigError(
+                f"--shared-prefix-len must be in [0, {MAX_PREFIX_WORDS}] words, got {self.shared_prefix_len}"
+            )
+        if not 1 <= self.turns <= self.num_requests:
+            raise ConfigError(f"--turns must be in [1, --num-requests {self.num_requests}], got {self.turns}")
 
 
 @dataclass
@@ -71,12 +82,15 @@ class RequestRecord:
     start: float
     target_input_len: int
     target_output_len: int
+    conversation: int = 0
+    turn: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
     ttft: float | None = None
     tpot: float | None = None
     e2e: float | None = None
     error: str | None = None
+    cached_tokens: int | None = None  # the server's usage.prompt_tokens_details.cached_tokens, when it sends it
 
     @property
     def ok(self) -> bool:
@@ -123,32 +137,50 @@ def make_prompt(rng: random.Random, num_words: int) -> str:
 
 
 async def run_loadtest(cfg: LoadTestConfig) -> LoadTestResult:
+    """Conversations of `cfg.turns` requests, at most `cfg.concurrency` at once (one request in flight each):
+    with one turn, each is a completion of its own prompt, as real traffic of independent requests."""
     rng = random.Random(cfg.seed)
+    prefix = make_prompt(rng, cfg.shared_prefix_len)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     limits = httpx.Limits(max_connections=cfg.concurrency, max_keepalive_connections=cfg.concurrency)
     base = cfg.url.rstrip("/")
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(cfg.timeout)) as client:
-        model = cfg.model or await _first_model(client, base)
+        model = cfg.model or await first_model(client, base)
         records: list[RequestRecord] = []
         in_flight = asyncio.Semaphore(cfg.concurrency)
         tasks: list[asyncio.Task[None]] = []
         t0 = time.monotonic()
-        deadline = t0 + cfg.timeout
+
+        async def conversation(c: int, num_turns: int) -> None:
+            messages = [{"role": "system", "content": prefix}] if prefix else []
+            own = random.Random(f"{cfg.seed}/{c}")  # its lengths and words, whatever order the conversations run in
+            try:
+                for turn in range(num_turns):
+                    lengths = own.randint(*cfg.input_len), own.randint(*cfg.output_len)
+                    record = RequestRecord(len(records), time.monotonic() - t0, *lengths, conversation=c, turn=turn)
+                    records.append(record)
+                    text = make_prompt(own, record.target_input_len)
+                    if cfg.turns == 1:
+                        await send(client, base, request_body(model, record, f"{prefix} {text}".lstrip()), record, t0)
+                        continue
+                    messages.append({"role": "user", "content": text})
+                    answer = await send(client, base, request_body(model, record, messages), record, t0)
+                    if not record.ok:
+                        return  # the conversation cannot go on without its answer
+                    messages.append({"role": "assistant", "content": answer})
+            finally:
+                in_flight.release()
 
         async def send_all() -> None:
-            for i in range(cfg.num_requests):
+            for c, start in enumerate(range(0, cfg.num_requests, cfg.turns)):
                 if cfg.request_rate is not None:
                     await asyncio.sleep(rng.expovariate(cfg.request_rate))
                 await in_flight.acquire()
-                lengths = rng.randint(*cfg.input_len), rng.randint(*cfg.output_len)
-                record = RequestRecord(i, time.monotonic() - t0, *lengths)
-                records.append(record)
-                prompt = make_prompt(rng, record.target_input_len)
-                tasks.append(asyncio.create_task(_one_request(client, base, model, prompt, record, t0, in_flight)))
+                tasks.append(asyncio.create_task(conversation(c, min(cfg.turns, cfg.num_requests - start))))
             await asyncio.gather(*tasks)
 
         try:
-            await asyncio.wait_for(send_all(), timeout=max(deadline - time.monotonic(), 0.001))
+            await asyncio.wait_for(send_all(), timeout=max(t0 + cfg.timeout - time.monotonic(), 0.001))
         except TimeoutError:
             for task in tasks:
                 task.cancel()
@@ -157,65 +189,3 @@ async def run_loadtest(cfg: LoadTestConfig) -> LoadTestResult:
                 if not record.ok and record.error is None:
                     record.error = f"unfinished after --timeout {cfg.timeout:g} s"
         return LoadTestResult(cfg, time.monotonic() - t0, records)
-
-
-async def _first_model(client: httpx.AsyncClient, base: str) -> str:
-    try:
-        response = await client.get(f"{base}/v1/models")
-        response.raise_for_status()
-        return response.json()["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
-        raise KilnError(f"cannot list models at {base}/v1/models ({exc}); is the server up? pass --model") from None
-
-
-async def _one_request(
-    client: httpx.AsyncClient,
-    base: str,
-    model: str,
-    prompt: str,
-    record: RequestRecord,
-    t0: float,
-    in_flight: asyncio.Semaphore,
-) -> None:
-    payload = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": record.target_output_len,
-        "ignore_eos": True,  # vLLM/kiln extension: fixed output lengths make runs comparable
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start = t0 + record.start
-    try:
-        async with client.stream("POST", f"{base}/v1/completions", json=payload) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                record.error = f"HTTP {response.status_code}: {_error_message(body)}"
-                return
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[len("data: ") :])
-                if "error" in event:
-                    record.error = f"stream error: {event['error'].get('message')}"
-                    return
-                if event.get("choices") and record.ttft is None:
-                    record.ttft = time.monotonic() - start
-                if event.get("usage"):
-                    record.prompt_tokens = event["usage"]["prompt_tokens"]
-                    record.output_tokens = event["usage"]["completion_tokens"]
-        record.e2e = time.monotonic() - start
-        if record.ttft is not None and record.output_tokens > 1:
-            record.tpot = (record.e2e - record.ttft) / (record.output_tokens - 1)
-    except httpx.HTTPError as exc:
-        record.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        in_flight.release()
-
-
-def _error_message(body: str) -> str:
-    try:
-        return json.loads(body)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        return body[:200]

@@ -1,4 +1,5 @@
-"""What `kiln loadtest` reports: throughput and TTFT / TPOT / end-to-end percentiles (`summarize`), as text
+"""What `kiln loadtest` reports: throughput, TTFT / TPOT / end-to-end percentiles and the prompt tokens the server
+found cached (`summarize`), as text
 (`format_report`) and as a plot of the percentiles over time."""
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def summarize(result: LoadTestResult) -> dict[str, Any]:
     duration = max(result.duration_s, 1e-9)
     output_tokens = sum(r.output_tokens for r in ok)
     prompt_tokens = sum(r.prompt_tokens for r in ok)
+    told = [r for r in ok if r.cached_tokens is not None]  # requests whose server said what it found cached
+    cached_tokens = sum(r.cached_tokens or 0 for r in told)
     cfg = asdict(result.config)
     cfg.pop("api_key")
     return {
@@ -40,6 +43,8 @@ def summarize(result: LoadTestResult) -> dict[str, Any]:
         "total_throughput_tok_s": (output_tokens + prompt_tokens) / duration,
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
+        "cached_prompt_tokens": cached_tokens if told else None,
+        "prefix_cache_hit_rate": cached_tokens / max(1, sum(r.prompt_tokens for r in told)) if told else None,
         "ttft_s": _stats([r.ttft for r in ok if r.ttft is not None]),
         "tpot_s": _stats([r.tpot for r in ok if r.tpot is not None]),
         "e2e_s": _stats([r.e2e for r in ok if r.e2e is not None]),
@@ -58,6 +63,13 @@ def format_report(summary: dict[str, Any]) -> str:
         f"{summary['total_throughput_tok_s']:.1f} total tok/s",
         f"{'latency (ms)':<14}{'mean':>10}" + "".join(f"{'P' + str(p):>10}" for p in PERCENTILES),
     ]
+    if summary["prefix_cache_hit_rate"] is None:
+        lines.append("Prefix cache: the server did not report cached prompt tokens")
+    else:
+        lines.append(
+            f"Prefix cache: {summary['cached_prompt_tokens']} of {summary['prompt_tokens']} prompt tokens cached "
+            f"({summary['prefix_cache_hit_rate']:.1%})"
+        )
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
         s = summary[key]
         lines.append(f"{label:<14}{ms(s['mean']):>10}" + "".join(f"{ms(s[f'p{p}']):>10}" for p in PERCENTILES))

@@ -56,5 +56,6 @@ def request_output(req: Request, detok: IncrementalDetokenizer, num_new: int) ->
         num_new_tokens=num_new,
         logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
         error=req.error,
+        num_cached_tokens=req.num_cached_tokens or 0,
         metrics=req.metrics,
     )

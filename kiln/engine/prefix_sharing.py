@@ -101,6 +101,8 @@ class PrefixSharing:
         req.block_ids = list(found.blocks)
         req.block_serials = list(found.serials)
         req.num_computed_tokens = found.start
+        if req.num_cached_tokens is None:  # a preempted request readmitted keeps its first count, as vLLM
+            req.num_cached_tokens = found.start
         for key in req.block_keys[len(found.blocks) : req.num_prompt_tokens // self.pool.block_size]:
             self.computing.setdefault(key, req.request_id)
         if found.copy_from is None:

@@ -61,6 +61,7 @@ class Request:
         # the cache serials of the blocks it holds that are full and registered (or found cached), in order
         self.block_keys: list[object] = []
         self.block_serials: list[int] = []
+        self.num_cached_tokens: int | None = None  # prompt tokens found cached when first admitted (caching on)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
@@ -109,6 +110,7 @@ class RequestOutput:
     num_new_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens it found in the prefix cache (usage.prompt_tokens_details)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
 
     @property

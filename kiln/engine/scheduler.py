@@ -9,6 +9,11 @@ front of the waiting queue to be recomputed from its prompt and the tokens it ha
 recipe's step constraints a request joins a step only with as many tokens as keep the step paddable to an
 allowed shape (kiln.engine.step_shape). The scheduler never touches tensors.
 
+With prefix caching (`self.prefix`, kiln.engine.prefix_sharing) a waiting request is admitted at its longest cached
+prefix and prefills only the rest; it waits while a running request computes its next uncached block (so one
+system prompt sent by many clients at once is computed once); `advance` registers each block a step fills, and a
+sibling choice's copy of a partial block is the step's `block_copies`, run before its forward.
+
 Blocks come from one pool per `BlockGroup`: every layer's, or, when sliding-window layers alternate with global ones,
 the global layers' and the sliding layers' (kiln.engine.kv_window). A request grows in every group at once and is
 preempted when any of them runs out. In a group whose layers slide (`window` > 0), `advance` frees the blocks behind

@@ -1,5 +1,6 @@
 """A step's inputs as plain lists (what rank 0 sends the other ranks of a multi-device engine), and their split into
-micro-batches for pipeline parallelism.
+micro-batches for pipeline parallelism. The plan carries the step's KV block copies (prefix caching's copy on
+write of a shared partial block), so every rank copies the same blocks of its own caches before the forward.
 
 With S pipeline stages and one batch per step, each stage idles while the others work (a bubble of (S-1)/S). Split
 into M parts, stage 0 starts part 2 while stage 1 runs part 1, and the bubble shrinks to (S-1)/(M+S-1); kiln splits

@@ -199,6 +199,20 @@ def add_loadtest_subcommand(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--input-len", default="32:256", help="prompt length range in tokens, A:B (uniform)")
     p.add_argument("--output-len", default="16:128", help="output length range in tokens, A:B (uniform)")
     p.add_argument("--request-rate", type=float, default=None, help="Poisson arrival rate, req/s (default: no gaps)")
+    p.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="words of one prefix every prompt starts with (with --turns, the chats' system message): the "
+        "traffic of one system prompt, for prefix caching",
+    )
+    p.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        help="multi-turn chats of this many turns on /v1/chat/completions, each turn sending the conversation so "
+        "far with its answers (--num-requests counts turns; --concurrency counts chats)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="stop sending and cancel what is left after this")
     p.add_argument("--seed", type=int, default=0, help="seed for lengths, prompts and arrivals")
     p.add_argument("--json", default=None, help="write the report (and every request's record) here")

@@ -28,7 +28,7 @@ class ResponseFormat(ABC):
         self.logprobs = logprobs
         self.num_logprobs = num_logprobs
 
-    def envelope(self, obj: str, choices: list[dict[str, Any]], usage: dict[str, int] | None) -> dict[str, Any]:
+    def envelope(self, obj: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> dict[str, Any]:
         body: dict[str, Any] = {
             "id": self.response_id,
             "object": obj,
@@ -40,10 +40,10 @@ class ResponseFormat(ABC):
             body["usage"] = usage
         return body
 
-    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         return self.envelope(self.chunk_object_name, choices, usage)
 
-    def response(self, choices: list[dict[str, Any]], usage: dict[str, int]) -> dict[str, Any]:
+    def response(self, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
         return self.envelope(self.object_name, choices, usage)
 
     def opening_choices(self, indices: list[int]) -> list[dict[str, Any]]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
+from kiln.engine.request import RequestOutput
 from kiln.model.tokenizer import KilnTokenizer
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -14,12 +16,28 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+@dataclass
+class Usage:
+    """A response's token counts, OpenAI's `usage`, added up as its choices finish. The prompt tokens found in the
+    prefix cache are counted once per prompt (on its first choice, `firsts`), as the prompt tokens are."""
+
+    prompt_tokens: int
+    firsts: frozenset[str]  # the request id of each prompt's first choice
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.completion_tokens += len(out.token_ids)
+        if out.request_id in self.firsts:
+            self.cached_tokens += out.num_cached_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
 
 class LogprobFormatter:

@@ -36,7 +36,7 @@ from kiln.server.limits import MESSAGE_MARKUP_CHARS, ServerLimits
 from kiln.server.metrics import ServerMetrics
 from kiln.server.middleware import request_id_of
 from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, prompt_param
-from kiln.server.responses import SSE_DONE, LogprobFormatter, sse, usage
+from kiln.server.responses import SSE_DONE, LogprobFormatter, Usage, sse
 from kiln.server.tool_parsers import TOOL_PARSERS, choose_tool_parser
 from kiln.server.tool_prompt import prompt_messages, refuse_control_text
 
@@ -161,10 +161,11 @@ class OpenAIServing:
                     jobs.append((f"{fmt.response_id}-{p * body.n + c}", ids, params))
             stream = await self.engine.add_requests(jobs, reservation)
         index = {rid: i for i, (rid, _, _) in enumerate(jobs)}
-        prompt_tokens = sum(len(ids) for ids in prompt_ids)
+        firsts = frozenset(rid for rid, i in index.items() if i % body.n == 0)
+        counts = Usage(sum(len(ids) for ids in prompt_ids), firsts)
         request_id = request_id_of(request)
         if body.stream:
-            events = self._stream(stream, fmt, index, prompt_tokens, body.include_usage_in_stream, arrival, request_id)
+            events = self._stream(stream, fmt, index, counts, body.include_usage_in_stream, arrival, request_id)
             return EngineStreamingResponse(events, on_close=lambda: self._close(stream))
         try:
             finals = await unless_disconnected(request, self._collect(stream, arrival))
@@ -177,7 +178,9 @@ class OpenAIServing:
         for out in outputs:
             raise_if_failed(out, request_id)
         choices = [fmt.final_choice(index[out.request_id], out) for out in outputs]
-        body_json = fmt.response(choices, usage(prompt_tokens, sum(len(out.token_ids) for out in outputs)))
+        for out in outputs:
+            counts.add(out)
+        body_json = fmt.response(choices, counts.to_dict())
         return JSONResponse(body_json)
 
     async def _collect(self, stream: RequestStream, arrival: float) -> dict[str, RequestOutput]:
@@ -200,13 +203,12 @@ class OpenAIServing:
         stream: RequestStream,
         fmt: ResponseFormat,
         index: dict[str, int],
-        prompt_tokens: int,
+        counts: Usage,
         include_usage: bool,
         arrival: float,
         request_id: str,
     ) -> AsyncIterator[str]:
         num_sent = dict.fromkeys(index, 0)
-        completion_tokens = 0
         opening = fmt.opening_choices(sorted(index.values()))
         try:
             if opening:
@@ -214,7 +216,7 @@ class OpenAIServing:
             async for out in stream:
                 if out.finished:
                     self.metrics.observe_finished(out, arrival)
-                    completion_tokens += len(out.token_ids)
+                    counts.add(out)
                 raise_if_failed(out, request_id)
                 start, num_sent[out.request_id] = num_sent[out.request_id], len(out.token_ids)
                 new_logprobs = out.logprobs[start:] if out.logprobs is not None else None
@@ -222,7 +224,7 @@ class OpenAIServing:
                 if choice is not None:
                     yield sse(fmt.chunk([choice]))
             if include_usage:
-                yield sse(fmt.chunk([], usage(prompt_tokens, completion_tokens)))
+                yield sse(fmt.chunk([], counts.to_dict()))
         except Exception as exc:
             # NOTE: the status line is already sent; the error travels as an SSE event (OpenAI clients raise it).
             error = expected_error(exc)

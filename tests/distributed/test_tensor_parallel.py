@@ -76,6 +76,33 @@ def test_one_multi_device_engine_at_a_time(tp_eager: LLM) -> None:
     assert tp_eager.generate(["Still"], SamplingParams(max_tokens=2, temperature=0))[0].finish_reason == "length"
 
 
+def test_cached_prefixes_and_sibling_copies_hold_on_both_ranks(tp_eager: LLM, llm: LLM) -> None:
+    """Rank 0 schedules the prefix cache for both ranks: a prompt sent again finds its full blocks, and the choices
+    of one client request copy the first's partial block in each rank's own cache (a rank that missed the copy
+    would attend over garbage); every choice has the greedy tokens of one process."""
+    words = llm.tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome. " * 5)
+    prompt = words[:53]  # 3 full 16-token blocks and a partial one
+    (ref,) = llm.generate([prompt], GREEDY)
+    engine = tp_eager.engine
+    stats = engine.scheduler.prefix.stats
+    assert_same(tp_eager.generate([prompt], GREEDY), [ref], 1e-4)
+    for i in range(3):
+        engine.add_request(f"sib{i}", prompt, GREEDY).group = "siblings"
+    copies = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda sched: copies.extend(sched.block_copies) or execute(sched)
+    hits = stats.hits
+    done: dict[str, RequestOutput] = {}
+    try:
+        while engine.has_unfinished:
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+    finally:
+        engine.runner.execute = execute
+    assert stats.hits - hits >= 3 * (len(prompt) // 16 * 16)  # each sibling found the full blocks
+    assert len(copies) == 2  # the second and third choices copied the first's partial block
+    assert_same([done[f"sib{i}"] for i in range(3)], [ref] * 3, 1e-4)
+
+
 def test_piecewise_matches_one_process(tp_eager: LLM, reference: list[RequestOutput]) -> None:
     tp_eager.close()  # one multi-device engine per process
     with LLM(

@@ -43,23 +43,23 @@ def assert_no_block_held(engine: EngineCore) -> None:
     assert all(pool.ref_count(b) == 0 for b in range(pool.num_blocks))
 
 
-def turns(llm: LLM) -> list[tuple[list[int], list[int], list[dict[int, float]]]]:
+def turns(llm: LLM) -> list[tuple[list[int], list[int], list[dict[int, float]], int]]:
     """A workload one request at a time: a prompt, another with its prefix, the first again (every block cached),
-    then the first turn's prompt and answer with a new question (a multi-turn chat)."""
+    then the first turn's prompt and answer with a new question (a multi-turn chat); each with its cached tokens."""
     done = []
     prompts = [[*PREFIX, 11, 12, 13], [*PREFIX, 21, 22], [*PREFIX, 11, 12, 13]]
     for prompt in prompts:
         out = llm.generate([prompt], GREEDY)[0]
-        done.append((prompt, out.token_ids, out.logprobs))
+        done.append((prompt, out.token_ids, out.logprobs, out.num_cached_tokens))
     first = done[0]
     follow_up = first[0] + first[1] + [31, 32, 33, 34, 35]
     out = llm.generate([follow_up], GREEDY)[0]
-    done.append((follow_up, out.token_ids, out.logprobs))
+    done.append((follow_up, out.token_ids, out.logprobs, out.num_cached_tokens))
     return done
 
 
 def assert_same_runs(on: list, off: list) -> None:
-    for (prompt, tokens, lps), (_, tokens_off, lps_off) in zip(on, off, strict=True):
+    for (prompt, tokens, lps, *_), (_, tokens_off, lps_off, *_) in zip(on, off, strict=True):
         assert tokens == tokens_off, prompt
         for step, step_off in zip(lps, lps_off, strict=True):
             assert step.keys() == step_off.keys()
@@ -82,14 +82,17 @@ def test_cached_prefixes_give_the_tokens_of_no_cache_in_every_mode(tiny, mode: s
             stats = engine.scheduler.prefix.stats
             # the second and third prompts find the prefix's 9 blocks (the third: its whole prompt but the last
             # token, whose block is recomputed); the follow-up finds the first turn's prompt and answer blocks
-            assert stats.hits == 9 * BLOCK + 9 * BLOCK + (len(PREFIX) + 3 + 6 - 1) // BLOCK * BLOCK
+            follow_up = (len(PREFIX) + 3 + 6 - 1) // BLOCK * BLOCK
+            assert stats.hits == 9 * BLOCK + 9 * BLOCK + follow_up
+            assert [run[3] for run in runs[True]] == [0, 9 * BLOCK, 9 * BLOCK, follow_up]  # each output's count
             assert engine.pool.num_cached_blocks > 0
             if mode == "full_and_piecewise":
                 assert engine.executor.counters.full_replays > 0
         else:
             assert engine.scheduler.prefix is None and engine.pool.num_cached_blocks == 0
+            assert all(run[3] == 0 for run in runs[False])
     assert_same_runs(runs[True], runs[False])
-    for prompt, tokens, _ in runs[True]:
+    for prompt, tokens, *_ in runs[True]:
         assert_hf_greedy(hf, prompt, tokens)
 
 

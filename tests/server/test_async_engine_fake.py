@@ -214,7 +214,8 @@ def test_n_choices_and_multiple_prompts_are_indexed_in_order() -> None:
         payload = {"prompt": ["a", "b"], "n": 2, "max_tokens": 2, "logprobs": 0}
         data = (await client.post("/v1/completions", json=payload)).json()
         assert [c["index"] for c in data["choices"]] == [0, 1, 2, 3]
-        assert data["usage"] == {"prompt_tokens": 2, "completion_tokens": 8, "total_tokens": 10}
+        counts = {"prompt_tokens": 2, "completion_tokens": 8, "total_tokens": 10}
+        assert data["usage"] == counts | {"prompt_tokens_details": {"cached_tokens": 0}}
         assert data["choices"][0]["logprobs"]["token_logprobs"] == [-0.5, -0.5]
 
     run_with_app(FakeCore(), body)

@@ -33,7 +33,8 @@ def test_other_urls_are_refused(url: str) -> None:
 def test_refusal_exits_2_with_a_message(capsys: pytest.CaptureFixture[str]) -> None:
     args = argparse.Namespace(
         url="http://192.168.1.5:8000", model=None, api_key=None, concurrency=1, num_requests=1, input_len="1:2",
-        output_len="1:2", request_rate=None, timeout=1.0, seed=0, json=None, plot=None,
+        output_len="1:2", request_rate=None, timeout=1.0, seed=0, json=None, plot=None, shared_prefix_len=0,
+        turns=1,
     )  # fmt: skip
     assert run_loadtest_command(args) == 2
     assert "only targets loopback addresses" in capsys.readouterr().err
@@ -47,6 +48,11 @@ def test_ranges_and_bounds() -> None:
             parse_range(bad, "--input-len")
     with pytest.raises(ConfigError, match="--num-requests"):
         LoadTestConfig("http://127.0.0.1:1", concurrency=1, num_requests=10**9, input_len=(1, 2), output_len=(1, 2))
+    lengths = dict(concurrency=1, num_requests=4, input_len=(1, 2), output_len=(1, 2))
+    with pytest.raises(ConfigError, match=r"--turns must be in \[1, --num-requests 4\], got 5"):
+        LoadTestConfig("http://127.0.0.1:1", turns=5, **lengths)
+    with pytest.raises(ConfigError, match="--shared-prefix-len must be in"):
+        LoadTestConfig("http://127.0.0.1:1", shared_prefix_len=-1, **lengths)
 
 
 def test_summary_percentiles_and_errors() -> None:
@@ -63,6 +69,11 @@ def test_summary_percentiles_and_errors() -> None:
     assert "api_key" not in summary["config"]
     report = format_report(summary)
     assert "TTFT" in report and "error x1: HTTP 429" in report
+    assert summary["prefix_cache_hit_rate"] is None and "did not report cached prompt tokens" in report
+    records[0].cached_tokens, records[1].cached_tokens = 0, 2  # the third request's server said nothing
+    summary = summarize(LoadTestResult(cfg, 2.0, records))
+    assert summary["cached_prompt_tokens"] == 2 and summary["prefix_cache_hit_rate"] == pytest.approx(0.5)
+    assert "Prefix cache: 2 of 6 prompt tokens cached (50.0%)" in format_report(summary)
 
 
 def test_serve_and_launch_parsers() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import re
 import signal
@@ -209,7 +210,7 @@ def test_loadtest_against_live_server(server: LiveServer, tmp_path: Path) -> Non
     args = argparse.Namespace(
         url=server.url, model=None, api_key=API_KEY, concurrency=4, num_requests=8, input_len="4:24",
         output_len="2:6", request_rate=20.0, timeout=120.0, seed=0, json=str(tmp_path / "lt.json"),
-        plot=str(tmp_path / "lt.png"),
+        plot=str(tmp_path / "lt.png"), shared_prefix_len=0, turns=1,
     )  # fmt: skip
     assert run_loadtest_command(args) == 0
     report = json.loads((tmp_path / "lt.json").read_text())
@@ -219,16 +220,43 @@ def test_loadtest_against_live_server(server: LiveServer, tmp_path: Path) -> Non
     assert (tmp_path / "lt.png").stat().st_size > 10_000
 
 
+def test_loadtest_multi_turn_chats_with_a_shared_system_prompt(server: LiveServer, tmp_path: Path) -> None:
+    """Two 3-turn chats with one 48-word system prompt: every request after the first finds the system prompt
+    cached, and each turn finds at least the whole blocks of the turn before it (its prompt resent)."""
+    args = argparse.Namespace(
+        url=server.url, model=None, api_key=API_KEY, concurrency=2, num_requests=6, input_len="4:12",
+        output_len="4:8", request_rate=None, timeout=120.0, seed=3, json=str(tmp_path / "lt.json"), plot=None,
+        shared_prefix_len=48, turns=3,
+    )  # fmt: skip
+    assert run_loadtest_command(args) == 0
+    report = json.loads((tmp_path / "lt.json").read_text())
+    assert report["num_completed"] == 6 and report["num_errors"] == 0
+    records = sorted(report["requests"], key=lambda r: (r["conversation"], r["turn"]))
+    assert [(r["conversation"], r["turn"]) for r in records] == [(c, t) for c in range(2) for t in range(3)]
+    first = min(report["requests"], key=lambda r: r["start"])
+    assert all(r["cached_tokens"] >= 48 // 16 * 16 for r in records if r is not first)
+    for before, turn in itertools.pairwise(records):
+        if turn["turn"] > 0:
+            assert turn["prompt_tokens"] > before["prompt_tokens"] + before["output_tokens"]
+            assert turn["cached_tokens"] >= before["prompt_tokens"] // 16 * 16
+    assert report["prefix_cache_hit_rate"] > 0.4
+
+
 def test_prefix_cache_hits_salts_and_reset(server: LiveServer) -> None:
-    """A repeated prompt is found in the prefix cache (counters, /health); another cache_salt finds nothing of it;
-    POST /reset_prefix_cache needs the API key, drops the evictable blocks and is logged."""
+    """A repeated prompt is found in the prefix cache (counters, /health, the usage's cached_tokens); another
+    cache_salt finds nothing of it; POST /reset_prefix_cache needs the API key, drops the evictable blocks and is
+    logged."""
     client = server.client()
     prompt = "You are a careful assistant who answers in one word. " * 8 + "Name a colour."
 
     def hits_after(**extra: object) -> float:
         before = server.metrics()["kiln_prefix_cache_hits_total"]
-        client.completions.create(model="default", prompt=prompt, max_tokens=2, temperature=0, extra_body=extra)
-        return server.metrics()["kiln_prefix_cache_hits_total"] - before
+        response = client.completions.create(
+            model="default", prompt=prompt, max_tokens=2, temperature=0, extra_body=extra
+        )
+        hits = server.metrics()["kiln_prefix_cache_hits_total"] - before
+        assert response.usage.prompt_tokens_details.cached_tokens == hits  # the client is told what was found
+        return hits
 
     hits_after()
     assert hits_after() >= 64  # the whole prompt but its last block, at least 4 blocks of 16
