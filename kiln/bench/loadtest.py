@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from kiln.bench.loadtest_client import first_model, request_body, send
+from kiln.bench.loadtest_client import RequestRecord, first_model, request_body, send
 from kiln.errors import ConfigError
 
 MAX_REQUESTS = 100_000
@@ -72,29 +72,6 @@ class LoadTestConfig:
             )
         if not 1 <= self.turns <= self.num_requests:
             raise ConfigError(f"--turns must be in [1, --num-requests {self.num_requests}], got {self.turns}")
-
-
-@dataclass
-class RequestRecord:
-    """One request's outcome; times are seconds, `start` relative to the start of the test."""
-
-    index: int
-    start: float
-    target_input_len: int
-    target_output_len: int
-    conversation: int = 0
-    turn: int = 0
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    ttft: float | None = None
-    tpot: float | None = None
-    e2e: float | None = None
-    error: str | None = None
-    cached_tokens: int | None = None  # the server's usage.prompt_tokens_details.cached_tokens, when it sends it
-
-    @property
-    def ok(self) -> bool:
-        return self.error is None and self.e2e is not None
 
 
 @dataclass

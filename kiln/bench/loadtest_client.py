@@ -5,14 +5,35 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
 from kiln.errors import KilnError
 
-if TYPE_CHECKING:
-    from kiln.bench.loadtest import RequestRecord
+
+@dataclass
+class RequestRecord:
+    """One request's outcome; times are seconds, `start` relative to the start of the test."""
+
+    index: int
+    start: float
+    target_input_len: int
+    target_output_len: int
+    conversation: int = 0
+    turn: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float | None = None
+    tpot: float | None = None
+    e2e: float | None = None
+    error: str | None = None
+    cached_tokens: int | None = None  # the server's usage.prompt_tokens_details.cached_tokens, when it sends it
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.e2e is not None
 
 
 async def first_model(client: httpx.AsyncClient, base: str) -> str:
