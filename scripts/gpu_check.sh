@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Graph mode on a CUDA machine: the GPU tests, the engine benchmark in every graph mode, decode attention (gather vs
+# Graph mode on a CUDA machine: the GPU tests, the engine benchmark in every graph mode, prefix caching, decode attention (gather vs
 # FlexAttention), recipes and packed weights on CUDA, tensor/pipeline parallelism when 2+ GPUs are present. Each step runs even if an earlier one failed; the script exits
 # non-zero if any did. Finishes in under 9 minutes on one H200.
 # Usage: scripts/gpu_check.sh [OUT_DIR]
@@ -41,6 +41,14 @@ fi
 step "engine bench" 330 bench.txt "$PY" -m kiln.cli bench --model "$MODEL" --device cuda --dtype float32 \
     --quantization none --modes eager,piecewise,full_and_piecewise,full_decode_only --batch-sizes 1,32 \
     --num-requests 32 --num-requests-bs1 2 --input-len 32 --output-len 64 --json "$OUT/bench.json"
+
+# 2b. Prefix caching on CUDA: one 512-token system prompt for 32 requests, the cache on and off (the block copies
+#     and cached prefixes beside CUDA graphs): ~1 min
+for caching in --enable-prefix-caching --no-enable-prefix-caching; do
+    step "shared-prefix bench $caching" 120 prefix.txt "$PY" -m kiln.cli bench --model "$MODEL" --device cuda \
+        --dtype float32 --quantization none --batch-sizes 32 --num-requests 32 --shared-prefix-len 512 \
+        --input-len 32 --output-len 32 $caching --json "$OUT/prefix${caching#--}.json"
+done
 
 # 3. Decode attention of a full decode graph: block-table gather vs FlexAttention on the paged cache: ~1 min
 step "attention forms" 150 attention.txt "$PY" scripts/attention_bench.py --device cuda --out "$OUT/attention.json"
