@@ -29,9 +29,10 @@ def print_report(
         ("roofline", lambda r: None if r.roofline_efficiency is None else f"{r.roofline_efficiency:.0%}"),
         ("prefix hits", lambda r: None if r.prefix_hit_rate is None else f"{r.prefix_hit_rate:.0%}"),
     ]
-    optional = [(name, cell) for name, cell in optional if any(cell(r) is not None for r in results)]
-    for name, _ in optional:
-        table.add_column(name, justify="right")
+    values = {id(r): [cell(r) for _, cell in optional] for r in results}  # each cell evaluated once
+    shown = [i for i in range(len(optional)) if any(v[i] is not None for v in values.values())]
+    for i in shown:
+        table.add_column(optional[i][0], justify="right")
     for r in sorted(results, key=lambda r: (r.batch_size, r.system != "kiln", r.system, r.mode)):
         row = r.to_row()
         cells = [
@@ -45,7 +46,7 @@ def print_report(
             _triple(row["tpot_ms"]),
             f"{r.wall_s:.2f}",
         ]
-        cells += [cell(r) or "" for _, cell in optional]
+        cells += [values[id(r)][i] or "" for i in shown]
         table.add_row(*cells)
     console.print(table)
     if roofline is not None:

@@ -45,19 +45,17 @@ def kv_budget(cc: CacheConfig, device: torch.device, ranks_on_node: int = 1) -> 
 
 
 def kv_cache_blocks(
-    cc: CacheConfig, sc: SchedulerConfig, model: nn.Module, kv_dtype: torch.dtype, budget: int | None = None
+    cc: CacheConfig, sc: SchedulerConfig, model: nn.Module, kv_dtype: torch.dtype, budget: int
 ) -> tuple[int, int]:
     """(blocks of the cache, blocks of the sliding layers' cache when they alternate with global layers, else 0):
-    `cc.num_blocks`, else as many as `budget` bytes hold on this rank (default `kv_budget`'s); each count agreed by
-    every rank.
+    `cc.num_blocks`, else as many as `budget` bytes (`kv_budget`'s) hold on this rank; each count agreed by every
+    rank.
 
     A hybrid model's sliding layers get `window_pool_blocks` (at most the global layers' count) and the global
     layers share the rest of the budget."""
     mc: ModelConfig = model.config
     held = held_layers(model) or range(mc.num_layers)
     per_layer_token = mc.kv_bytes_per_token(kv_dtype) * local_kv_heads(model) // (mc.num_kv_heads * mc.num_layers)
-    if budget is None:
-        budget = kv_budget(cc, next(model.parameters()).device)[0]
     layer_blocks = budget // (cc.block_size * per_layer_token)  # blocks x layers
     window = mc.hybrid_sliding_window
     if not window:

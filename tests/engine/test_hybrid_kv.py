@@ -49,10 +49,10 @@ def test_budget_split_gives_the_global_layers_what_the_window_does_not_need(gemm
     assert engine.pool.num_blocks == (int(0.001 * 1e9) // bytes_per_block_layer - 2 * window) // 2 > uniform
     assert [c.shape[2] - 1 for c in engine.runner.kv_caches] == [window, engine.pool.num_blocks] * 2
     assert engine.runner.kv_cache_bytes - 4 * bytes_per_block_layer <= 0.001 * 1e9  # each layer's null block aside
-    # an explicit block count is the global layers'; the sliding ones never take more than they need
+    # an explicit block count is the global layers' (the budget unused); the sliding ones never take more than they need
     cc, sc = CacheConfig(BLOCK, num_blocks=500), SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=8)
-    assert kv_cache_blocks(cc, sc, model, torch.float32) == (500, window)
-    assert kv_cache_blocks(CacheConfig(BLOCK, num_blocks=5), sc, model, torch.float32) == (5, 5)
+    assert kv_cache_blocks(cc, sc, model, torch.float32, budget=0) == (500, window)
+    assert kv_cache_blocks(CacheConfig(BLOCK, num_blocks=5), sc, model, torch.float32, budget=0) == (5, 5)
 
 
 @pytest.mark.parametrize("mode", ["eager", "piecewise", "full_and_piecewise"])
