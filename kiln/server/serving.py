@@ -177,9 +177,8 @@ class OpenAIServing:
         outputs = [finals[rid] for rid in index]
         for out in outputs:
             raise_if_failed(out, request_id)
-        choices = [fmt.final_choice(index[out.request_id], out) for out in outputs]
-        for out in outputs:
             counts.add(out)
+        choices = [fmt.final_choice(index[out.request_id], out) for out in outputs]
         body_json = fmt.response(choices, counts.to_dict())
         return JSONResponse(body_json)
 
