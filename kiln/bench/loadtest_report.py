@@ -29,6 +29,7 @@ def summarize(result: LoadTestResult) -> dict[str, Any]:
     prompt_tokens = sum(r.prompt_tokens for r in ok)
     told = [r for r in ok if r.cached_tokens is not None]  # requests whose server said what it found cached
     cached_tokens = sum(r.cached_tokens or 0 for r in told)
+    told_prompt_tokens = sum(r.prompt_tokens for r in told)
     cfg = asdict(result.config)
     cfg.pop("api_key")
     return {
@@ -44,7 +45,8 @@ def summarize(result: LoadTestResult) -> dict[str, Any]:
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
         "cached_prompt_tokens": cached_tokens if told else None,
-        "prefix_cache_hit_rate": cached_tokens / max(1, sum(r.prompt_tokens for r in told)) if told else None,
+        "cached_of_prompt_tokens": told_prompt_tokens if told else None,  # of the requests that reported it
+        "prefix_cache_hit_rate": cached_tokens / max(1, told_prompt_tokens) if told else None,
         "ttft_s": _stats([r.ttft for r in ok if r.ttft is not None]),
         "tpot_s": _stats([r.tpot for r in ok if r.tpot is not None]),
         "e2e_s": _stats([r.e2e for r in ok if r.e2e is not None]),
@@ -67,8 +69,8 @@ def format_report(summary: dict[str, Any]) -> str:
         lines.append("Prefix cache: the server did not report cached prompt tokens")
     else:
         lines.append(
-            f"Prefix cache: {summary['cached_prompt_tokens']} of {summary['prompt_tokens']} prompt tokens cached "
-            f"({summary['prefix_cache_hit_rate']:.1%})"
+            f"Prefix cache: {summary['cached_prompt_tokens']} of {summary['cached_of_prompt_tokens']} prompt tokens "
+            f"cached ({summary['prefix_cache_hit_rate']:.1%})"
         )
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
         s = summary[key]
