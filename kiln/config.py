@@ -8,8 +8,9 @@ does not import torch (so `kiln --help` stays fast); `kiln.model.dtypes` maps dt
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import TYPE_CHECKING, Any
+
+from kiln.graph_mode import DEFAULT_GRAPH_MODE, GraphMode
 
 if TYPE_CHECKING:
     import torch
@@ -29,49 +30,6 @@ ACTIVATION_NAMES = ("int8x2", "int8", "float32")
 DEFAULT_ACTIVATIONS = "int8x2"
 
 
-class GraphMode(StrEnum):
-    """What each kind of step runs: the one graph-mode value (vLLM's cudagraph modes, plus eager), parsed once from
-    `--graph-mode` or the recipe's `graph.mode` (kiln.compile.settings). The executor builds what it asks for and
-    the dispatcher (kiln.compile.dispatch) reads only it.
-
-    | mode               | decode-only steps             | steps with a prefill                |
-    |--------------------|-------------------------------|-------------------------------------|
-    | full_and_piecewise | the full decode graph         | the pieces, captured per size       |
-    | piecewise          | the pieces, captured per size | the pieces, captured per size       |
-    | full_decode_only   | the full decode graph         | the pieces, compiled, not captured  |
-    | full               | the full decode graph         | the whole forward compiled (no split) |
-    | eager              | the model's forward, op by op | the model's forward, op by op       |
-    """
-
-    FULL_AND_PIECEWISE = "full_and_piecewise"
-    PIECEWISE = "piecewise"
-    FULL_DECODE_ONLY = "full_decode_only"
-    FULL = "full"
-    EAGER = "eager"
-
-    @property
-    def is_graph(self) -> bool:
-        """Any graph at all (the graph executor); False: the eager executor."""
-        return self is not GraphMode.EAGER
-
-    @property
-    def has_full_decode_graph(self) -> bool:
-        """Decode-only steps replay the full decode graph (attention inside)."""
-        return self in (GraphMode.FULL_AND_PIECEWISE, GraphMode.FULL_DECODE_ONLY, GraphMode.FULL)
-
-    @property
-    def splits_forward(self) -> bool:
-        """Steps with a prefill run the forward split at attention (False: as one graph, attention inside)."""
-        return self is not GraphMode.FULL
-
-    @property
-    def captures_pieces(self) -> bool:
-        """The pieces are captured per size (else, in a graph mode, they run compiled for the dynamic shape)."""
-        return self in (GraphMode.FULL_AND_PIECEWISE, GraphMode.PIECEWISE)
-
-
-GRAPH_MODES = tuple(m.value for m in GraphMode)
-DEFAULT_GRAPH_MODE = GraphMode.FULL_AND_PIECEWISE
 DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
 
 
@@ -201,6 +159,31 @@ class SchedulerConfig:
         return cap if cap is not None else max(1, self.max_num_seqs // 2)
 
 
+SPECULATIVE_METHODS = ("ngram",)  # proposers of speculative decoding (kiln.engine.speculation.PROPOSERS)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses up to `num_speculative_tokens` next tokens of a decoding sequence and
+    the target verifies them in its next step (kiln.engine.speculation). `method` None: off."""
+
+    method: str | None = None
+    num_speculative_tokens: int = 4
+    # n-gram / prompt lookup: the longest and shortest suffix of the sequence searched for earlier in it (vLLM's names)
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.method is not None
+
+    def capture_sizes(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        """`sizes` and, for each, that many sequences verifying k drafts (k+1 decode rows each), so a batch where
+        every sequence brings k drafts replays a captured size unpadded."""
+        rows = self.num_speculative_tokens + 1
+        return tuple(sorted(set(sizes) | {s * rows for s in sizes})) if self.is_enabled else sizes
+
+
 @dataclass(frozen=True)
 class FusionGroupConfig:
     """Ops a recipe expects in one kernel: module names (`gate_proj`) and functional ops (`silu`, `mul`)."""
@@ -286,6 +269,7 @@ class EngineConfig:
     recipe: Any = field(default=None, compare=False)  # a validated kiln.recipe.Recipe, or None
     graph: GraphConfig = field(default_factory=GraphConfig)  # graph.mode says which graphs run (eager: none)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @property
     def graph_mode(self) -> GraphMode:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kiln.config import GRAPH_MODES
 from kiln.engine.args import EngineArgs
+from kiln.graph_mode import GRAPH_MODES
 
 # The EngineArgs each mode sets: one graph mode (kiln.config.GRAPH_MODES, eager included). NOTE: every alias is
 # cleared, so that `--modes eager` stays eager even beside --enable-piecewise-graph.

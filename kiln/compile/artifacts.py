@@ -27,7 +27,8 @@ from kiln.compile.kernels import kernels_in
 from kiln.compile.lint import lint_graph
 from kiln.compile.piece import Piece
 from kiln.compile.split import node_module_path, op_name
-from kiln.config import GraphConfig, GraphMode
+from kiln.config import GraphConfig
+from kiln.graph_mode import GraphMode
 
 logger = logging.getLogger("kiln")
 

@@ -1,6 +1,6 @@
 """Run-time dispatch: per step, the full decode graph, the pieces' captures, or the pieces run dynamically.
 
-The dispatcher reads only the graph mode (kiln.config.GraphMode) and one explicit override, the debugger's
+The dispatcher reads only the graph mode (kiln.graph_mode.GraphMode) and one explicit override, the debugger's
 `use_full_decode_graph(False)`. `pad_to(n)` is the smallest capture size >= n (n itself above the largest). Then,
 in order:
 - a decode-only step at a size the full decode graph has (and a block table it can take) replays it (`full`);
@@ -19,7 +19,7 @@ import torch
 from kiln.compile.build import PiecewiseGraph
 from kiln.compile.counters import CompileCounters
 from kiln.compile.full_graph import FullDecodeGraph
-from kiln.config import GraphMode
+from kiln.graph_mode import GraphMode
 from kiln.model.forward_context import ModelInputs
 
 logger = logging.getLogger("kiln")
@@ -58,6 +58,7 @@ class Dispatcher:
         n = input_ids.shape[0]
         self.counters.padding_tokens += n - meta.num_actual_tokens
         reason = ""
+        self.counters.verify_steps += bool(batch.num_draft_tokens)
         if self.full is not None and self.full_enabled:
             if meta.num_decodes != meta.num_seqs:
                 reason = f"mixed batch: {meta.num_seqs - meta.num_decodes} prefill"
@@ -67,22 +68,24 @@ class Dispatcher:
                 self.counters.full_fallbacks_size += 1
             else:
                 self.counters.full_replays += 1
-                self._log(FULL, n, meta.num_actual_tokens, reason)
+                self.counters.full_verify_replays += bool(batch.num_draft_tokens)
+                self._log(FULL, n, meta.num_actual_tokens, reason, batch.num_draft_tokens)
                 return self.full.run(batch, n)
         static = self.static_inputs.get(n)
         if static is not None and self.mode.splits_forward:
             self.counters.replays += 1
-            self._log(PIECEWISE, n, meta.num_actual_tokens, reason)
+            self._log(PIECEWISE, n, meta.num_actual_tokens, reason, batch.num_draft_tokens)
             ids, pos = static
             ids.copy_(input_ids)
             pos.copy_(batch.positions)
             return self.graph.run(ids, pos)
         self.counters.dynamic_fallbacks += 1
-        self._log(DYNAMIC, n, meta.num_actual_tokens, reason)
+        self._log(DYNAMIC, n, meta.num_actual_tokens, reason, batch.num_draft_tokens)
         return self.graph.run_dynamic(input_ids, batch.positions)
 
-    def _log(self, kind: str, padded: int, real: int, reason: str) -> None:
+    def _log(self, kind: str, padded: int, real: int, reason: str, num_drafts: int = 0) -> None:
         self.last = (kind, reason)
         if logger.isEnabledFor(logging.DEBUG):
             why = f" (not the full graph: {reason})" if reason else ""
-            logger.debug("step: %s graph, num_tokens=%d padded=%d%s", kind, real, padded, why)
+            drafts = f", verifying {num_drafts} draft tokens" if num_drafts else ""
+            logger.debug("step: %s graph, num_tokens=%d padded=%d%s%s", kind, real, padded, drafts, why)

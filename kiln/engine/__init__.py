@@ -5,6 +5,7 @@ arg_types.py        argparse value types every subcommand shares, and the flag e
 admission.py        a client's prompt and parameters checked and turned into a `Request` (never touching state)
 args.py             `EngineArgs`: every engine option in one dataclass; generates the CLI flags and the `EngineConfig`
 async_engine.py     the engine loop for serving: one thread owns the EngineCore; asyncio callers get per-request queues
+block_group.py      one KV block pool and its layers: a request's blocks grown, trimmed (rejected drafts), released
 build.py            `build_engine(config)`, the one way an engine is made, and `EXECUTORS`, the executor registry
 cli.py              parsers of `kiln generate`, `kiln chat` and `kiln compile` (handlers in commands.py)
 commands.py         handlers of `kiln generate`, `kiln chat` and `kiln compile`
@@ -25,8 +26,11 @@ request_stream.py   what the async engine hands asyncio callers: `RequestStream`
 sampler.py          batched sampling: grammar masks, penalties, temperature, top-k, top-p, min-p, generators, logprobs
 sampling_params.py  per-request sampling parameters, validated on construction with errors naming the field
 scheduler.py        continuous batching with a token budget, chunked prefill and preemption by recompute
+spec_verify.py      speculative decoding's verification: greedy acceptance and rejection sampling of draft tokens
+speculation.py      speculative decoding's proposals: the n-gram proposer, per-request back-off, the counters
 step_pipeline.py    steps in flight on a pipeline: rank 0 launches the next step while later stages run the last one
 step_plan.py        a step's inputs as plain lists (what rank 0 sends the other ranks), and their micro-batch split
+step_sample.py      a step's sampled rows turned into each sequence's new tokens (`ModelRunnerOutput`)
 step_shape.py       the shape of each step under a recipe's step constraints (padding tokens and sequences)
 structured_output.py  outputs held to a JSON schema, regex, choice or grammar (llguidance), masked per step
 """

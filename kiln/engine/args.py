@@ -11,30 +11,29 @@ This module must stay light (no torch): `kiln --help` builds every subcommand's 
 from __future__ import annotations
 
 import argparse
-import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from kiln.compile.modes import PieceMode
-from kiln.compile.settings import graph_config_from
+from kiln.compile.settings import graph_config_from, graph_mode_from_flags
 from kiln.config import (
     ACTIVATION_NAMES,
     COMPILER_NAMES,
     DEFAULT_ACTIVATIONS,
     DTYPE_NAMES,
-    GRAPH_MODES,
     QUANTIZATION_NAMES,
+    SPECULATIVE_METHODS,
     CacheConfig,
     EngineConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from kiln.engine.arg_types import argparse_kwargs, cli_flag, fraction, int_at_least, parse_sizes
 from kiln.engine.prefix_cache import HASH_ALGOS
 from kiln.errors import ConfigError
-
-logger = logging.getLogger("kiln")
+from kiln.graph_mode import GRAPH_MODES
 
 
 def _arg(default: Any, help: str, group: str = "engine", **argparse_kwargs: Any) -> Any:
@@ -144,6 +143,22 @@ class EngineArgs:
         choices=tuple(m.value for m in PieceMode),
     )
 
+    speculative_method: str | None = _arg(
+        None,
+        "ngram: propose the tokens that followed the latest earlier occurrence of the sequence's last n tokens in its "
+        "prompt and output, verified by the model in one step (default: off)",
+        "speculative decoding", choices=SPECULATIVE_METHODS,
+    )  # fmt: skip
+    num_speculative_tokens: int = _arg(
+        4, "most draft tokens a sequence verifies per step", "speculative decoding", type=int_at_least(1)
+    )
+    prompt_lookup_max: int = _arg(
+        4, "ngram: the longest suffix searched for", "speculative decoding", type=int_at_least(1)
+    )
+    prompt_lookup_min: int = _arg(
+        2, "ngram: the shortest suffix searched for", "speculative decoding", type=int_at_least(1)
+    )
+
     tensor_parallel_size: int = _arg(
         1,
         "ranks that split every layer (heads, MLP, vocabulary) over torch.distributed",
@@ -216,6 +231,9 @@ class EngineArgs:
             dump_dir=self.dump_dir,
             default_piece_mode=self.default_piece_mode,
         )
+        speculative = self.speculative_config()
+        if recipe is None and self.capture_sizes is None:  # NOTE: a recipe's or the flag's sizes are kept as given
+            graph = replace(graph, capture_sizes=speculative.capture_sizes(graph.capture_sizes))
         config = EngineConfig(
             model=self.model,
             dtype=self.dtype,
@@ -252,7 +270,10 @@ class EngineArgs:
                 master_addr=self.master_addr,
                 master_port=self.master_port,
             ),
+            speculative=speculative,
         )
+        if speculative.is_enabled and config.parallel.is_distributed:
+            raise ConfigError("--speculative-method runs on one device for now: drop it or the parallel flags")
         if self.enable_piecewise_graph and not graph.mode.is_graph:
             raise ConfigError(
                 f"--enable-piecewise-graph asks for graph mode but {recipe.path if recipe else 'the flags'} "
@@ -264,21 +285,16 @@ class EngineArgs:
 
         return overlay_recipe(config, recipe)
 
+    def speculative_config(self) -> SpeculativeConfig:
+        """Speculative decoding as the flags set it (off unless --speculative-method)."""
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(
+                f"--prompt-lookup-min {self.prompt_lookup_min} is above --prompt-lookup-max {self.prompt_lookup_max}"
+            )
+        return SpeculativeConfig(
+            self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_max, self.prompt_lookup_min
+        )
+
     def graph_mode_flag(self) -> str | None:
-        """The graph mode the flags name (None: none does), from --graph-mode or one of its aliases (each use of an
-        alias logged); flags naming two modes are refused."""
-        named = {
-            "--graph-mode": self.graph_mode,
-            "--enforce-eager": "eager" if self.enforce_eager else None,
-            "--full-graph": "full" if self.full_graph else None,
-        }
-        given = {flag: mode for flag, mode in named.items() if mode is not None}
-        if len(set(given.values())) > 1:
-            listed = ", ".join(f"{flag} ({mode})" for flag, mode in given.items())
-            raise ConfigError(f"the graph-mode flags disagree: {listed}; give one --graph-mode")
-        for flag, mode in given.items():
-            if flag != "--graph-mode":
-                logger.info("%s is an alias of --graph-mode %s", flag, mode)
-        if self.enable_piecewise_graph:
-            logger.info("--enable-piecewise-graph: graph mode is on by default (kept as an alias)")
-        return next(iter(given.values()), None)
+        """The graph mode --graph-mode or one of its aliases names (kiln.compile.settings.graph_mode_from_flags)."""
+        return graph_mode_from_flags(self.graph_mode, self.enforce_eager, self.full_graph, self.enable_piecewise_graph)

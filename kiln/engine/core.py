@@ -18,13 +18,15 @@ from kiln.engine.admission import Admission
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.kv_cache import BlockPool
 from kiln.engine.kv_plan import kv_budget, kv_cache_blocks, log_kv_cache
-from kiln.engine.model_runner import ModelRunner, ModelRunnerOutput, StepObserver
+from kiln.engine.model_runner import ModelRunner, StepObserver
 from kiln.engine.outputs import request_output, stop_after
 from kiln.engine.prefix_sharing import prefix_keys_for
 from kiln.engine.rank_role import SINGLE_DEVICE, RankRole
 from kiln.engine.request import Request, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler, SchedulerOutput
+from kiln.engine.speculation import Speculator
+from kiln.engine.step_sample import ModelRunnerOutput
 from kiln.engine.step_shape import StepShaper
 from kiln.engine.structured_output import Grammars
 from kiln.errors import RequestError, WorkerFailure
@@ -99,7 +101,7 @@ class EngineCore:
         namespace = f"{checkpoint_path or config.model}|{config.quantization}|{config.activations}|{kv_dtype}"
         self.scheduler = Scheduler(
             config.scheduler, self.pool, self.shaper, window, self.window_pool, role.steps_in_flight,
-            prefix_keys_for(cc, mc, namespace),
+            prefix_keys_for(cc, mc, namespace), Speculator.for_config(config.speculative, self.max_model_len),
         )  # fmt: skip
         log_kv_cache(cc, blocks, self.runner.kv_cache_bytes, kv_dtype, self.max_model_len, mc, budget_reason)
         self.requests: dict[str, Request] = {}
@@ -234,14 +236,29 @@ class EngineCore:
         for s in sched.scheduled:
             if (req := s.request).is_finished:
                 continue  # aborted while its step was in flight (kiln.engine.step_pipeline)
-            self.scheduler.advance(req, s.num_new_tokens)
+            drafts = s.spec_token_ids
+            self.scheduler.advance(req, s.num_new_tokens - len(drafts))  # drafts count once accepted (below)
             if req.request_id in result.errors:
                 outputs.append(self.fail(req.request_id, result.errors[req.request_id]))
                 continue
-            token = result.sampled.get(req.request_id)
-            if token is None:
+            tokens = result.sampled.get(req.request_id)
+            if tokens is None:
                 continue  # a prefill chunk that does not reach the end of the sequence yet
-            forced = req.forced_output
+            if (out := self._emit(req, tokens, result.logprobs.get(req.request_id), now)) is not None:
+                outputs.append(out)
+            if drafts:
+                self.scheduler.verified(req, len(drafts), len(tokens) - 1)
+        return outputs
+
+    def _emit(
+        self, req: Request, tokens: list[int], logprobs: list[dict[int, float]] | None, now: float
+    ) -> RequestOutput | None:
+        """Append a step's tokens to `req` up to the first that stops it; each token after the first was a draft
+        the step accepted, so its K/V is computed too."""
+        forced, start = req.forced_output, len(req.output_token_ids)
+        for i, token in enumerate(tokens):
+            if i:
+                self.scheduler.advance(req, 1)
             if forced is not None and len(req.output_token_ids) < len(forced):
                 token = forced[len(req.output_token_ids)]
             req.output_token_ids.append(token)
@@ -249,10 +266,9 @@ class EngineCore:
                 try:
                     req.grammar.advance(token)
                 except RequestError as exc:  # a forced token outside the grammar: this request alone fails
-                    outputs.append(self.fail(req.request_id, str(exc)))
-                    continue
-            if req.request_id in result.logprobs:
-                req.logprobs.append(result.logprobs[req.request_id])
+                    return self.fail(req.request_id, str(exc))
+            if logprobs:
+                req.logprobs.append(logprobs[i])
             if req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             try:
@@ -261,11 +277,11 @@ class EngineCore:
                 )
                 if finish is not None:
                     self.scheduler.finish(req, *finish)
-                outputs.append(self._output(req, num_new=1))
+                    break
             except Exception:  # detokenizing this request's tokens failed: only this request is affected
                 logger.exception("request %s: finishing the step's update failed; failing the request", req.request_id)
-                outputs.append(self.fail(req.request_id, INTERNAL_ERROR))
-        return outputs
+                return self.fail(req.request_id, INTERNAL_ERROR)
+        return self._output(req, num_new=len(req.output_token_ids) - start)
 
     def _output(self, req: Request, num_new: int) -> RequestOutput:
         detok = self.detokenizers[req.request_id]

@@ -11,7 +11,7 @@ An optional `StepObserver` sees every executed step's batch and logits (the debu
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -20,21 +20,15 @@ from torch import nn
 from kiln.compile.counters import CompileCounters
 from kiln.distributed.ops import local_collectives
 from kiln.engine.rank_role import SINGLE_DEVICE, RankRole
-from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
+from kiln.engine.sampler import Sampler
 from kiln.engine.scheduler import SchedulerOutput
 from kiln.engine.step_plan import StepPlan, kv_slots, padded_tables, split_plan
+from kiln.engine.step_sample import ModelRunnerOutput, sample_step
 from kiln.engine.step_shape import StepShaper
 from kiln.executor.base import Executor
 from kiln.model.attention import allocate_kv_caches, kv_cache_block_size
 from kiln.model.forward_context import AttentionMetadata, ForwardContext, ModelInputs, set_forward_context
 from kiln.model.parallel import held_layers, local_kv_heads
-
-
-@dataclass
-class ModelRunnerOutput:
-    sampled: dict[str, int]
-    logprobs: dict[str, dict[int, float]]
-    errors: dict[str, str] = field(default_factory=dict)  # request id -> why its row could not be sampled
 
 
 class StepPeers(Protocol):
@@ -120,27 +114,33 @@ class ModelRunner:
         sample_ids: list[str] = []
         bs = self.block_size
         num_decodes = 0
+        requests = []  # per sequence of the step: a verification's rows are one each
         for s in sched.scheduled:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
-            input_ids += req.all_token_ids[start:end]
+            input_ids += req.all_token_ids[start:end] + s.spec_token_ids
             positions += range(start, end)
             slots += kv_slots(req.block_ids, start, end, bs)
             if self.window_blocks:
                 window_slots += kv_slots(req.block_tables[1], start, end, bs)
-            query_start_loc.append(query_start_loc[-1] + s.num_new_tokens)
-            seq_lens.append(end)
-            num_decodes += s.num_new_tokens == 1
-            if s.completes_sequence:
-                sample_indices.append(query_start_loc[-1] - 1)
-                sample_ids.append(req.request_id)
-        requests = [s.request for s in sched.scheduled]
+            # NOTE: a verification's tokens are decode rows, each seeing the keys up to its own position (the step
+            # writes every row's K/V before attention reads), so the full decode graph runs it as it runs decodes
+            rows = s.num_rows
+            for row_end in range(end - rows + 1, end + 1):
+                query_start_loc.append(query_start_loc[-1] + s.num_new_tokens // rows)
+                seq_lens.append(row_end)
+                requests.append(req)
+                if s.completes_sequence:
+                    sample_indices.append(query_start_loc[-1] - 1)
+                    sample_ids.append(req.request_id)
+            num_decodes += rows if s.spec_token_ids else s.num_new_tokens == 1
         tables = padded_tables([r.block_ids for r in requests])
         window_tables = padded_tables([r.block_tables[1] for r in requests]) if self.window_blocks else []
-        padded, batch_size = self.shaper.check(len(input_ids), len(sched.scheduled), seq_lens)
+        padded, batch_size = self.shaper.check(len(input_ids), len(requests), seq_lens)
         return StepPlan(
             input_ids, positions, slots, query_start_loc, seq_lens, tables, num_decodes, padded, batch_size,
             sample_indices, sample_ids, window_slots, window_tables, sched.block_copies,
+            sum(len(s.spec_token_ids) for s in sched.scheduled),
         )  # fmt: skip
 
     def prepare(self, sched: SchedulerOutput) -> ModelInputs:
@@ -176,6 +176,7 @@ class ModelRunner:
             metadata=meta,
             sample_indices=plan.sample_indices,
             sample_request_ids=plan.sample_request_ids,
+            num_draft_tokens=plan.num_draft_tokens,
             batch_size=plan.batch_size,
             host=(host_ids, host_lens, host_tables, window_tables),
         )
@@ -266,23 +267,7 @@ class ModelRunner:
     def sample(self, sched: SchedulerOutput, plan: StepPlan, logits: torch.Tensor | None) -> ModelRunnerOutput:
         if logits is None:
             return ModelRunnerOutput({}, {})
-        by_id = {s.request.request_id: s.request for s in sched.scheduled}
-        requests = [by_id[rid] for rid in plan.sample_request_ids]
-        states = [req.grammar for req in requests if req.grammar is not None]
-        masks = iter(states[0].grammars.bitmasks(states)) if states else None  # all constrained rows at once
-        rows = []
-        for req in requests:
-            p = req.params
-            too_early = len(req.output_token_ids) < p.min_tokens
-            block_eos = self.eos_token_ids + p.stop_token_ids if too_early else []
-            allowed = next(masks) if masks is not None and req.grammar is not None else None
-            rows.append(SamplingRow(p, req.prompt_token_ids, req.output_token_ids, req.generator, block_eos, allowed))
-        out: SamplerOutput = self.sampler(logits, rows)
-        ids = plan.sample_request_ids
-        errors = {rid: e for rid, e in zip(ids, out.errors, strict=True) if e is not None}
-        sampled = {rid: t for rid, t in zip(ids, out.token_ids, strict=True) if rid not in errors}
-        logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs, strict=True) if lp and rid not in errors}
-        return ModelRunnerOutput(sampled, logprobs, errors)
+        return sample_step(self.sampler, sched, plan, logits, self.eos_token_ids)
 
 
 @dataclass

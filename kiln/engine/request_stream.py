@@ -57,6 +57,7 @@ class EngineStats:
     prefix_caching: bool = False
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of them, found cached
+    speculative: dict[str, float | int] | None = None  # speculative decoding's counts (SpecStats.as_dict); None: off
 
     def now(self, core: Any) -> EngineStats:
         """These stats brought up to date from `core` (an EngineCore, read on its engine thread)."""
@@ -72,6 +73,7 @@ class EngineStats:
             prefix_caching=sched.prefix is not None,
             prefix_cache_queries=sched.prefix.stats.queries if sched.prefix else 0,
             prefix_cache_hits=sched.prefix.stats.hits if sched.prefix else 0,
+            speculative=sched.speculator.stats.as_dict() if sched.speculator else None,
         )
 
     @property

@@ -7,7 +7,8 @@ runs at most `running_per_request` sequences, so the others keep getting tokens 
 blocks run out, the most recently admitted running request is preempted: its blocks are freed and it rejoins the
 front of the waiting queue to be recomputed from its prompt and the tokens it has already produced. Under a
 recipe's step constraints a request joins a step only with as many tokens as keep the step paddable to an
-allowed shape (kiln.engine.step_shape). The scheduler never touches tensors.
+allowed shape (kiln.engine.step_shape). The scheduler never touches tensors. With a speculator, a decoding request
+brings its draft tokens (kiln.engine.speculation), each one decode row; `verified` frees the rejected ones' blocks.
 
 With prefix caching (`self.prefix`, kiln.engine.prefix_sharing) a waiting request is admitted at its longest cached
 prefix and prefills only the rest; it waits while a running request computes its next uncached block (so one
@@ -28,46 +29,33 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from kiln.config import SchedulerConfig
+from kiln.engine.block_group import BlockGroup, blocks_short, window_cap
 from kiln.engine.kv_cache import BlockPool
-from kiln.engine.kv_window import chunk_limit, max_decode_blocks, num_dead_blocks
+from kiln.engine.kv_window import num_dead_blocks
 from kiln.engine.prefix_cache import PrefixKeys
 from kiln.engine.prefix_sharing import NOTHING_CACHED, CachedPrefix, PrefixSharing
 from kiln.engine.request import Request, RequestStatus
+from kiln.engine.speculation import Speculator
 from kiln.engine.step_shape import StepShaper
 from kiln.errors import KilnError
-
-
-@dataclass(frozen=True)
-class BlockGroup:
-    """One block pool and the layers whose KV it holds: `window` > 0 when they slide with that window."""
-
-    pool: BlockPool
-    window: int
-    index: int  # the request's block table for this pool (`Request.block_tables`)
-
-    def needed(self, req: Request, num_tokens: int) -> int:
-        """Blocks `req` must be given to hold `num_tokens` tokens."""
-        return self.pool.blocks_for(num_tokens) - len(req.block_tables[self.index])
-
-    def grow(self, req: Request, num_tokens: int) -> None:
-        req.block_tables[self.index] += self.pool.allocate(max(0, self.needed(req, num_tokens)))
-
-    def release(self, req: Request) -> None:
-        """Free `req`'s blocks, its last first: cached, its tail is evicted before the prefix others may share."""
-        self.pool.free(reversed(req.block_tables[self.index]))
-        req.block_tables[self.index] = []
-        req.block_serials = []
 
 
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # with draft tokens: the sequence's last token and its drafts, one decode row each
+    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify (kiln.engine.speculation)
 
     @property
     def completes_sequence(self) -> bool:
         """After this chunk every known token is computed, so a new token is sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def num_rows(self) -> int:
+        """Sequences of the step it counts as: one decode row per token when it verifies drafts."""
+        return self.num_new_tokens if self.spec_token_ids else 1
 
 
 @dataclass
@@ -98,11 +86,13 @@ class Scheduler:
         window_pool: BlockPool | None = None,
         steps_in_flight: int = 1,
         prefix_keys: PrefixKeys | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         """`window` > 0: the layers slide with this window, so blocks behind it are released: every layer's, or with
         `window_pool`, only the sliding layers' (their own pool; `block_pool` then holds the global layers').
         `steps_in_flight` > 1: rank 0 of a pipeline keeps that many steps launched (kiln.engine.step_pipeline).
-        `prefix_keys`: prefix caching on (kiln.engine.prefix_sharing), for models without a sliding window."""
+        `prefix_keys`: prefix caching on (kiln.engine.prefix_sharing), for models without a sliding window.
+        `speculator`: decoding sequences bring draft tokens to verify (kiln.engine.speculation)."""
         self.config = config
         self.pool = block_pool
         self.shaper = shaper
@@ -121,6 +111,7 @@ class Scheduler:
         if prefix_keys is not None and window:
             raise KilnError("prefix caching needs every layer to keep its whole context (this model slides)")
         self.prefix = PrefixSharing(block_pool, prefix_keys, steps_in_flight == 1) if prefix_keys else None
+        self.speculator = speculator
 
     @property
     def has_unfinished(self) -> bool:
@@ -140,14 +131,19 @@ class Scheduler:
             if req.request_id in self.in_flight:
                 i += 1
                 continue
-            wanted = self._chunk(min(req.num_tokens - req.num_computed_tokens, budget))
-            num_new = self._fit(scheduled, self._cap(req, wanted))
+            if drafts := self._drafts(req, scheduled, budget):
+                num_new = len(drafts) + 1  # the last token and its drafts, each a decode row (shaped by _drafts)
+            else:
+                num_new = self._fit(
+                    scheduled,
+                    window_cap(self.groups, req, self._chunk(min(req.num_tokens - req.num_computed_tokens, budget))),
+                )
             if num_new == 0:  # no allowed step shape holds it next to the others: it runs in a later step
                 i += 1
                 continue
             if not self._grow(req, num_new, out):
                 continue  # `req` itself was preempted; self.running shrank
-            scheduled.append(ScheduledRequest(req, num_new))
+            scheduled.append(ScheduledRequest(req, num_new, drafts))
             budget -= num_new
             i += 1
         running_by_group = Counter(r.group for r in self.running if r.group is not None)
@@ -161,7 +157,7 @@ class Scheduler:
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = self._chunk(min(num_new, budget))
-            fitted = self._fit(scheduled, self._cap(req, num_new))
+            fitted = self._fit(scheduled, window_cap(self.groups, req, num_new))
             if fitted == 0 or (fitted < num_new and not self.config.enable_chunked_prefill):
                 break
             num_new = fitted
@@ -180,7 +176,7 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
-        scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
+        scheduled.sort(key=lambda s: s.num_rows != s.num_new_tokens)  # stable: decodes (and verifications) first
         out.scheduled = scheduled
         return out
 
@@ -208,29 +204,31 @@ class Scheduler:
         if self.shaper is None:
             return wanted
         before = sum(s.num_new_tokens for s in scheduled)
-        return self.shaper.largest_fit(before, len(scheduled) + 1, wanted)
+        return self.shaper.largest_fit(before, sum(s.num_rows for s in scheduled) + 1, wanted)
 
-    def _cap(self, req: Request, wanted: int) -> int:
-        """Under a window, at most the new tokens that keep `req` within its sliding group's blocks (its dead ones
-        released): a prompt or a recompute longer than the pool is prefilled in chunks when chunked prefill is on."""
-        for g in self.groups:
-            if g.window:
-                wanted = min(
-                    wanted, chunk_limit(req.num_computed_tokens, g.window, g.pool.block_size, g.pool.num_blocks)
-                )
-        return wanted
+    def _drafts(self, req: Request, scheduled: list[ScheduledRequest], budget: int) -> list[int]:
+        """Draft tokens for `req` to verify this step: when it decodes, as many of its proposer's as the budget, a
+        window and the step shapes allow (kiln.engine.speculation)."""
+        if self.speculator is None or req.num_tokens - req.num_computed_tokens != 1:
+            return []
+        drafts = self.speculator.propose(req, window_cap(self.groups, req, budget) - 1)
+        tokens, rows, shaper = sum(s.num_new_tokens for s in scheduled), sum(s.num_rows for s in scheduled), self.shaper
+        while drafts and shaper is not None and not shaper.fits(tokens + len(drafts) + 1, rows + len(drafts) + 1):
+            drafts.pop()
+        return drafts
+
+    def verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """`req` verified `num_drafts` draft tokens and kept `num_accepted`: the blocks only its rejected drafts held
+        are freed (counted by the speculator)."""
+        assert self.speculator is not None
+        self.speculator.verified(req, num_drafts, num_accepted)
+        if not req.is_finished:
+            for g in self.groups:
+                g.trim(req, req.num_tokens)
 
     def blocks_short(self, num_tokens: int) -> tuple[int, int] | None:
-        """(blocks needed at once, blocks the pool has) for the first pool that cannot hold a request of
-        `num_tokens` tokens, else None (it is admissible). A request holds all its blocks at once; in a sliding
-        group with chunked prefill, only a decoding sequence's live blocks (`_cap`)."""
-        for g in self.groups:
-            needed = g.pool.blocks_for(num_tokens)
-            if g.window and self.config.enable_chunked_prefill:
-                needed = min(needed, max_decode_blocks(g.window, g.pool.block_size))
-            if needed > g.pool.num_blocks:
-                return needed, g.pool.num_blocks
-        return None
+        """kiln.engine.block_group.blocks_short over this scheduler's pools (admission's check)."""
+        return blocks_short(self.groups, num_tokens, self.config.enable_chunked_prefill)
 
     def advance(self, req: Request, num_new: int) -> None:
         """Record `num_new` more computed tokens of `req` and, in its sliding groups, free the blocks no later query
@@ -294,6 +292,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self._release(req)
+        if self.speculator is not None:
+            self.speculator.forget(req.request_id)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason

@@ -35,6 +35,9 @@ class StepPlan:
     window_tables: list[list[int]] = field(default_factory=list)
     # (source, copy) blocks each rank copies in its KV caches before the forward (kiln.engine.prefix_sharing)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # draft tokens the step verifies, each a decode row of its own (speculative decoding runs on one device, so a
+    # micro-batch split never sees any)
+    num_draft_tokens: int = 0
 
 
 def split_plan(plan: StepPlan, parts: int, pad_to: Callable[[int], int]) -> list[StepPlan]:

@@ -34,11 +34,12 @@ from kiln.compile.fusion_check import check_fusion
 from kiln.compile.modes import PieceMode, format_piece_modes
 from kiln.compile.piece import AfterHook, BeforeHook, Piece
 from kiln.compile.store import CompiledPieceStore
-from kiln.config import DEFAULT_ACTIVATIONS, GraphConfig, GraphMode
+from kiln.config import DEFAULT_ACTIVATIONS, GraphConfig
 from kiln.distributed.ops import local_collectives
 from kiln.env import read_env
 from kiln.errors import ConfigError
 from kiln.executor.base import Executor
+from kiln.graph_mode import GraphMode
 from kiln.kernels.head import LogitsHead
 from kiln.kernels.plan import KernelPlan, plan_kernels
 from kiln.kernels.product import CompiledProduct, product_graph

@@ -90,6 +90,7 @@ class ModelInputs:
     metadata: AttentionMetadata
     sample_indices: list[int]  # flattened index of the last token of each sequence that samples
     sample_request_ids: list[str]
+    num_draft_tokens: int = 0  # draft tokens the step verifies (speculative decoding), each one decode row
     batch_size: int = 0  # sequences the step is shaped for: the real ones plus recipe padding (0: not shaped)
     # (input_ids, seq_lens, block_tables, a hybrid model's sliding layers' block tables or None) of the real
     # sequences, on the host: what a full decode graph uploads

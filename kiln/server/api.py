@@ -98,6 +98,7 @@ def create_app(engine: AsyncEngine, settings: AppSettings) -> FastAPI:
             "kv_cache_total_blocks": stats.num_kv_blocks,
             "prefix_caching": stats.prefix_caching,
             "prefix_cache_hit_rate": round(stats.prefix_cache_hit_rate, 4),
+            "speculative_decoding": stats.speculative,
         }
         if reason is not None:
             body["reason"] = reason

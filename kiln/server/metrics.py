@@ -64,6 +64,7 @@ class EngineCollector(Collector):
         yield CounterMetricFamily(
             "kiln_prefix_cache_hits", "Prompt tokens found in the prefix cache", value=s.prefix_cache_hits
         )
+        yield from _speculative_metrics(s.speculative or {})
         yield CounterMetricFamily("kiln_engine_steps", "Engine steps run", value=s.num_steps)
         yield CounterMetricFamily("kiln_engine_step_failures", "Engine steps that raised", value=s.num_step_failures)
         yield from self._graph_metrics()
@@ -80,6 +81,24 @@ class EngineCollector(Collector):
             value = getattr(counters, f.name)
             if f.name not in GRAPH_COUNTERS and isinstance(value, int | float) and not isinstance(value, bool):
                 yield GaugeMetricFamily(f"kiln_graph_{f.name}", f"Graph mode counter {f.name}", value=value)
+
+
+SPEC_COUNTERS = {  # vLLM's spec_decode metrics; each verification also emits the target's own token
+    "num_drafts": "Speculative decoding: verifications (a sequence's draft tokens checked in one step)",
+    "num_draft_tokens": "Speculative decoding: draft tokens proposed and verified",
+    "num_accepted_tokens": "Speculative decoding: draft tokens the target accepted",
+    "num_emitted_tokens": "Speculative decoding: tokens verifications emitted (accepted drafts + the target's own)",
+}
+
+
+def _speculative_metrics(stats: dict[str, float | int]) -> Iterator[Metric]:
+    """Speculative decoding's counters (0 when it is off) and its mean acceptance length."""
+    for name, doc in SPEC_COUNTERS.items():
+        yield CounterMetricFamily(f"kiln_spec_decode_{name}", doc, value=stats.get(name, 0))
+    doc = "Speculative decoding: tokens emitted per verification (1 + accepted drafts; 0 before any)"
+    yield GaugeMetricFamily(
+        "kiln_spec_decode_mean_acceptance_length", doc, value=stats.get("mean_acceptance_length", 0)
+    )
 
 
 class ServerMetrics:

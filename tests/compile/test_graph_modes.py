@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kiln.compile.decode_buffers import width_buckets
-from kiln.config import GRAPH_MODES, GraphMode
 from kiln.engine.model_runner import StepObserver
+from kiln.graph_mode import GRAPH_MODES, GraphMode
 from kiln.model.attention import null_block
 from kiln.model.forward_context import AttentionMetadata, ForwardContext, ModelInputs, set_forward_context
 from tests.compile.tiny import BLOCK_SIZE, generate, graph_runner, make_runner, random_prompts, tiny_model

@@ -89,10 +89,10 @@ def generate(
         for s in sched.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
-            token = result.sampled.get(req.request_id)
-            if token is None:
+            tokens = result.sampled.get(req.request_id)
+            if tokens is None:
                 continue
-            req.output_token_ids.append(token)
+            req.output_token_ids += tokens
             if len(req.output_token_ids) >= max_tokens:
                 scheduler.finish(req, "length")
     return [r.output_token_ids for r in requests]

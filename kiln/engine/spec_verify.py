@@ -1,0 +1,83 @@
+"""Speculative decoding's verifying side: which of a sequence's draft tokens the target accepts, and its next token.
+
+A sequence that brought k draft tokens d_1..d_k to a step has k+1 rows of target logits: row j is the target's
+distribution after the sequence and d_1..d_j (each row processed with its own history: penalties count the drafts
+before it, min_tokens holds EOS off by its own position). Then:
+- greedy: the target's pick t_j of each row; d_{j+1} is accepted while it equals t_j, and the tokens emitted are
+  t_0..t_m, m the first row whose pick differs (or k), the same tokens plain greedy decoding gives;
+- sampled: the standard speculative-sampling rule, so the output distribution is exactly the target's. d_{j+1} is
+  accepted with probability min(1, p_j(d) / q_j(d)), q the proposer's distribution (one-hot for n-gram: p_j(d));
+  at the first rejection a token is drawn from the residual max(0, p_j - q_j), normalized, and the rest are
+  dropped; when all k are accepted the target's row k draws one more. Uniforms and draws use the request's own
+  generator, so a seeded request repeats.
+The filters (temperature, top-k, top-p, min-p) make p_j; a row that is not finite fails its request alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.engine.sampler import SamplingRow, adjusted_logits, draw, filter_batch, token_logprobs
+
+
+@dataclass
+class Verified:
+    """One sequence's verification: the tokens it emits (accepted drafts, then the target's own), their logprobs
+    (when asked), or why it could not be sampled."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float]]
+    error: str | None = None
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.token_ids) - 1
+
+
+def verify(
+    logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int], draft_probs: torch.Tensor | None = None
+) -> Verified:
+    """logits: [len(drafts) + 1, vocab] float32, the rows of one sequence; `draft_probs`: [len(drafts), vocab], the
+    proposer's distribution at each draft (None: one-hot at the draft, as n-gram proposes)."""
+    adjusted = adjusted_logits(logits, rows)
+    params = rows[0].params
+    if not bool(torch.isfinite(adjusted.max(-1).values).all()):
+        return Verified([], [], _not_finite(logits))
+    if params.is_greedy:
+        picks = adjusted.argmax(-1).tolist()
+        m = next((j for j, d in enumerate(drafts) if picks[j] != d), len(drafts))
+        tokens = picks[: m + 1]
+    else:
+        probs = filter_batch(adjusted, [r.params for r in rows]).softmax(-1)
+        if not bool(torch.isfinite(probs).all()):
+            return Verified([], [], "the sampling probabilities are not finite; check temperature and penalties")
+        tokens = _speculative_sample(probs, drafts, draft_probs, rows[0].generator)
+    logprobs = token_logprobs(logits[: len(tokens)], rows[: len(tokens)], tokens)
+    return Verified(tokens, [lp for lp in logprobs if lp is not None])
+
+
+def _speculative_sample(
+    probs: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None, generator: torch.Generator | None
+) -> list[int]:
+    tokens: list[int] = []
+    for j, d in enumerate(drafts):
+        p, q = probs[j], draft_probs[j] if draft_probs is not None else None
+        q_d = float(q[d]) if q is not None else 1.0
+        if float(torch.rand(1, generator=generator, dtype=probs.dtype)) * q_d < float(p[d]):
+            tokens.append(d)
+            continue
+        residual = (p - q).clamp_(min=0) if q is not None else p.clone().index_fill_(0, torch.tensor([d]), 0.0)
+        if float(residual.sum()) <= 0:  # p and q agree wherever p has mass: the target's own row stands
+            residual = p
+        tokens.append(int(draw(residual.unsqueeze(0), [generator])[0]))
+        return tokens
+    tokens.append(int(draw(probs[len(drafts)].unsqueeze(0), [generator])[0]))
+    return tokens
+
+
+def _not_finite(raw: torch.Tensor) -> str:
+    if bool(torch.isfinite(raw).all()):
+        return "no token is left to sample: every candidate was masked out or penalised to -inf"
+    return "the model produced non-finite logits (NaN or inf) for this sequence"

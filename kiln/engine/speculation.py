@@ -1,0 +1,140 @@
+"""Speculative decoding's proposing side: which decoding sequences get draft tokens this step, and how many.
+
+A proposer guesses the next tokens of a sequence; the scheduler gives each decoding sequence the guesses that fit
+its budget, and the target model verifies them in the sequence's next step (kiln.engine.spec_verify), each draft
+token one more decode row of that step. Greedy outputs are the same as without speculation, and sampled ones follow
+the same distribution: speculation only changes how many tokens a step emits.
+
+The n-gram proposer (prompt lookup, vLLM's `ngram`, llama.cpp's lookup decoding) finds the most recent earlier
+occurrence of the sequence's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) in its own prompt
+and output and proposes the tokens that followed it. Its index of each n-gram's latest end is kept per request and
+extended with each new token, so a step's lookup costs O(n), not a scan of the context.
+
+Back-off: a verification that accepts none of its drafts makes the request wait 1, 2, 4, ... (at most
+`MAX_BACKOFF`) decode steps before its next proposal; one that accepts any resets it. Where proposals never match
+(free generation), the steps that verify in vain become rare.
+
+Requests that do not speculate: a structured output (its grammar would have to run ahead over the drafts) and a
+teacher-forced one (the debugger's), which decode as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kiln.config import SpeculativeConfig
+from kiln.engine.request import Request
+
+MAX_BACKOFF = 64  # most decode steps a request whose drafts keep failing waits between proposals
+
+
+class NgramIndex:
+    """Where each n-gram (n_min <= n <= n_max) of a token sequence last ended before the sequence's newest token."""
+
+    def __init__(self, n_min: int, n_max: int) -> None:
+        self.n_min, self.n_max = n_min, n_max
+        self.tokens: list[int] = []
+        self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(n_min, n_max + 1)}
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            size = len(self.tokens)
+            for n, ends in self.ends.items():  # the n-gram ending here is now followed by `token`
+                if size >= n:
+                    ends[tuple(self.tokens[size - n :])] = size
+            self.tokens.append(token)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix found (n >= n_min)."""
+        size = len(self.tokens)
+        for n in range(min(self.n_max, size), self.n_min - 1, -1):
+            end = self.ends[n].get(tuple(self.tokens[size - n :]))
+            if end is not None:
+                return self.tokens[end : end + k]
+        return []
+
+
+@dataclass
+class SpecState:
+    """One request's proposer state: its n-gram index, and its back-off."""
+
+    index: NgramIndex
+    failures: int = 0  # verifications in a row that accepted no draft
+    wait: int = 0  # decode steps left before the next proposal
+
+
+@dataclass
+class SpecStats:
+    """Counted as vLLM's spec_decode metrics are: drafts (verifications), draft tokens, accepted draft tokens (and
+    per position). Each verification also emits the target's own next token."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification step of a sequence (1 + accepted drafts); 0 before any."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_emitted_tokens": self.num_accepted_tokens + self.num_drafts,
+            "mean_acceptance_length": round(self.mean_acceptance_length, 3),
+        }
+
+
+class Speculator:
+    """Proposes draft tokens for decoding requests and learns from their verification."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
+        self.states: dict[str, SpecState] = {}
+
+    @classmethod
+    def for_config(cls, config: SpeculativeConfig, max_model_len: int) -> Speculator | None:
+        return cls(config, max_model_len) if config.is_enabled else None
+
+    def propose(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens for `req`, decoding its next token this step, within `budget` more tokens (none: it
+        decodes as usual). Never more than would run past max_tokens or max_model_len."""
+        if req.grammar is not None or req.forced_output is not None:
+            return []
+        state = self.states.get(req.request_id)
+        if state is None:
+            state = SpecState(NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max))
+            self.states[req.request_id] = state
+        seen = len(state.index.tokens)
+        known = req.num_prompt_tokens
+        new = req.prompt_token_ids[seen:] + req.output_token_ids[max(0, seen - known) :]
+        state.index.extend(new)
+        if state.wait:
+            state.wait -= 1
+            return []
+        left = min(req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
+        k = min(self.config.num_speculative_tokens, budget, left)
+        return state.index.propose(k) if k > 0 else []
+
+    def verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """`req`'s verification accepted `num_accepted` of its `num_drafts` draft tokens."""
+        s = self.stats
+        s.num_drafts += 1
+        s.num_draft_tokens += num_drafts
+        s.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            s.accepted_per_position[i] += 1
+        state = self.states.get(req.request_id)
+        if state is None:
+            return
+        state.failures = 0 if num_accepted else state.failures + 1
+        state.wait = min(2 ** (state.failures - 1), MAX_BACKOFF) if state.failures else 0
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: its index goes."""
+        self.states.pop(request_id, None)

@@ -1,0 +1,77 @@
+"""A step's sampled rows turned into each sequence's new tokens (`ModelRunnerOutput`): the rows of sequences that
+decode as usual through the batched sampler in one call, each verifying sequence's rows (its last token's and its
+draft tokens', kiln.engine.speculation) through kiln.engine.spec_verify.
+
+Each row is sampled with its own history: a verifying sequence's row j sees the sequence's output and its first j
+draft tokens (penalties count them; min_tokens holds EOS off by the row's own position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.engine.request import Request
+from kiln.engine.sampler import Sampler, SamplingRow
+from kiln.engine.scheduler import SchedulerOutput
+from kiln.engine.spec_verify import verify
+from kiln.engine.step_plan import StepPlan
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, list[int]]  # request id -> the tokens it emits this step (one; a verification: 1 to k+1)
+    logprobs: dict[str, list[dict[int, float]]]  # per emitted token, for the requests asking for logprobs
+    errors: dict[str, str] = field(default_factory=dict)  # request id -> why its row could not be sampled
+
+
+def sampling_row(
+    req: Request, drafts: list[int], eos_token_ids: list[int], allowed: torch.Tensor | None
+) -> SamplingRow:
+    """The row that samples `req`'s next token after its output and `drafts`."""
+    p = req.params
+    output = req.output_token_ids + drafts if drafts else req.output_token_ids
+    block_eos = eos_token_ids + p.stop_token_ids if len(output) < p.min_tokens else []
+    return SamplingRow(p, req.prompt_token_ids, output, req.generator, block_eos, allowed)
+
+
+def sample_step(
+    sampler: Sampler, sched: SchedulerOutput, plan: StepPlan, logits: torch.Tensor, eos_token_ids: list[int]
+) -> ModelRunnerOutput:
+    """logits: [len(plan.sample_indices), vocab] float32 on the host, in the plan's row order."""
+    by_id = {s.request.request_id: s for s in sched.scheduled}
+    first_row: dict[str, int] = {}
+    for i, rid in enumerate(plan.sample_request_ids):
+        first_row.setdefault(rid, i)
+    out = ModelRunnerOutput({}, {})
+    plain = [rid for rid in first_row if not by_id[rid].spec_token_ids]
+    states = [g for rid in plain if (g := by_id[rid].request.grammar) is not None]
+    masks = iter(states[0].grammars.bitmasks(states)) if states else None  # all constrained rows at once
+    rows = []
+    for rid in plain:
+        req = by_id[rid].request
+        rows.append(sampling_row(req, [], eos_token_ids, next(masks) if masks and req.grammar is not None else None))
+    if plain:
+        every = len(plain) == len(plan.sample_request_ids)
+        drawn = sampler(logits if every else logits[torch.tensor([first_row[rid] for rid in plain])], rows)
+        for rid, token, lp, error in zip(plain, drawn.token_ids, drawn.logprobs, drawn.errors, strict=True):
+            _record(out, rid, [token], [lp] if lp else [], error)
+    for rid, start in first_row.items():
+        s = by_id[rid]
+        if drafts := s.spec_token_ids:
+            spec_rows = [sampling_row(s.request, drafts[:j], eos_token_ids, None) for j in range(len(drafts) + 1)]
+            v = verify(logits[start : start + len(drafts) + 1], spec_rows, drafts)
+            _record(out, rid, v.token_ids, v.logprobs, v.error)
+    return out
+
+
+def _record(
+    out: ModelRunnerOutput, rid: str, tokens: list[int], logprobs: list[dict[int, float]], error: str | None
+) -> None:
+    if error is not None:
+        out.errors[rid] = error
+        return
+    out.sampled[rid] = tokens
+    if logprobs:
+        out.logprobs[rid] = logprobs
