@@ -22,6 +22,8 @@ def run_kiln(llm: LLM, mode: str, prompts: list[list[int]], output_len: int, bat
     prefill_s, _ = _closed_loop(llm, prompts, 1, batch_size, f"kiln {mode} bs={batch_size} prefill")
     prefix = llm.engine.scheduler.prefix
     queries, hits = (prefix.stats.queries, prefix.stats.hits) if prefix else (0, 0)
+    spec = llm.engine.scheduler.speculator
+    drafts, accepted = (spec.stats.num_drafts, spec.stats.num_accepted_tokens) if spec else (0, 0)
     wall_s, outputs = _closed_loop(llm, prompts, output_len, batch_size, f"kiln {mode} bs={batch_size}")
     done = []
     for out in outputs:
@@ -31,6 +33,10 @@ def run_kiln(llm: LLM, mode: str, prompts: list[list[int]], output_len: int, bat
     result = RunResult.closed_loop("kiln", mode, batch_size, prompts, output_len, wall_s, prefill_s, done)
     if prefix is not None:
         result.prefix_hit_rate = (prefix.stats.hits - hits) / max(1, prefix.stats.queries - queries)
+    if spec is not None:  # tokens a verification emitted in the run (1 + accepted drafts); 1.0: none verified
+        result.acceptance_length = 1 + (spec.stats.num_accepted_tokens - accepted) / max(
+            1, spec.stats.num_drafts - drafts
+        )
     return result
 
 

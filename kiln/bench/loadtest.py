@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 
 import httpx
 
-from kiln.bench.loadtest_client import RequestRecord, first_model, request_body, send
+from kiln.bench.loadtest_client import RequestRecord, first_model, request_body, send, speculation_counts
 from kiln.errors import ConfigError
 
 MAX_REQUESTS = 100_000
@@ -79,6 +79,8 @@ class LoadTestResult:
     config: LoadTestConfig
     duration_s: float
     records: list[RequestRecord] = field(default_factory=list)
+    # the server's speculative-decoding counts at the start and the end of the test (None: off, or not reported)
+    speculation: tuple[dict[str, float], dict[str, float]] | None = None
 
 
 def parse_range(text: str, flag: str) -> tuple[int, int]:
@@ -123,6 +125,7 @@ async def run_loadtest(cfg: LoadTestConfig) -> LoadTestResult:
     base = cfg.url.rstrip("/")
     async with httpx.AsyncClient(headers=headers, limits=limits, timeout=httpx.Timeout(cfg.timeout)) as client:
         model = cfg.model or await first_model(client, base)
+        spec_before = await speculation_counts(client, base)
         records: list[RequestRecord] = []
         in_flight = asyncio.Semaphore(cfg.concurrency)
         tasks: list[asyncio.Task[None]] = []
@@ -165,4 +168,7 @@ async def run_loadtest(cfg: LoadTestConfig) -> LoadTestResult:
             for record in records:
                 if not record.ok and record.error is None:
                     record.error = f"unfinished after --timeout {cfg.timeout:g} s"
-        return LoadTestResult(cfg, time.monotonic() - t0, records)
+        duration = time.monotonic() - t0
+        spec_after = await speculation_counts(client, base) if spec_before is not None else None
+        spec = (spec_before, spec_after) if spec_before is not None and spec_after is not None else None
+        return LoadTestResult(cfg, duration, records, spec)

@@ -45,6 +45,16 @@ async def first_model(client: httpx.AsyncClient, base: str) -> str:
         raise KilnError(f"cannot list models at {base}/v1/models ({exc}); is the server up? pass --model") from None
 
 
+async def speculation_counts(client: httpx.AsyncClient, base: str) -> dict[str, float] | None:
+    """The server's speculative-decoding counts (`/health`'s `speculative_decoding`; None: off, or not kiln)."""
+    try:
+        response = await client.get(f"{base}/health")
+        counts = response.json().get("speculative_decoding")
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return counts if isinstance(counts, dict) else None
+
+
 def request_body(model: str, record: RequestRecord, prompt: str | list[dict[str, str]]) -> dict[str, Any]:
     """A streamed greedy request of exactly the record's output length: a completion of `prompt` (text), or a
     chat turn of `prompt` (the conversation's messages so far)."""

@@ -1,6 +1,6 @@
-"""What `kiln loadtest` reports: throughput, TTFT / TPOT / end-to-end percentiles and the prompt tokens the server
-found cached (`summarize`), as text
-(`format_report`) and as a plot of the percentiles over time."""
+"""What `kiln loadtest` reports: throughput, TTFT / TPOT / end-to-end percentiles, the prompt tokens the server
+found cached and, when it speculates, its acceptance (`summarize`), as text (`format_report`) and as a plot of the
+percentiles over time."""
 
 from __future__ import annotations
 
@@ -47,10 +47,25 @@ def summarize(result: LoadTestResult) -> dict[str, Any]:
         "cached_prompt_tokens": cached_tokens if told else None,
         "cached_of_prompt_tokens": told_prompt_tokens if told else None,  # of the requests that reported it
         "prefix_cache_hit_rate": cached_tokens / max(1, told_prompt_tokens) if told else None,
+        "speculative_decoding": _speculation(result),
         "ttft_s": _stats([r.ttft for r in ok if r.ttft is not None]),
         "tpot_s": _stats([r.tpot for r in ok if r.tpot is not None]),
         "e2e_s": _stats([r.e2e for r in ok if r.e2e is not None]),
     }
+
+
+SPEC_COUNTS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens")
+
+
+def _speculation(result: LoadTestResult) -> dict[str, float] | None:
+    """The server's speculative-decoding counts over the test (its /health before and after), with the mean
+    acceptance length; None when the server reported none (speculation off, or not a kiln server)."""
+    if result.speculation is None:
+        return None
+    before, after = result.speculation
+    counts = {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_COUNTS}
+    drafts = counts["num_drafts"]
+    return counts | {"mean_acceptance_length": 1 + counts["num_accepted_tokens"] / drafts if drafts else 0.0}
 
 
 def format_report(summary: dict[str, Any]) -> str:
@@ -71,6 +86,12 @@ def format_report(summary: dict[str, Any]) -> str:
         lines.append(
             f"Prefix cache: {summary['cached_prompt_tokens']} of {summary['cached_of_prompt_tokens']} prompt tokens "
             f"cached ({summary['prefix_cache_hit_rate']:.1%})"
+        )
+    if (spec := summary["speculative_decoding"]) is not None:
+        accepted, proposed = spec["num_accepted_tokens"], spec["num_draft_tokens"]
+        lines.append(
+            f"Speculative decoding: {accepted} of {proposed} draft tokens accepted ({accepted / max(1, proposed):.1%})"
+            f" in {spec['num_drafts']} verifications, mean acceptance length {spec['mean_acceptance_length']:.2f}"
         )
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
         s = summary[key]

@@ -41,6 +41,7 @@ class RunResult:
     hf_match: int | None = None  # requests whose greedy tokens equal HF's, when compared
     roofline_efficiency: float | None = None
     prefix_hit_rate: float | None = None  # kiln with prefix caching: prompt tokens found cached in the run
+    acceptance_length: float | None = None  # kiln with speculative decoding: tokens per verification in the run
 
     @classmethod
     def closed_loop(
@@ -95,7 +96,10 @@ class RunResult:
             "tpot_ms": _summary_ms(self.tpot_s),
             "wall_s": self.wall_s,
         } | _present(
-            hf_match=self.hf_match, roofline_efficiency=self.roofline_efficiency, prefix_hit_rate=self.prefix_hit_rate
+            hf_match=self.hf_match,
+            roofline_efficiency=self.roofline_efficiency,
+            prefix_hit_rate=self.prefix_hit_rate,
+            acceptance_length=self.acceptance_length,
         )
 
 

@@ -28,6 +28,7 @@ def print_report(
         ("=HF", lambda r: None if r.hf_match is None else f"{r.hf_match}/{r.num_requests}"),
         ("roofline", lambda r: None if r.roofline_efficiency is None else f"{r.roofline_efficiency:.0%}"),
         ("prefix hits", lambda r: None if r.prefix_hit_rate is None else f"{r.prefix_hit_rate:.0%}"),
+        ("accept len", lambda r: None if r.acceptance_length is None else f"{r.acceptance_length:.2f}"),
     ]
     values = {id(r): [cell(r) for _, cell in optional] for r in results}  # each cell evaluated once
     shown = [i for i in range(len(optional)) if any(v[i] is not None for v in values.values())]

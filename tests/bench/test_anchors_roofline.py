@@ -143,6 +143,7 @@ def test_ratios_and_report_cover_llama_cpp_and_the_roofline() -> None:
     runs += [_run("llama.cpp", "sequential", 1, 4.0), _run("llama.cpp", "batched", 2, 1.0)]
     runs[0].roofline_efficiency = 0.25
     runs[1].prefix_hit_rate = 0.75
+    runs[1].acceptance_length = 3.5
     ratios = compute_ratios(runs)
     assert ratios["eager/llama.cpp"]["1"]["output_tok_s"] == pytest.approx(2.0)
     assert ratios["eager/llama.cpp"]["2"]["output_tok_s"] == pytest.approx(1.0)
@@ -153,4 +154,5 @@ def test_ratios_and_report_cover_llama_cpp_and_the_roofline() -> None:
     text = buf.getvalue()
     assert "llama.cpp batched" in text and "llama.cpp sequential" in text and "25%" in text
     assert "prefix hits" in text and "75%" in text and runs[1].to_row()["prefix_hit_rate"] == 0.75
+    assert "accept len" in text and "3.50" in text and runs[1].to_row()["acceptance_length"] == 3.5
     assert "2.0 MB resident (4.00x the 0.5 MB GGUF file)" in text and "0.10 ms/token" in text

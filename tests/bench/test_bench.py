@@ -147,6 +147,19 @@ def test_bench_compare_hf_matches_greedy_tokens(tmp_path: Path) -> None:
     assert set(report["ratios"]["eager/hf"]) == {"1", "2", "best"}
 
 
+def test_bench_with_speculation_reports_acceptance_and_matches_hf(tmp_path: Path) -> None:
+    """With n-gram speculation the greedy tokens are still HF's, and each kiln row says its acceptance length."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "bench.json"
+    flags = ["--speculative-method", "ngram", "--prompt-lookup-min", "1"]
+    assert kiln_cli.main(["bench", *SMALL, *flags, "--compare", "hf", "--json", str(out)]) == 0
+    report = _check_report(out, expected_rows=4)
+    kiln_rows = [r for r in report["results"] if r["system"] == "kiln"]
+    assert all(r["hf_match"] == r["num_requests"] for r in kiln_rows), report["results"]
+    assert all(1.0 <= r["acceptance_length"] <= 5.0 for r in kiln_rows)
+    assert all("acceptance_length" not in r for r in report["results"] if r["system"] == "hf")
+
+
 def test_bench_shared_prefix_reports_the_hit_rate(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     assert kiln_cli.main(["bench", *SMALL, "--shared-prefix-len", "32", "--json", str(out)]) == 0

@@ -74,6 +74,15 @@ def test_summary_percentiles_and_errors() -> None:
     summary = summarize(LoadTestResult(cfg, 2.0, records))
     assert summary["cached_prompt_tokens"] == 2 and summary["prefix_cache_hit_rate"] == pytest.approx(0.5)
     assert "Prefix cache: 2 of 4 prompt tokens cached (50.0%)" in format_report(summary)  # of those that reported
+    assert summary["speculative_decoding"] is None and "Speculative" not in format_report(summary)
+    before = {"num_drafts": 10, "num_draft_tokens": 40, "num_accepted_tokens": 20, "num_emitted_tokens": 30}
+    after = {"num_drafts": 30, "num_draft_tokens": 120, "num_accepted_tokens": 50, "num_emitted_tokens": 80}
+    summary = summarize(LoadTestResult(cfg, 2.0, records, (before, after)))  # the server's counts over the test
+    assert summary["speculative_decoding"]["mean_acceptance_length"] == pytest.approx(1 + 30 / 20)
+    assert (
+        "Speculative decoding: 30 of 80 draft tokens accepted (37.5%) in 20 verifications, mean acceptance "
+        "length 2.50" in format_report(summary)
+    )
 
 
 def test_serve_and_launch_parsers() -> None:

@@ -33,9 +33,10 @@ CHAT = [{"role": "user", "content": "What is the tallest mountain on Earth?"}]
 
 @pytest.fixture(scope="module")
 def server(request: pytest.FixtureRequest) -> Iterator[LiveServer]:
+    # NOTE: n-gram speculation on: every greedy answer below is also checked against the offline engine without it
     args = ["--model-path", "default", "--graph-mode", "eager", "--api-key", API_KEY,
             "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256", "--max-num-seqs", "32",
-            "--shutdown-timeout", "60"]  # fmt: skip
+            "--shutdown-timeout", "60", "--speculative-method", "ngram"]  # fmt: skip
     with live_server(args, API_KEY, lambda: request.getfixturevalue("llm")) as live:
         yield live
 
@@ -198,8 +199,13 @@ def test_metrics_parse(server: LiveServer) -> None:
     for name in ("kiln_num_requests_running", "kiln_num_requests_waiting", "kiln_kv_cache_usage_ratio",
                  "kiln_kv_cache_used_blocks", "kiln_graph_replays_total", "kiln_graph_dynamic_fallbacks_total",
                  "kiln_time_to_first_token_seconds_count", "kiln_time_per_output_token_seconds_count",
-                 "kiln_e2e_request_latency_seconds_count"):  # fmt: skip
+                 "kiln_e2e_request_latency_seconds_count", "kiln_spec_decode_num_drafts_total",
+                 "kiln_spec_decode_mean_acceptance_length"):  # fmt: skip
         assert name in m, name
+    drafts, accepted = m["kiln_spec_decode_num_drafts_total"], m["kiln_spec_decode_num_accepted_tokens_total"]
+    assert m["kiln_spec_decode_num_emitted_tokens_total"] == drafts + accepted
+    assert accepted <= m["kiln_spec_decode_num_draft_tokens_total"]
+    assert drafts == 0 or m["kiln_spec_decode_mean_acceptance_length"] == pytest.approx(1 + accepted / drafts)
     assert m['kiln_http_requests_total{endpoint="/v1/completions",status="200"}'] > 0
     assert m['kiln_http_requests_total{endpoint="/v1/completions",status="400"}'] > 0
     assert m['kiln_http_requests_total{endpoint="/v1/completions",status="401"}'] > 0
@@ -215,6 +221,8 @@ def test_loadtest_against_live_server(server: LiveServer, tmp_path: Path) -> Non
     assert run_loadtest_command(args) == 0
     report = json.loads((tmp_path / "lt.json").read_text())
     assert report["num_completed"] == 8 and report["num_errors"] == 0
+    spec = report["speculative_decoding"]  # the server's counts over the test
+    assert spec is not None and spec["num_emitted_tokens"] == spec["num_drafts"] + spec["num_accepted_tokens"]
     assert report["e2e_s"]["p99"] >= report["e2e_s"]["p50"] > 0
     assert all(2 <= r["output_tokens"] <= 6 for r in report["requests"])
     assert (tmp_path / "lt.png").stat().st_size > 10_000
