@@ -177,6 +177,12 @@ class SpeculativeConfig:
     def is_enabled(self) -> bool:
         return self.method is not None
 
+    def __str__(self) -> str:
+        if not self.is_enabled:
+            return "off"
+        lookup = f"lookup {self.prompt_lookup_min}-{self.prompt_lookup_max}"
+        return f"{self.method}, {self.num_speculative_tokens} tokens, {lookup}"
+
     def capture_sizes(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
         """`sizes` and, for each, that many sequences verifying k drafts (k+1 decode rows each), so a batch where
         every sequence brings k drafts replays a captured size unpadded."""

@@ -272,18 +272,18 @@ class EngineArgs:
             ),
             speculative=speculative,
         )
-        if speculative.is_enabled and config.parallel.is_distributed:
-            raise ConfigError("--speculative-method runs on one device for now: drop it or the parallel flags")
         if self.enable_piecewise_graph and not graph.mode.is_graph:
             raise ConfigError(
                 f"--enable-piecewise-graph asks for graph mode but {recipe.path if recipe else 'the flags'} "
                 "set graph mode eager; drop one of them"
             )
-        if recipe is None:
-            return config
-        from kiln.engine.recipe_config import overlay_recipe
+        if recipe is not None:
+            from kiln.engine.recipe_config import overlay_recipe
 
-        return overlay_recipe(config, recipe)
+            config = overlay_recipe(config, recipe)
+        if config.speculative.is_enabled and config.parallel.is_distributed:
+            raise ConfigError("speculative decoding runs on one device for now: drop it or the parallel layout")
+        return config
 
     def speculative_config(self) -> SpeculativeConfig:
         """Speculative decoding as the flags set it (off unless --speculative-method)."""

@@ -3,7 +3,8 @@ by kiln.compile.settings under the same rule).
 
 The recipe is the contract; a flag left at its default never changes it. A flag given (a value other than its
 default) that disagrees with the recipe:
-- on a setting of how the model is run (graph mode, compiler, capture and compile sizes, piece modes): wins, and is
+- on a setting of how the model is run (graph mode, compiler, capture and compile sizes, piece modes, speculative
+  decoding): wins, and is
   logged once ("Graph setting compiler=eager overrides the recipe's inductor"): the recipe's checks still hold;
 - on a bound (max_num_seqs, max_num_batched_tokens, max_model_len): may narrow it (logged), never raise it;
 - on a fact the recipe was checked against (device, dtype, quantization, its group size and activations, the KV
@@ -53,6 +54,13 @@ def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
             pipeline=recipe.pipeline_parallel,
             stage_layers=recipe.stage_layers,
         )
+    # NOTE: speculation is a setting of how the model runs: a --speculative-method flag wins over the recipe's (logged)
+    speculative = config.speculative
+    if recipe.speculative is not None and recipe.speculative != speculative:
+        if speculative.is_enabled:
+            logger.info("Speculative decoding flags (%s) override the recipe's (%s)", speculative, recipe.speculative)
+        else:
+            speculative = recipe.speculative
     resolved = replace(
         config,
         model=recipe.model_path,  # the checkpoint the recipe was checked against is the one that runs
@@ -66,6 +74,7 @@ def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
         scheduler=sched,
         recipe=recipe,
         parallel=parallel,
+        speculative=speculative,
     )
     _refuse_contradictions(config, resolved, recipe)
     for name, _, old, new in _fields(config, resolved):
@@ -117,4 +126,5 @@ def _fields(before: EngineConfig, after: EngineConfig) -> list[tuple[str, str | 
         ("parallel.tensor", "--tensor-parallel-size", b.parallel.tensor, a.parallel.tensor),
         ("parallel.pipeline", "--pipeline-parallel-size", b.parallel.pipeline, a.parallel.pipeline),
         ("parallel.stage_layers", None, b.parallel.stage_layers, a.parallel.stage_layers),
+        ("speculative", None, b.speculative, a.speculative),
     ]

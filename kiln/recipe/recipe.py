@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+from kiln.config import SpeculativeConfig
 from kiln.model.loader import CheckpointHeader
 from kiln.recipe.analysis import analyze
 from kiln.recipe.capacity import check_capture_sizes, check_kv_capacity
@@ -78,6 +79,14 @@ class Recipe:
     @property
     def max_pages(self) -> int:
         return self.spec.memory_plan.kv_cache.max_pages
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The recipe's speculative decoding (None: the recipe has no `speculative` section)."""
+        if "speculative" not in self.spec.model_fields_set:
+            return None
+        s = self.spec.speculative
+        return SpeculativeConfig(s.method, s.num_speculative_tokens, s.prompt_lookup_max, s.prompt_lookup_min)
 
     @property
     def prefix_caching(self) -> bool:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kiln.config import ACTIVATION_NAMES, DEFAULT_ACTIVATIONS
+from kiln.config import ACTIVATION_NAMES, DEFAULT_ACTIVATIONS, SPECULATIVE_METHODS
 
 DType = Literal["float32", "float16", "bfloat16"]
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -129,6 +129,27 @@ class Graph(Section):
     compiler: Literal["inductor", "eager"] = "inductor"
 
 
+class Speculative(Section):
+    """Speculative decoding (kiln.engine.speculation): a proposer's draft tokens, verified by the model in one step."""
+
+    method: Literal[SPECULATIVE_METHODS] | None = Field(  # type: ignore[valid-type]
+        None,
+        description="ngram: propose the tokens that followed the latest earlier occurrence of the sequence's last n "
+        "tokens in its prompt and output. null: off.",
+    )
+    num_speculative_tokens: PositiveInt = Field(4, description="Most draft tokens a sequence verifies per step.")
+    prompt_lookup_max: PositiveInt = Field(4, description="ngram: the longest suffix looked up.")
+    prompt_lookup_min: PositiveInt = Field(2, description="ngram: the shortest suffix looked up.")
+
+    @model_validator(mode="after")
+    def _lookup_range(self) -> Speculative:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min {self.prompt_lookup_min} is above prompt_lookup_max {self.prompt_lookup_max}"
+            )
+        return self
+
+
 class Hardware(Section):
     device: Literal["cpu", "cuda"] = Field(description="The device the engine runs on; it must exist here.")
     arch: str | None = Field(
@@ -178,6 +199,7 @@ class RecipeSpec(Section):
     fusion_groups: list[FusionGroup] = Field(default_factory=list)
     memory_plan: MemoryPlan = Field(default_factory=MemoryPlan)
     graph: Graph = Field(default_factory=Graph)
+    speculative: Speculative = Field(default_factory=Speculative)
     hardware: Hardware
     parallel: Parallel = Field(default_factory=Parallel)
     device_affinity: list[DeviceAffinity] | None = Field(

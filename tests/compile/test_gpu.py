@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from kiln.compile.capture import CudaGraphCapture
+from kiln.config import SpeculativeConfig
+from kiln.engine.speculation import Speculator
 from tests.compile.tiny import generate, graph_runner, make_runner, random_prompts, tiny_model
 
 pytestmark = [
@@ -63,3 +65,29 @@ def test_full_decode_graph_is_a_cuda_graph_and_never_syncs(compiler: str, cache_
     runner.forward = strict_forward
     assert generate(runner, PROMPTS, 5) == expected
     graph.counters.expect(full_replays=4, full_fallbacks_mixed=1, dynamic_fallbacks=1)
+
+
+def test_verification_steps_replay_the_full_decode_graph_without_a_sync(cache_dir: Path) -> None:
+    """n-gram speculation on CUDA: decode-only verification steps (each draft token a decode row) replay the full
+    decode graph's CUDA graphs without a host sync, and the greedy tokens are those without speculation."""
+    model = tiny_model(num_layers=3, device="cuda")
+    prompts = [p * 3 for p in PROMPTS]  # repeated, so the lookups find earlier occurrences
+    expected = generate(make_runner(model), prompts, 12)
+    runner, graph = graph_runner(
+        model, cache_dir, compiler="eager", mode="full_and_piecewise", capture_sizes=(1, 2, 4, 8)
+    )
+    forward = runner.forward
+
+    def strict_forward(inputs):
+        if inputs.num_draft_tokens == 0 or inputs.metadata.num_decodes != inputs.metadata.num_seqs:
+            return forward(inputs)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return forward(inputs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    runner.forward = strict_forward
+    speculator = Speculator(SpeculativeConfig("ngram", 3, prompt_lookup_min=1), max_model_len=256)
+    assert generate(runner, prompts, 12, speculator=speculator) == expected
+    assert speculator.stats.num_drafts > 0 and graph.counters.full_verify_replays > 0

@@ -13,6 +13,7 @@ from kiln.engine.model_runner import ModelRunner
 from kiln.engine.request import Request
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler
+from kiln.engine.speculation import Speculator
 from kiln.executor.base import Executor
 from kiln.executor.eager import EagerExecutor
 from kiln.executor.graph import GraphExecutor
@@ -71,12 +72,14 @@ def generate(
     max_tokens: int,
     max_num_seqs: int = 8,
     max_num_batched_tokens: int = 256,
+    speculator: Speculator | None = None,
 ) -> list[list[int]]:
     """Greedy continuous-batching generation through `runner` (prefill and decode steps, as the engine runs); a
-    small `max_num_batched_tokens` chunks prompts, so steps mix decodes and prefill chunks."""
+    small `max_num_batched_tokens` chunks prompts, so steps mix decodes and prefill chunks. With `speculator`,
+    decoding sequences verify its draft tokens (an accepted draft's K/V counts as computed, as the engine does)."""
     pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    scheduler = Scheduler(config, pool)
+    scheduler = Scheduler(config, pool, speculator=speculator)
     requests = [
         Request(str(i), None, p, SamplingParams(temperature=0.0, max_tokens=max_tokens), None)
         for i, p in enumerate(prompts)
@@ -87,12 +90,14 @@ def generate(
         sched = scheduler.schedule()
         result = runner.execute(sched)
         for s in sched.scheduled:
-            req = s.request
-            req.num_computed_tokens += s.num_new_tokens
+            req, drafts = s.request, s.spec_token_ids
             tokens = result.sampled.get(req.request_id)
+            req.num_computed_tokens += s.num_new_tokens - len(drafts) + (len(tokens) - 1 if drafts else 0)
             if tokens is None:
                 continue
-            req.output_token_ids += tokens
+            req.output_token_ids += tokens[: max_tokens - len(req.output_token_ids)]
+            if drafts:
+                scheduler.verified(req, len(drafts), len(tokens) - 1)
             if len(req.output_token_ids) >= max_tokens:
                 scheduler.finish(req, "length")
     return [r.output_token_ids for r in requests]

@@ -10,6 +10,7 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.compile.fusion_check import FusionGroupError
+from kiln.config import SpeculativeConfig
 from kiln.engine.args import EngineArgs
 from kiln.errors import ConfigError
 from kiln.quant.linear import PackedLinear
@@ -164,3 +165,24 @@ def test_one_precedence_for_every_field(tmp_path: Path, caplog: pytest.LogCaptur
     assert "Graph setting capture_sizes=(1, 4) overrides the recipe's (1, 2, 8)" in caplog.text
     with pytest.raises(ConfigError, match=r"--block-size 32 \(the recipe's kv_cache.block_size is 8\)"):
         EngineArgs(recipe=recipe, block_size=32).create_engine_config()
+
+
+def test_the_recipe_speculative_section_and_the_flags_over_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = Path(write(tmp_path))
+    path.write_text(
+        path.read_text() + "speculative: {method: ngram, num_speculative_tokens: 3, prompt_lookup_min: 1}\n"
+    )
+    with caplog.at_level(logging.INFO, logger="kiln"):
+        config = EngineArgs(recipe=str(path)).create_engine_config()
+    assert config.speculative == SpeculativeConfig("ngram", 3, 4, 1)
+    assert "sets speculative=ngram, 3 tokens, lookup 1-4 (was off)" in caplog.text
+    assert config.graph.capture_sizes == (1, 2, 8)  # the recipe's sizes are kept as given, never extended
+    with caplog.at_level(logging.INFO, logger="kiln"):
+        flags = EngineArgs(recipe=str(path), speculative_method="ngram", num_speculative_tokens=6)
+        assert flags.create_engine_config().speculative.num_speculative_tokens == 6
+    assert "Speculative decoding flags (ngram, 6 tokens, lookup 2-4) override the recipe's (ngram, 3" in caplog.text
+    assert EngineArgs().create_engine_config().speculative == SpeculativeConfig()  # off without either
+    path.write_text(path.read_text().replace("prompt_lookup_min: 1", "prompt_lookup_min: 5"))
+    line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if t.startswith("speculative:"))
+    with pytest.raises(RecipeError, match=rf"{path}:{line}:\d+: .*prompt_lookup_min 5 is above prompt_lookup_max 4"):
+        EngineArgs(recipe=str(path)).create_engine_config()

@@ -220,3 +220,26 @@ def test_speculative_flags_are_checked() -> None:
         LLM(speculative_method="ngram", prompt_lookup_min=5, prompt_lookup_max=3)
     with pytest.raises(ConfigError, match="one device"):
         LLM(speculative_method="ngram", tensor_parallel_size=2)
+
+
+def test_default_model_repeating_a_passage_accepts_most_drafts_with_the_same_tokens() -> None:
+    """The default model (float32 weights), full_and_piecewise: asked to repeat a passage, most n-gram drafts are
+    accepted (verifications replay the full decode graph), and the greedy tokens are those without speculation, for
+    the passage alone and beside a free-generation prompt."""
+    passage = (
+        "The lighthouse stands on a rock half a mile from the shore and can only be reached at low tide. It was "
+        "built from granite blocks cut on the mainland, each one numbered and shaped to lock into its neighbours."
+    )
+    outs, engines = {}, {}
+    for spec in (None, "ngram"):
+        llm = LLM("default", quantization="none", speculative_method=spec, num_kv_blocks=64)
+        chat = llm.tokenizer.encode_chat
+        prompts = [chat([{"role": "user", "content": f"Repeat this text exactly:\n\n{passage}"}])]
+        prompts.append(chat([{"role": "user", "content": "Write a poem about the sea."}]))
+        params = SamplingParams(max_tokens=40, temperature=0)
+        outs[spec] = [o.token_ids for o in llm.generate(prompts[:1], params) + llm.generate(prompts, params)]
+        engines[spec] = llm.engine
+    assert outs["ngram"] == outs[None]
+    stats, counters = engines["ngram"].scheduler.speculator.stats, engines["ngram"].executor.counters
+    assert stats.num_accepted_tokens >= 0.6 * stats.num_draft_tokens > 0
+    assert counters.full_verify_replays > 0
