@@ -159,7 +159,8 @@ class SchedulerConfig:
         return cap if cap is not None else max(1, self.max_num_seqs // 2)
 
 
-SPECULATIVE_METHODS = ("ngram",)  # proposers of speculative decoding (kiln.engine.speculation.PROPOSERS)
+SPECULATIVE_METHODS = ("ngram",)  # proposers of speculative decoding (kiln.engine.speculation)
+SPECULATIVE_POLICIES = ("measured", "always")
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,9 @@ class SpeculativeConfig:
     # n-gram / prompt lookup: the longest and shortest suffix of the sequence searched for earlier in it (vLLM's names)
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    # which proposals a step verifies: "measured" (those that raise tokens per second by the step costs timed here)
+    # or "always" (every one)
+    policy: str = "measured"
 
     @property
     def is_enabled(self) -> bool:
@@ -181,7 +185,7 @@ class SpeculativeConfig:
         if not self.is_enabled:
             return "off"
         lookup = f"lookup {self.prompt_lookup_min}-{self.prompt_lookup_max}"
-        return f"{self.method}, {self.num_speculative_tokens} tokens, {lookup}"
+        return f"{self.method}, {self.num_speculative_tokens} tokens, {lookup}, {self.policy}"
 
     def capture_sizes(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
         """`sizes` and, for each, that many sequences verifying k drafts (k+1 decode rows each), so a batch where

@@ -26,6 +26,7 @@ request_stream.py   what the async engine hands asyncio callers: `RequestStream`
 sampler.py          batched sampling: grammar masks, penalties, temperature, top-k, top-p, min-p, generators, logprobs
 sampling_params.py  per-request sampling parameters, validated on construction with errors naming the field
 scheduler.py        continuous batching with a token budget, chunked prefill and preemption by recompute
+scheduler_output.py `SchedulerOutput`: what the scheduler hands the runner each step (plain dataclasses)
 spec_verify.py      speculative decoding's verification: greedy acceptance and rejection sampling of draft tokens
 speculation.py      speculative decoding's proposals: the n-gram proposer, per-request back-off, the counters
 step_pipeline.py    steps in flight on a pipeline: rank 0 launches the next step while later stages run the last one

@@ -24,6 +24,7 @@ from kiln.config import (
     DTYPE_NAMES,
     QUANTIZATION_NAMES,
     SPECULATIVE_METHODS,
+    SPECULATIVE_POLICIES,
     CacheConfig,
     EngineConfig,
     ParallelConfig,
@@ -34,6 +35,8 @@ from kiln.engine.arg_types import argparse_kwargs, cli_flag, fraction, int_at_le
 from kiln.engine.prefix_cache import HASH_ALGOS
 from kiln.errors import ConfigError
 from kiln.graph_mode import GRAPH_MODES
+
+SPEC = "speculative decoding"  # the flags' group
 
 
 def _arg(default: Any, help: str, group: str = "engine", **argparse_kwargs: Any) -> Any:
@@ -147,17 +150,15 @@ class EngineArgs:
         None,
         "ngram: propose the tokens that followed the latest earlier occurrence of the sequence's last n tokens in its "
         "prompt and output, verified by the model in one step (default: off)",
-        "speculative decoding", choices=SPECULATIVE_METHODS,
+        SPEC, choices=SPECULATIVE_METHODS,
     )  # fmt: skip
-    num_speculative_tokens: int = _arg(
-        4, "most draft tokens a sequence verifies per step", "speculative decoding", type=int_at_least(1)
-    )
-    prompt_lookup_max: int = _arg(
-        4, "ngram: the longest suffix searched for", "speculative decoding", type=int_at_least(1)
-    )
-    prompt_lookup_min: int = _arg(
-        2, "ngram: the shortest suffix searched for", "speculative decoding", type=int_at_least(1)
-    )
+    num_speculative_tokens: int = _arg(4, "most draft tokens a sequence verifies per step", SPEC, type=int_at_least(1))
+    prompt_lookup_max: int = _arg(4, "ngram: the longest suffix searched for", SPEC, type=int_at_least(1))
+    prompt_lookup_min: int = _arg(2, "ngram: the shortest suffix searched for", SPEC, type=int_at_least(1))
+    speculative_policy: str = _arg(
+        "measured", "which proposals a step verifies: measured (those that raise tokens/s by the step costs timed "
+        "here) or always", SPEC, choices=SPECULATIVE_POLICIES,
+    )  # fmt: skip
 
     tensor_parallel_size: int = _arg(
         1,
@@ -287,12 +288,11 @@ class EngineArgs:
 
     def speculative_config(self) -> SpeculativeConfig:
         """Speculative decoding as the flags set it (off unless --speculative-method)."""
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ConfigError(
-                f"--prompt-lookup-min {self.prompt_lookup_min} is above --prompt-lookup-max {self.prompt_lookup_max}"
-            )
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low > high:
+            raise ConfigError(f"--prompt-lookup-min {low} is above --prompt-lookup-max {high}")
         return SpeculativeConfig(
-            self.speculative_method, self.num_speculative_tokens, self.prompt_lookup_max, self.prompt_lookup_min
+            self.speculative_method, self.num_speculative_tokens, high, low, self.speculative_policy
         )
 
     def graph_mode_flag(self) -> str | None:

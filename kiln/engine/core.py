@@ -24,7 +24,8 @@ from kiln.engine.prefix_sharing import prefix_keys_for
 from kiln.engine.rank_role import SINGLE_DEVICE, RankRole
 from kiln.engine.request import Request, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.scheduler import Scheduler, SchedulerOutput
+from kiln.engine.scheduler import Scheduler
+from kiln.engine.scheduler_output import SchedulerOutput
 from kiln.engine.speculation import Speculator
 from kiln.engine.step_sample import ModelRunnerOutput
 from kiln.engine.step_shape import StepShaper
@@ -98,10 +99,12 @@ class EngineCore:
         if self.recipe is not None and not self.shaper.fits(1, 1):  # the executor is prepared: pad_to is known
             self.shaper.check(1, 1, [])  # raises RecipeViolation naming the constraints that forbid every step
         window = mc.uniform_sliding_window or mc.hybrid_sliding_window
+        # speculative decoding's proposer (kiln.engine.speculation): the scheduler asks it for drafts, the step times it
+        self.speculator = Speculator.for_config(config.speculative, self.max_model_len)
         namespace = f"{checkpoint_path or config.model}|{config.quantization}|{config.activations}|{kv_dtype}"
         self.scheduler = Scheduler(
             config.scheduler, self.pool, self.shaper, window, self.window_pool, role.steps_in_flight,
-            prefix_keys_for(cc, mc, namespace), Speculator.for_config(config.speculative, self.max_model_len),
+            prefix_keys_for(cc, mc, namespace), self.speculator,
         )  # fmt: skip
         log_kv_cache(cc, blocks, self.runner.kv_cache_bytes, kv_dtype, self.max_model_len, mc, budget_reason)
         self.requests: dict[str, Request] = {}
@@ -189,6 +192,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        start = time.perf_counter()
         try:
             result = self.runner.execute(sched)
         except RecipeViolation as exc:  # the step's shape breaks the recipe: its requests fail, named by the line
@@ -202,7 +206,10 @@ class EngineCore:
                 raise
             return self._isolate_failure(sched)
         self.num_steps += 1
-        return self.update(sched, result)
+        outputs = self.update(sched, result)
+        if self.speculator is not None and (rows := sched.decode_rows):  # what verifying costs here, measured
+            self.speculator.costs.observe(rows, time.perf_counter() - start)
+        return outputs
 
     def _isolate_failure(self, sched: SchedulerOutput) -> list[RequestOutput]:
         """A batched step raised: run its requests one at a time (their KV writes repeat at the same slots, and

@@ -21,7 +21,7 @@ from kiln.compile.counters import CompileCounters
 from kiln.distributed.ops import local_collectives
 from kiln.engine.rank_role import SINGLE_DEVICE, RankRole
 from kiln.engine.sampler import Sampler
-from kiln.engine.scheduler import SchedulerOutput
+from kiln.engine.scheduler_output import SchedulerOutput
 from kiln.engine.step_plan import StepPlan, kv_slots, padded_tables, split_plan
 from kiln.engine.step_sample import ModelRunnerOutput, sample_step
 from kiln.engine.step_shape import StepShaper

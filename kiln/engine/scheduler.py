@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
 
 from kiln.config import SchedulerConfig
 from kiln.engine.block_group import BlockGroup, blocks_short, window_cap
@@ -35,45 +34,10 @@ from kiln.engine.kv_window import num_dead_blocks
 from kiln.engine.prefix_cache import PrefixKeys
 from kiln.engine.prefix_sharing import NOTHING_CACHED, CachedPrefix, PrefixSharing
 from kiln.engine.request import Request, RequestStatus
+from kiln.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kiln.engine.speculation import Speculator
 from kiln.engine.step_shape import StepShaper
 from kiln.errors import KilnError
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # with draft tokens: the sequence's last token and its drafts, one decode row each
-    spec_token_ids: list[int] = field(default_factory=list)  # draft tokens to verify (kiln.engine.speculation)
-
-    @property
-    def completes_sequence(self) -> bool:
-        """After this chunk every known token is computed, so a new token is sampled."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens + len(self.spec_token_ids)
-
-    @property
-    def num_rows(self) -> int:
-        """Sequences of the step it counts as: one decode row per token when it verifies drafts."""
-        return self.num_new_tokens if self.spec_token_ids else 1
-
-
-@dataclass
-class SchedulerOutput:
-    """Decodes (one new token) first, then prefills, as the attention op expects."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-    # (source, copy) KV blocks to copy before the forward: a choice's own copy of its sibling's partial prompt block
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 class Scheduler:
@@ -125,13 +89,14 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         share = -(-(len(self.running) + len(self.waiting)) // self.steps_in_flight)
+        proposed = self._proposals()
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < share:
             req = self.running[i]
             if req.request_id in self.in_flight:
                 i += 1
                 continue
-            if drafts := self._drafts(req, scheduled, budget):
+            if drafts := self._drafts(proposed.get(req.request_id, []), req, scheduled, budget):
                 num_new = len(drafts) + 1  # the last token and its drafts, each a decode row (shaped by _drafts)
             else:
                 num_new = self._fit(
@@ -206,12 +171,18 @@ class Scheduler:
         before = sum(s.num_new_tokens for s in scheduled)
         return self.shaper.largest_fit(before, sum(s.num_rows for s in scheduled) + 1, wanted)
 
-    def _drafts(self, req: Request, scheduled: list[ScheduledRequest], budget: int) -> list[int]:
-        """Draft tokens for `req` to verify this step: when it decodes, as many of its proposer's as the budget, a
-        window and the step shapes allow (kiln.engine.speculation)."""
-        if self.speculator is None or req.num_tokens - req.num_computed_tokens != 1:
-            return []
-        drafts = self.speculator.propose(req, window_cap(self.groups, req, budget) - 1)
+    def _proposals(self) -> dict[str, list[int]]:
+        """The draft tokens the speculator chose for this step's decoding requests (kiln.engine.speculation)."""
+        if self.speculator is None:
+            return {}
+        decoding = [
+            r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and r.request_id not in self.in_flight
+        ]
+        return self.speculator.step_drafts(decoding)
+
+    def _drafts(self, proposed: list[int], req: Request, scheduled: list[ScheduledRequest], budget: int) -> list[int]:
+        """Of `req`'s proposed draft tokens, as many as the budget, a window and the step shapes allow."""
+        drafts = proposed[: window_cap(self.groups, req, budget) - 1]
         tokens, rows, shaper = sum(s.num_new_tokens for s in scheduled), sum(s.num_rows for s in scheduled), self.shaper
         while drafts and shaper is not None and not shaper.fits(tokens + len(drafts) + 1, rows + len(drafts) + 1):
             drafts.pop()

@@ -14,6 +14,14 @@ Back-off: a verification that accepts none of its drafts makes the request wait 
 `MAX_BACKOFF`) decode steps before its next proposal; one that accepts any resets it. Where proposals never match
 (free generation), the steps that verify in vain become rare.
 
+Which proposals a step verifies is measured where it runs (`policy` "measured", the default): a verification's
+draft rows cost little on a device where a step's cost is bound by reading the weights, and as much as as many
+sequences where the products are compute-bound (a 2-core CPU at batch 8: five rows cost five times one). The
+speculator keeps each decode-only step's seconds by its row count (`StepCosts`, timed by the engine) and takes a
+request's drafts when its expected accepted tokens (its acceptance rate so far times its drafts) raise the step's
+tokens per second by the costs measured; row counts not measured yet are tried, and every `PROBE_EVERY`-th choice
+runs the other way, so both sides' costs stay current. Policy "always" verifies every proposal (tests).
+
 Requests that do not speculate: a structured output (its grammar would have to run ahead over the drafts) and a
 teacher-forced one (the debugger's), which decode as before.
 """
@@ -26,6 +34,8 @@ from kiln.config import SpeculativeConfig
 from kiln.engine.request import Request
 
 MAX_BACKOFF = 64  # most decode steps a request whose drafts keep failing waits between proposals
+PROBE_EVERY = 16  # every this many step choices runs the other way, to keep both sides' costs measured
+COST_EMA = 0.2  # weight of a new measurement in a row count's step seconds
 
 
 class NgramIndex:
@@ -56,11 +66,29 @@ class NgramIndex:
 
 @dataclass
 class SpecState:
-    """One request's proposer state: its n-gram index, and its back-off."""
+    """One request's proposer state: its n-gram index, its back-off and its acceptance rate so far."""
 
     index: NgramIndex
     failures: int = 0  # verifications in a row that accepted no draft
     wait: int = 0  # decode steps left before the next proposal
+    rate: float | None = None  # accepted / proposed draft tokens, averaged over its verifications
+
+
+class StepCosts:
+    """Seconds a decode-only step takes, by its rows (sequences plus draft tokens), as an exponential average."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[int, float] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        old = self.seconds.get(rows)
+        self.seconds[rows] = seconds if old is None else old + COST_EMA * (seconds - old)
+
+    def pays(self, rows: int, tokens: float, more_rows: int, more_tokens: float) -> bool:
+        """Whether `more_rows` rows expected to bring `more_tokens` tokens raise tokens per second (True where either
+        row count is not measured yet: it is tried)."""
+        before, after = self.seconds.get(rows), self.seconds.get(rows + more_rows)
+        return before is None or after is None or (tokens + more_tokens) * before >= tokens * after
 
 
 @dataclass
@@ -96,12 +124,36 @@ class Speculator:
         self.max_model_len = max_model_len
         self.stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
         self.states: dict[str, SpecState] = {}
+        self.costs = StepCosts()
+        self.num_choices = 0
 
     @classmethod
     def for_config(cls, config: SpeculativeConfig, max_model_len: int) -> Speculator | None:
         return cls(config, max_model_len) if config.is_enabled else None
 
-    def propose(self, req: Request, budget: int) -> list[int]:
+    def step_drafts(self, decoding: list[Request]) -> dict[str, list[int]]:
+        """The draft tokens each of a step's decoding requests verifies (by request id; absent: none), chosen by the
+        policy over their proposals (module docstring)."""
+        proposed = [(req, drafts) for req in decoding if (drafts := self.propose(req))]
+        if not proposed or self.config.policy == "always":
+            return {req.request_id: drafts for req, drafts in proposed}
+        overall = self.stats.num_accepted_tokens / self.stats.num_draft_tokens if self.stats.num_draft_tokens else 1.0
+        rates = {
+            req.request_id: r if (r := self.states[req.request_id].rate) is not None else overall for req, _ in proposed
+        }
+        rows, tokens = len(decoding), float(len(decoding))
+        chosen = {}
+        for req, drafts in sorted(proposed, key=lambda p: -rates[p[0].request_id]):
+            gain = rates[req.request_id] * len(drafts)
+            if self.costs.pays(rows, tokens, len(drafts), gain):
+                chosen[req.request_id] = drafts
+                rows, tokens = rows + len(drafts), tokens + gain
+        self.num_choices += 1
+        if self.num_choices % PROBE_EVERY == 0:  # the other way, so that its cost is measured too
+            return {} if chosen else {req.request_id: drafts for req, drafts in proposed}
+        return chosen
+
+    def propose(self, req: Request, budget: int | None = None) -> list[int]:
         """Draft tokens for `req`, decoding its next token this step, within `budget` more tokens (none: it
         decodes as usual). Never more than would run past max_tokens or max_model_len."""
         if req.grammar is not None or req.forced_output is not None:
@@ -118,7 +170,7 @@ class Speculator:
             state.wait -= 1
             return []
         left = min(req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
-        k = min(self.config.num_speculative_tokens, budget, left)
+        k = min(self.config.num_speculative_tokens, left if budget is None else min(budget, left))
         return state.index.propose(k) if k > 0 else []
 
     def verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
@@ -132,6 +184,8 @@ class Speculator:
         state = self.states.get(req.request_id)
         if state is None:
             return
+        accepted = num_accepted / max(1, num_drafts)
+        state.rate = accepted if state.rate is None else state.rate + COST_EMA * (accepted - state.rate)
         state.failures = 0 if num_accepted else state.failures + 1
         state.wait = min(2 ** (state.failures - 1), MAX_BACKOFF) if state.failures else 0
 

@@ -19,7 +19,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from kiln.engine.model_runner import Launched
-from kiln.engine.scheduler import SchedulerOutput
+from kiln.engine.scheduler_output import SchedulerOutput
 from kiln.errors import WorkerFailure
 from kiln.recipe.guards import RecipeViolation
 

@@ -14,7 +14,7 @@ import torch
 
 from kiln.engine.request import Request
 from kiln.engine.sampler import Sampler, SamplingRow
-from kiln.engine.scheduler import SchedulerOutput
+from kiln.engine.scheduler_output import SchedulerOutput
 from kiln.engine.spec_verify import verify
 from kiln.engine.step_plan import StepPlan
 

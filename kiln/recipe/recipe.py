@@ -86,7 +86,7 @@ class Recipe:
         if "speculative" not in self.spec.model_fields_set:
             return None
         s = self.spec.speculative
-        return SpeculativeConfig(s.method, s.num_speculative_tokens, s.prompt_lookup_max, s.prompt_lookup_min)
+        return SpeculativeConfig(s.method, s.num_speculative_tokens, s.prompt_lookup_max, s.prompt_lookup_min, s.policy)
 
     @property
     def prefix_caching(self) -> bool:

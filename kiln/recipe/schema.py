@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kiln.config import ACTIVATION_NAMES, DEFAULT_ACTIVATIONS, SPECULATIVE_METHODS
+from kiln.config import ACTIVATION_NAMES, DEFAULT_ACTIVATIONS, SPECULATIVE_METHODS, SPECULATIVE_POLICIES
 
 DType = Literal["float32", "float16", "bfloat16"]
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -140,6 +140,11 @@ class Speculative(Section):
     num_speculative_tokens: PositiveInt = Field(4, description="Most draft tokens a sequence verifies per step.")
     prompt_lookup_max: PositiveInt = Field(4, description="ngram: the longest suffix looked up.")
     prompt_lookup_min: PositiveInt = Field(2, description="ngram: the shortest suffix looked up.")
+    policy: Literal[SPECULATIVE_POLICIES] = Field(  # type: ignore[valid-type]
+        "measured",
+        description="Which proposals a step verifies: measured (those that raise tokens per second by the step costs "
+        "timed on the machine) or always.",
+    )
 
     @model_validator(mode="after")
     def _lookup_range(self) -> Speculative:

@@ -88,6 +88,6 @@ def test_verification_steps_replay_the_full_decode_graph_without_a_sync(cache_di
             torch.cuda.set_sync_debug_mode("default")
 
     runner.forward = strict_forward
-    speculator = Speculator(SpeculativeConfig("ngram", 3, prompt_lookup_min=1), max_model_len=256)
+    speculator = Speculator(SpeculativeConfig("ngram", 3, prompt_lookup_min=1, policy="always"), max_model_len=256)
     assert generate(runner, prompts, 12, speculator=speculator) == expected
     assert speculator.stats.num_drafts > 0 and graph.counters.full_verify_replays > 0

@@ -175,12 +175,15 @@ def test_the_recipe_speculative_section_and_the_flags_over_it(tmp_path: Path, ca
     with caplog.at_level(logging.INFO, logger="kiln"):
         config = EngineArgs(recipe=str(path)).create_engine_config()
     assert config.speculative == SpeculativeConfig("ngram", 3, 4, 1)
-    assert "sets speculative=ngram, 3 tokens, lookup 1-4 (was off)" in caplog.text
+    assert "sets speculative=ngram, 3 tokens, lookup 1-4, measured (was off)" in caplog.text
     assert config.graph.capture_sizes == (1, 2, 8)  # the recipe's sizes are kept as given, never extended
     with caplog.at_level(logging.INFO, logger="kiln"):
         flags = EngineArgs(recipe=str(path), speculative_method="ngram", num_speculative_tokens=6)
         assert flags.create_engine_config().speculative.num_speculative_tokens == 6
-    assert "Speculative decoding flags (ngram, 6 tokens, lookup 2-4) override the recipe's (ngram, 3" in caplog.text
+    assert (
+        "Speculative decoding flags (ngram, 6 tokens, lookup 2-4, measured) override the recipe's (ngram, 3"
+        in caplog.text
+    )
     assert EngineArgs().create_engine_config().speculative == SpeculativeConfig()  # off without either
     path.write_text(path.read_text().replace("prompt_lookup_min: 1", "prompt_lookup_min: 5"))
     line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if t.startswith("speculative:"))

@@ -18,7 +18,7 @@ from kiln.engine.core import EngineCore
 from kiln.engine.request import Request
 from kiln.engine.sampler import SamplingRow
 from kiln.engine.spec_verify import verify
-from kiln.engine.speculation import MAX_BACKOFF, NgramIndex, Speculator
+from kiln.engine.speculation import COST_EMA, MAX_BACKOFF, PROBE_EVERY, NgramIndex, Speculator
 from kiln.errors import ConfigError
 from tests.engine.tiny_models import write_hf_model
 
@@ -27,6 +27,7 @@ BLOCK = 4
 PASSAGE = [(5 * i) % 97 + 3 for i in range(12)]
 PROMPTS = [PASSAGE * 3, [7, 8, 9] + PASSAGE * 2, [40 + i for i in range(9)], PASSAGE[:5] * 4]
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+ALWAYS = dict(speculative_policy="always")  # every proposal verified (the measured policy has a test of its own)
 CHI2_5_DOF_999 = 20.515  # the chi-square distribution's 99.9th percentile with 5 degrees of freedom
 
 
@@ -85,6 +86,25 @@ def test_speculator_limits_and_back_off() -> None:
     spec.verified(req, 4, 1)
     assert state.wait == 0 and state.failures == 0
     assert spec.stats.num_accepted_tokens == 1 and spec.stats.accepted_per_position == [1, 0, 0, 0]
+
+
+def test_the_measured_policy_verifies_drafts_where_the_step_costs_say_they_pay() -> None:
+    spec = Speculator(SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1), max_model_len=99)
+    reqs = [request(str(i), [1, 2, 3, 4, 5, 6, 7, 8] * 3) for i in range(2)]
+    assert set(spec.step_drafts(reqs)) == {"0", "1"}  # row counts not measured yet are tried
+    for req in reqs:
+        spec.states[req.request_id].rate = 0.9
+    spec.costs.seconds = {2: 0.010, 6: 0.050, 10: 0.090}  # compute-bound: 4 more rows cost 4 sequences' time
+    assert spec.step_drafts(reqs) == {}  # 2 + 3.6 tokens in 50 ms is fewer tokens/s than 2 in 10 ms
+    spec.costs.seconds = {2: 0.010, 6: 0.012, 10: 0.014}  # bound by the weights: rows are nearly free
+    assert spec.step_drafts(reqs) == {"0": [1, 2, 3, 4], "1": [1, 2, 3, 4]}
+    spec.states["1"].rate = 0.1  # a request whose drafts rarely hold: 0.4 tokens for 4 rows does not pay
+    assert list(spec.step_drafts(reqs)) == ["0"]
+    while spec.num_choices % PROBE_EVERY != PROBE_EVERY - 1:
+        spec.step_drafts(reqs)
+    assert spec.step_drafts(reqs) == {}  # every PROBE_EVERY-th choice runs the other way, measuring plain steps
+    spec.costs.observe(2, 0.020)
+    assert spec.costs.seconds[2] == pytest.approx(0.010 + COST_EMA * 0.010)
 
 
 # -- verification --------------------------------------------------------------------------------------------
@@ -163,7 +183,9 @@ def test_greedy_tokens_are_the_same_with_speculation_in_every_mode(tiny: Path, m
     graph = {} if mode == "eager" else dict(compiler="eager")
     outs, engines = {}, {}
     for spec in (None, "ngram"):
-        llm = LLM(str(tiny), block_size=BLOCK, num_kv_blocks=96, graph_mode=mode, speculative_method=spec, **graph)
+        llm = LLM(
+            str(tiny), block_size=BLOCK, num_kv_blocks=96, graph_mode=mode, speculative_method=spec, **ALWAYS, **graph
+        )
         outs[spec] = [run(llm, [p], GREEDY)[0] for p in PROMPTS[:2]]  # batch 1
         outs[spec] += run(llm, PROMPTS, GREEDY)  # mixed batches: prefills beside verifications
         engines[spec] = llm.engine
@@ -181,7 +203,7 @@ def test_speculation_under_chunked_prefill_preemption_and_prefix_caching(tiny: P
     small = dict(block_size=BLOCK, num_kv_blocks=28, max_num_seqs=4, max_num_batched_tokens=12, graph_mode="eager")
     outs, engines = {}, {}
     for spec in (None, "ngram"):
-        llm = LLM(str(tiny), speculative_method=spec, **small)
+        llm = LLM(str(tiny), speculative_method=spec, **ALWAYS, **small)
         outs[spec] = run(llm, PROMPTS, GREEDY)
         outs[spec] += run(llm, PROMPTS[:2], GREEDY)  # their prompts' blocks are cached now
         engines[spec] = llm.engine
@@ -192,7 +214,7 @@ def test_speculation_under_chunked_prefill_preemption_and_prefix_caching(tiny: P
 
 
 def test_aborts_and_stops_inside_accepted_drafts_leave_nothing_held(tiny: Path) -> None:
-    llm = LLM(str(tiny), block_size=BLOCK, num_kv_blocks=64, graph_mode="eager", speculative_method="ngram")
+    llm = LLM(str(tiny), block_size=BLOCK, num_kv_blocks=64, graph_mode="eager", speculative_method="ngram", **ALWAYS)
     engine = llm.engine
     reference = run(llm, [PROMPTS[0]], GREEDY)[0]
     stop_at = reference[5]
@@ -208,7 +230,7 @@ def test_aborts_and_stops_inside_accepted_drafts_leave_nothing_held(tiny: Path) 
 
 
 def test_seeded_sampled_requests_repeat_with_speculation(tiny: Path) -> None:
-    llm = LLM(str(tiny), block_size=BLOCK, num_kv_blocks=64, graph_mode="eager", speculative_method="ngram")
+    llm = LLM(str(tiny), block_size=BLOCK, num_kv_blocks=64, graph_mode="eager", speculative_method="ngram", **ALWAYS)
     params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True, logprobs=1)
     first, again = (llm.generate([PROMPTS[0]], params)[0] for _ in range(2))
     assert first.token_ids == again.token_ids and len(first.token_ids) == 16
@@ -232,7 +254,7 @@ def test_default_model_repeating_a_passage_accepts_most_drafts_with_the_same_tok
     )
     outs, engines = {}, {}
     for spec in (None, "ngram"):
-        llm = LLM("default", quantization="none", speculative_method=spec, num_kv_blocks=64)
+        llm = LLM("default", quantization="none", speculative_method=spec, num_kv_blocks=64, **ALWAYS)
         chat = llm.tokenizer.encode_chat
         prompts = [chat([{"role": "user", "content": f"Repeat this text exactly:\n\n{passage}"}])]
         prompts.append(chat([{"role": "user", "content": "Write a poem about the sea."}]))
