@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Graph mode on a CUDA machine: the GPU tests, the engine benchmark in every graph mode, prefix caching, decode attention (gather vs
+# Graph mode on a CUDA machine: the GPU tests, the engine benchmark in every graph mode, prefix caching, speculative decoding, decode attention (gather vs
 # FlexAttention), recipes and packed weights on CUDA, tensor/pipeline parallelism when 2+ GPUs are present. Each step runs even if an earlier one failed; the script exits
 # non-zero if any did. Finishes in under 9 minutes on one H200.
 # Usage: scripts/gpu_check.sh [OUT_DIR]
@@ -48,6 +48,15 @@ for caching in --enable-prefix-caching --no-enable-prefix-caching; do
     step "shared-prefix bench $caching" 120 prefix.txt "$PY" -m kiln.cli bench --model "$MODEL" --device cuda \
         --dtype float32 --quantization none --batch-sizes 32 --num-requests 32 --shared-prefix-len 512 \
         --input-len 32 --output-len 32 $caching --json "$OUT/prefix${caching#--}.json"
+done
+
+# 2c. Speculative decoding on CUDA: n-gram drafts verified as decode rows in the full decode graph's CUDA graphs
+#     (every proposal verified, and as the measured policy chooses), batch 1 and 8: ~1 min
+for policy in always measured; do
+    step "speculative bench ($policy)" 120 spec.txt "$PY" -m kiln.cli bench --model "$MODEL" --device cuda \
+        --dtype float32 --quantization none --batch-sizes 1,8 --num-requests 8 --num-requests-bs1 2 --input-len 64 \
+        --output-len 64 --speculative-method ngram --prompt-lookup-min 1 --speculative-policy "$policy" \
+        --json "$OUT/spec-$policy.json"
 done
 
 # 3. Decode attention of a full decode graph: block-table gather vs FlexAttention on the paged cache: ~1 min

@@ -17,10 +17,12 @@ Back-off: a verification that accepts none of its drafts makes the request wait 
 Which proposals a step verifies is measured where it runs (`policy` "measured", the default): a verification's
 draft rows cost little on a device where a step's cost is bound by reading the weights, and as much as as many
 sequences where the products are compute-bound (a 2-core CPU at batch 8: five rows cost five times one). The
-speculator keeps each decode-only step's seconds by its row count (`StepCosts`, timed by the engine) and takes a
-request's drafts when its expected accepted tokens (its acceptance rate so far times its drafts) raise the step's
-tokens per second by the costs measured; row counts not measured yet are tried, and every `PROBE_EVERY`-th choice
-runs the other way, so both sides' costs stay current. Policy "always" verifies every proposal (tests).
+speculator keeps each decode-only step's seconds by its row count (`StepCosts`, timed by the engine); each draft
+token is a candidate row worth its expected tokens (its request's acceptance rate so far, to the power of its
+position), and a step verifies the best candidates, as many as give it the most tokens per second by the costs
+measured (at batch 8 on that CPU a draft or two per sequence, not four). Row counts not measured yet are tried one
+further each step, and every `PROBE_EVERY`-th choice runs the other way, so both sides' costs stay
+current. Policy "always" verifies every proposal (tests).
 
 Requests that do not speculate: a structured output (its grammar would have to run ahead over the drafts) and a
 teacher-forced one (the debugger's), which decode as before.
@@ -84,11 +86,22 @@ class StepCosts:
         old = self.seconds.get(rows)
         self.seconds[rows] = seconds if old is None else old + COST_EMA * (seconds - old)
 
-    def pays(self, rows: int, tokens: float, more_rows: int, more_tokens: float) -> bool:
-        """Whether `more_rows` rows expected to bring `more_tokens` tokens raise tokens per second (True where either
-        row count is not measured yet: it is tried)."""
-        before, after = self.seconds.get(rows), self.seconds.get(rows + more_rows)
-        return before is None or after is None or (tokens + more_tokens) * before >= tokens * after
+    def best_prefix(self, rows: int, gains: list[float]) -> int:
+        """How many of the candidate rows `gains` (each its expected tokens, best first) give a step of `rows` decode
+        rows the most tokens per second by the costs measured. 0 while `rows` alone is not measured yet (the plain
+        step is measured first); a prefix reaching a row count not measured yet is taken as far as that count (one
+        count further each step until the costs are known)."""
+        if rows not in self.seconds:
+            return 0
+        tokens, best, best_rate = float(rows), 0, rows / self.seconds[rows]
+        for i, gain in enumerate(gains, 1):
+            tokens += gain
+            seconds = self.seconds.get(rows + i)
+            if seconds is None:
+                return i
+            if tokens / seconds > best_rate:
+                best, best_rate = i, tokens / seconds
+        return best
 
 
 @dataclass
@@ -141,17 +154,23 @@ class Speculator:
         rates = {
             req.request_id: r if (r := self.states[req.request_id].rate) is not None else overall for req, _ in proposed
         }
-        rows, tokens = len(decoding), float(len(decoding))
-        chosen = {}
-        for req, drafts in sorted(proposed, key=lambda p: -rates[p[0].request_id]):
-            gain = rates[req.request_id] * len(drafts)
-            if self.costs.pays(rows, tokens, len(drafts), gain):
-                chosen[req.request_id] = drafts
-                rows, tokens = rows + len(drafts), tokens + gain
+        # each draft token is one more row, worth the chance that its request accepts it and every draft before it
+        rows = [
+            (rates[req.request_id] ** (j + 1), j, req.request_id)
+            for req, drafts in proposed
+            for j in range(len(drafts))
+        ]
+        rows.sort(key=lambda row: (-row[0], row[1]))
+        taken = self.costs.best_prefix(len(decoding), [gain for gain, _, _ in rows])
         self.num_choices += 1
         if self.num_choices % PROBE_EVERY == 0:  # the other way, so that its cost is measured too
-            return {} if chosen else {req.request_id: drafts for req, drafts in proposed}
-        return chosen
+            taken = 0 if taken else len(rows)
+        counts: dict[str, int] = {}
+        for _, _, rid in rows[:taken]:
+            counts[rid] = counts.get(rid, 0) + 1
+        return {
+            req.request_id: drafts[: counts[req.request_id]] for req, drafts in proposed if req.request_id in counts
+        }
 
     def propose(self, req: Request, budget: int | None = None) -> list[int]:
         """Draft tokens for `req`, decoding its next token this step, within `budget` more tokens (none: it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,9 @@ import torch
 
 from kiln.compile.capture import CudaGraphCapture
 from kiln.config import SpeculativeConfig
+from kiln.engine.model_runner import ModelRunner
 from kiln.engine.speculation import Speculator
+from kiln.model.forward_context import ModelInputs
 from tests.compile.tiny import generate, graph_runner, make_runner, random_prompts, tiny_model
 
 pytestmark = [
@@ -39,6 +42,23 @@ def test_full_graph_on_cuda_runs_uncaptured(cache_dir: Path) -> None:
     assert generate(runner, PROMPTS, 4) == expected
 
 
+def forbid_syncs(runner: ModelRunner, applies: Callable[[ModelInputs], bool]) -> None:
+    """Make a host sync an error inside the forward of every step `applies` to (the sampler may sync, taking the
+    logits to the host; a decode-only forward must not)."""
+    forward = runner.forward
+
+    def strict_forward(inputs: ModelInputs) -> torch.Tensor:
+        if not applies(inputs):
+            return forward(inputs)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return forward(inputs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    runner.forward = strict_forward
+
+
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_full_decode_graph_is_a_cuda_graph_and_never_syncs(compiler: str, cache_dir: Path) -> None:
     """full_and_piecewise on CUDA: one CUDA graph per capture size replays every decode-only step, no host sync."""
@@ -50,19 +70,7 @@ def test_full_decode_graph_is_a_cuda_graph_and_never_syncs(compiler: str, cache_
     assert set(graph.full.piece.captures) == {(n, w) for n in (1, 2, 4) for w in widths}
     assert all(isinstance(c, CudaGraphCapture) for c in graph.full.piece.captures.values())
     assert graph.full.buffers.staging.is_pinned()
-    forward = runner.forward
-
-    def strict_forward(inputs):  # the sampler may sync (logits to the host); the forward must not
-        decode_only = inputs.metadata.num_decodes == inputs.metadata.num_seqs
-        if not decode_only:
-            return forward(inputs)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return forward(inputs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    runner.forward = strict_forward
+    forbid_syncs(runner, lambda inputs: inputs.metadata.num_decodes == inputs.metadata.num_seqs)
     assert generate(runner, PROMPTS, 5) == expected
     graph.counters.expect(full_replays=4, full_fallbacks_mixed=1, dynamic_fallbacks=1)
 
@@ -76,18 +84,7 @@ def test_verification_steps_replay_the_full_decode_graph_without_a_sync(cache_di
     runner, graph = graph_runner(
         model, cache_dir, compiler="eager", mode="full_and_piecewise", capture_sizes=(1, 2, 4, 8)
     )
-    forward = runner.forward
-
-    def strict_forward(inputs):
-        if inputs.num_draft_tokens == 0 or inputs.metadata.num_decodes != inputs.metadata.num_seqs:
-            return forward(inputs)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return forward(inputs)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-
-    runner.forward = strict_forward
+    forbid_syncs(runner, lambda i: i.num_draft_tokens > 0 and i.metadata.num_decodes == i.metadata.num_seqs)
     speculator = Speculator(SpeculativeConfig("ngram", 3, prompt_lookup_min=1, policy="always"), max_model_len=256)
     assert generate(runner, prompts, 12, speculator=speculator) == expected
     assert speculator.stats.num_drafts > 0 and graph.counters.full_verify_replays > 0

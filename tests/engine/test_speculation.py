@@ -88,18 +88,22 @@ def test_speculator_limits_and_back_off() -> None:
     assert spec.stats.num_accepted_tokens == 1 and spec.stats.accepted_per_position == [1, 0, 0, 0]
 
 
-def test_the_measured_policy_verifies_drafts_where_the_step_costs_say_they_pay() -> None:
+def test_the_measured_policy_verifies_the_drafts_that_raise_tokens_per_second() -> None:
     spec = Speculator(SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1), max_model_len=99)
     reqs = [request(str(i), [1, 2, 3, 4, 5, 6, 7, 8] * 3) for i in range(2)]
-    assert set(spec.step_drafts(reqs)) == {"0", "1"}  # row counts not measured yet are tried
+    assert spec.step_drafts(reqs) == {}  # the plain step of two sequences is measured first
     for req in reqs:
         spec.states[req.request_id].rate = 0.9
-    spec.costs.seconds = {2: 0.010, 6: 0.050, 10: 0.090}  # compute-bound: 4 more rows cost 4 sequences' time
-    assert spec.step_drafts(reqs) == {}  # 2 + 3.6 tokens in 50 ms is fewer tokens/s than 2 in 10 ms
-    spec.costs.seconds = {2: 0.010, 6: 0.012, 10: 0.014}  # bound by the weights: rows are nearly free
+    spec.costs.seconds = {2: 0.010, 3: 0.0105}
+    assert spec.step_drafts(reqs) == {"0": [1], "1": [1]}  # one row count past those measured is tried
+    spec.costs.seconds = {r: 0.005 * r for r in range(2, 11)}  # compute-bound: a row costs a sequence's time
+    assert spec.step_drafts(reqs) == {}  # 0.9 of a token for a sequence's cost does not pay
+    spec.costs.seconds = {r: 0.010 + 0.0005 * (r - 2) for r in range(2, 11)}  # bound by the weights: rows are cheap
     assert spec.step_drafts(reqs) == {"0": [1, 2, 3, 4], "1": [1, 2, 3, 4]}
-    spec.states["1"].rate = 0.1  # a request whose drafts rarely hold: 0.4 tokens for 4 rows does not pay
-    assert list(spec.step_drafts(reqs)) == ["0"]
+    spec.states["1"].rate = 0.1  # drafts that rarely hold: 0.1 of a token for a row does not pay even so
+    assert spec.step_drafts(reqs) == {"0": [1, 2, 3, 4]}
+    spec.costs.seconds = {2: 0.010, 3: 0.011, 4: 0.020, 5: 0.021, 6: 0.030, 7: 0.031, 8: 0.04, 9: 0.041, 10: 0.05}
+    assert spec.step_drafts(reqs) == {"0": [1]}  # cheap up to 3 rows, then each pair costs a step: one draft
     while spec.num_choices % PROBE_EVERY != PROBE_EVERY - 1:
         spec.step_drafts(reqs)
     assert spec.step_drafts(reqs) == {}  # every PROBE_EVERY-th choice runs the other way, measuring plain steps
