@@ -18,11 +18,11 @@ Which proposals a step verifies is measured where it runs (`policy` "measured", 
 draft rows cost little on a device where a step's cost is bound by reading the weights, and as much as as many
 sequences where the products are compute-bound (a 2-core CPU at batch 8: five rows cost five times one). The
 speculator keeps each decode-only step's seconds by its row count (`StepCosts`, timed by the engine); each draft
-token is a candidate row worth its expected tokens (its request's acceptance rate so far, to the power of its
-position), and a step verifies the best candidates, as many as give it the most tokens per second by the costs
-measured (at batch 8 on that CPU a draft or two per sequence, not four). Row counts not measured yet are tried one
-further each step, and every `PROBE_EVERY`-th choice runs the other way, so both sides' costs stay
-current. Policy "always" verifies every proposal (tests).
+token is a candidate row worth its expected tokens (how often its request's verifications so far accepted the
+drafts up to its position), and a step verifies the best candidates, as many as give it the most tokens per
+second by the costs measured. Row counts not measured yet are tried one further each step, and every
+`PROBE_EVERY`-th choice runs the other way, so both sides' costs stay current. Policy "always" verifies every
+proposal (tests).
 
 Requests that do not speculate: a structured output (its grammar would have to run ahead over the drafts) and a
 teacher-forced one (the debugger's), which decode as before.
@@ -68,12 +68,14 @@ class NgramIndex:
 
 @dataclass
 class SpecState:
-    """One request's proposer state: its n-gram index, its back-off and its acceptance rate so far."""
+    """One request's proposer state: its n-gram index, its back-off and how its drafts fared so far."""
 
     index: NgramIndex
     failures: int = 0  # verifications in a row that accepted no draft
     wait: int = 0  # decode steps left before the next proposal
-    rate: float | None = None  # accepted / proposed draft tokens, averaged over its verifications
+    # per draft position j: how often its verifications accepted more than j drafts, averaged over those that
+    # verified a draft at j (None: none yet); the expected tokens a draft at j brings
+    held: list[float | None] = field(default_factory=list)
 
 
 class StepCosts:
@@ -113,6 +115,7 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)  # verifications with a draft at each position
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -135,7 +138,8 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.stats = SpecStats(accepted_per_position=[0] * config.num_speculative_tokens)
+        k = config.num_speculative_tokens
+        self.stats = SpecStats(accepted_per_position=[0] * k, drafted_per_position=[0] * k)
         self.states: dict[str, SpecState] = {}
         self.costs = StepCosts()
         self.num_choices = 0
@@ -150,16 +154,13 @@ class Speculator:
         proposed = [(req, drafts) for req in decoding if (drafts := self.propose(req))]
         if not proposed or self.config.policy == "always":
             return {req.request_id: drafts for req, drafts in proposed}
-        overall = self.stats.num_accepted_tokens / self.stats.num_draft_tokens if self.stats.num_draft_tokens else 1.0
-        rates = {
-            req.request_id: r if (r := self.states[req.request_id].rate) is not None else overall for req, _ in proposed
-        }
         # each draft token is one more row, worth the chance that its request accepts it and every draft before it
-        rows = [
-            (rates[req.request_id] ** (j + 1), j, req.request_id)
-            for req, drafts in proposed
-            for j in range(len(drafts))
-        ]
+        rows = []
+        for req, drafts in proposed:
+            gain = 1.0
+            for j, held in enumerate(self._held(req.request_id, len(drafts))):
+                gain = min(gain, held)  # a later draft never counts for more than an earlier one
+                rows.append((gain, j, req.request_id))
         rows.sort(key=lambda row: (-row[0], row[1]))
         taken = self.costs.best_prefix(len(decoding), [gain for gain, _, _ in rows])
         self.num_choices += 1
@@ -171,6 +172,13 @@ class Speculator:
         return {
             req.request_id: drafts[: counts[req.request_id]] for req, drafts in proposed if req.request_id in counts
         }
+
+    def _held(self, request_id: str, num_drafts: int) -> list[float]:
+        """The chance that `request_id` accepts more than j drafts, for each position j < num_drafts: its own
+        average, else every request's so far, else 1 (tried)."""
+        s, own = self.stats, self.states[request_id].held
+        prior = [a / d if d else 1.0 for a, d in zip(s.accepted_per_position, s.drafted_per_position, strict=True)]
+        return [own[j] if j < len(own) and own[j] is not None else prior[j] for j in range(num_drafts)]
 
     def propose(self, req: Request, budget: int | None = None) -> list[int]:
         """Draft tokens for `req`, decoding its next token this step, within `budget` more tokens (none: it
@@ -200,11 +208,15 @@ class Speculator:
         s.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             s.accepted_per_position[i] += 1
+        for i in range(num_drafts):
+            s.drafted_per_position[i] += 1
         state = self.states.get(req.request_id)
         if state is None:
             return
-        accepted = num_accepted / max(1, num_drafts)
-        state.rate = accepted if state.rate is None else state.rate + COST_EMA * (accepted - state.rate)
+        state.held += [None] * (num_drafts - len(state.held))
+        for j in range(num_drafts):
+            old, new = state.held[j], float(num_accepted > j)
+            state.held[j] = new if old is None else old + COST_EMA * (new - old)
         state.failures = 0 if num_accepted else state.failures + 1
         state.wait = min(2 ** (state.failures - 1), MAX_BACKOFF) if state.failures else 0
 

@@ -86,21 +86,28 @@ def test_speculator_limits_and_back_off() -> None:
     spec.verified(req, 4, 1)
     assert state.wait == 0 and state.failures == 0
     assert spec.stats.num_accepted_tokens == 1 and spec.stats.accepted_per_position == [1, 0, 0, 0]
+    assert spec.stats.drafted_per_position == [spec.stats.num_drafts] * 4  # every verification had 4 drafts
+    assert state.held[0] == pytest.approx(COST_EMA) and state.held[1] == 0.0  # one in the last: held at 0, not 1
 
 
 def test_the_measured_policy_verifies_the_drafts_that_raise_tokens_per_second() -> None:
     spec = Speculator(SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1), max_model_len=99)
     reqs = [request(str(i), [1, 2, 3, 4, 5, 6, 7, 8] * 3) for i in range(2)]
     assert spec.step_drafts(reqs) == {}  # the plain step of two sequences is measured first
-    for req in reqs:
-        spec.states[req.request_id].rate = 0.9
+    for req in reqs:  # 9 of 10 verifications accept the first draft, 81 % the first two, ...
+        spec.states[req.request_id].held = [0.9 ** (j + 1) for j in range(4)]
     spec.costs.seconds = {2: 0.010, 3: 0.0105}
     assert spec.step_drafts(reqs) == {"0": [1], "1": [1]}  # one row count past those measured is tried
     spec.costs.seconds = {r: 0.005 * r for r in range(2, 11)}  # compute-bound: a row costs a sequence's time
     assert spec.step_drafts(reqs) == {}  # 0.9 of a token for a sequence's cost does not pay
     spec.costs.seconds = {r: 0.010 + 0.0005 * (r - 2) for r in range(2, 11)}  # bound by the weights: rows are cheap
     assert spec.step_drafts(reqs) == {"0": [1, 2, 3, 4], "1": [1, 2, 3, 4]}
-    spec.states["1"].rate = 0.1  # drafts that rarely hold: 0.1 of a token for a row does not pay even so
+    spec.states["1"].held = [
+        0.1,
+        0.01,
+        0.001,
+        0.0001,
+    ]  # drafts that rarely hold: 0.1 of a token for a row does not pay even so
     assert spec.step_drafts(reqs) == {"0": [1, 2, 3, 4]}
     spec.costs.seconds = {2: 0.010, 3: 0.011, 4: 0.020, 5: 0.021, 6: 0.030, 7: 0.031, 8: 0.04, 9: 0.041, 10: 0.05}
     assert spec.step_drafts(reqs) == {"0": [1]}  # cheap up to 3 rows, then each pair costs a step: one draft
