@@ -28,9 +28,11 @@ EDITS = ["Repeat the following text exactly, word for word.", "Rewrite the follo
 
 
 def passages(count: int) -> list[str]:
-    """The fixed passages of scripts/spec_passages.txt (plain prose, one paragraph each)."""
+    """Two consecutive paragraphs of scripts/spec_passages.txt each (plain prose, about 230 tokens together, so
+    repeating one fills most of 256 output tokens)."""
     found = [" ".join(p.split()) for p in (ROOT / "scripts" / "spec_passages.txt").read_text().split("\n\n")]
-    return [p for p in found if p][:count]
+    found = [p for p in found if p]
+    return [f"{found[i % len(found)]}\n\n{found[(i + 1) % len(found)]}" for i in range(count)]
 
 
 def workloads(tokenizer: KilnTokenizer, count: int) -> dict[str, list[list[int]]]:
