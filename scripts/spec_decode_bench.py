@@ -51,9 +51,10 @@ def llamacpp_lookup(model_path: str, prompts: list[list[int]], output_len: int, 
         return None
     rates = {}
     for name, draft in (("plain", None), ("lookup", LlamaPromptLookupDecoding(num_pred_tokens=k))):
-        llm = Llama(model_path, n_ctx=2048, n_threads=2, n_batch=512, draft_model=draft, verbose=False, seed=0)
+        llm = Llama(model_path, n_ctx=4096, n_threads=2, n_batch=512, draft_model=draft, verbose=False, seed=0)
         total, wall = 0, 0.0
         for prompt in prompts:
+            llm.reset()  # NOTE: generate(reset=True) keeps a matching prefix; past 4 prompts the context overflowed
             start, n = time.perf_counter(), 0
             for _ in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
                 n += 1
