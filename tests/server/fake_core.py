@@ -100,7 +100,7 @@ class FakeCore:
         self.checkpoint_path = "/models/fake-model"
         self.model_config = SimpleNamespace(name="fake-model", vocab_size=256)
         self.pool = BlockPool(num_blocks, block_size)
-        self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0, prefix=None)
+        self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0, prefix=None, speculator=None)
         self.runner = SimpleNamespace(counters=SimpleNamespace(replays=7, dynamic_fallbacks=2))
         self.requests: dict[str, FakeRequest] = {}
         self.grammars = None  # its fake tokens follow no grammar: structured outputs are refused

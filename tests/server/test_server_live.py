@@ -205,7 +205,7 @@ def test_metrics_parse(server: LiveServer) -> None:
     drafts, accepted = m["kiln_spec_decode_num_drafts_total"], m["kiln_spec_decode_num_accepted_tokens_total"]
     assert m["kiln_spec_decode_num_emitted_tokens_total"] == drafts + accepted
     assert accepted <= m["kiln_spec_decode_num_draft_tokens_total"]
-    assert drafts == 0 or m["kiln_spec_decode_mean_acceptance_length"] == pytest.approx(1 + accepted / drafts)
+    assert drafts == 0 or m["kiln_spec_decode_mean_acceptance_length"] == pytest.approx(1 + accepted / drafts, abs=1e-3)
     assert m['kiln_http_requests_total{endpoint="/v1/completions",status="200"}'] > 0
     assert m['kiln_http_requests_total{endpoint="/v1/completions",status="400"}'] > 0
     assert m['kiln_http_requests_total{endpoint="/v1/completions",status="401"}'] > 0
