@@ -19,7 +19,13 @@ from torch.fx import GraphModule
 
 from kiln.compile.diagnose import explain_trace_failure
 from kiln.model.attention import cache_nulls, kv_cache_block_size
-from kiln.model.forward_context import AttentionMetadata, DecodeInputs, ForwardContext, set_forward_context
+from kiln.model.forward_context import (
+    AttentionMetadata,
+    DecodeInputs,
+    DecodeKernel,
+    ForwardContext,
+    set_forward_context,
+)
 
 logger = logging.getLogger("kiln")
 
@@ -88,10 +94,12 @@ def trace_forward(
     sample_size: int = 8,
     decode: bool = False,
     static_size: int | None = None,
+    decode_kernel: DecodeKernel | None = None,
 ) -> TracedForward:
     """Trace `forward(input_ids, positions)` (the model, or a wrapper of it) into one FX graph; with `decode`,
     a full decode graph whose attention is traced (kiln.model.graph_attention) over the decode inputs; with
-    `static_size`, num_tokens is that constant (the table width stays symbolic).
+    `static_size`, num_tokens is that constant (the table width stays symbolic); `decode_kernel` is the plan's
+    decode attention (None: the torch form), traced into the graph.
 
     A graph break or an op dynamo cannot trace raises GraphTraceError naming the module path and the op.
     """
@@ -113,6 +121,7 @@ def trace_forward(
         torch._dynamo.mark_dynamic(positions, 0)
     compiled = torch.compile(forward, backend=kiln_backend, fullgraph=True)
     ctx = padding_context(sample_size, kv_caches, device)
+    ctx.decode_kernel = decode_kernel
     if decode:
         nulls = cache_nulls(model.config, kv_caches)
         ctx.decode = decode_sample(sample_size, nulls, device, dynamic_tokens=static_size is None)

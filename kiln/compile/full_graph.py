@@ -44,7 +44,7 @@ from kiln.compile.piece import Piece
 from kiln.compile.split import PieceGraph, module_paths, structure_key
 from kiln.compile.store import CompiledPieceStore
 from kiln.model.attention import cache_nulls, kv_cache_block_size
-from kiln.model.forward_context import DecodeInputs, ModelInputs
+from kiln.model.forward_context import DecodeInputs, DecodeKernel, ModelInputs
 from kiln.quant.linear import PackedLinear
 
 logger = logging.getLogger("kiln")
@@ -118,13 +118,17 @@ class FullDecodeGraph:
         max_model_len: int | None,
         sample_size: int,
         gemv_sizes: tuple[int, ...] = (),
+        decode_kernel: DecodeKernel | None = None,
     ) -> None:
         """`gemv_sizes`: the static compile sizes the kernel choice kept (fp32 weight products as GEMV reductions,
-        kiln.compile.passes.DecodeGemv): each gets a static-size graph too."""
+        kiln.compile.passes.DecodeGemv): each gets a static-size graph too. `decode_kernel`: the plan's decode
+        attention (None: the torch form), traced into every graph."""
         self.device = device
         self.counters = counters
         self.sizes = sorted(sizes)
-        trace = partial(trace_forward, model, model, kv_caches, device, sample_size, decode=True)
+        trace = partial(
+            trace_forward, model, model, kv_caches, device, sample_size, decode=True, decode_kernel=decode_kernel
+        )
         self.variants: dict[int | None, DecodeVariant] = {None: DecodeVariant(trace(), counters, None)}
         counters.graphs_traced += 1
         for size in static_sizes(model, self.sizes, gemv_sizes):

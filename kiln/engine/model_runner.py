@@ -197,7 +197,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Hidden states of every fed token (padding included): [padded_num_tokens, hidden]."""
-        with set_forward_context(ForwardContext(inputs.metadata, self.kv_caches)):
+        ctx = ForwardContext(inputs.metadata, self.kv_caches, decode_kernel=self.executor.plan.decode_kernel)
+        with set_forward_context(ctx):
             return self.executor.forward(inputs)
 
     @torch.inference_mode()

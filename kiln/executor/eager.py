@@ -49,7 +49,7 @@ class EagerExecutor(Executor):
     def prepare(self, model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
         self._model = model
         if not self.keep_layout:
-            self.plan = plan_kernels(model, self.cache_root, activations=self.activations)
+            self.plan = plan_kernels(model, self.cache_root, activations=self.activations, kv_caches=kv_caches)
             self.plan.install(model)
         self._head = LogitsHead(model, self.plan.head_t)
 

@@ -76,7 +76,13 @@ class GraphExecutor(Executor):
         # NOTE: attention reads Python-side metadata, so it cannot live inside a CUDA graph.
         self.can_capture = self.mode.splits_forward or self.device.type != "cuda"
         self.plan = plan_kernels(
-            model, cache_root, self.compiler, self.capture_sizes, self.config.compile_sizes, self.activations
+            model,
+            cache_root,
+            self.compiler,
+            self.capture_sizes,
+            self.config.compile_sizes,
+            self.activations,
+            kv_caches,
         )
         self.plan.install(model)
         self.compile_sizes = self.plan.static_sizes
@@ -101,6 +107,7 @@ class GraphExecutor(Executor):
                 self.config.max_model_len,
                 sample,
                 tuple(self.compile_sizes),
+                self.plan.decode_kernel,
             )
             for piece in self.full.pieces:
                 piece.debug = self.pieces[0].debug

@@ -12,6 +12,7 @@ static_sizes.py  which one- and two-row capture sizes compile statically (GEMV r
 candidates.py    the packed products' candidates (registry), float32 and int8 ones (`--activations`)
 packed.py        the packed products' timing table, binding the winners to layers
 product.py       small functions traced and compiled for static shapes (the timed product, compiled candidates)
+attention.py     decode attention's kernel (the torch form or the native paged one), timed; its graph op
 head.py          `LogitsHead`: one-row logits the fastest way the plan found
 native/          kiln's own C++ kernels, one object per ISA tier, built here and loaded where cpuid allows
 """

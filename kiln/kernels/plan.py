@@ -5,7 +5,8 @@ A plan holds every kernel choice that makes the same model compute the same numb
   kiln.kernels.static_sizes), configured or timed;
 - the decoder weights' layout for one row (kiln.kernels.layout), row-major whenever GEMV reductions need it;
 - the one-row logits head (a transposed copy when it streams faster, kiln.kernels.head);
-- the packed products' kernel table (kiln.kernels.packed), one winner per layout and row count.
+- the packed products' kernel table (kiln.kernels.packed), one winner per layout and row count;
+- decode attention's kernel (kiln.kernels.attention): the traced torch form or kiln's native paged kernel.
 
 Every choice is timed here and cached per machine and process (kiln.kernels.choices): two engines over one model
 make the same plan. `plan.install(model)` lays the weights out and binds the packed winners to the layers; the
@@ -26,6 +27,7 @@ from torch import nn
 from kiln.compile.compiler import PieceCompiler, make_compiler
 from kiln.compile.passes import GEMV_MAX_ROWS
 from kiln.config import DEFAULT_ACTIVATIONS
+from kiln.kernels.attention import TORCH, choose_decode_attention, decode_kernel
 from kiln.kernels.candidates import FLOAT32
 from kiln.kernels.choices import KernelChoiceCache
 from kiln.kernels.layout import (
@@ -37,6 +39,8 @@ from kiln.kernels.layout import (
 )
 from kiln.kernels.packed import ROWS, PackedKernelTable, packed_layers
 from kiln.kernels.static_sizes import choose_static_sizes
+from kiln.model.forward_context import DecodeKernel
+from kiln.model.graph_attention import traced_decode_attention
 from kiln.quant.ops import rows_label
 
 logger = logging.getLogger("kiln")
@@ -50,8 +54,14 @@ class KernelPlan:
     decoder_layout: str | None = None  # row-major | column-major | packed; None: left as loaded (not on CPU)
     head_t: torch.Tensor | None = None  # [hidden, vocab] head copy for one-row logits, when BLAS gains that way
     packed: PackedKernelTable | None = None
+    decode_attention: str = TORCH  # its kernel's name: the torch form or a native one (kiln.kernels.attention)
     # what was timed (or read from the cache), for logs and kernel_profile.json
     choices: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def decode_kernel(self) -> DecodeKernel | None:
+        """What the step's forward context hands to attention (None: the torch form)."""
+        return decode_kernel(self.decode_attention)
 
     @property
     def gemv_sizes(self) -> list[int]:
@@ -72,12 +82,14 @@ def plan_kernels(
     capture_sizes: Sequence[int] = (),
     configured_sizes: Sequence[int] | None = (),
     activations: str = DEFAULT_ACTIVATIONS,
+    kv_caches: Sequence[torch.Tensor] = (),
 ) -> KernelPlan:
     """The plan for `model` on this machine. `compiler` compiles the static sizes and the compiled candidates
     (the inductor compiler when None, or when it cannot compile for static shapes); `configured_sizes` are the
     static compile sizes when given (the eager executor gives none), else they are timed for the one- and
     two-row `capture_sizes`. `activations` (int8x2 | int8 | float32, kiln.config.ACTIVATION_NAMES) says which
-    packed candidates may be timed."""
+    packed candidates may be timed; decode attention's kernel is timed over the geometry of `kv_caches` (the
+    first layer's that holds heads; none given: the torch form)."""
     cpu = next(model.parameters()).device.type == "cpu"
     compiler = compiler or make_compiler("inductor")
     kernel_compiler = compiler if compiler.supports_static_sizes else make_compiler("inductor")
@@ -95,6 +107,13 @@ def plan_kernels(
         plan.static_sizes = tuple(int(s) for s in list(record["static_sizes"]))
     if not cpu:
         return plan
+    held = next((c for c in kv_caches if c.shape[1] > 0), None)
+    if held is not None:
+        config = model.config
+        num_heads = held.shape[1] * (config.num_heads // config.num_kv_heads)  # this rank's query heads
+        plan.decode_attention, plan.choices["decode_attention"] = choose_decode_attention(
+            held, num_heads, cache, traced_decode_attention
+        )
     if weight is None:
         plan.decoder_layout = PACKED
     elif plan.gemv_sizes:
@@ -119,12 +138,13 @@ def _log(plan: KernelPlan, float_head: bool) -> None:
         head = "column-major copy" if plan.head_t is not None else "compiled" if 1 in plan.static_sizes else "as loaded"
     logger.info(
         "Kernel plan (%s): static compile sizes %s (GEMV reductions for %s rows), decoder weights %s, one-row "
-        "logits head %s",
+        "logits head %s, decode attention %s",
         how,
         list(plan.static_sizes) or "none",
         plan.gemv_sizes or "no",
         plan.decoder_layout,
         head,
+        plan.decode_attention,
     )
     if plan.packed is not None:
         logger.info(

@@ -16,6 +16,9 @@ default) leaves every path as it is.
 The cache may hold a narrower dtype than the model computes in (a recipe's `kv_cache.dtype`): new K/V are
 rounded to it when written and widened back when read.
 
+Decode rows run on the kernel the engine's plan chose (`ForwardContext.decode_kernel`, kiln.kernels.attention):
+kiln's native paged kernel, which reads the blocks where they lie, or the batched torch form below.
+
 Cache layout per layer: [2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]. Heads come first so that
 gathered blocks are already [kv_heads, tokens, head_dim] per sequence: the decode path multiplies them in
 place, grouping the query heads that share a KV head (GQA) as rows of one small matmul, with no copy into
@@ -30,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.config import ModelConfig
-from kiln.model.forward_context import AttentionMetadata, get_forward_context
+from kiln.model.forward_context import AttentionMetadata, DecodeKernel, get_forward_context
 
 SPLITTING_OP = "kiln.attention"
 
@@ -139,6 +142,22 @@ def decode_attention(
     return out.transpose(0, 1).reshape(nd, num_heads * head_dim)
 
 
+def decodes(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    window: int,
+    softcap: float,
+    kernel: DecodeKernel | None,
+) -> torch.Tensor:
+    """The step's decode rows (q [num_decodes, heads, head_dim], the layer's view `meta`) with `kernel`, the plan's
+    (kiln.kernels.attention), or the batched torch form when None."""
+    if kernel is None:
+        return decode_attention(q, kv_cache, meta, softcap)
+    nd = q.shape[0]
+    return kernel.run(q.reshape(nd, -1), kv_cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd], window, softcap)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -147,6 +166,7 @@ def paged_attention(
     meta: AttentionMetadata,
     window: int = 0,
     softcap: float = 0.0,
+    kernel: DecodeKernel | None = None,
 ) -> torch.Tensor:
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
     num_heads = q.shape[1] // head_dim
@@ -156,10 +176,10 @@ def paged_attention(
     qh = q[:n].view(n, num_heads, head_dim)
     nd = meta.num_decodes
     if nd == n == q.shape[0]:  # decode-only, unpadded: no output copy
-        return decode_attention(qh, kv_cache, meta, softcap)
+        return decodes(qh, kv_cache, meta, window, softcap, kernel)
     out = q.new_zeros(q.shape)
     if nd:
-        out[:nd] = decode_attention(qh[:nd], kv_cache, meta, softcap)
+        out[:nd] = decodes(qh[:nd], kv_cache, meta, window, softcap, kernel)
     for i in range(nd, meta.num_seqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         q_len, seq_len = end - start, meta.seq_lens[i]
@@ -188,7 +208,7 @@ def attention(
     attention-logit soft-cap (module docstring).
     """
     ctx = get_forward_context()
-    return paged_attention(q, k, v, ctx.kv_caches[layer_idx], ctx.attn_metadata, window, softcap)
+    return paged_attention(q, k, v, ctx.kv_caches[layer_idx], ctx.attn_metadata, window, softcap, ctx.decode_kernel)
 
 
 @attention.register_fake

@@ -7,7 +7,7 @@ only the opaque attention op (which dynamo never traces into) looks them up.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -108,11 +108,24 @@ class DecodeInputs:
     window_table: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class DecodeKernel:
+    """A decode-attention kernel in place of the torch form (kiln.kernels.attention makes them from the engine's
+    plan). Both calls take (q [n, heads*head_dim], kv_cache, block_table [n, blocks], seq_lens [n], window, softcap),
+    the cache already holding the new K/V, and return [n, heads*head_dim]: `run` is what the paged-attention op calls
+    at run time, `node` what a traced full decode graph calls (one opaque op of the graph)."""
+
+    name: str
+    run: Callable[..., torch.Tensor]
+    node: Callable[..., torch.Tensor]
+
+
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: list[torch.Tensor]  # per layer: [2, num_kv_heads, num_blocks + 1, block_size, head_dim]
     decode: DecodeInputs | None = None  # set while a full decode graph runs (or is traced): attention is traced
+    decode_kernel: DecodeKernel | None = None  # decode attention's kernel, the engine's plan's; None: the torch form
 
 
 _current: ForwardContext | None = None

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.model.forward_context import DecodeInputs, get_forward_context
+from kiln.model.forward_context import DecodeInputs, DecodeKernel, get_forward_context
 
 
 def decode_positions(seq_lens: torch.Tensor) -> torch.Tensor:
@@ -46,8 +46,10 @@ def decode_attention(
     decode: DecodeInputs,
     window: int = 0,
     softcap: float = 0.0,
+    kernel: DecodeKernel | None = None,
 ) -> torch.Tensor:
-    """q: [n, heads*head_dim]; k, v: [n, kv_heads*head_dim] -> [n, heads*head_dim]. Writes k, v to the cache."""
+    """q: [n, heads*head_dim]; k, v: [n, kv_heads*head_dim] -> [n, heads*head_dim]. Writes k, v to the cache, then
+    attends with `kernel` (the plan's, kiln.kernels.attention), or the traced torch form when None."""
     _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
     n = q.shape[0]
     seq_lens = decode.seq_lens
@@ -55,11 +57,28 @@ def decode_attention(
     table = decode.window_table if window and decode.window_table is not None else decode.block_table
     torch._check(seq_lens.shape[0] == n)
     torch._check(table.shape[0] == n)
-    num_heads = q.shape[1] // head_dim
-    group = num_heads // num_kv_heads
     new = torch.stack((k, v)).view(2, n, num_kv_heads, head_dim).transpose(1, 2).to(kv_cache.dtype)
     flat = kv_cache.view(2, num_kv_heads, -1, head_dim)
     flat.index_copy_(2, decode_slots(seq_lens, table, block_size), new)
+    if kernel is not None:  # one opaque node of the graph
+        return kernel.node(q, kv_cache, table, seq_lens, window, softcap)
+    return traced_decode_attention(q, kv_cache, table, seq_lens, window, softcap)
+
+
+def traced_decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window: int = 0,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """The torch form of decode attention (the cache already holds the new K/V): q [n, heads*head_dim], row i over
+    the first seq_lens[i] keys of `table[i]`'s blocks -> [n, heads*head_dim]."""
+    _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    n = q.shape[0]
+    num_heads = q.shape[1] // head_dim
+    group = num_heads // num_kv_heads
     width = table.shape[1] * block_size
     kv = kv_cache[:, :, table].view(2, num_kv_heads, n, width, head_dim).to(q.dtype)  # [2, Hkv, n, L, D]
     qg = q.view(n, num_kv_heads, group, head_dim).transpose(0, 1)  # [Hkv, n, G, D]
@@ -82,5 +101,5 @@ def attend(
     `window` > 0: the layer's sliding window (0: global attention); `softcap` > 0: its attention-logit soft-cap."""
     ctx = get_forward_context()
     if ctx.decode is not None:
-        return decode_attention(q, k, v, ctx.kv_caches[layer_idx], ctx.decode, window, softcap)
+        return decode_attention(q, k, v, ctx.kv_caches[layer_idx], ctx.decode, window, softcap, ctx.decode_kernel)
     return torch.ops.kiln.attention(q, k, v, layer_idx, window, softcap)

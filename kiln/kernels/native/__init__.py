@@ -8,6 +8,9 @@ packed_linear.cpp  `packed_linear(x, codes, scale, offset)` over kiln's packed l
                    weight dequantized in registers, group by group (AVX2 + FMA path, scalar path)
 packed_q8.cpp      `packed_linear_q8` / `packed_linear_q8x2`: x quantized per weight group to one or two int8 digits,
                    integer dot products (AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw, scalar path)
+paged_attention.cpp
+                   `paged_decode_attention`: decode attention over the paged KV cache where the blocks lie, GQA
+                   heads together, keys split across threads and merged (flash-decoding); float32 or bf16 KV
 packed_operands.h  the operand checks both products share
 reference.py       the int8 arithmetic in plain torch: what every tier must equal
 """

@@ -9,8 +9,9 @@ lock file there, which a killed build leaves behind and which would make the nex
 under it.
 
 `native_op(tier, name)` is the tier's op `name` (`packed_linear`: float32 activations; `packed_linear_q8` and
-`packed_linear_q8x2`: one or two int8 digits), or None where the CPU lacks the tier or the build failed
-(no compiler, a compiler error): kiln then runs on the torch candidates and says why once, in one log line.
+`packed_linear_q8x2`: one or two int8 digits; `paged_decode_attention`: decode attention over the paged KV cache),
+or None where the CPU lacks the tier or the build failed (no compiler, a compiler error): kiln then runs on the
+torch candidates and says why once, in one log line.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from kiln.kernels.choices import cpu_info
 
 logger = logging.getLogger("kiln")
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("packed_linear.cpp", "packed_q8.cpp"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("packed_linear.cpp", "packed_q8.cpp", "paged_attention.cpp")
+)
 HEADERS = (Path(__file__).with_name("packed_operands.h"),)  # included by the sources: part of their hash
 # -ffp-contract=off: no fused multiply-add the source does not write (the reference rounds op by op)
 COMMON_FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off")
@@ -100,7 +103,7 @@ def tier_by_name(name: str) -> Tier:
     return next(t for t in TIERS if t.name == name)
 
 
-OPS = ("packed_linear", "packed_linear_q8", "packed_linear_q8x2")
+OPS = ("packed_linear", "packed_linear_q8", "packed_linear_q8x2", "paged_decode_attention")
 
 
 def native_op(tier_name: str, name: str = "packed_linear") -> Callable[..., torch.Tensor] | None:

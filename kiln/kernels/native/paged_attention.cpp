@@ -1,0 +1,296 @@
+// kiln's native paged decode attention: each query row attends over its sequence's keys in the paged KV cache,
+// reading the blocks where they lie (no gather into a contiguous copy, no score matrix padded to the longest
+// sequence). The semantics are kiln.model.graph_attention's traced decode attention:
+//   row i has seq_lens[i] = L tokens (its query is the last, at position L - 1; L < 1 counts as 1); it sees key j iff
+//   j < L and, with window W > 0, j > L - 1 - W; scores are (q . k) / sqrt(D), soft-capped as tanh(s / C) * C when
+//   C > 0, softmaxed over the visible keys, and weight the values.
+// Query heads that share a KV head (GQA) are read together, so each key and value is loaded once per row.
+//
+// Work is split over (row, KV head, chunk of keys) so that short batches of long sequences still use every thread
+// (flash-decoding): each chunk keeps its running max, its sum of exponentials and its weighted values, and a
+// second pass merges the chunks of each row and head. The exponential is a polynomial the compiler vectorizes
+// (relative error below 1e-7 on the range softmax uses).
+//
+// q [n, H, D] float32; kv_cache [2, Hkv, blocks, block_size, D] float32 or bfloat16 (widened as read);
+// block_table [n, >= ceil(L / block_size)] int64; seq_lens [n] int64 -> [n, H * D] float32.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KILN_ATTN_YMM 1
+#endif
+
+#ifndef KILN_TIER_NS
+#error "KILN_TIER_NS (the op namespace of this tier) must be defined"
+#endif
+
+namespace {
+
+constexpr int64_t MIN_CHUNK = 64;    // keys: fewer per chunk costs more in merging than it gains in threads
+constexpr int64_t ITEMS_PER_THREAD = 4;
+constexpr int64_t MAX_HEAD_DIM = 512;
+constexpr int64_t MAX_GROUP = 64;    // query heads per KV head
+
+inline float widen(float v) { return v; }
+inline float widen(c10::BFloat16 v) {
+  uint32_t bits = uint32_t(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// exp(x) for x <= 0: 2^(x log2 e) = 2^k * 2^f with k = round(x log2 e), |f| <= 1/2, 2^f by its Taylor series to
+// degree 7 (relative error < 1e-8 there); below -87 the result is 0, as expf's is within float range.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float t = x * 1.44269504088896341f;
+  const int k = -static_cast<int>(0.5f - t);  // t <= 0: round half away from zero
+  const float f = (t - static_cast<float>(k)) * 0.693147180559945309f;
+  float p = 1.f / 5040.f;
+  p = p * f + 1.f / 720.f;
+  p = p * f + 1.f / 120.f;
+  p = p * f + 1.f / 24.f;
+  p = p * f + 1.f / 6.f;
+  p = p * f + 0.5f;
+  p = p * f + 1.f;
+  p = p * f + 1.f;
+  const uint32_t bits = static_cast<uint32_t>(k + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+struct Layout {
+  int64_t heads, kv_heads, group, head_dim, blocks, block_size, table_width;
+  int64_t window;
+  float scale, softcap;
+};
+
+struct Chunk {  // one (row, KV head) pair's keys [begin, end)
+  int64_t row, head, begin, end;
+};
+
+// The chunk's G running maxima, sums and weighted values: scores in `scores` (G x keys, scratch).
+// scores[g * stride + j] = scale * (q_g . k_j) for `run` keys k (rows of D values) and G query heads q (rows of D).
+template <typename T, int64_t DIM>
+void key_scores(const float* q, const T* k, int64_t run, int64_t G, int64_t D, float scale, float* scores,
+                int64_t stride) {
+  int64_t j = 0;
+#ifdef KILN_ATTN_YMM
+  if (std::is_same_v<T, float> && D % 8 == 0) {  // 4 keys at a time: 4 accumulators per head, summed lane-wise
+    const float* kf = reinterpret_cast<const float*>(k);
+    for (; j + 4 <= run; j += 4) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t d = 0; d < D; d += 8) {
+          const __m256 x = _mm256_loadu_ps(qg + d);
+          a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kf + (j + 0) * D + d), a0);
+          a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kf + (j + 1) * D + d), a1);
+          a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kf + (j + 2) * D + d), a2);
+          a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kf + (j + 3) * D + d), a3);
+        }
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  // lanes: k0 k1 k2 k3 (x2)
+        const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        _mm_storeu_ps(scores + g * stride + j, _mm_mul_ps(sum, _mm_set1_ps(scale)));
+      }
+    }
+  }
+#endif
+  for (; j < run; ++j) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      const T* kj = k + j * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < (DIM > 0 ? DIM : D); ++d) dot += qg[d] * widen(kj[d]);
+      scores[g * stride + j] = dot * scale;
+    }
+  }
+}
+
+// acc[d] += sum over j of p[j] * v[j, d] for `run` values v (rows of D).
+template <typename T, int64_t DIM>
+void weigh_values(const float* p, const T* v, int64_t run, int64_t D, float* acc) {
+#ifdef KILN_ATTN_YMM
+  if (std::is_same_v<T, float> && DIM == 64) {  // the accumulator stays in 8 registers over the run
+    const float* vf = reinterpret_cast<const float*>(v);
+    __m256 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(acc + 8 * i);
+    for (int64_t j = 0; j < run; ++j) {
+      const __m256 w = _mm256_set1_ps(p[j]);
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vf + j * 64 + 8 * i), a[i]);
+    }
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < run; ++j) {
+    const float w = p[j];
+    const T* vj = v + j * D;
+#pragma omp simd
+    for (int64_t d = 0; d < (DIM > 0 ? DIM : D); ++d) acc[d] += w * widen(vj[d]);
+  }
+}
+
+// DIM > 0: the head dim as a constant (the common ones), so the loops over it unroll; 0: read from `s`.
+template <typename T, int64_t DIM>
+void attend_chunk(const Layout& s, const float* q, const T* kv, const int64_t* table, const Chunk& c, float* scores,
+                  float* m, float* l, float* acc) {
+  const int64_t G = s.group, D = DIM > 0 ? DIM : s.head_dim, BS = s.block_size, len = c.end - c.begin;
+  const float* qh = q + (c.row * s.heads + c.head * G) * D;
+  const int64_t head_stride = s.blocks * BS * D;
+  const T* keys = kv + c.head * head_stride;
+  const T* values = kv + (s.kv_heads + c.head) * head_stride;
+  const int64_t* blocks = table + c.row * s.table_width;
+  for (int64_t t = c.begin; t < c.end;) {  // one block's run of keys at a time
+    const int64_t block = blocks[t / BS], first = t % BS, run = std::min(BS - first, c.end - t);
+    key_scores<T, DIM>(qh, keys + (block * BS + first) * D, run, G, D, s.scale, scores + (t - c.begin), len);
+    t += run;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores + g * len;
+    if (s.softcap > 0.f)
+      for (int64_t j = 0; j < len; ++j) sg[j] = std::tanh(sg[j] / s.softcap) * s.softcap;
+    float mx = -INFINITY;
+#pragma omp simd reduction(max : mx)
+    for (int64_t j = 0; j < len; ++j) mx = std::max(mx, sg[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < len; ++j) {
+      sg[j] = exp_nonpositive(sg[j] - mx);
+      sum += sg[j];
+    }
+    m[g] = mx;
+    l[g] = sum;
+    std::fill(acc + g * D, acc + (g + 1) * D, 0.f);
+  }
+  for (int64_t t = c.begin; t < c.end;) {  // each block's values read once (from L1) for every head
+    const int64_t block = blocks[t / BS], first = t % BS, run = std::min(BS - first, c.end - t);
+    for (int64_t g = 0; g < G; ++g)
+      weigh_values<T, DIM>(scores + g * len + (t - c.begin), values + (block * BS + first) * D, run, D, acc + g * D);
+    t += run;
+  }
+}
+
+template <typename T>
+void decode(const Layout& s, const float* q, const T* kv, const int64_t* table, const int64_t* seq_lens, int64_t n,
+            float* out) {
+  // chunks per (row, KV head): enough items for every thread, none shorter than MIN_CHUNK keys
+  const int64_t want = std::max<int64_t>(1, (ITEMS_PER_THREAD * at::get_num_threads() + n * s.kv_heads - 1) /
+                                                (n * s.kv_heads));
+  std::vector<Chunk> chunks;
+  std::vector<int64_t> first_chunk(n + 1, 0);  // row i's chunks, per head: [first_chunk[i], first_chunk[i + 1])
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t len = std::max<int64_t>(seq_lens[i], 1);
+    const int64_t begin = s.window > 0 ? std::max<int64_t>(0, len - s.window) : 0, keys = len - begin;
+    const int64_t most = std::min(want, std::max<int64_t>(1, keys / MIN_CHUNK)), step = (keys + most - 1) / most;
+    const int64_t count = (keys + step - 1) / step;  // what the loop below makes (at most `most`)
+    for (int64_t h = 0; h < s.kv_heads; ++h)
+      for (int64_t a = begin; a < len; a += step) chunks.push_back({i, h, a, std::min(len, a + step)});
+    first_chunk[i + 1] = first_chunk[i] + count;
+  }
+  const int64_t G = s.group, D = s.head_dim, per_chunk = G * (2 + D);
+  std::vector<float> partial(chunks.size() * per_chunk);  // per chunk: m[G], l[G], acc[G][D]
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t c0, int64_t c1) {
+    std::vector<float> scores;
+    for (int64_t c = c0; c < c1; ++c) {
+      const Chunk& chunk = chunks[c];
+      scores.resize(G * (chunk.end - chunk.begin));
+      float* p = partial.data() + c * per_chunk;
+      float *m = p, *l = p + G, *acc = p + 2 * G;
+      if (D == 64)
+        attend_chunk<T, 64>(s, q, kv, table, chunk, scores.data(), m, l, acc);
+      else if (D == 128)
+        attend_chunk<T, 128>(s, q, kv, table, chunk, scores.data(), m, l, acc);
+      else
+        attend_chunk<T, 0>(s, q, kv, table, chunk, scores.data(), m, l, acc);
+    }
+  });
+  // merge: chunk j of row i, head h is chunks[kv_heads * first_chunk[i] + h * count_i + j]
+  at::parallel_for(0, n * s.kv_heads, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t i = p / s.kv_heads, h = p % s.kv_heads, count = first_chunk[i + 1] - first_chunk[i];
+      const float* base = partial.data() + (s.kv_heads * first_chunk[i] + h * count) * per_chunk;
+      for (int64_t g = 0; g < G; ++g) {
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < count; ++j) mx = std::max(mx, base[j * per_chunk + g]);
+        float* o = out + (i * s.heads + h * G + g) * D;
+        std::fill(o, o + D, 0.f);
+        float total = 0.f;
+        for (int64_t j = 0; j < count; ++j) {
+          const float* c = base + j * per_chunk;
+          const float w = exp_nonpositive(c[g] - mx);
+          total += w * c[G + g];
+          const float* a = c + 2 * G + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+        }
+        const float inv = 1.f / total;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                                  const at::Tensor& seq_lens, int64_t window, double softcap) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "kiln native paged_decode_attention: q must be "
+              "[rows, heads, head_dim] float32");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
+                  (kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16),
+              "kiln native paged_decode_attention: kv_cache must be [2, kv_heads, blocks, block_size, head_dim] "
+              "float32 or bfloat16");
+  const int64_t n = q.size(0), heads = q.size(1), head_dim = q.size(2), kv_heads = kv_cache.size(1);
+  TORCH_CHECK(kv_cache.size(4) == head_dim && head_dim <= MAX_HEAD_DIM, "kiln native paged_decode_attention: the "
+              "cache's head_dim ", kv_cache.size(4), " must equal q's ", head_dim, " (at most ", MAX_HEAD_DIM, ")");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= MAX_GROUP, "kiln native "
+              "paged_decode_attention: ", heads, " query heads do not group over ", kv_heads, " KV heads");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == n && block_table.scalar_type() == at::kLong &&
+                  seq_lens.dim() == 1 && seq_lens.size(0) == n && seq_lens.scalar_type() == at::kLong,
+              "kiln native paged_decode_attention: block_table [rows, blocks] and seq_lens [rows] int64, one row per "
+              "query");
+  const at::Tensor qc = q.contiguous(), kc = kv_cache.contiguous(), tc = block_table.contiguous();
+  const at::Tensor lc = seq_lens.contiguous();
+  const int64_t block_size = kc.size(3), blocks = kc.size(2), width = tc.size(1);
+  const int64_t* lens = lc.data_ptr<int64_t>();
+  const int64_t* table = tc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {  // every block a row reads must lie in the cache
+    const int64_t len = std::max<int64_t>(lens[i], 1), used = (len + block_size - 1) / block_size;
+    TORCH_CHECK(used <= width, "kiln native paged_decode_attention: row ", i, " has ", len, " tokens, its block table ",
+                width, " blocks of ", block_size);
+    for (int64_t b = window > 0 ? std::max<int64_t>(0, len - window) / block_size : 0; b < used; ++b)
+      TORCH_CHECK(table[i * width + b] >= 0 && table[i * width + b] < blocks, "kiln native paged_decode_attention: "
+                  "row ", i, " reads block ", table[i * width + b], " of a cache of ", blocks);
+  }
+  const Layout s{heads, kv_heads, heads / kv_heads, head_dim, blocks, block_size, width, window,
+                 static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim))), static_cast<float>(softcap)};
+  at::Tensor out = at::empty({n, heads * head_dim}, qc.options());
+  if (n == 0) return out;
+  if (kc.scalar_type() == at::kFloat)
+    decode(s, qc.data_ptr<float>(), kc.data_ptr<float>(), table, lens, n, out.data_ptr<float>());
+  else
+    decode(s, qc.data_ptr<float>(), kc.data_ptr<c10::BFloat16>(), table, lens, n, out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(KILN_TIER_NS, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor kv_cache, Tensor block_table, Tensor seq_lens, int window, "
+        "float softcap) -> Tensor");
+  m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
+}
