@@ -226,6 +226,16 @@ def token_logprobs(raw: torch.Tensor, rows: list[SamplingRow], token_ids: list[i
     return logprobs
 
 
+UNUSABLE_PROBABILITIES = "the sampling probabilities are not finite; check temperature and penalties"
+
+
+def unsampleable(raw: torch.Tensor) -> str:
+    """Why a row whose adjusted logits have no finite maximum cannot be sampled, from its raw logits `raw`."""
+    if bool(torch.isfinite(raw).all()):
+        return "no token is left to sample: every candidate was masked out or penalised to -inf"
+    return "the model produced non-finite logits (NaN or inf) for this sequence"
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: [len(rows), vocab] float32. Returns one token (and optional logprobs) per row."""
@@ -250,12 +260,5 @@ class Sampler:
         token_ids = tokens.tolist()
         errors: list[str | None] = [None] * len(rows)
         for i in torch.nonzero(bad).flatten().tolist():
-            if not bool(finite[i]):
-                errors[i] = (
-                    "no token is left to sample: every candidate was masked out or penalised to -inf"
-                    if bool(torch.isfinite(raw[i]).all())
-                    else "the model produced non-finite logits (NaN or inf) for this sequence"
-                )
-            else:
-                errors[i] = "the sampling probabilities are not finite; check temperature and penalties"
+            errors[i] = unsampleable(raw[i]) if not bool(finite[i]) else UNUSABLE_PROBABILITIES
         return SamplerOutput(token_ids, token_logprobs(raw, rows, token_ids), errors)

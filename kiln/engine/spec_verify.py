@@ -19,7 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.engine.sampler import SamplingRow, adjusted_logits, draw, filter_batch, token_logprobs
+from kiln.engine.sampler import (
+    UNUSABLE_PROBABILITIES,
+    SamplingRow,
+    adjusted_logits,
+    draw,
+    filter_batch,
+    token_logprobs,
+    unsampleable,
+)
 
 
 @dataclass
@@ -43,16 +51,17 @@ def verify(
     proposer's distribution at each draft (None: one-hot at the draft, as n-gram proposes)."""
     adjusted = adjusted_logits(logits, rows)
     params = rows[0].params
-    if not bool(torch.isfinite(adjusted.max(-1).values).all()):
-        return Verified([], [], _not_finite(logits))
+    best, greedy = adjusted.max(-1)
+    if not bool(torch.isfinite(best).all()):
+        return Verified([], [], unsampleable(logits))
     if params.is_greedy:
-        picks = adjusted.argmax(-1).tolist()
+        picks = greedy.tolist()
         m = next((j for j, d in enumerate(drafts) if picks[j] != d), len(drafts))
         tokens = picks[: m + 1]
     else:
         probs = filter_batch(adjusted, [r.params for r in rows]).softmax(-1)
         if not bool(torch.isfinite(probs).all()):
-            return Verified([], [], "the sampling probabilities are not finite; check temperature and penalties")
+            return Verified([], [], UNUSABLE_PROBABILITIES)
         tokens = _speculative_sample(probs, drafts, draft_probs, rows[0].generator)
     logprobs = token_logprobs(logits[: len(tokens)], rows[: len(tokens)], tokens)
     return Verified(tokens, [lp for lp in logprobs if lp is not None])
@@ -75,9 +84,3 @@ def _speculative_sample(
         return tokens
     tokens.append(int(draw(probs[len(drafts)].unsqueeze(0), [generator])[0]))
     return tokens
-
-
-def _not_finite(raw: torch.Tensor) -> str:
-    if bool(torch.isfinite(raw).all()):
-        return "no token is left to sample: every candidate was masked out or penalised to -inf"
-    return "the model produced non-finite logits (NaN or inf) for this sequence"
