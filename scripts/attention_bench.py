@@ -1,8 +1,10 @@
-"""Decode attention of a full decode graph, two forms side by side: kiln's block-table gather (products and sums,
-kiln.model.graph_attention) and PyTorch's FlexAttention over the paged cache (a BlockMask built from the block
-table, a mask_mod mapping physical KV slots back to logical positions). One layer of SmolLM2-135M's shape
+"""Decode attention of a full decode graph, the forms side by side: kiln's block-table gather (products and sums,
+kiln.model.graph_attention), PyTorch's FlexAttention over the paged cache (a BlockMask built from the block
+table, a mask_mod mapping physical KV slots back to logical positions) and, on CPU, kiln's native paged kernel
+(kiln/kernels/native/paged_attention.cpp, one node of the graph). One layer of SmolLM2-135M's shape
 (9 query heads, 3 KV heads, head_dim 64, 16-token blocks), each form compiled once per shape with inductor
-(fullgraph), timed after warm-up; outputs checked against each other.
+(fullgraph), timed after warm-up; outputs checked against the gather form. On CPU each row also gives the
+KV-streaming roofline: the K/V bytes the step must read over the read bandwidth `kiln bench` measures.
 
 Usage: python scripts/attention_bench.py [--device cpu|cuda] [--out FILE.json]
 """
@@ -17,6 +19,8 @@ import time
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from kiln.bench.roofline import read_bandwidth_gbs
+from kiln.kernels.attention import decode_kernel, native_kernels
 from kiln.model.forward_context import DecodeInputs
 from kiln.model.graph_attention import decode_attention, decode_slots
 
@@ -66,6 +70,15 @@ def gather_decode(q, k, v, kv_cache, seq_lens, table):
     return decode_attention(q, k, v, kv_cache, DecodeInputs(seq_lens=seq_lens, block_table=table))
 
 
+def native_form(name: str):
+    kernel = decode_kernel(name)
+
+    def native_decode(q, k, v, kv_cache, seq_lens, table):
+        return decode_attention(q, k, v, kv_cache, DecodeInputs(seq_lens=seq_lens, block_table=table), kernel=kernel)
+
+    return native_decode
+
+
 def timed(fn, args, device: str, iters: int) -> float:
     """Mean µs per call; on CUDA of a CUDA graph replaying the call (device time, as in a captured decode graph)."""
     for _ in range(3):
@@ -93,6 +106,10 @@ def main() -> None:
     args = parser.parse_args()
     dev = args.device
     torch.manual_seed(0)
+    forms = [("gather", gather_decode), ("flex", flex_decode)]
+    native = native_kernels(torch.float32) if dev == "cpu" else []
+    forms += [("native", native_form(native[0]))] if native else []
+    bandwidth = read_bandwidth_gbs() if dev == "cpu" else 0.0
     rows = []
     for batch, context in CASES:
         width = context // BLOCK
@@ -104,7 +121,7 @@ def main() -> None:
         k, v = torch.randn(2, batch, KV_HEADS * HEAD_DIM, device=dev)
         row: dict[str, object] = {"device": dev, "batch": batch, "context": context}
         outs = {}
-        for name, fn in (("gather", gather_decode), ("flex", flex_decode)):
+        for name, fn in forms:
             compiled = torch.compile(fn, fullgraph=True, dynamic=False)
             call = (q, k, v, cache, seq_lens, table)
             try:
@@ -112,9 +129,13 @@ def main() -> None:
                 row[f"{name}_us"] = round(timed(compiled, call, dev, args.iters), 1)
             except Exception as exc:  # a form that does not compile here is reported, not fatal
                 row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        if len(outs) == 2:
-            row["max_abs_diff"] = float((outs["gather"] - outs["flex"]).abs().max())
-            row["flex_over_gather"] = round(row["flex_us"] / row["gather_us"], 2)
+        for name in outs.keys() - {"gather"}:
+            row[f"{name}_max_abs_diff"] = float((outs["gather"] - outs[name]).abs().max())
+            row[f"{name}_over_gather"] = round(row[f"{name}_us"] / row["gather_us"], 2)
+        if bandwidth:  # K and V of every visible key, fp32
+            row["roofline_us"] = round(batch * (context - 3) * KV_HEADS * HEAD_DIM * 2 * 4 / (bandwidth * 1e3), 1)
+            if "native_us" in row:
+                row["native_over_roofline"] = round(row["native_us"] / row["roofline_us"], 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:

@@ -5,7 +5,7 @@ the paged cache; the torch form gathers the blocks of every sequence, padded to 
 `choose_decode_attention` times both over the engine's own cache geometry (heads, KV heads, head dim, block size,
 KV dtype) at a few batch shapes, once per machine (kiln.kernels.choices), and the plan hands the winner to the step's
 forward context (`ForwardContext.decode_kernel`, a `DecodeKernel`): the paged-attention op calls it at run time, a
-full decode graph at trace time, so the native kernel is one node in the graph (`kiln::native_decode_attention`).
+full decode graph at trace time, so the native kernel is one node in the graph (the tier's C++ op).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kiln.kernels.choices import KernelChoiceCache
-from kiln.kernels.native.build import TIER_NAMES, native_op, runnable_tiers
+from kiln.kernels.native.build import TIER_NAMES, native_op, runnable_tiers, tier_by_name
 from kiln.model.forward_context import DecodeKernel
 
 TORCH = "torch"
@@ -29,43 +29,43 @@ NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16)
 TIMED_SHAPES = ((1, 1024), (8, 256), (32, 256))
 
 
-@torch.library.custom_op("kiln::native_decode_attention", mutates_args=())
-def native_decode_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    window: int,
-    softcap: float,
-    tier: str,
-) -> torch.Tensor:
-    """q [n, heads * head_dim] -> [n, heads * head_dim]: row i attends over the first seq_lens[i] keys of its blocks
-    (`block_table[i]`), as kiln.model.graph_attention's traced decode attention, on the native tier `tier`. The
-    graph node of `run_native` (an opaque op already, as the paged-attention op is, calls that directly)."""
-    return run_native(q, kv_cache, block_table, seq_lens, window, softcap, tier)
+class NativeDecode:
+    """The native tier `tier`'s decode attention: q [n, heads * head_dim] -> [n, heads * head_dim], row i over the
+    first seq_lens[i] keys of its blocks (`block_table[i]`), as kiln.model.graph_attention's traced form. Called the
+    same way at run time and in a traced graph, where the C++ op is one node (its fake is registered here): no
+    Python custom op's dispatch in between (~0.1 ms a call, 30 layers a step)."""
+
+    def __init__(self, tier: str) -> None:
+        self.tier = tier
+        self.op = _graph_op(tier) if tier in TIER_NAMES else None
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        window: int,
+        softcap: float,
+    ) -> torch.Tensor:
+        if self.op is None:
+            raise RuntimeError(f"the native {self.tier} tier is not loaded here, but the kernel plan chose it")
+        head_dim = kv_cache.shape[-1]
+        out = self.op(q.float().view(q.shape[0], -1, head_dim), kv_cache, block_table, seq_lens, window, softcap)
+        return out.to(q.dtype)
 
 
-def run_native(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    window: int,
-    softcap: float,
-    tier: str,
-) -> torch.Tensor:
-    """`native_decode_attention` without the custom op's dispatch (~0.1 ms a call in Python)."""
-    op = native_op(tier, "paged_decode_attention") if tier in TIER_NAMES else None
-    if op is None:
-        raise RuntimeError(f"the native {tier} tier is not loaded here, but the kernel plan chose it")
-    head_dim = kv_cache.shape[-1]
-    out = op(q.float().view(q.shape[0], -1, head_dim), kv_cache, block_table, seq_lens, window, softcap)
-    return out.to(q.dtype)
+@functools.cache
+def _graph_op(tier: str) -> Callable[..., torch.Tensor] | None:
+    """The tier's C++ op, with the fake (shape-only) form a traced graph needs; None where it is not loaded."""
+    op = native_op(tier, "paged_decode_attention")
+    if op is not None:
 
+        def fake(q, kv_cache, block_table, seq_lens, window, softcap):
+            return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
-@native_decode_attention.register_fake
-def _(q, kv_cache, block_table, seq_lens, window, softcap, tier):
-    return torch.empty_like(q)
+        torch.library.register_fake(f"{tier_by_name(tier).namespace}::paged_decode_attention", fake)
+    return op
 
 
 def native_tier(kernel: str) -> str | None:
@@ -79,7 +79,7 @@ def decode_kernel(name: str) -> DecodeKernel | None:
     tier = native_tier(name)
     if tier is None:
         return None
-    return DecodeKernel(name, partial(run_native, tier=tier), partial(native_decode_attention, tier=tier))
+    return DecodeKernel(name, NativeDecode(tier))
 
 
 def native_kernels(kv_dtype: torch.dtype) -> list[str]:
@@ -136,7 +136,7 @@ def choose_decode_attention(
             for shape in TIMED_SHAPES:
                 q, table, seq_lens = _inputs(shape, num_heads, sample)
                 args = (q, sample, table, seq_lens, 0, 0.0)
-                total += _time_us(partial(torch_form, *args) if tier is None else partial(run_native, *args, tier))
+                total += _time_us(partial(torch_form if tier is None else NativeDecode(tier), *args))
             times[kernel] = round(total, 1)
         return {"times_us": times, "winner": min(times, key=times.__getitem__), "shapes": list(TIMED_SHAPES)}
 

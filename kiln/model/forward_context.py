@@ -111,13 +111,12 @@ class DecodeInputs:
 @dataclass(frozen=True)
 class DecodeKernel:
     """A decode-attention kernel in place of the torch form (kiln.kernels.attention makes them from the engine's
-    plan). Both calls take (q [n, heads*head_dim], kv_cache, block_table [n, blocks], seq_lens [n], window, softcap),
-    the cache already holding the new K/V, and return [n, heads*head_dim]: `run` is what the paged-attention op calls
-    at run time, `node` what a traced full decode graph calls (one opaque op of the graph)."""
+    plan): `run(q [n, heads*head_dim], kv_cache, block_table [n, blocks], seq_lens [n], window, softcap)`, the cache
+    already holding the new K/V, -> [n, heads*head_dim]. The paged-attention op calls it at run time, a full decode
+    graph while it is traced (where it must be one opaque op of the graph)."""
 
     name: str
     run: Callable[..., torch.Tensor]
-    node: Callable[..., torch.Tensor]
 
 
 @dataclass

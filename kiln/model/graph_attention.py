@@ -61,7 +61,7 @@ def decode_attention(
     flat = kv_cache.view(2, num_kv_heads, -1, head_dim)
     flat.index_copy_(2, decode_slots(seq_lens, table, block_size), new)
     if kernel is not None:  # one opaque node of the graph
-        return kernel.node(q, kv_cache, table, seq_lens, window, softcap)
+        return kernel.run(q, kv_cache, table, seq_lens, window, softcap)
     return traced_decode_attention(q, kv_cache, table, seq_lens, window, softcap)
 
 

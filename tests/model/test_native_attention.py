@@ -14,11 +14,10 @@ import torch
 from kiln.kernels.attention import (
     NATIVE_PREFIX,
     TORCH,
+    NativeDecode,
     choose_decode_attention,
     decode_kernel,
-    native_decode_attention,
     native_kernels,
-    run_native,
 )
 from kiln.kernels.choices import KernelChoiceCache
 from kiln.kernels.native.build import native_op, runnable_tiers
@@ -62,7 +61,7 @@ def test_native_decode_equals_the_traced_form(
 ) -> None:
     q, cache, table, seq_lens = _case(*geometry, dtype)
     want = traced_decode_attention(q, cache, table, seq_lens, window, softcap)
-    got = run_native(q, cache, table, seq_lens, window, softcap, tier)
+    got = NativeDecode(tier)(q, cache, table, seq_lens, window, softcap)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if window:  # the window hides keys: the answer differs from global attention's where rows are longer
         wide = traced_decode_attention(q, cache, table, seq_lens, 0, softcap)
@@ -75,10 +74,10 @@ def test_splitting_keys_across_threads_changes_nothing(tier: str) -> None:
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        whole = run_native(q, cache, table, seq_lens, 0, 0.0, tier)
+        whole = NativeDecode(tier)(q, cache, table, seq_lens, 0, 0.0)
     finally:
         torch.set_num_threads(threads)
-    torch.testing.assert_close(run_native(q, cache, table, seq_lens, 0, 0.0, tier), whole, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(NativeDecode(tier)(q, cache, table, seq_lens, 0, 0.0), whole, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("tier", TIERS)
@@ -134,7 +133,7 @@ def test_engine_tokens_equal_the_torch_forms(
     if mode == "full_and_piecewise":
         assert graph.counters.full_replays > 0
         nodes = {str(n.target) for n in graph.full.piece.graph.graph.nodes if n.op == "call_function"}
-        assert "kiln.native_decode_attention.default" in nodes  # one node of the graph, not traced torch ops
+        assert f"kiln_native_{tier}.paged_decode_attention" in nodes  # one node of the graph, not traced torch ops
 
 
 def test_the_op_runs_the_context_kernel(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -146,5 +145,5 @@ def test_the_op_runs_the_context_kernel(model: torch.nn.Module, monkeypatch: pyt
     context = ForwardContext(meta, [kv], decode_kernel=decode_kernel(NATIVE_PREFIX + "nowhere"))
     with set_forward_context(context), pytest.raises(RuntimeError, match="native nowhere tier is not loaded here"):
         torch.ops.kiln.attention(q, q[:, :32], q[:, :32], 0)
-    with pytest.raises(RuntimeError, match="not loaded here"):
-        native_decode_attention(q, kv, torch.tensor([[0]]), torch.tensor([1]), 0, 0.0, "nowhere")
+    with pytest.raises(RuntimeError, match="native plain2 tier is not loaded here"):
+        NativeDecode("plain2")(q, kv, torch.tensor([[0]]), torch.tensor([1]), 0, 0.0)
