@@ -14,6 +14,7 @@ from kiln.engine.core import EngineCore
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import RequestError
 from kiln.executor.eager import EagerExecutor
+from kiln.kernels.attention import native_kernels
 from kiln.kernels.layout import COLUMN_MAJOR, ROW_MAJOR, is_column_major
 from kiln.model.forward_context import ModelInputs
 from tests.compile.tiny import make_runner, prefill_metadata, tiny_model
@@ -42,7 +43,7 @@ def test_eager_keeps_the_layout_its_timing_chose(monkeypatch: pytest.MonkeyPatch
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
     torch.testing.assert_close(executor.compute_logits(hidden, [1]), want[1:2], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(executor.compute_logits(hidden, [0, 2]), want_two, rtol=0, atol=0)
-    assert set(executor.kernel_choices) == {"decoder_layout", "lm_head"}
+    assert set(executor.kernel_choices) == {"decoder_layout", "lm_head", "decode_attention"}
 
 
 @pytest.mark.usefixtures("fresh_kernel_choices")
@@ -50,10 +51,16 @@ def test_eager_timing_runs_on_this_machine(tmp_path: Path) -> None:
     model = tiny_model(num_layers=1)
     executor = EagerExecutor(cache_dir=str(tmp_path))
     make_runner(model, executor)
-    for record in executor.kernel_choices.values():
+    layouts = {"decoder_layout", "lm_head"}
+    for name in layouts:
+        record = executor.kernel_choices[name]
         times = record["times_us"]
         assert record["source"] == "timed" and set(times) == {ROW_MAJOR, COLUMN_MAJOR}
         assert all(t > 0 for t in times.values()) and record["winner"] == min(times, key=times.__getitem__)
+    attention = executor.kernel_choices["decode_attention"]  # timed too where a native kernel runs (the torch form)
+    assert set(executor.kernel_choices) == {*layouts, "decode_attention"}
+    assert executor.plan.decode_attention == attention["winner"]
+    assert attention["source"] == "timed" if native_kernels(torch.float32) else "no native kernel" in attention["why"]
     column_major = executor.kernel_choices["decoder_layout"]["winner"] == COLUMN_MAJOR
     assert all(is_column_major(w) == column_major for w in _layer_weights(model))
 
