@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from kiln.kernels.choices import KernelChoiceCache
-from kiln.kernels.native.build import TIER_NAMES, native_op, runnable_tiers, tier_by_name
+from kiln.kernels.native.build import TIER_NAMES, native_op, runnable_tiers, source_hash, tier_by_name
 from kiln.model.forward_context import DecodeKernel
 
 TORCH = "torch"
@@ -118,13 +118,16 @@ def choose_decode_attention(
 ) -> tuple[str, dict[str, Any]]:
     """(the decode-attention kernel for caches like `kv_cache` with `num_heads` query heads, its choice record): the
     faster over TIMED_SHAPES in total of `torch_form(q, kv_cache, block_table, seq_lens, window, softcap)`
-    (kiln.model.graph_attention's traced form) and the native kernel; the torch form where no native kernel runs."""
+    (kiln.model.graph_attention's traced form) and the native kernel; the torch form where no native kernel runs.
+    The key holds the native sources' hash: a changed kernel is timed again. The torch form is timed as the
+    paged-attention op runs it (uncompiled); inside a full decode graph inductor fuses it, and there the native
+    kernel measured 0.55-1.0x its time here (docs/benchmarks.md), so one choice serves both."""
     _, kv_heads, _, block_size, head_dim = kv_cache.shape
     kernels = native_kernels(kv_cache.dtype)
     if not kernels or kv_cache.device.type != "cpu" or kv_heads == 0:
         return TORCH, {"winner": TORCH, "why": "no native kernel runs here for this cache"}
     applies_to = {"heads": num_heads, "kv_heads": kv_heads, "head_dim": head_dim, "block_size": block_size,
-                  "kv_dtype": str(kv_cache.dtype).removeprefix("torch.")}  # fmt: skip
+                  "kv_dtype": str(kv_cache.dtype).removeprefix("torch."), "native": source_hash()}  # fmt: skip
 
     def measure() -> dict[str, Any]:
         longest = max(-(-t // block_size) * r for r, t in TIMED_SHAPES)
