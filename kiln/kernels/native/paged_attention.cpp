@@ -24,7 +24,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -83,24 +82,32 @@ struct Chunk {  // one (row, KV head) pair's keys [begin, end)
 };
 
 // The chunk's G running maxima, sums and weighted values: scores in `scores` (G x keys, scratch).
+#ifdef KILN_ATTN_YMM
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // 8 bf16 widened: each the high half of its float
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+#endif
+
 // scores[g * stride + j] = scale * (q_g . k_j) for `run` keys k (rows of D values) and G query heads q (rows of D).
 template <typename T, int64_t DIM>
 void key_scores(const float* q, const T* k, int64_t run, int64_t G, int64_t D, float scale, float* scores,
                 int64_t stride) {
   int64_t j = 0;
 #ifdef KILN_ATTN_YMM
-  if (std::is_same_v<T, float> && D % 8 == 0) {  // 4 keys at a time: 4 accumulators per head, summed lane-wise
-    const float* kf = reinterpret_cast<const float*>(k);
+  if (D % 8 == 0) {  // 4 keys at a time: 4 accumulators per head, summed lane-wise
+    const T* kf = k;
     for (; j + 4 <= run; j += 4) {
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = q + g * D;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t d = 0; d < D; d += 8) {
           const __m256 x = _mm256_loadu_ps(qg + d);
-          a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kf + (j + 0) * D + d), a0);
-          a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kf + (j + 1) * D + d), a1);
-          a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kf + (j + 2) * D + d), a2);
-          a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kf + (j + 3) * D + d), a3);
+          a0 = _mm256_fmadd_ps(x, load8(kf + (j + 0) * D + d), a0);
+          a1 = _mm256_fmadd_ps(x, load8(kf + (j + 1) * D + d), a1);
+          a2 = _mm256_fmadd_ps(x, load8(kf + (j + 2) * D + d), a2);
+          a3 = _mm256_fmadd_ps(x, load8(kf + (j + 3) * D + d), a3);
         }
         const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  // lanes: k0 k1 k2 k3 (x2)
         const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -125,13 +132,13 @@ void key_scores(const float* q, const T* k, int64_t run, int64_t G, int64_t D, f
 template <typename T, int64_t DIM>
 void weigh_values(const float* p, const T* v, int64_t run, int64_t D, float* acc) {
 #ifdef KILN_ATTN_YMM
-  if (std::is_same_v<T, float> && DIM == 64) {  // the accumulator stays in 8 registers over the run
-    const float* vf = reinterpret_cast<const float*>(v);
+  if (DIM == 64) {  // the accumulator stays in 8 registers over the run
+    const T* vf = v;
     __m256 a[8];
     for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(acc + 8 * i);
     for (int64_t j = 0; j < run; ++j) {
       const __m256 w = _mm256_set1_ps(p[j]);
-      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vf + j * 64 + 8 * i), a[i]);
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(w, load8(vf + j * 64 + 8 * i), a[i]);
     }
     for (int i = 0; i < 8; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
     return;
