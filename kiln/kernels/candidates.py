@@ -20,7 +20,10 @@ float32:
 int8 / int8x2:
 - `native-int8` / `native-int8x2`: kiln's own kernel over the packed codes as they are, x quantized per weight
   group to one int8 digit (llama.cpp's q8 arithmetic) or two (about 15 bits), integer dot products (AVX-512 VNNI
-  vpdpbusd, AVX2 vpmaddubsw).
+  vpdpbusd, AVX2 vpmaddubsw);
+- `native-int8-blocked` / `native-int8x2-blocked` (more than 2 rows, AVX-512 VNNI): the same arithmetic with the codes
+  of 16 outputs transposed per call into one 32-bit word per output and lane, so one broadcast of 4 activation bytes
+  feeds 16 outputs and the float epilogue runs once per 16 (the transposition is shared by the rows).
 The native candidates run the widest ISA tier this CPU can run (what cpuid allows; timing picks the kernel).
 """
 
@@ -42,6 +45,7 @@ TILE_ROWS = 2048  # output rows dequantized at a time by TILED: a tile stays in 
 Weight = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes, scale, offset
 FLOAT32, INT8, INT8X2 = "float32", "int8", "int8x2"
 INT8_MAX_GROUP = 1024  # packed_q8.cpp's MAX_GROUP: two digits' integer sums of a larger group could pass int32
+BLOCKED_MAX_GROUP = 512  # packed_q8_blocked.cpp's MAX_SHIFTED_GROUP: the same for int8 codes shifted by 128
 
 
 class PackedCandidate(ABC):
@@ -138,6 +142,28 @@ class NativeInt8x2(NativeInt8):
     activations = INT8X2
 
 
+class NativeInt8Blocked(PackedCandidate):
+    name = "native-int8-blocked"
+    activations = INT8
+
+    def applies(self, layer: PackedLinear, rows: int) -> bool:
+        on_cpu = layer.codes.device.type == "cpu"
+        # int8 codes are shifted to unsigned: two digits' sums of a larger group could pass int32
+        nibbles = layer.codes.dtype == torch.uint8
+        widest = INT8_MAX_GROUP if nibbles or self.activations == INT8 else BLOCKED_MAX_GROUP
+        fits = layer.group <= widest and layer.scale.dtype == torch.float32
+        return rows > GEMV_ROWS and on_cpu and fits and native_blocked_linear(self.activations) is not None
+
+    def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
+        # chosen on an earlier run but not built now: the float32 reference runs (the build logged why)
+        return native_blocked_linear(self.activations) or dequant_blas
+
+
+class NativeInt8x2Blocked(NativeInt8Blocked):
+    name = "native-int8x2-blocked"
+    activations = INT8X2
+
+
 def widest_native(name: str) -> Kernel | None:
     """Native op `name` of the widest tier this CPU runs and that builds here (a tier whose build fails gives way
     to the next), None where none does."""
@@ -150,11 +176,18 @@ def native_packed_linear() -> Kernel | None:
 
 
 INT8_OPS = {INT8: "packed_linear_q8", INT8X2: "packed_linear_q8x2"}
+BLOCKED_OPS = {INT8: "packed_linear_q8_blocked", INT8X2: "packed_linear_q8x2_blocked"}
 
 
 def native_int8_linear(activations: str = INT8) -> Kernel | None:
     """The native op for int8 activations of one or two digits (int8 | int8x2), None where no tier builds."""
     return widest_native(INT8_OPS[activations])
+
+
+def native_blocked_linear(activations: str = INT8) -> Kernel | None:
+    """The blocked native op (16 outputs a vector) for int8 activations of one or two digits, None where the CPU has
+    no AVX-512 VNNI or it does not build."""
+    return widest_native(BLOCKED_OPS[activations])
 
 
 CANDIDATES: dict[str, PackedCandidate] = {
@@ -168,11 +201,14 @@ CANDIDATES: dict[str, PackedCandidate] = {
         NativePacked(),
         NativeInt8(),
         NativeInt8x2(),
+        NativeInt8Blocked(),
+        NativeInt8x2Blocked(),
     )
 }
 DEQUANT_BLAS, COMPILED_DEQUANT, TILED = DequantBlas.name, CompiledDequantBlas.name, TiledDequantBlas.name
 FUSED, INT4PACK, NATIVE = FusedReduction.name, Int4PackMM.name, NativePacked.name
 NATIVE_INT8, NATIVE_INT8X2 = NativeInt8.name, NativeInt8x2.name
+NATIVE_INT8_BLOCKED, NATIVE_INT8X2_BLOCKED = NativeInt8Blocked.name, NativeInt8x2Blocked.name
 
 
 def candidates_for(activations: str) -> dict[str, PackedCandidate]:

@@ -11,7 +11,15 @@ import torch
 from gguf import GGMLQuantizationType
 
 from kiln.compile.compiler import make_compiler
-from kiln.kernels.candidates import CANDIDATES, NATIVE_INT8, NATIVE_INT8X2, candidates_for
+from kiln.kernels.candidates import (
+    CANDIDATES,
+    NATIVE_INT8,
+    NATIVE_INT8_BLOCKED,
+    NATIVE_INT8X2,
+    NATIVE_INT8X2_BLOCKED,
+    candidates_for,
+    native_blocked_linear,
+)
 from kiln.kernels.choices import KernelChoiceCache
 from kiln.kernels.native.build import native_op, runnable_tiers
 from kiln.kernels.native.reference import q8_linear, quantize_activations
@@ -119,10 +127,11 @@ def test_bad_operands_are_clear_errors() -> None:
 
 def test_int8_candidates_are_timed_only_for_int8_activations(tmp_path) -> None:
     floats = set(candidates_for("float32"))
-    assert NATIVE_INT8 not in floats and NATIVE_INT8X2 not in floats
-    assert set(candidates_for("int8")) == floats | {NATIVE_INT8}
-    assert set(candidates_for("int8x2")) == floats | {NATIVE_INT8X2}
-    assert set(CANDIDATES) == floats | {NATIVE_INT8, NATIVE_INT8X2}
+    one, two = {NATIVE_INT8, NATIVE_INT8_BLOCKED}, {NATIVE_INT8X2, NATIVE_INT8X2_BLOCKED}
+    assert not floats & (one | two)
+    assert set(candidates_for("int8")) == floats | one
+    assert set(candidates_for("int8x2")) == floats | two
+    assert set(CANDIDATES) == floats | one | two
     model = torch.nn.Sequential(PackedLinear(64, 48, bits=4))
     model[0].load_rows(0, _packed(GGMLQuantizationType.Q4_1, 48, 64, 2))
     cache = KernelChoiceCache(tmp_path)
@@ -132,4 +141,7 @@ def test_int8_candidates_are_timed_only_for_int8_activations(tmp_path) -> None:
         (record,) = table.records.values()
         timed = set().union(*(set(times) for times in record["times_us"].values()))
         assert timed & {NATIVE_INT8, NATIVE_INT8X2} == ({int8} if int8 else set())
+        # the blocked form of the same digits, where this CPU has AVX-512 VNNI (timed above 2 rows)
+        blocked = {f"{int8}-blocked"} if int8 and native_blocked_linear(activations) is not None else set()
+        assert timed & {NATIVE_INT8_BLOCKED, NATIVE_INT8X2_BLOCKED} == blocked
         assert table.int8_runs == (int8 is not None)

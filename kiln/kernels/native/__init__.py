@@ -7,10 +7,15 @@ build.py           the tiers (avx512: F/BW/VL/DQ/VNNI; avx2: AVX2 + FMA; plain),
 packed_linear.cpp  `packed_linear(x, codes, scale, offset)` over kiln's packed layout, float32 activations: the
                    weight dequantized in registers, group by group (AVX2 + FMA path, scalar path)
 packed_q8.cpp      `packed_linear_q8` / `packed_linear_q8x2`: x quantized per weight group to one or two int8 digits,
-                   integer dot products (AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw, scalar path)
+                   integer dot products (AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw, scalar path), one 128-bit lane per
+                   output, the next outputs' rows prefetched at one or two rows
+packed_q8_blocked.cpp
+                   `packed_linear_q8_blocked` / `packed_linear_q8x2_blocked` (AVX-512 VNNI only): the same arithmetic
+                   with 16 outputs' codes transposed per call into one word per lane, for many rows
 paged_attention.cpp
                    `paged_decode_attention`: decode attention over the paged KV cache where the blocks lie, GQA
                    heads together, keys split across threads and merged (flash-decoding); float32 or bf16 KV
-packed_operands.h  the operand checks both products share
+packed_operands.h  the operand checks every product shares, and the prefetch of the next outputs' rows
+q8_activations.h   what the int8-activation products share: x quantized per group, the scalar (row, output) dot
 reference.py       the int8 arithmetic in plain torch: what every tier must equal
 """

@@ -9,7 +9,8 @@ lock file there, which a killed build leaves behind and which would make the nex
 under it.
 
 `native_op(tier, name)` is the tier's op `name` (`packed_linear`: float32 activations; `packed_linear_q8` and
-`packed_linear_q8x2`: one or two int8 digits; `paged_decode_attention`: decode attention over the paged KV cache),
+`packed_linear_q8x2`: one or two int8 digits; their `_blocked` forms, AVX-512 only: the same arithmetic with 16
+outputs a vector, for many rows; `paged_decode_attention`: decode attention over the paged KV cache),
 or None where the CPU lacks the tier or the build failed (no compiler, a compiler error): kiln then runs on the
 torch candidates and says why once, in one log line.
 """
@@ -36,9 +37,11 @@ from kiln.kernels.choices import cpu_info
 logger = logging.getLogger("kiln")
 
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("packed_linear.cpp", "packed_q8.cpp", "paged_attention.cpp")
+    Path(__file__).with_name(name)
+    for name in ("packed_linear.cpp", "packed_q8.cpp", "packed_q8_blocked.cpp", "paged_attention.cpp")
 )
-HEADERS = (Path(__file__).with_name("packed_operands.h"),)  # included by the sources: part of their hash
+# included by the sources: part of their hash
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("packed_operands.h", "q8_activations.h"))
 # -ffp-contract=off: no fused multiply-add the source does not write (the reference rounds op by op)
 COMMON_FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off")
 
@@ -103,14 +106,25 @@ def tier_by_name(name: str) -> Tier:
     return next(t for t in TIERS if t.name == name)
 
 
-OPS = ("packed_linear", "packed_linear_q8", "packed_linear_q8x2", "paged_decode_attention")
+OPS = (
+    "packed_linear",
+    "packed_linear_q8",
+    "packed_linear_q8x2",
+    "packed_linear_q8_blocked",
+    "packed_linear_q8x2_blocked",
+    "paged_decode_attention",
+)
+TIER_OPS = {"packed_linear_q8_blocked": "avx512", "packed_linear_q8x2_blocked": "avx512"}  # ops of one tier alone
 
 
 def native_op(tier_name: str, name: str = "packed_linear") -> Callable[..., torch.Tensor] | None:
-    """The tier's op `name` (built or read from the cache, then loaded), None where it cannot run here."""
+    """The tier's op `name` (built or read from the cache, then loaded), None where it cannot run here or the tier
+    has no such op (TIER_OPS)."""
     if name not in OPS:
         raise ValueError(f"no native op {name!r}; the native ops are {', '.join(OPS)}")
-    return getattr(getattr(torch.ops, tier_by_name(tier_name).namespace), name) if _loaded(tier_name) else None
+    if TIER_OPS.get(name, tier_name) != tier_name or not _loaded(tier_name):
+        return None
+    return getattr(getattr(torch.ops, tier_by_name(tier_name).namespace), name)
 
 
 @functools.cache

@@ -6,6 +6,18 @@
 
 #include <cstdint>
 
+// How far ahead of the outputs being computed a product prefetches their packed rows (codes, scales, offsets). A
+// tile reads T outputs' rows interleaved, group by group: 3 x T streams the hardware prefetchers lose track of,
+// so without this a one-row product waits on memory (1.7x slower at one row on a 2-core Xeon, 3072 x 576 4-bit).
+constexpr int64_t PREFETCH_OUTPUTS = 64;
+
+// A prefetch hint for every cache line of `bytes` bytes at `offset` bytes from `base` (a hint never faults: past
+// the end of the tensor is harmless; the address is formed as an integer, not as a pointer past the end).
+inline void prefetch_lines(const void* base, int64_t offset, int64_t bytes) {
+  const uintptr_t start = reinterpret_cast<uintptr_t>(base) + static_cast<uintptr_t>(offset);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(reinterpret_cast<const void*>(start + b), 0, 3);
+}
+
 struct PackedShape {
   bool nibbles;
   int64_t n, groups, code_bytes, group;  // outputs, groups per output, bytes of one group's codes, values per group

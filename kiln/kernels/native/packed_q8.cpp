@@ -18,12 +18,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cfloat>
-#include <cmath>
 #include <cstdint>
-#include <vector>
 
 #include "packed_operands.h"
+#include "q8_activations.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -41,103 +39,6 @@
 namespace {
 
 constexpr int64_t OUT_CHUNK = 16;  // outputs a thread takes at a time
-constexpr int64_t MAX_GROUP = 1024;
-
-struct Weights {
-  const uint8_t* codes;  // nibble pairs, or int8 codes read as bytes
-  const float* scale;
-  const float* offset;
-  int64_t groups, group, code_bytes;
-  bool nibbles;
-};
-
-struct Acts {  // x quantized per (row, group)
-  const int8_t* q;  // [rows, in]
-  const int8_t* q2; // [rows, in], the second digit (packed_linear_q8x2), else null
-  const float* d;   // [rows, groups]
-  const float* sum; // [rows, groups]
-  int64_t in, groups;
-};
-
-// q = round(x * id) for n values, and with `q2`, the second digit round((x - q * d) * id * 128) (n: a multiple of
-// the vector width where a vector tier runs; the scalar loop below is the same arithmetic, op by op).
-void round_scaled(const float* x, int64_t n, float d, float id, int8_t* q, int8_t* q2) {
-  int64_t i = 0;
-  const float id2 = id * 128.f;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-  for (; i + 16 <= n; i += 16) {  // cvtps rounds half to even under the default MXCSR, as nearbyint does
-    const __m512 v = _mm512_loadu_ps(x + i);
-    const __m512i r = _mm512_cvtps_epi32(_mm512_mul_ps(v, _mm512_set1_ps(id)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(r));
-    if (q2) {
-      const __m512 rest = _mm512_sub_ps(v, _mm512_mul_ps(_mm512_cvtepi32_ps(r), _mm512_set1_ps(d)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q2 + i),
-                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(rest, _mm512_set1_ps(id2)))));
-    }
-  }
-#elif defined(__AVX2__)
-  const auto narrow = [](__m256i v, int8_t* out) {
-    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packs_epi16(w, w));
-  };
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    const __m256i r = _mm256_cvtps_epi32(_mm256_mul_ps(v, _mm256_set1_ps(id)));
-    narrow(r, q + i);
-    if (q2) {
-      const __m256 rest = _mm256_sub_ps(v, _mm256_mul_ps(_mm256_cvtepi32_ps(r), _mm256_set1_ps(d)));
-      narrow(_mm256_cvtps_epi32(_mm256_mul_ps(rest, _mm256_set1_ps(id2))), q2 + i);
-    }
-  }
-#endif
-  for (; i < n; ++i) {
-    const float r = std::nearbyint(x[i] * id);
-    q[i] = static_cast<int8_t>(r);
-    if (q2) q2[i] = static_cast<int8_t>(std::nearbyint((x[i] - r * d) * id2));
-  }
-}
-
-void quantize_row(const float* x, int64_t groups, int64_t group, int8_t* q, int8_t* q2, float* d, float* sum) {
-  for (int64_t g = 0; g < groups; ++g) {
-    const float* xg = x + g * group;
-    float amax = 0.f, s = 0.f;
-#pragma omp simd reduction(max : amax) reduction(+ : s)
-    for (int64_t i = 0; i < group; ++i) {
-      amax = std::max(amax, std::fabs(xg[i]));
-      s += xg[i];
-    }
-    const float dg = amax / 127.f, id = dg >= FLT_MIN ? 1.f / dg : 0.f;  // a subnormal scale: the group is 0
-    round_scaled(xg, group, dg, id, q + g * group, q2 ? q2 + g * group : nullptr);
-    d[g] = q2 ? dg / 128.f : dg;  // the scale of the integer sums: 128 q + q2 with two digits
-    sum[g] = s;
-  }
-}
-
-// One (row, output) pair: the plain tier, and the vector tiers' tail. Not auto-vectorized: GCC 12 turns the int8
-// loop into vpdpbusd, which reads the codes as unsigned (wrong for negative codes).
-__attribute__((optimize("no-tree-vectorize"))) float dot_scalar(const Weights& w, const Acts& a, int64_t r, int64_t o) {
-  float acc = 0.f;
-  for (int64_t g = 0; g < w.groups; ++g) {
-    const uint8_t* c = w.codes + (o * w.groups + g) * w.code_bytes;
-    const auto code_dot = [&](const int8_t* digits) {  // the group's codes . one digit of x
-      const int8_t* q = digits + r * a.in + g * w.group;
-      int32_t sum = 0;
-      if (w.nibbles) {
-        const int64_t half = w.code_bytes;
-        for (int64_t i = 0; i < half; ++i) sum += int32_t(c[i] & 15) * q[i] + int32_t(c[i] >> 4) * q[half + i];
-      } else {
-        for (int64_t i = 0; i < w.group; ++i) sum += int32_t(static_cast<int8_t>(c[i])) * q[i];
-      }
-      return sum;
-    };
-    const int32_t isum = a.q2 ? 128 * code_dot(a.q) + code_dot(a.q2) : code_dot(a.q);
-    const int64_t k = o * w.groups + g, rg = r * a.groups + g;
-    acc = std::fma(float(isum), w.scale[k] * a.d[rg], acc);
-    acc = std::fma(w.offset[k], a.sum[rg], acc);
-  }
-  return acc;
-}
-
 #if defined(KILN_Q8_ZMM) || defined(KILN_Q8_YMM)
 #ifdef KILN_Q8_ZMM
 using VI = __m512i;
@@ -225,6 +126,14 @@ void tile(const Weights& w, const Acts& a, int64_t r0, int64_t o0, float* out, i
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t) acc[r][t] = acc2[r][t] = zero_i();
     const uint8_t* cg = w.codes + (o0 * w.groups + g) * w.code_bytes;
+    // one or two rows wait on memory: prefetch the outputs PREFETCH_OUTPUTS ahead, a group's share of their rows (every line once over the groups)
+    if constexpr (R <= 2) {
+      const int64_t ahead = o0 + PREFETCH_OUTPUTS;
+      const int64_t share = T * OUTS * w.code_bytes, scales = (ahead * w.groups + g * T * OUTS) * 4;
+      prefetch_lines(w.codes, ahead * stride + g * share, share);
+      prefetch_lines(w.scale, scales, T * OUTS * 4);
+      prefetch_lines(w.offset, scales, T * OUTS * 4);
+    }
     const int8_t* qg = a.q + r0 * a.in + g * w.group;
     const int8_t* qg2 = D == 2 ? a.q2 + r0 * a.in + g * w.group : nullptr;
     for (int64_t c = 0; c < w.code_bytes; c += 16) {
@@ -331,24 +240,13 @@ void outputs(const Weights& w, const Acts& a, int64_t rows, int64_t begin, int64
 at::Tensor product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
                    int digits) {
   const char* name = digits == 2 ? "packed_linear_q8x2" : "packed_linear_q8";
-  const auto [nibbles, n, groups, code_bytes, group] = check_packed_operands(name, x, codes, scale, offset);
-  // 128 * 127 * 127 * group must fit the int32 sums of two digits
-  TORCH_CHECK(group <= MAX_GROUP, "kiln native ", name, ": groups of at most ", MAX_GROUP, " values, got ", group);
+  const PackedShape shape = check_q8_operands(name, x, codes, scale, offset);
   const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous(), oc = offset.contiguous();
-  const int64_t rows = xc.size(0), in = xc.size(1);
-  std::vector<int8_t> q(rows * in), q2(digits == 2 ? rows * in : 0);
-  std::vector<float> d(rows * groups), sum(rows * groups);
-  int8_t* second = digits == 2 ? q2.data() : nullptr;
-  const float* xp = xc.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      quantize_row(xp + r * in, groups, group, q.data() + r * in, second ? second + r * in : nullptr,
-                   d.data() + r * groups, sum.data() + r * groups);
-  });
+  const int64_t rows = xc.size(0), n = shape.n;
+  const QuantizedX qx(xc, shape, digits);
   at::Tensor out = at::empty({rows, n}, xc.options());
-  const Weights w{static_cast<const uint8_t*>(cc.data_ptr()), sc.data_ptr<float>(), oc.data_ptr<float>(), groups,
-                  group, code_bytes, nibbles};
-  const Acts a{q.data(), second, d.data(), sum.data(), in, groups};
+  const Weights w = weights_of(cc, sc, oc, shape);
+  const Acts a = qx.acts();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, (n + OUT_CHUNK - 1) / OUT_CHUNK, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) outputs(w, a, rows, c * OUT_CHUNK, std::min(n, (c + 1) * OUT_CHUNK), op, n);

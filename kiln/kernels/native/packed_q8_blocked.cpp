@@ -1,0 +1,222 @@
+// kiln's int8-activation packed product for many rows, AVX-512 VNNI: the arithmetic of packed_q8.cpp (the same
+// quantized x, exact integer code sums, the same scales; kiln/kernels/native/reference.py), in another layout.
+//
+// packed_q8.cpp gives each output a 128-bit lane (4 outputs a zmm), so its float epilogue (convert, scale, offset)
+// runs once per 4 outputs, group and row, and costs as much as the dot products at many rows. Here the codes of 16
+// outputs are first transposed into a per-thread scratch, one 32-bit word (4 codes) of each output per lane, the
+// layout llama.cpp's repacked blocks have, without keeping a second copy of the weight: one broadcast of 4
+// activation bytes then feeds 16 outputs in a `vpdpbusd`, and the epilogue runs once per 16 outputs. The transposition
+// is about one pass over the block's codes, shared by every row; at one or two rows packed_q8.cpp's kernel, which
+// streams the codes as they are, is the one to run (the kernel table times both).
+//
+// int8 codes are made unsigned for vpdpbusd as code + 128 (xor 0x80), and 128 times the row's digit sums is taken
+// off each group's integer sum again. Only the AVX-512 VNNI tier defines these ops (kiln/kernels/native/build.py):
+// AVX2's vpmaddubsw would saturate on the unsigned codes.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "packed_operands.h"
+#include "q8_activations.h"
+
+#ifndef KILN_TIER_NS
+#error "KILN_TIER_NS (the op namespace of this tier) must be defined"
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+namespace {
+
+constexpr int64_t BLOCK = 16;     // outputs a block holds: one int32 lane each
+constexpr int ROW_BLOCK = 8;      // rows that share one pass over a block's codes (2 x 8 accumulators, 8 sums)
+// int8 codes + 128 (up to 255) times two digits: 128 * 255 * 127 * group must fit the int32 sums
+constexpr int64_t MAX_SHIFTED_GROUP = 512;
+
+// One block's operands, transposed: per group, the group's codes as G/4 vectors (vector v: codes 4v .. 4v+3 of
+// each output, unsigned), and the 16 outputs' scales and offsets.
+struct Block {
+  std::vector<int32_t> codes;  // [groups][G / 4][16]
+  std::vector<float> scale, offset;  // [groups][16]
+  int64_t words;  // G / 4
+
+  Block(int64_t groups, int64_t group) : codes(groups * group / 4 * BLOCK), scale(groups * BLOCK),
+                                         offset(groups * BLOCK), words(group / 4) {}
+};
+
+// The 4x4 transpose of 32-bit words within each 128-bit lane across z[0..3]: z[t] lane L holds output t + 4L's 4
+// words, y[w] element 4L + t its word w, so y[w] lists the block's outputs in order.
+inline void transpose_words(const __m512i z[4], __m512i y[4]) {
+  const __m512i a0 = _mm512_unpacklo_epi32(z[0], z[1]), a1 = _mm512_unpackhi_epi32(z[0], z[1]);
+  const __m512i a2 = _mm512_unpacklo_epi32(z[2], z[3]), a3 = _mm512_unpackhi_epi32(z[2], z[3]);
+  y[0] = _mm512_unpacklo_epi64(a0, a2);
+  y[1] = _mm512_unpackhi_epi64(a0, a2);
+  y[2] = _mm512_unpacklo_epi64(a1, a3);
+  y[3] = _mm512_unpackhi_epi64(a1, a3);
+}
+
+// Outputs o0 .. o0+15 transposed into `b` (w.code_bytes a multiple of 16).
+void transpose_block(const Weights& w, int64_t o0, Block& b) {
+  const int64_t stride = w.groups * w.code_bytes;  // bytes from one output's codes to the next
+  const __m512i index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(static_cast<int32_t>(w.groups)));
+  for (int64_t g = 0; g < w.groups; ++g) {
+    int32_t* dst = b.codes.data() + g * b.words * BLOCK;
+    for (int64_t c = 0; c < w.code_bytes; c += 16) {  // 16 bytes of each output: 4 words
+      const uint8_t* src = w.codes + o0 * stride + g * w.code_bytes + c;
+      __m512i z[4], y[4];
+      for (int t = 0; t < 4; ++t) {  // outputs t, t + 4, t + 8, t + 12
+        const uint8_t* p = src + t * stride;
+        z[t] = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+        z[t] = _mm512_inserti32x4(z[t], _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4 * stride)), 1);
+        z[t] = _mm512_inserti32x4(z[t], _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * stride)), 2);
+        z[t] = _mm512_inserti32x4(z[t], _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 12 * stride)), 3);
+      }
+      transpose_words(z, y);
+      for (int k = 0; k < 4; ++k) {
+        const int64_t v = c / 4 + k;  // the word's codes: 4v .. 4v+3 (nibbles: low 4v.., high G/2 + 4v..)
+        if (w.nibbles) {
+          const __m512i mask = _mm512_set1_epi8(15);
+          _mm512_storeu_si512(dst + v * BLOCK, _mm512_and_si512(y[k], mask));
+          _mm512_storeu_si512(dst + (w.code_bytes / 4 + v) * BLOCK,
+                              _mm512_and_si512(_mm512_srli_epi16(y[k], 4), mask));
+        } else {
+          _mm512_storeu_si512(dst + v * BLOCK, _mm512_xor_si512(y[k], _mm512_set1_epi8(static_cast<char>(0x80))));
+        }
+      }
+    }
+    const float* s = w.scale + o0 * w.groups + g;
+    const float* m = w.offset + o0 * w.groups + g;
+    _mm512_storeu_ps(b.scale.data() + g * BLOCK, _mm512_i32gather_ps(index, s, 4));
+    _mm512_storeu_ps(b.offset.data() + g * BLOCK, _mm512_i32gather_ps(index, m, 4));
+  }
+}
+
+inline __m512i broadcast4(const int8_t* p) {  // 4 activation bytes in every lane
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return _mm512_set1_epi32(word);
+}
+
+// R rows (r0 ..) times the block's 16 outputs, every group; D digits of x. `shift`: the int32 per (row, group) to
+// take off the sums (128 x the digit sums, for int8 codes made unsigned), or null.
+template <int R, int D>
+void block_rows(const Block& b, const Acts& a, int64_t group, const int32_t* shift, int64_t r0, float* out,
+                int64_t n) {
+  __m512 f[R];
+  for (int r = 0; r < R; ++r) f[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m512i acc[R], acc2[R];
+    for (int r = 0; r < R; ++r) acc[r] = acc2[r] = _mm512_setzero_si512();
+    const int32_t* codes = b.codes.data() + g * b.words * BLOCK;
+    for (int64_t v = 0; v < b.words; ++v) {
+      const __m512i c = _mm512_loadu_si512(codes + v * BLOCK);
+      const int64_t at = r0 * a.in + g * group + 4 * v;
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm512_dpbusd_epi32(acc[r], c, broadcast4(a.q + at + r * a.in));
+        if (D == 2) acc2[r] = _mm512_dpbusd_epi32(acc2[r], c, broadcast4(a.q2 + at + r * a.in));
+      }
+    }
+    const __m512 scale = _mm512_loadu_ps(b.scale.data() + g * BLOCK);
+    const __m512 offset = _mm512_loadu_ps(b.offset.data() + g * BLOCK);
+    for (int r = 0; r < R; ++r) {
+      const int64_t rg = (r0 + r) * a.groups + g;
+      __m512i sums = D == 2 ? _mm512_add_epi32(_mm512_slli_epi32(acc[r], 7), acc2[r]) : acc[r];
+      if (shift) sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(shift[rg]));
+      f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(scale, _mm512_set1_ps(a.d[rg])), f[r]);
+      f[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.sum[rg]), f[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (r0 + r) * n, f[r]);
+}
+
+template <int D>
+void block_all_rows(const Block& b, const Acts& a, int64_t group, const int32_t* shift, int64_t rows, float* out,
+                    int64_t n) {
+  int64_t r = 0;
+  for (; r + ROW_BLOCK <= rows; r += ROW_BLOCK) block_rows<ROW_BLOCK, D>(b, a, group, shift, r, out, n);
+  switch (rows - r) {
+    case 7: block_rows<7, D>(b, a, group, shift, r, out, n); break;
+    case 6: block_rows<6, D>(b, a, group, shift, r, out, n); break;
+    case 5: block_rows<5, D>(b, a, group, shift, r, out, n); break;
+    case 4: block_rows<4, D>(b, a, group, shift, r, out, n); break;
+    case 3: block_rows<3, D>(b, a, group, shift, r, out, n); break;
+    case 2: block_rows<2, D>(b, a, group, shift, r, out, n); break;
+    case 1: block_rows<1, D>(b, a, group, shift, r, out, n); break;
+    default: break;
+  }
+}
+
+// 128 x (128 sum(q) + sum(q2)) per (row, group) (one digit: 128 sum(q)): what code + 128 adds to the sums.
+std::vector<int32_t> digit_shifts(const Acts& a, int64_t rows, int64_t group) {
+  std::vector<int32_t> shift(rows * a.groups);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < a.groups; ++g) {
+      int32_t s = 0, s2 = 0;
+      for (int64_t i = 0; i < group; ++i) {
+        s += a.q[r * a.in + g * group + i];
+        if (a.q2) s2 += a.q2[r * a.in + g * group + i];
+      }
+      shift[r * a.groups + g] = 128 * (a.q2 ? 128 * s + s2 : s);
+    }
+  return shift;
+}
+
+at::Tensor blocked(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
+                   int digits) {
+  const char* name = digits == 2 ? "packed_linear_q8x2_blocked" : "packed_linear_q8_blocked";
+  const PackedShape shape = check_q8_operands(name, x, codes, scale, offset);
+  const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous(), oc = offset.contiguous();
+  const int64_t rows = xc.size(0), n = shape.n;
+  TORCH_CHECK(shape.nibbles || digits == 1 || shape.group <= MAX_SHIFTED_GROUP, "kiln native ", name, ": int8 codes "
+              "in groups of at most ", MAX_SHIFTED_GROUP, " values, got ", shape.group);
+  const QuantizedX qx(xc, shape, digits);
+  const Weights w = weights_of(cc, sc, oc, shape);
+  const Acts a = qx.acts();
+  const std::vector<int32_t> shift = w.nibbles ? std::vector<int32_t>() : digit_shifts(a, rows, w.group);
+  at::Tensor out = at::empty({rows, n}, xc.options());
+  float* op = out.data_ptr<float>();
+  const bool vector = w.code_bytes % 16 == 0;  // whole 16-byte runs of codes per group: the transposition's unit
+  const int64_t blocks = vector ? n / BLOCK : 0;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    Block block(w.groups, w.group);
+    for (int64_t i = b0; i < b1; ++i) {
+      transpose_block(w, i * BLOCK, block);
+      if (digits == 2)
+        block_all_rows<2>(block, a, w.group, shift.empty() ? nullptr : shift.data(), rows, op + i * BLOCK, n);
+      else
+        block_all_rows<1>(block, a, w.group, shift.empty() ? nullptr : shift.data(), rows, op + i * BLOCK, n);
+    }
+  });
+  // outputs past the last whole block (or every output, for codes in shorter runs): one (row, output) at a time
+  at::parallel_for(blocks * BLOCK, n, 1, [&](int64_t o0, int64_t o1) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t o = o0; o < o1; ++o) op[r * n + o] = dot_scalar(w, a, r, o);
+  });
+  return out;
+}
+
+at::Tensor packed_linear_q8_blocked(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                    const at::Tensor& offset) {
+  return blocked(x, codes, scale, offset, 1);
+}
+
+at::Tensor packed_linear_q8x2_blocked(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                      const at::Tensor& offset) {
+  return blocked(x, codes, scale, offset, 2);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(KILN_TIER_NS, m) {
+  m.def("packed_linear_q8_blocked(Tensor x, Tensor codes, Tensor scale, Tensor offset) -> Tensor");
+  m.impl("packed_linear_q8_blocked", c10::DispatchKey::CPU, TORCH_FN(packed_linear_q8_blocked));
+  m.def("packed_linear_q8x2_blocked(Tensor x, Tensor codes, Tensor scale, Tensor offset) -> Tensor");
+  m.impl("packed_linear_q8x2_blocked", c10::DispatchKey::CPU, TORCH_FN(packed_linear_q8x2_blocked));
+}
+#endif
