@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kiln-installed
 
-.PHONY: setup serve chat test lint bench llamacpp clean
+.PHONY: setup serve chat test lint bench llamacpp vllm clean
 
 setup: $(STAMP)
 
@@ -38,6 +38,10 @@ bench: setup
 # Optional: llama-cpp-python (the anchor of `kiln bench --compare llama.cpp`), built from source, ~7 min on 2 cores.
 llamacpp: setup
 	BIN=$(BIN) bash scripts/install_llamacpp.sh
+
+# Optional: vLLM's CPU build (the anchor of `kiln bench --compare vllm`) in .venv-vllm, an environment of its own.
+vllm:
+	PYTHON=$(PY) bash scripts/install_vllm.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -16,6 +16,7 @@ class Env:
     num_threads: int | None  # KILN_NUM_THREADS: torch intra-op threads (default: all cores)
     api_key: str | None  # KILN_API_KEY: the server's API key (kept out of the process list, unlike --api-key)
     model_plugins: tuple[str, ...]  # KILN_MODEL_PLUGINS: modules that call kiln.models.register when imported
+    vllm_python: Path | None  # KILN_VLLM_PYTHON: the Python of vLLM's environment (`bench --compare vllm`)
 
 
 # Set, never read, by `kiln debug bisect` for its --check command: the piece modes of the round being checked.
@@ -31,4 +32,5 @@ def read_env() -> Env:
         num_threads=int(threads) if threads else None,
         api_key=os.environ.get("KILN_API_KEY", "").strip() or None,
         model_plugins=tuple(filter(None, (m.strip() for m in os.environ.get("KILN_MODEL_PLUGINS", "").split(",")))),
+        vllm_python=Path(os.environ["KILN_VLLM_PYTHON"]) if os.environ.get("KILN_VLLM_PYTHON") else None,
     )

@@ -1,6 +1,6 @@
-"""Benchmarks: `kiln bench` (kiln per mode and batch size beside HF transformers and llama.cpp, with kiln's batch-1
-memory roofline) and `kiln loadtest` (a dynamic-batch load generator against a running server), with their metrics
-and reports.
+"""Benchmarks: `kiln bench` (kiln per mode and batch size beside HF transformers, llama.cpp and vLLM, with kiln's
+batch-1 memory roofline) and `kiln loadtest` (a dynamic-batch load generator against a running server), with their
+metrics and reports.
 
 anchors.py          the systems `kiln bench --compare` runs beside kiln: a base class and one registry entry per system
 cli.py              the `kiln bench` parser (handler in commands.py)
@@ -16,4 +16,7 @@ metrics.py          what one benchmark run measured (timings per request) and th
 modes.py            the execution modes a bench compares: the engine flags of each
 report.py           the side-by-side tables printed by `kiln bench`
 roofline.py         batch-1 decode against the memory roofline: weight bytes per step, measured read bandwidth
+vllm_runner.py      the vLLM anchor (vLLM's CPU build, its own environment) on the same weights in bf16, kiln's closed
+                    loop, in a child process
+vllm_worker.py      that child: run by vLLM's Python, imports nothing of kiln
 """

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kiln.bench.hf_runner import auto_model_class, load_hf_model, run_hf, warm_up_hf
 from kiln.bench.llamacpp_runner import check_llamacpp, run_llamacpp
 from kiln.bench.metrics import RunResult
+from kiln.bench.vllm_runner import check_vllm, run_vllm
 
 
 @dataclass(frozen=True)
@@ -55,4 +56,15 @@ class LlamaCppAnchor(Anchor):
         return run_llamacpp(setup.model_path, setup.batches, setup.output_len, setup.num_threads)
 
 
-ANCHORS: dict[str, Anchor] = {"hf": HFAnchor(), "llama.cpp": LlamaCppAnchor()}
+class VllmAnchor(Anchor):
+    """vLLM's CPU build in its own environment (kiln.bench.vllm_runner) on the same weights in bf16, kiln's thread
+    count."""
+
+    def check(self, model_path: str) -> None:
+        check_vllm()
+
+    def run(self, setup: AnchorSetup) -> list[RunResult]:
+        return run_vllm(setup.model_path, setup.batches, setup.output_len, setup.num_threads)
+
+
+ANCHORS: dict[str, Anchor] = {"hf": HFAnchor(), "llama.cpp": LlamaCppAnchor(), "vllm": VllmAnchor()}

@@ -13,11 +13,13 @@ from kiln.graph_mode import DEFAULT_GRAPH_MODE
 POSITIVE = int_at_least(1)
 
 # The systems --compare runs (kiln.bench.anchors.ANCHORS), named here so that `kiln --help` loads no torch.
-ANCHOR_NAMES = ("hf", "llama.cpp")
+ANCHOR_NAMES = ("hf", "llama.cpp", "vllm")
 
 
 def add_bench_subcommand(subparsers: argparse._SubParsersAction) -> None:
-    b = subparsers.add_parser("bench", help="offline throughput/latency benchmark (optionally vs HF and llama.cpp)")
+    b = subparsers.add_parser(
+        "bench", help="offline throughput/latency benchmark (optionally vs HF, llama.cpp and vLLM)"
+    )
     EngineArgs.add_cli_args(b)
     b.add_argument("--num-requests", type=POSITIVE, default=32, help="requests per batch size")
     b.add_argument("--num-requests-bs1", type=POSITIVE, default=4, help="requests at batch size 1")
@@ -42,7 +44,8 @@ def add_bench_subcommand(subparsers: argparse._SubParsersAction) -> None:
         default=[],
         metavar="SYSTEMS",
         help="also run, on the same model and prompts (a comma list, or the flag repeated): hf (transformers "
-        "generate), llama.cpp (llama-cpp-python on the .gguf file; `make llamacpp` installs it)",
+        "generate), llama.cpp (llama-cpp-python on the .gguf file; `make llamacpp` installs it), vllm (vLLM's CPU "
+        "build on the same weights in bf16, in its own environment; `make vllm` creates it)",
     )
     b.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     b.set_defaults(handler="kiln.bench.commands:cmd_bench")

@@ -4,8 +4,8 @@ timed on this machine, over copies of the weight streamed from DRAM, and the win
 (kiln.kernels.choices) and bound to the layers of that layout (`PackedLinear.use_kernels`). Nothing is assumed from
 the box the code was written on. The engine's activations (int8x2 | int8 | float32) say which candidates are timed.
 
-Rows timed: the largest of each row class (1, 2, 16 for 3-16 rows, 64 for 17-64: batched decode) and LARGE_ROWS
-for more (prefill chunks), one entry each (kiln.quant.ops.row_class).
+Rows timed: the largest of each row class (1, 2, 16 for 3-16 rows, 64 for 17-64: batched decode; 256 for 65-256)
+and LARGE_ROWS for more (prefill chunks), one entry each (kiln.quant.ops.row_class).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from kiln.quant.ops import ROW_CLASSES, Kernel, row_class
 
 logger = logging.getLogger("kiln")
 
-LARGE_ROWS = 256
+LARGE_ROWS = 1024  # prefill chunks of up to --max-num-batched-tokens (2048 by default)
 STREAM_BYTES = 96 << 20  # copies of a layer that add up to more than a last-level cache
 ROWS = (*ROW_CLASSES, LARGE_ROWS)
 TIMED_ROWS = {row_class(rows): rows for rows in ROWS}  # row class -> the row count timed for it

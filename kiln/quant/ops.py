@@ -20,8 +20,10 @@ from torch import nn
 
 GEMV_ROWS = 2  # row counts up to this get kernels of their own; more rows share an entry with their neighbours
 # the largest row count of each kernel entry (its id): 1, 2, 3-16 (small decode batches), 17-64 (decode batches up
-# to the default --max-num-seqs); more rows (prefill chunks) share the LARGE entry
-ROW_CLASSES = (*range(1, GEMV_ROWS + 1), 16, 64)
+# to the default --max-num-seqs), 65-256 (short prefill chunks, mixed steps); more rows (prefill chunks up to
+# --max-num-batched-tokens) share the LARGE entry: a kernel whose work grows with the rows can win 256 rows and lose
+# 2048 to dequantize-then-BLAS, whose dequantization is paid once for all of them
+ROW_CLASSES = (*range(1, GEMV_ROWS + 1), 16, 64, 256)
 LARGE = -1
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # (codes' address, shape, dtype) -> (the codes, weakly; their kernels by row class)
@@ -35,7 +37,7 @@ def row_class(rows: int) -> int:
 
 
 def rows_label(timed: int) -> str:
-    """What the row class timed at `timed` rows stands for, in a log line: "1 row", "3-16 rows", "65+ rows"."""
+    """What the row class timed at `timed` rows stands for, in a log line: "1 row", "3-16 rows", "257+ rows"."""
     if timed <= GEMV_ROWS:
         return f"{timed} row{'s' if timed > 1 else ''}"
     if row_class(timed) == LARGE:

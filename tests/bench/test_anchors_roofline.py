@@ -36,7 +36,7 @@ def test_compare_takes_a_comma_list_or_repeated_flags() -> None:
     assert _compare("--compare", "hf,llama.cpp") == ["hf", "llama.cpp"]
     assert _compare("--compare", "llama.cpp", "--compare", "hf") == ["llama.cpp", "hf"]
     with pytest.raises(SystemExit):
-        _compare("--compare", "hf,vllm")
+        _compare("--compare", "hf,sglang")
     assert set(ANCHOR_NAMES) == set(ANCHORS)  # the parser's names are the registry's
 
 

@@ -249,7 +249,7 @@ def test_the_table_times_each_shape_once_picks_the_fastest_and_is_cached(tmp_pat
     first = PackedKernelTable(model, make_compiler("inductor"), KernelChoiceCache(tmp_path), "float32")
     assert len(first.records) == 2  # two layers of one shape share an entry
     four = first.records["96x64 4-bit/32 float32"]
-    assert four["source"] == "timed" and set(four["times_us"]) == {"1", "2", "16", "64", "256"}
+    assert four["source"] == "timed" and set(four["times_us"]) == {"1", "2", "16", "64", "256", "1024"}
     native = {NATIVE} if native_packed_linear() is not None else set()  # where kiln's C++ kernels build here
     assert set(four["times_us"]["1"]) == {DEQUANT_BLAS, COMPILED_DEQUANT, FUSED, INT4PACK, *native}
     assert set(first.records["64x96 8-bit/32 float32"]["times_us"]["64"]) == {DEQUANT_BLAS, COMPILED_DEQUANT, *native}
@@ -262,7 +262,7 @@ def test_the_table_times_each_shape_once_picks_the_fastest_and_is_cached(tmp_pat
     assert all(r["source"] == "process" for r in again.records.values())
     assert {k: r["winners"] for k, r in again.records.items()} == {k: r["winners"] for k, r in first.records.items()}
     again.install()
-    for rows in (1, 2, 3, 32, 33, 300):  # every kernel the table installed computes what the plain forward does
+    for rows in (1, 2, 3, 32, 33, 300, 1100):  # every kernel the table installed computes what the plain forward does
         x = torch.randn(rows, 64)
         torch.testing.assert_close(model[0](x), x @ model[0].weight.t(), rtol=1e-4, atol=1e-4)
 
@@ -291,9 +291,10 @@ def test_every_row_count_has_one_timed_entry_that_covers_it() -> None:
     """Each row count runs the kernel timed for the smallest timed count at least as large, or for LARGE_ROWS
     past the last class: a 33-row decode step (32 sequences and a newcomer) runs a decode-batch kernel, not the
     prefill one."""
-    for rows in range(1, 600):
+    for rows in range(1, 1200):
         timed = TIMED_ROWS[row_class(rows)]
         smallest = min((r for r in ROWS if r >= rows), default=LARGE_ROWS)
         assert timed == (smallest if row_class(rows) != LARGE else LARGE_ROWS)
-    assert row_class(33) == row_class(64) != row_class(65)
-    assert [rows_label(r) for r in ROWS] == ["1 row", "2 rows", "3-16 rows", "17-64 rows", "65+ rows"]
+    assert row_class(33) == row_class(64) != row_class(65) == row_class(256) != row_class(257) == row_class(2048)
+    labels = ["1 row", "2 rows", "3-16 rows", "17-64 rows", "65-256 rows", "257+ rows"]
+    assert [rows_label(r) for r in ROWS] == labels

@@ -11,6 +11,8 @@ KILN = Path(__file__).resolve().parents[2] / "kiln"
 
 # Imports inside functions, each for a measured reason; a new one must be added here with its reason.
 LAZY_IMPORTS = {
+    ("kiln/bench/vllm_worker.py", "vllm"): "the worker runs in vLLM's own environment; kiln's has no vllm",
+    ("kiln/bench/vllm_runner.py", "transformers"): "optional ([hf] extra): only to dequantize a GGUF for vLLM",
     ("kiln/__init__.py", "importlib"): "public API loads on first use: `import kiln` stays light",
     ("kiln/engine/args.py", "kiln.recipe"): "pydantic + z3 only when --recipe is given (kiln --help builds EngineArgs)",
     ("kiln/engine/args.py", "kiln.engine.recipe_config"): "same: the recipe overlay imports kiln.recipe",
