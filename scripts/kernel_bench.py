@@ -1,6 +1,7 @@
 """kiln's native packed products on the default model's layouts, every ISA tier this CPU runs, side by side:
 float32 activations (`packed_linear`), one int8 digit (`packed_linear_q8`, llama.cpp's q8 arithmetic) and two
-(`packed_linear_q8x2`, the default), with the timed table's best torch candidate for scale (dequantize-then-BLAS).
+(`packed_linear_q8x2`, the default), their blocked forms where the tier has them (`*_blocked`, AVX-512 VNNI: 16
+outputs a vector), with the timed table's best torch candidate for scale (dequantize-then-BLAS).
 
 Usage: .venv/bin/python scripts/kernel_bench.py [--rows 1,2,16,64,256] [--tiers avx512,avx2]
 Prints µs per call (best of 5 sweeps over weight copies larger than the LLC, so codes stream from DRAM), GB/s of
@@ -30,7 +31,13 @@ LAYOUTS = [  # (name, out, in, GGUF type): the default model's packed layers
     ("down 576x1536 Q4_1", 576, 1536, GGMLQuantizationType.Q4_1),
     ("head 49152x576 Q8_0", 49152, 576, GGMLQuantizationType.Q8_0),
 ]
-OPS = {"float32": "packed_linear", "int8": "packed_linear_q8", "int8x2": "packed_linear_q8x2"}
+OPS = {
+    "float32": "packed_linear",
+    "int8": "packed_linear_q8",
+    "int8x2": "packed_linear_q8x2",
+    "int8-blocked": "packed_linear_q8_blocked",
+    "int8x2-blocked": "packed_linear_q8x2_blocked",
+}
 
 
 def best_us(kernel, x: torch.Tensor, copies: list[tuple]) -> float:
