@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from kiln.bench.hf_runner import auto_model_class, load_hf_model, run_hf, warm_up_hf
 from kiln.bench.llamacpp_runner import check_llamacpp, run_llamacpp
 from kiln.bench.metrics import RunResult
-from kiln.bench.vllm_runner import check_vllm, run_vllm
+from kiln.bench.vllm_runner import check_vllm, hf_dir_for, run_vllm
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class VllmAnchor(Anchor):
 
     def check(self, model_path: str) -> None:
         check_vllm()
+        hf_dir_for(model_path)  # a .gguf converted here (once, cached), before kiln's timings
 
     def run(self, setup: AnchorSetup) -> list[RunResult]:
         return run_vllm(setup.model_path, setup.batches, setup.output_len, setup.num_threads)

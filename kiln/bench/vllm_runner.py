@@ -68,7 +68,13 @@ def hf_dir_for(model_path: str) -> Path:
     out = read_env().cache_dir / "vllm-models" / f"{Path(model_path).stem}-{key}"
     if (out / "config.json").exists():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    except ImportError as exc:
+        raise KilnError(
+            f"--compare vllm dequantizes {model_path} for vLLM with HF transformers, which is not importable ({exc}): "
+            "pip install 'kiln-infer[hf]', or pass --model an HF directory"
+        ) from exc
 
     started = time.monotonic()
     logger.info("Dequantizing %s into an HF directory (bf16) for vLLM: %s ...", model_path, out)

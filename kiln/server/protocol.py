@@ -10,6 +10,7 @@ and so is text the tokenizer cannot take (a lone UTF-16 surrogate, which JSON's 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any, Literal
@@ -215,9 +216,10 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
+    @functools.cached_property
     def tool_use(self) -> ToolUse | None:
         """What the tool fields ask for (kiln.server.tool_fields), None without tools; their texts checked to be
-        valid Unicode."""
+        valid Unicode. Worked out once a request: the chat handler and `structured_output` both read it."""
         for i, tool in enumerate(self.tools or []):
             check_text(json.dumps(tool.model_dump(exclude_none=True), ensure_ascii=False), f"tools.{i}")
         return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
@@ -226,7 +228,7 @@ class ChatCompletionRequest(SamplingFields):
         """The structured-output fields' constraint, or the one a required or named tool_choice holds the output
         to (RequestError when both ask for one)."""
         asked = super().structured_output()
-        use = self.tool_use()
+        use = self.tool_use
         by_tools = use.constraint() if use is not None else None
         if asked is not None and by_tools is not None:
             raise RequestError(

@@ -103,7 +103,7 @@ class OpenAIServing:
         self._check_model(body.model)
         self.limits.check_stop(body.stop_strings())
         self.limits.check_num_seqs(1, body.n)
-        tools = body.tool_use()
+        tools = body.tool_use
         messages, shown = prompt_messages(
             body.template_messages(), tools.shown if tools else (), self.tokenizer.template_knows_tools
         )

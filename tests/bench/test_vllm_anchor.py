@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.bench.vllm_runner import WORKER, check_vllm, run_vllm, worker_env
+from kiln.bench.vllm_runner import WORKER, check_vllm, hf_dir_for, run_vllm, worker_env
 from kiln.errors import KilnError
 
 FAKE_VLLM = '''
@@ -80,6 +80,18 @@ def test_a_missing_or_broken_vllm_environment_says_how_to_make_one(monkeypatch: 
     monkeypatch.setenv("KILN_VLLM_PYTHON", sys.executable)  # kiln's environment: no vllm there
     with pytest.raises(KilnError, match=r"`import vllm` fails in .*No module named 'vllm'.*make vllm"):
         check_vllm()
+
+
+def test_converting_a_gguf_without_transformers_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `from transformers import ...` now raises ImportError
+    with pytest.raises(KilnError, match=r"dequantizes .*model.gguf for vLLM with HF transformers.*kiln-infer\[hf\]"):
+        hf_dir_for(str(gguf))
+    assert hf_dir_for(str(tmp_path)) == tmp_path  # an HF directory goes to vLLM as it is, nothing converted
 
 
 def test_the_worker_runs_kilns_closed_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
