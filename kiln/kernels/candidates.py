@@ -21,9 +21,10 @@ int8 / int8x2:
 - `native-int8` / `native-int8x2`: kiln's own kernel over the packed codes as they are, x quantized per weight
   group to one int8 digit (llama.cpp's q8 arithmetic) or two (about 15 bits), integer dot products (AVX-512 VNNI
   vpdpbusd, AVX2 vpmaddubsw);
-- `native-int8-blocked` / `native-int8x2-blocked` (more than 2 rows, AVX-512 VNNI): the same arithmetic with the codes
-  of 16 outputs transposed per call into one 32-bit word per output and lane, so one broadcast of 4 activation bytes
-  feeds 16 outputs and the float epilogue runs once per 16 (the transposition is shared by the rows).
+- `native-int8-blocked` / `native-int8x2-blocked` (more than 2 rows; AVX-512 VNNI, or AVX2 for 4-bit codes): the same
+  arithmetic with the codes of 16 (8) outputs transposed per call into one 32-bit word per output and lane, so one
+  broadcast of 4 activation bytes feeds them all and the float epilogue runs once per 16 (8); the transposition is
+  shared by the rows.
 The native candidates run the widest ISA tier this CPU can run (what cpuid allows; timing picks the kernel).
 """
 
@@ -152,7 +153,11 @@ class NativeInt8Blocked(PackedCandidate):
         nibbles = layer.codes.dtype == torch.uint8
         widest = INT8_MAX_GROUP if nibbles or self.activations == INT8 else BLOCKED_MAX_GROUP
         fits = layer.group <= widest and layer.scale.dtype == torch.float32
-        return rows > GEMV_ROWS and on_cpu and fits and native_blocked_linear(self.activations) is not None
+        # int8 codes run on the AVX-512 VNNI form alone (the AVX2 one would saturate on them)
+        codes_run = nibbles or native_op("avx512", BLOCKED_OPS[self.activations]) is not None
+        return (
+            rows > GEMV_ROWS and on_cpu and fits and codes_run and native_blocked_linear(self.activations) is not None
+        )
 
     def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
         # chosen on an earlier run but not built now: the float32 reference runs (the build logged why)
@@ -185,8 +190,8 @@ def native_int8_linear(activations: str = INT8) -> Kernel | None:
 
 
 def native_blocked_linear(activations: str = INT8) -> Kernel | None:
-    """The blocked native op (16 outputs a vector) for int8 activations of one or two digits, None where the CPU has
-    no AVX-512 VNNI or it does not build."""
+    """The blocked native op (16 or 8 outputs a vector) for int8 activations of one or two digits, of the widest tier
+    that has it (avx512, avx2), None where neither runs or builds."""
     return widest_native(BLOCKED_OPS[activations])
 
 

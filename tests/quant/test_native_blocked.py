@@ -1,7 +1,8 @@
-"""kiln's blocked int8-activation kernels (packed_q8_blocked.cpp: 16 outputs a vector, AVX-512 VNNI only) equal
-the plain-torch statement of the same arithmetic (kiln.kernels.native.reference) within 1e-5, for every packed GGUF
-type and kiln's int8/int4 schemes, at 1, 2, 7, 32 and 100 rows, with whole blocks of 16 outputs and a tail; they
-exist exactly where the CPU has AVX-512 VNNI, and the kernel table times them there only, for more than 2 rows."""
+"""kiln's blocked int8-activation kernels (packed_q8_blocked.cpp: 16 outputs a zmm on AVX-512 VNNI, 8 a ymm on
+AVX2) equal the plain-torch statement of the same arithmetic (kiln.kernels.native.reference) within 1e-5, for every
+packed GGUF type and kiln's int8/int4 schemes (the AVX2 form: 4-bit codes; it refuses int8 ones), at 1, 2, 7, 32 and
+100 rows, with whole blocks and a tail; they exist exactly in the avx512 and avx2 tiers this CPU runs, and the kernel
+table times them for more than 2 rows, on int8 codes only where AVX-512 VNNI runs."""
 
 from __future__ import annotations
 
@@ -17,17 +18,27 @@ from tests.quant.test_native_int8 import ROWS, WEIGHTS, assert_within
 from tests.quant.test_packed import _packed
 
 BLOCKED = {"packed_linear_q8_blocked": 1, "packed_linear_q8x2_blocked": 2}  # op -> int8 digits
-HAS_VNNI = "avx512" in {t.name for t in runnable_tiers()}
-VNNI = ["avx512"] if HAS_VNNI else []  # the one tier that defines the blocked ops, where this CPU runs it
+RUNNABLE = {t.name for t in runnable_tiers()}
+HAS_VNNI = "avx512" in RUNNABLE
+TIERS = [t for t in ("avx512", "avx2") if t in RUNNABLE]  # the tiers that define the blocked ops, where they run
+
+
+def takes(tier: str, codes: torch.Tensor) -> bool:
+    """Whether the tier's blocked form computes on these codes: nibbles everywhere, int8 codes on avx512 only."""
+    return codes.dtype == torch.uint8 or tier == "avx512"
 
 
 @pytest.mark.parametrize("op_name", list(BLOCKED))
 @pytest.mark.parametrize("name", list(WEIGHTS))
-@pytest.mark.parametrize("tier", VNNI)
+@pytest.mark.parametrize("tier", TIERS)
 def test_blocked_ops_equal_the_reference_arithmetic(tier: str, name: str, op_name: str) -> None:
     op = native_op(tier, op_name)
-    assert op is not None, "the avx512 tier runs on this CPU, so its blocked ops must build and load"
+    assert op is not None, f"the {tier} tier runs on this CPU, so its blocked ops must build and load"
     weight = WEIGHTS[name]
+    if not takes(tier, weight.codes):
+        with pytest.raises(RuntimeError, match="int8 codes need the AVX-512 VNNI tier"):
+            op(torch.randn(3, 512), weight.codes, weight.scale, weight.offset)
+        return
     for rows in ROWS:
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)) * 3
         got = op(x, weight.codes, weight.scale, weight.offset)
@@ -37,10 +48,10 @@ def test_blocked_ops_equal_the_reference_arithmetic(tier: str, name: str, op_nam
 
 @pytest.mark.parametrize("op_name", list(BLOCKED))
 @pytest.mark.parametrize("kind", [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0], ids=lambda k: k.name)
-@pytest.mark.parametrize("tier", VNNI)
+@pytest.mark.parametrize("tier", TIERS)
 def test_blocked_ops_over_large_codes_and_a_strided_x(tier: str, kind: GGMLQuantizationType, op_name: str) -> None:
-    """Codes at the ends of their range (int8 -127 and 127 become 1 and 255 unsigned, and 128 x the digit sums is
-    taken off again), activations at their largest, a transposed x, 37 outputs (2 blocks and a tail of 5)."""
+    """Codes at the ends of their range (int8 -128 and 127 become 0 and 255 unsigned, and 128 x the digit sums is
+    taken off again; nibbles 15), activations at their largest, a transposed x, 37 outputs (blocks and a tail)."""
     op = native_op(tier, op_name)
     assert op is not None
     weight = _packed(kind, 37, 96, 7)
@@ -49,25 +60,29 @@ def test_blocked_ops_over_large_codes_and_a_strided_x(tier: str, kind: GGMLQuant
         codes = torch.where(ends, 0x0F, 0xF0).to(torch.uint8)
     else:
         codes = torch.where(ends, 127, -128).to(torch.int8)
+    if not takes(tier, codes):
+        return  # the AVX2 form refuses int8 codes (shown above)
     for rows in (3, 9, 17):
         x = (torch.randn(96, rows) * 100).t()
         want = q8_linear(x, codes, weight.scale, weight.offset, BLOCKED[op_name])
         assert_within(op(x, codes, weight.scale, weight.offset), want, 1e-5)
 
 
-def test_blocked_ops_exist_exactly_where_the_cpu_has_avx512_vnni() -> None:
+def test_blocked_ops_exist_exactly_in_the_vector_tiers_this_cpu_runs() -> None:
     for tier in TIER_NAMES:
         for op_name in BLOCKED:
-            op = native_op(tier, op_name)
-            assert (op is not None) == (tier == "avx512" and HAS_VNNI), (tier, op_name)
-    layer = PackedLinear(64, 48, bits=4)
+            assert (native_op(tier, op_name) is not None) == (tier in TIERS), (tier, op_name)
+    nibbles, int8 = PackedLinear(64, 48, bits=4), PackedLinear(64, 48, bits=8)
     for name, activations in ((NATIVE_INT8_BLOCKED, "int8"), (NATIVE_INT8X2_BLOCKED, "int8x2")):
-        assert (native_blocked_linear(activations) is not None) == HAS_VNNI
-        assert CANDIDATES[name].applies(layer, 16) == HAS_VNNI
-        assert not CANDIDATES[name].applies(layer, 2)  # one or two rows: the lane kernel streams the codes as they are
+        assert (native_blocked_linear(activations) is not None) == bool(TIERS)
+        assert CANDIDATES[name].applies(nibbles, 16) == bool(TIERS)
+        assert CANDIDATES[name].applies(int8, 16) == HAS_VNNI  # int8 codes: the AVX-512 VNNI form alone
+        assert not CANDIDATES[name].applies(
+            nibbles, 2
+        )  # one or two rows: the lane kernel streams the codes as they are
 
 
-@pytest.mark.parametrize("tier", VNNI)
+@pytest.mark.parametrize("tier", ["avx512"] if HAS_VNNI else [])
 def test_blocked_two_digit_int8_groups_are_bounded(tier: str) -> None:
     """int8 codes + 128 times two digits: groups over 512 could pass the int32 sums, so the op refuses them and the
     candidate does not apply; nibbles and one digit keep the lane kernel's bound of 1024."""

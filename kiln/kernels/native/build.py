@@ -9,10 +9,10 @@ lock file there, which a killed build leaves behind and which would make the nex
 under it.
 
 `native_op(tier, name)` is the tier's op `name` (`packed_linear`: float32 activations; `packed_linear_q8` and
-`packed_linear_q8x2`: one or two int8 digits; their `_blocked` forms, AVX-512 only: the same arithmetic with 16
-outputs a vector, for many rows; `paged_decode_attention`: decode attention over the paged KV cache),
-or None where the CPU lacks the tier or the build failed (no compiler, a compiler error): kiln then runs on the
-torch candidates and says why once, in one log line.
+`packed_linear_q8x2`: one or two int8 digits; their `_blocked` forms, avx512 and avx2 tiers: the same arithmetic
+with 16 or 8 outputs a vector, for many rows, int8 codes on avx512 only; `paged_decode_attention`: decode attention
+over the paged KV cache), or None where the CPU lacks the tier, the tier has no such op, or the build failed (no
+compiler, a compiler error): kiln then runs on the torch candidates and says why once, in one log line.
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ OPS = (
     "packed_linear_q8x2_blocked",
     "paged_decode_attention",
 )
-TIER_OPS = {"packed_linear_q8_blocked": "avx512", "packed_linear_q8x2_blocked": "avx512"}  # ops of one tier alone
+# ops only some tiers define (the blocked products: zmm and ymm forms, none in the plain tier)
+TIER_OPS = {name: ("avx512", "avx2") for name in ("packed_linear_q8_blocked", "packed_linear_q8x2_blocked")}
 
 
 def native_op(tier_name: str, name: str = "packed_linear") -> Callable[..., torch.Tensor] | None:
@@ -122,7 +123,7 @@ def native_op(tier_name: str, name: str = "packed_linear") -> Callable[..., torc
     has no such op (TIER_OPS)."""
     if name not in OPS:
         raise ValueError(f"no native op {name!r}; the native ops are {', '.join(OPS)}")
-    if TIER_OPS.get(name, tier_name) != tier_name or not _loaded(tier_name):
+    if tier_name not in TIER_OPS.get(name, (tier_name,)) or not _loaded(tier_name):
         return None
     return getattr(getattr(torch.ops, tier_by_name(tier_name).namespace), name)
 
