@@ -77,7 +77,8 @@ void tile_vector(const Packed& w, int64_t o0, const float* x, int64_t x_stride, 
     for (int j = 0; j < O; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
     const float* xg = x + g * w.group;
-    // one or two rows wait on memory: prefetch the outputs PREFETCH_OUTPUTS ahead, a group's share of their rows (every line once over the groups)
+    // one or two rows wait on memory: prefetch the outputs PREFETCH_OUTPUTS ahead, a group's share of their
+    // rows (every line once over the groups)
     if constexpr (R <= 2) {
       const int64_t ahead = o0 + PREFETCH_OUTPUTS, share = O * w.code_bytes, scales = (ahead * w.groups + g * O) * 4;
       prefetch_lines(w.codes, ahead * w.groups * w.code_bytes + g * share, share);

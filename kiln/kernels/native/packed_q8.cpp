@@ -126,7 +126,8 @@ void tile(const Weights& w, const Acts& a, int64_t r0, int64_t o0, float* out, i
     for (int r = 0; r < R; ++r)
       for (int t = 0; t < T; ++t) acc[r][t] = acc2[r][t] = zero_i();
     const uint8_t* cg = w.codes + (o0 * w.groups + g) * w.code_bytes;
-    // one or two rows wait on memory: prefetch the outputs PREFETCH_OUTPUTS ahead, a group's share of their rows (every line once over the groups)
+    // one or two rows wait on memory: prefetch the outputs PREFETCH_OUTPUTS ahead, a group's share of their
+    // rows (every line once over the groups)
     if constexpr (R <= 2) {
       const int64_t ahead = o0 + PREFETCH_OUTPUTS;
       const int64_t share = T * OUTS * w.code_bytes, scales = (ahead * w.groups + g * T * OUTS) * 4;

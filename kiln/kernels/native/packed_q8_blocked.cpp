@@ -251,6 +251,7 @@ at::Tensor blocked(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   const Weights w = weights_of(cc, sc, oc, shape);
   const Acts a = qx.acts();
   const std::vector<int32_t> shift = w.nibbles ? std::vector<int32_t>() : digit_shifts(a, rows, w.group);
+  const int32_t* sp = shift.empty() ? nullptr : shift.data();
   at::Tensor out = at::empty({rows, n}, xc.options());
   float* op = out.data_ptr<float>();
   const bool vector = w.code_bytes % 16 == 0;  // whole 16-byte runs of codes per group: the transposition's unit
@@ -260,9 +261,9 @@ at::Tensor blocked(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
     for (int64_t i = b0; i < b1; ++i) {
       transpose_block(w, i * BLOCK, block);
       if (digits == 2)
-        block_all_rows<2>(block, a, w.group, shift.empty() ? nullptr : shift.data(), rows, op + i * BLOCK, n);
+        block_all_rows<2>(block, a, w.group, sp, rows, op + i * BLOCK, n);
       else
-        block_all_rows<1>(block, a, w.group, shift.empty() ? nullptr : shift.data(), rows, op + i * BLOCK, n);
+        block_all_rows<1>(block, a, w.group, sp, rows, op + i * BLOCK, n);
     }
   });
   // outputs past the last whole block (or every output, for codes in shorter runs): one (row, output) at a time
