@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from kiln.compile.counters import CompileCounters
+from kiln.platforms import platform_of
 
 logger = logging.getLogger("kiln")
 
@@ -70,16 +71,13 @@ class CacheKey:
 
 
 def make_key(structure: str, compiler: str, options: dict, recipe_hash: str, device: torch.device) -> CacheKey:
-    device_name = device.type
-    if device.type == "cuda":
-        device_name = f"cuda:{torch.cuda.get_device_name(device)}:{torch.version.cuda}"
     return CacheKey(
         structure=structure,
         compiler=compiler,
         options=json.dumps(options, sort_keys=True),
         recipe_hash=normalize_recipe_hash(recipe_hash),
         torch_version=torch.__version__,
-        device=device_name,
+        device=platform_of(device).cache_name(device),
     )
 
 

@@ -16,11 +16,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import psutil
 import torch
 
 from kiln.distributed.ops import live_collectives
 from kiln.errors import KilnError
+from kiln.platforms import platform_of
 
 PieceFn = Callable[..., Sequence[torch.Tensor]]
 
@@ -116,20 +116,10 @@ class CudaGraphCapture(Capture):
 def make_capture(
     device: torch.device, fn: PieceFn, args: Sequence[Any], dynamic_args: Sequence[int], adopt: set[int], pool: Any
 ) -> Capture:
-    if device.type == "cuda":
+    """A recorded graph where the platform records graphs (CUDA), else the specialised call (CPU)."""
+    if platform_of(device).records_graphs:
         return CudaGraphCapture(fn, args, dynamic_args, adopt, pool)
     return CpuCapture(fn, args, dynamic_args, adopt)
-
-
-def new_pool(device: torch.device) -> Any:
-    """One memory pool shared by every CUDA graph of an engine (None on CPU)."""
-    return torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-
-
-def available_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] / 1e9
-    return psutil.virtual_memory().available / 1e9
 
 
 def _time_cpu(fn: Callable[[], None], repeats: int = 3) -> float:

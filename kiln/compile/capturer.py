@@ -16,10 +16,11 @@ from tqdm import tqdm
 
 from kiln.compile.backend import padding_context
 from kiln.compile.build import PiecewiseGraph
-from kiln.compile.capture import available_memory_gb, make_capture, new_pool
+from kiln.compile.capture import make_capture
 from kiln.compile.counters import CompileCounters
 from kiln.compile.piece import Piece
 from kiln.model.forward_context import set_forward_context
+from kiln.platforms import platform_of
 
 logger = logging.getLogger("kiln")
 
@@ -32,7 +33,8 @@ class Capturer:
         self.kv_caches = kv_caches
         self.device = device
         self.counters = counters
-        self.pool = new_pool(device)  # one memory pool shared by every CUDA graph
+        self.platform = platform_of(device)
+        self.pool = self.platform.new_graph_pool()  # one memory pool shared by every recorded graph
         self.static_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # size -> (input_ids, positions)
 
     def capture(self, pieces: list[Piece], sizes: list[int]) -> None:
@@ -41,7 +43,8 @@ class Capturer:
         for n in sorted(sizes, reverse=True):
             ids, pos = self.static_inputs.setdefault(n, (self._zeros(n), self._zeros(n)))
             adopt = {id(ids), id(pos)}
-            desc = f"Capturing num tokens (num_tokens={n} avail_mem={available_memory_gb(self.device):.2f} GB)"
+            free_gb = self.platform.available_memory_gb(self.device)
+            desc = f"Capturing num tokens (num_tokens={n} avail_mem={free_gb:.2f} GB)"
             bar = tqdm(total=len(pieces), desc=desc, leave=False, delay=1.0)
 
             def hook(piece: Piece, args: tuple[Any, ...], n: int = n, adopt: set[int] = adopt, bar: tqdm = bar) -> Any:

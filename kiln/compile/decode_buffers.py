@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from kiln.model.forward_context import AttentionMetadata, DecodeInputs, ModelInputs
+from kiln.platforms import platform_of
 
 
 class DecodeBuffers:
@@ -29,16 +30,18 @@ class DecodeBuffers:
         self.null_block, self.window_null = nulls
         self.num_tables = 1 if self.window_null is None else 2
         self.device = device
-        self.fixed_width = device.type == "cuda"
+        platform = platform_of(device)
+        self.fixed_width = platform.records_graphs  # a recorded graph reads a table of the width it was captured at
+        self.staged = platform.separate_memory
         self.widths = width_buckets(max_blocks)
         self.uploads = 0  # host->device copies made (one per step)
         self._allocate(max_blocks)
 
     def _allocate(self, width: int) -> None:
         numel = self.max_tokens * (2 + self.num_tables * width)
-        # NOTE: only CUDA has a separate device buffer (and a pinned staging buffer); fixed_width says CUDA
-        self.staging = torch.zeros(numel, dtype=torch.long, pin_memory=self.fixed_width)
-        self.buffer = self.staging.to(self.device) if self.fixed_width else self.staging
+        # NOTE: a device with memory of its own gets a buffer there, filled from a pinned staging buffer
+        self.staging = torch.zeros(numel, dtype=torch.long, pin_memory=self.staged)
+        self.buffer = self.staging.to(self.device) if self.staged else self.staging
         self.capacity = width
 
     def views(self, size: int, width: int) -> tuple[torch.Tensor, DecodeInputs]:

@@ -35,7 +35,7 @@ from kiln.compile.backend import (
     TracedForward,
     trace_forward,
 )
-from kiln.compile.capture import available_memory_gb, make_capture
+from kiln.compile.capture import make_capture
 from kiln.compile.counters import CompileCounters
 from kiln.compile.decode_buffers import DecodeBuffers
 from kiln.compile.decode_units import LayerUnits
@@ -45,6 +45,7 @@ from kiln.compile.split import PieceGraph, module_paths, structure_key
 from kiln.compile.store import CompiledPieceStore
 from kiln.model.attention import cache_nulls, kv_cache_block_size
 from kiln.model.forward_context import DecodeInputs, DecodeKernel, ModelInputs
+from kiln.platforms import platform_of
 from kiln.quant.linear import PackedLinear
 
 logger = logging.getLogger("kiln")
@@ -171,7 +172,7 @@ class FullDecodeGraph:
             self.compile(store)
         for piece in self.pieces:
             piece.mode = mode
-        if mode is PieceMode.CAPTURED and self.device.type == "cuda" and not self.piece.captures:
+        if mode is PieceMode.CAPTURED and platform_of(self.device).records_graphs and not self.piece.captures:
             self._capture(pool)
 
     def _capture(self, pool: Any) -> None:
@@ -189,7 +190,7 @@ class FullDecodeGraph:
             "Capturing full decode graphs (sizes %s x table widths %s blocks, avail_mem=%.2f GB): 100%%",
             self.sizes,
             widths,
-            available_memory_gb(self.device),
+            platform_of(self.device).available_memory_gb(self.device),
         )
 
     def fits(self, batch: ModelInputs, size: int) -> bool:

@@ -27,6 +27,7 @@ from kiln.compile.counters import CompileCounters
 from kiln.compile.modes import PieceMode
 from kiln.compile.split import PieceGraph
 from kiln.model.forward_context import get_forward_context
+from kiln.platforms import platform_of
 
 logger = logging.getLogger("kiln")
 
@@ -121,14 +122,12 @@ class Piece(nn.Module):
         else:
             launch = "eager" if self.mode is PieceMode.EAGER else "dynamic"
         real = get_forward_context().attn_metadata.num_actual_tokens
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        sync = device is not None and device.type == "cuda"
-        if sync:
-            torch.cuda.synchronize(device)
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        platform = platform_of(device)
+        platform.synchronize(device)
         start = time.perf_counter()
         out = self._launch(args)
-        if sync:
-            torch.cuda.synchronize(device)
+        platform.synchronize(device)
         logger.info(
             "%s (%s) mode=%s launch=%s num_tokens=%d padded=%d time=%.3f ms",
             self.label,

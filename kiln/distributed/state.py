@@ -17,11 +17,11 @@ import logging
 import os
 from dataclasses import dataclass, replace
 
-import torch
 import torch.distributed as dist
 
 from kiln.config import ParallelConfig
 from kiln.distributed.sharding import SINGLE, WHOLE, PipelineStage, TensorParallel, even_stage_layers
+from kiln.platforms import platform_of
 
 logger = logging.getLogger("kiln")
 
@@ -60,9 +60,9 @@ _STATE: RankState | None = None
 def init_distributed(parallel: ParallelConfig, rank: int, device: str, port: int) -> RankState:
     """Join the process group of `parallel.world_size` ranks at master_addr:port as `rank`, and make the groups."""
     global _STATE
-    backend = "nccl" if device == "cuda" else "gloo"
-    if device == "cuda":
-        torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
+    platform = platform_of(device)
+    backend = platform.collective_backend
+    rank_device = platform.bind_rank(rank)
     dist.init_process_group(
         backend,
         init_method=f"tcp://{parallel.master_addr}:{port}",
@@ -80,8 +80,7 @@ def init_distributed(parallel: ParallelConfig, rank: int, device: str, port: int
         if s == stage:
             tp_group = group
     assert tp_group is not None
-    if backend == "nccl":  # NCCL sets its communicators up on first use, which must not happen inside a graph capture
-        dist.all_reduce(torch.zeros(1, device="cuda"), group=tp_group)
+    platform.warm_collectives(tp_group)
     _STATE = RankState(
         rank,
         parallel.world_size,
@@ -90,7 +89,7 @@ def init_distributed(parallel: ParallelConfig, rank: int, device: str, port: int
         parallel.pipeline,
         tp_group,
         control,
-        f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu",
+        str(rank_device),
         parallel.stage_layers,
     )
     logger.info(

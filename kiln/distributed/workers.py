@@ -33,6 +33,7 @@ from kiln.distributed.control import StepChannel
 from kiln.distributed.state import RankState, init_distributed, shutdown_distributed
 from kiln.errors import ConfigError, WorkerFailure
 from kiln.log import setup_logging
+from kiln.platforms import platform_of
 
 logger = logging.getLogger("kiln")
 
@@ -61,9 +62,11 @@ def placement(config: EngineConfig) -> Placement:
         raise ConfigError(f"{p.world_size} ranks do not split evenly over --nnodes {p.nnodes}")
     if not 0 <= p.node_rank < p.nnodes:
         raise ConfigError(f"--node-rank {p.node_rank}: expected 0 to {p.nnodes - 1} for --nnodes {p.nnodes}")
-    if config.device == "cuda" and p.world_size // p.nnodes > torch.cuda.device_count():
+    platform = platform_of(config.device)
+    if platform.separate_memory and p.world_size // p.nnodes > platform.device_count():
         raise ConfigError(
-            f"{p.world_size // p.nnodes} ranks per node need as many GPUs; torch sees {torch.cuda.device_count()}"
+            f"{p.world_size // p.nnodes} ranks per node need as many devices; torch sees {platform.device_count()} "
+            f"{platform.name} devices"
         )
     per_node = p.world_size // p.nnodes
     return Placement(p.node_rank * per_node, per_node, _rendezvous_port(config))

@@ -32,6 +32,7 @@ from kiln.model.dtypes import parse_dtype
 from kiln.model.loader import Checkpoint, open_checkpoint
 from kiln.model.parallel import check_parallel
 from kiln.model.registry import build_model, load_tokenizer
+from kiln.platforms import platform_of
 
 logger = logging.getLogger("kiln")
 
@@ -47,8 +48,8 @@ def make_executor(config: EngineConfig) -> Executor:
 
 def apply_device_settings(config: EngineConfig) -> None:
     """Check the device exists and set torch's thread count (--num-threads, else KILN_NUM_THREADS)."""
-    if config.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' was asked for but torch sees no CUDA device; use --device cpu")
+    if not platform_of(config.device).is_available():
+        raise ConfigError(f"device {config.device!r} was asked for but torch sees no such device; use --device cpu")
     threads = config.num_threads or read_env().num_threads
     if threads:
         torch.set_num_threads(threads)

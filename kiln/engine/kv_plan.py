@@ -13,11 +13,11 @@ import logging
 import torch
 from torch import nn
 
-from kiln.compile.capture import available_memory_gb
 from kiln.config import DEFAULT_KV_CACHE_GB, CacheConfig, ModelConfig, SchedulerConfig
 from kiln.distributed.control import agree_min
 from kiln.engine.kv_window import max_decode_blocks, window_pool_blocks
 from kiln.model.parallel import held_layers, local_kv_heads
+from kiln.platforms import platform_of
 
 logger = logging.getLogger("kiln")
 
@@ -27,9 +27,9 @@ def kv_budget(cc: CacheConfig, device: torch.device, ranks_on_node: int = 1) -> 
     else `cc.kv_cache_memory_gb`, else `cc.kv_cache_memory_fraction` of the memory available now (the weights are
     loaded), else DEFAULT_KV_CACHE_GB. On CPU the `ranks_on_node` ranks of a machine share its RAM: each gets its
     part of what is available."""
-    available = available_memory_gb(device)
+    available = platform_of(device).available_memory_gb(device)
     where = f"{available:.1f} GB available after the weights"
-    if device.type == "cpu" and ranks_on_node > 1:
+    if not platform_of(device).separate_memory and ranks_on_node > 1:
         available /= ranks_on_node
         where += f", {available:.1f} GB for each of {ranks_on_node} ranks"
     if cc.num_blocks:

@@ -44,6 +44,7 @@ from kiln.kernels.head import LogitsHead
 from kiln.kernels.plan import KernelPlan, plan_kernels
 from kiln.kernels.product import CompiledProduct, product_graph
 from kiln.model.forward_context import ModelInputs
+from kiln.platforms import platform_of
 
 logger = logging.getLogger("kiln")
 
@@ -73,8 +74,8 @@ class GraphExecutor(Executor):
         self.model = model
         self.device = next(model.parameters()).device
         cache_root = Path(self.config.cache_dir) if self.config.cache_dir else read_env().cache_dir
-        # NOTE: attention reads Python-side metadata, so it cannot live inside a CUDA graph.
-        self.can_capture = self.mode.splits_forward or self.device.type != "cuda"
+        # NOTE: attention reads Python-side metadata, so it cannot live inside a recorded graph.
+        self.can_capture = self.mode.splits_forward or not platform_of(self.device).records_graphs
         self.plan = plan_kernels(
             model,
             cache_root,

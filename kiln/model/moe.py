@@ -20,6 +20,7 @@ from torch import nn
 from kiln.errors import ConfigError
 from kiln.model.causal_lm import WeightSlot
 from kiln.model.layers import GLU_ACTIVATIONS, MLP
+from kiln.platforms import platform_of
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 # the op's `activation` argument -> the function applied to the gate half (GLU: act(gate) * up)
@@ -85,8 +86,7 @@ IMPLS: dict[str, MoeImpl] = {"grouped": grouped_experts, "dense": dense_experts}
 
 def select_impl(device: torch.device) -> str:
     """`IMPLS` key the op runs on `device`: "dense" while a CUDA stream captures a graph, else "grouped"."""
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    return "dense" if capturing else "grouped"
+    return "dense" if platform_of(device).is_capturing() else "grouped"
 
 
 @torch.library.custom_op("kiln::moe", mutates_args=())

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 
-import torch
+from kiln.platforms import platform_of
 
 # hardware.arch values for CPUs -> the /proc/cpuinfo flag (or machine name) that proves the feature
 CPU_ARCHES: dict[str, str] = {
@@ -49,7 +49,7 @@ class Machine:
 def this_machine() -> Machine:
     machine = {"amd64": "x86_64", "arm64": "aarch64"}.get(platform.machine().lower(), platform.machine().lower())
     flags, model = _cpuinfo()
-    return Machine(machine, flags, model, *_cuda())
+    return Machine(machine, flags, model, *platform_of("cuda").capability())
 
 
 def _cpuinfo() -> tuple[frozenset[str], str]:
@@ -61,9 +61,3 @@ def _cpuinfo() -> tuple[frozenset[str], str]:
     flags = re.search(r"^(?:flags|Features)\s*:\s*(.*)$", text, re.MULTILINE)
     model = re.search(r"^model name\s*:\s*(.*)$", text, re.MULTILINE)
     return frozenset(flags.group(1).split() if flags else ()), model.group(1).strip() if model else ""
-
-
-def _cuda() -> tuple[tuple[int, int] | None, str]:
-    if not torch.cuda.is_available():
-        return None, ""
-    return tuple(torch.cuda.get_device_capability(0)), torch.cuda.get_device_name(0)

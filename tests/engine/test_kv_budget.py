@@ -11,9 +11,9 @@ import torch
 
 from kiln import LLM
 from kiln.config import CacheConfig
-from kiln.engine import kv_plan
 from kiln.engine.arg_types import fraction
 from kiln.engine.kv_plan import kv_budget
+from kiln.platforms import CpuPlatform
 from tests.engine.tiny_models import write_hf_model
 
 CPU = torch.device("cpu")
@@ -21,7 +21,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture
 def twenty_gb_free(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kv_plan, "available_memory_gb", lambda device: 20.0)
+    monkeypatch.setattr(CpuPlatform, "available_memory_gb", lambda self, device: 20.0)
 
 
 def test_each_flag_wins_over_the_one_before(twenty_gb_free) -> None:
