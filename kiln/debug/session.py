@@ -186,7 +186,7 @@ class DebugSession:
         model = load_factory(args.model).to(device=args.device, dtype=parse_dtype(args.dtype))
         model.eval().requires_grad_(False)
         executor = GraphExecutor(config.graph, activations=config.activations)
-        engine = EngineCore(config, model, None, executor, args.model, recorder)
+        engine = EngineCore(config, model, None, executor, args.model, recorder).prepare()
         return cls(engine, args, recorder)
 
     # -- piece modes -------------------------------------------------------------------------------------------
@@ -232,7 +232,7 @@ class DebugSession:
             # this rank's shard, in a debug command every rank runs
             role = engine_role(config, model, executor, rank_state())
             checkpoint = self.engine.checkpoint_path
-            engine = EngineCore(config, model, self.tokenizer, executor, checkpoint, self.recorder, role)
+            engine = EngineCore(config, model, self.tokenizer, executor, checkpoint, self.recorder, role).prepare()
             self._eager_engines[path] = engine
         return self._eager_engines[path]
 

@@ -9,7 +9,7 @@ block_group.py      one KV block pool and its layers: a request's blocks grown, 
 build.py            `build_engine(config)`, the one way an engine is made, and `EXECUTORS`, the executor registry
 cli.py              parsers of `kiln generate`, `kiln chat` and `kiln compile` (handlers in commands.py)
 commands.py         handlers of `kiln generate`, `kiln chat` and `kiln compile`
-core.py             EngineCore: the step (schedule -> execute -> update), request admission and stop checks
+core.py             EngineCore: the step (schedule -> execute -> update), failure isolation, the prepare phase
 detokenizer.py      incremental detokenization with stop strings
 kv_cache.py         paged KV cache bookkeeping: a pool of fixed-size blocks with a free list and reference counts
 kv_plan.py          how many KV blocks an engine allocates, and the start-up lines that say so
@@ -34,4 +34,5 @@ step_plan.py        a step's inputs as plain lists (what rank 0 sends the other 
 step_sample.py      a step's sampled rows turned into each sequence's new tokens (`ModelRunnerOutput`)
 step_shape.py       the shape of each step under a recipe's step constraints (padding tokens and sequences)
 structured_output.py  outputs held to a JSON schema, regex, choice or grammar (llguidance), masked per step
+updater.py          the update verb: a step's sampled tokens applied to its requests (stops, grammars, drafts, outputs)
 """

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import replace
 
-from kiln.engine.core import INTERNAL_ERROR, EngineCore
+from kiln.engine.core import EngineCore
 from kiln.engine.request import RequestOutput
 from kiln.engine.request_stream import (
     EngineStats,
@@ -39,6 +39,7 @@ from kiln.engine.request_stream import (
     settle,
 )
 from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.updater import INTERNAL_ERROR
 from kiln.errors import KilnError, WorkerFailure
 
 logger = logging.getLogger("kiln")

@@ -120,4 +120,4 @@ def _build_core(
     executor = make_executor(replace(config, graph=graph))
     role = engine_role(config, model, executor, state, workers)
     loop = StepPipeline(role.steps_in_flight) if role.defers_heads else None  # steps in flight on a pipeline
-    return EngineCore(config, model, tokenizer, executor, checkpoint.path, observer, role, loop)
+    return EngineCore(config, model, tokenizer, executor, checkpoint.path, observer, role, loop).prepare()

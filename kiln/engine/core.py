@@ -2,7 +2,9 @@
 
 It is handed a loaded model, its tokenizer and an executor (by `kiln.engine.build.build_engine`, or by the
 debugger, which runs several executors over one model); it owns the KV block pool, the scheduler and the runner.
-Admission (kiln.engine.admission) and the stop rules and outputs (kiln.engine.outputs) live in modules of their own.
+Admission (kiln.engine.admission) and the update of requests by a step's tokens (kiln.engine.updater, with the stop
+rules of kiln.engine.outputs) live in modules of their own. Construction allocates; `prepare()` is the executor's
+prepare phase (kernel plan, trace, compile, capture), called once by whoever builds the engine.
 """
 
 from __future__ import annotations
@@ -15,11 +17,9 @@ from torch import nn
 
 from kiln.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, ModelConfig
 from kiln.engine.admission import Admission
-from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.kv_cache import BlockPool
 from kiln.engine.kv_plan import kv_budget, kv_cache_blocks, log_kv_cache
 from kiln.engine.model_runner import ModelRunner, StepObserver
-from kiln.engine.outputs import request_output, stop_after
 from kiln.engine.prefix_sharing import prefix_keys_for
 from kiln.engine.rank_role import SINGLE_DEVICE, RankRole
 from kiln.engine.request import Request, RequestOutput
@@ -30,6 +30,7 @@ from kiln.engine.speculation import Speculator
 from kiln.engine.step_sample import ModelRunnerOutput
 from kiln.engine.step_shape import StepShaper
 from kiln.engine.structured_output import Grammars
+from kiln.engine.updater import INTERNAL_ERROR, Updater
 from kiln.errors import RequestError, WorkerFailure
 from kiln.executor.base import Executor
 from kiln.model.dtypes import parse_dtype
@@ -40,8 +41,6 @@ if TYPE_CHECKING:
     from kiln.distributed.workers import Workers
 
 logger = logging.getLogger("kiln")
-
-INTERNAL_ERROR = "internal error while running this request; the server log has the details"
 
 
 class StepLoop(Protocol):
@@ -91,24 +90,27 @@ class EngineCore:
             cc.block_size,
             kv_dtype,
             self.eos_token_ids,
-            observer,
-            self.shaper,
-            blocks[1],
-            role,
+            observer=observer,
+            shaper=self.shaper,
+            window_blocks=blocks[1],
+            role=role,
         )
-        if self.recipe is not None and not self.shaper.fits(1, 1):  # the executor is prepared: pad_to is known
-            self.shaper.check(1, 1, [])  # raises RecipeViolation naming the constraints that forbid every step
         window = mc.uniform_sliding_window or mc.hybrid_sliding_window
         # speculative decoding's proposer (kiln.engine.speculation): the scheduler asks it for drafts, the step times it
         self.speculator = Speculator.for_config(config.speculative, self.max_model_len)
         namespace = f"{checkpoint_path or config.model}|{config.quantization}|{config.activations}|{kv_dtype}"
         self.scheduler = Scheduler(
-            config.scheduler, self.pool, self.shaper, window, self.window_pool, role.steps_in_flight,
-            prefix_keys_for(cc, mc, namespace), self.speculator,
-        )  # fmt: skip
+            config.scheduler,
+            self.pool,
+            self.shaper,
+            window=window,
+            window_pool=self.window_pool,
+            steps_in_flight=role.steps_in_flight,
+            prefix_keys=prefix_keys_for(cc, mc, namespace),
+            speculator=self.speculator,
+        )
         log_kv_cache(cc, blocks, self.runner.kv_cache_bytes, kv_dtype, self.max_model_len, mc, budget_reason)
-        self.requests: dict[str, Request] = {}
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.updater = Updater(self.scheduler, tokenizer, self.eos_token_ids, self.max_model_len)
         self.workers: Workers | None = role.workers  # the other ranks, when this is rank 0 of a multi-device engine
         self.pipeline = step_loop
         self.grammars = Grammars(tokenizer.tokenizer, mc.vocab_size, self.eos_token_ids) if tokenizer else None
@@ -118,16 +120,30 @@ class EngineCore:
             self.max_model_len,
             self.recipe,
             self.shaper,
-            config.scheduler.enable_chunked_prefill,
-            self.scheduler.blocks_short,
-            config.seed,
-            self.grammars,
+            chunked_prefill=config.scheduler.enable_chunked_prefill,
+            blocks_short=self.scheduler.blocks_short,
+            seed=config.seed,
+            grammars=self.grammars,
         )
         self.num_steps = 0
+
+    def prepare(self) -> EngineCore:
+        """The prepare phase, apart from construction: the executor's kernel plan and, in graph mode, its trace,
+        compiles and captures over this engine's KV caches; then the recipe's shapes are checked against the
+        executor's padding. Once, before the first step; returns the engine."""
+        self.runner.prepare_executor()
+        if self.recipe is not None and not self.shaper.fits(1, 1):
+            self.shaper.check(1, 1, [])  # raises RecipeViolation naming the constraints that forbid every step
+        return self
 
     @staticmethod
     def default_max_model_len(model_config: ModelConfig) -> int:
         return min(model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """The requests served now, by id (admitted and not yet finished)."""
+        return self.updater.requests
 
     @property
     def executor(self) -> Executor:
@@ -138,7 +154,7 @@ class EngineCore:
         self, request_id: str, prompt: str | list[int], params: SamplingParams, forced_output: list[int] | None = None
     ) -> Request:
         """Tokenize and validate; raises RequestError (naming the request) without touching engine state."""
-        if request_id in self.requests:
+        if request_id in self.updater.requests:
             raise RequestError(f"duplicate request id {request_id!r}", request_id)
         return self.admission.make_request(request_id, prompt, params, forced_output)
 
@@ -147,16 +163,12 @@ class EngineCore:
     ) -> Request:
         """Queue a request; `forced_output` teacher-forces its output tokens (see `Request.forced_output`)."""
         req = self.make_request(request_id, prompt, params, forced_output)
-        self.requests[request_id] = req
-        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, req)
+        self.updater.track(req)
         self.scheduler.add(req)
         return req
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        if (req := self.requests.get(request_id)) is None:
-            return None
-        self.scheduler.finish(req, "abort")
-        return self._output(req, num_new=0)
+        return self.updater.abort(request_id)
 
     @property
     def has_unfinished(self) -> bool:
@@ -186,6 +198,8 @@ class EngineCore:
             self.workers = None
 
     def step(self) -> list[RequestOutput]:
+        if not self.runner.is_prepared:
+            raise RuntimeError("EngineCore.prepare() must run before the first step (kiln.engine.build does it)")
         self.check_alive()
         if self.pipeline is not None:  # steps in flight on a pipeline
             return self.pipeline.step(self)
@@ -231,69 +245,7 @@ class EngineCore:
 
     def fail(self, request_id: str, message: str) -> RequestOutput | None:
         """Finish a request with `finish_reason="error"` and `message` (written for the client) as its error."""
-        if (req := self.requests.get(request_id)) is None:
-            return None
-        req.error = message
-        self.scheduler.finish(req, "error")
-        return self._output(req, num_new=0)
+        return self.updater.fail(request_id, message)
 
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
-        outputs = []
-        now = time.monotonic()
-        for s in sched.scheduled:
-            if (req := s.request).is_finished:
-                continue  # aborted while its step was in flight (kiln.engine.step_pipeline)
-            drafts = s.spec_token_ids
-            self.scheduler.advance(req, s.num_new_tokens - len(drafts))  # drafts count once accepted (below)
-            if req.request_id in result.errors:
-                outputs.append(self.fail(req.request_id, result.errors[req.request_id]))
-                continue
-            tokens = result.sampled.get(req.request_id)
-            if tokens is None:
-                continue  # a prefill chunk that does not reach the end of the sequence yet
-            if (out := self._emit(req, tokens, result.logprobs.get(req.request_id), now)) is not None:
-                outputs.append(out)
-            if drafts:
-                self.scheduler.verified(req, len(drafts), len(tokens) - 1)
-        return outputs
-
-    def _emit(
-        self, req: Request, tokens: list[int], logprobs: list[dict[int, float]] | None, now: float
-    ) -> RequestOutput | None:
-        """Append a step's tokens to `req` up to the first that stops it; each token after the first was a draft
-        the step accepted, so its K/V is computed too."""
-        forced, start = req.forced_output, len(req.output_token_ids)
-        for i, token in enumerate(tokens):
-            if i:
-                self.scheduler.advance(req, 1)
-            if forced is not None and len(req.output_token_ids) < len(forced):
-                token = forced[len(req.output_token_ids)]
-            req.output_token_ids.append(token)
-            if req.grammar is not None:
-                try:
-                    req.grammar.advance(token)
-                except RequestError as exc:  # a forced token outside the grammar: this request alone fails
-                    return self.fail(req.request_id, str(exc))
-            if logprobs:
-                req.logprobs.append(logprobs[i])
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-            try:
-                finish = stop_after(
-                    req, token, self.detokenizers[req.request_id], self.eos_token_ids, self.max_model_len
-                )
-                if finish is not None:
-                    self.scheduler.finish(req, *finish)
-                    break
-            except Exception:  # detokenizing this request's tokens failed: only this request is affected
-                logger.exception("request %s: finishing the step's update failed; failing the request", req.request_id)
-                return self.fail(req.request_id, INTERNAL_ERROR)
-        return self._output(req, num_new=len(req.output_token_ids) - start)
-
-    def _output(self, req: Request, num_new: int) -> RequestOutput:
-        detok = self.detokenizers[req.request_id]
-        out = request_output(req, detok, num_new)
-        if out.finished:
-            self.requests.pop(req.request_id, None)
-            self.detokenizers.pop(req.request_id, None)
-        return out
+        return self.updater.update(sched, result)

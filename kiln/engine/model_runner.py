@@ -79,11 +79,16 @@ class ModelRunner:
         # a pipeline stage splits each step into this many parts (kiln.engine.step_plan), and the last stage runs
         # each part's head right after its forward
         self.micro_batches, self.head_each_part = role.micro_batches, role.head_each_part
-        self.defer_heads = (
-            role.defers_heads
-        )  # rank 0 of a pipeline with steps in flight: heads run when a step completes
+        # rank 0 of a pipeline with steps in flight: heads run when a step completes
+        self.defer_heads = role.defers_heads
+        self.is_prepared = False
+
+    def prepare_executor(self) -> None:
+        """The executor's prepare phase over this runner's KV caches (kernel plan; in graph mode trace, compile,
+        capture): once, before the first step."""
         with local_collectives():  # each rank prepares on its own (kiln.distributed.ops)
-            executor.prepare(model, self.kv_caches)
+            self.executor.prepare(self.model, self.kv_caches)
+        self.is_prepared = True
 
     @property
     def counters(self) -> CompileCounters:

@@ -55,7 +55,9 @@ def make_runner(model: LlamaForCausalLM, executor: Executor | None = None) -> Mo
     param = next(model.parameters())
     # NOTE: ModelRunner allocates the KV caches and builds its inputs on the model's device itself.
     executor = executor or EagerExecutor(keep_layout=True)
-    return ModelRunner(model, executor, NUM_BLOCKS, BLOCK_SIZE, param.dtype, eos_token_ids=())
+    runner = ModelRunner(model, executor, NUM_BLOCKS, BLOCK_SIZE, param.dtype, eos_token_ids=())
+    runner.prepare_executor()
+    return runner
 
 
 def graph_runner(model: LlamaForCausalLM, cache_dir: Path, **overrides: object) -> tuple[ModelRunner, GraphExecutor]:

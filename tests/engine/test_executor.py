@@ -91,7 +91,7 @@ def test_runner_forward_returns_every_fed_row() -> None:
 def test_teacher_forcing_feeds_the_forced_tokens() -> None:
     model = tiny_model(num_layers=2)
     config = EngineConfig(cache=CacheConfig(block_size=4, num_blocks=32))
-    engine = EngineCore(config, model, None, EagerExecutor(keep_layout=True))
+    engine = EngineCore(config, model, None, EagerExecutor(keep_layout=True)).prepare()
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     engine.add_request("free", [1, 2, 3], greedy)
     while engine.has_unfinished:

@@ -10,9 +10,10 @@ import torch
 
 from kiln.config import CacheConfig, EngineConfig
 from kiln.engine.async_engine import AsyncEngine
-from kiln.engine.core import INTERNAL_ERROR, EngineCore
+from kiln.engine.core import EngineCore
 from kiln.engine.llm import LLM
 from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.updater import INTERNAL_ERROR
 from kiln.errors import RequestError
 from kiln.executor.eager import EagerExecutor
 from kiln.model.forward_context import ModelInputs
@@ -35,7 +36,7 @@ class RaisingExecutor(EagerExecutor):
 def make_engine(executor: EagerExecutor | None = None, seed: int | None = 0, **model_kw: object) -> EngineCore:
     model = tiny_model(num_layers=2, **model_kw)
     config = EngineConfig(seed=seed, cache=CacheConfig(block_size=4, num_blocks=64))
-    return EngineCore(config, model, None, executor or EagerExecutor(keep_layout=True))
+    return EngineCore(config, model, None, executor or EagerExecutor(keep_layout=True)).prepare()
 
 
 def run(engine: EngineCore, prompts: dict[str, list[int]], params: SamplingParams = GREEDY) -> dict:

@@ -1,0 +1,117 @@
+"""The step's third verb: apply what the runner sampled to the requests, and hand their outputs back.
+
+`Updater` holds the requests the engine serves (with each one's incremental detokenizer) from admission to their
+final output: it advances each scheduled sequence by the tokens its step computed, appends the sampled tokens
+up to the first that stops the request (kiln.engine.outputs: the stop rules), moves structured outputs' grammars,
+counts accepted speculative drafts, and fails or finishes requests with an output for their callers. It never
+runs the model and never touches tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kiln.engine.detokenizer import IncrementalDetokenizer
+from kiln.engine.outputs import request_output, stop_after
+from kiln.engine.request import Request, RequestOutput
+from kiln.engine.scheduler import Scheduler
+from kiln.engine.scheduler_output import SchedulerOutput
+from kiln.engine.step_sample import ModelRunnerOutput
+from kiln.errors import RequestError
+from kiln.model.tokenizer import KilnTokenizer
+
+logger = logging.getLogger("kiln")
+
+INTERNAL_ERROR = "internal error while running this request; the server log has the details"
+
+
+class Updater:
+    def __init__(
+        self, scheduler: Scheduler, tokenizer: KilnTokenizer | None, eos_token_ids: tuple[int, ...], max_model_len: int
+    ) -> None:
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+
+    def track(self, req: Request) -> None:
+        """Serve `req` from now on (it is queued in the scheduler by the caller)."""
+        self.requests[req.request_id] = req
+        self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req)
+
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[RequestOutput]:
+        outputs = []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            if (req := s.request).is_finished:
+                continue  # aborted while its step was in flight (kiln.engine.step_pipeline)
+            drafts = s.spec_token_ids
+            self.scheduler.advance(req, s.num_new_tokens - len(drafts))  # drafts count once accepted (below)
+            if req.request_id in result.errors:
+                outputs.append(self.fail(req.request_id, result.errors[req.request_id]))
+                continue
+            tokens = result.sampled.get(req.request_id)
+            if tokens is None:
+                continue  # a prefill chunk that does not reach the end of the sequence yet
+            if (out := self._emit(req, tokens, result.logprobs.get(req.request_id), now)) is not None:
+                outputs.append(out)
+            if drafts:
+                self.scheduler.verified(req, len(drafts), len(tokens) - 1)
+        return outputs
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        if (req := self.requests.get(request_id)) is None:
+            return None
+        self.scheduler.finish(req, "abort")
+        return self.output(req, num_new=0)
+
+    def fail(self, request_id: str, message: str) -> RequestOutput | None:
+        """Finish a request with `finish_reason="error"` and `message` (written for the client) as its error."""
+        if (req := self.requests.get(request_id)) is None:
+            return None
+        req.error = message
+        self.scheduler.finish(req, "error")
+        return self.output(req, num_new=0)
+
+    def output(self, req: Request, num_new: int) -> RequestOutput:
+        """`req`'s output now, with its `num_new` latest tokens as new; a finished request is no longer served."""
+        out = request_output(req, self.detokenizers[req.request_id], num_new)
+        if out.finished:
+            self.requests.pop(req.request_id, None)
+            self.detokenizers.pop(req.request_id, None)
+        return out
+
+    def _emit(
+        self, req: Request, tokens: list[int], logprobs: list[dict[int, float]] | None, now: float
+    ) -> RequestOutput | None:
+        """Append a step's tokens to `req` up to the first that stops it; each token after the first was a draft
+        the step accepted, so its K/V is computed too."""
+        forced, start = req.forced_output, len(req.output_token_ids)
+        for i, token in enumerate(tokens):
+            if i:
+                self.scheduler.advance(req, 1)
+            if forced is not None and len(req.output_token_ids) < len(forced):
+                token = forced[len(req.output_token_ids)]
+            req.output_token_ids.append(token)
+            if req.grammar is not None:
+                try:
+                    req.grammar.advance(token)
+                except RequestError as exc:  # a forced token outside the grammar: this request alone fails
+                    return self.fail(req.request_id, str(exc))
+            if logprobs:
+                req.logprobs.append(logprobs[i])
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+            try:
+                detok = self.detokenizers[req.request_id]
+                finish = stop_after(req, token, detok, self.eos_token_ids, self.max_model_len)
+                if finish is not None:
+                    self.scheduler.finish(req, *finish)
+                    break
+            except Exception:  # detokenizing this request's tokens failed: only this request is affected
+                logger.exception("request %s: finishing the step's update failed; failing the request", req.request_id)
+                return self.fail(req.request_id, INTERNAL_ERROR)
+        return self.output(req, num_new=len(req.output_token_ids) - start)
