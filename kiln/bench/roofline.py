@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.model.registry import resident_weight_bytes
+from kiln.model.build import resident_weight_bytes
 from kiln.quant.linear import PackedEmbedding
 
 

@@ -1,6 +1,6 @@
 """Graph build: trace the forward once (num_tokens symbolic), split it at the splitting ops into pieces.
 
-`PiecewiseGraph` is the result: the pieces, the outer graph that calls them in order with the splitting ops
+`PiecewiseForward` is the result: the pieces, the outer graph that calls them in order with the splitting ops
 between, and the binding of a step's `input_ids`/`positions`/`num_tokens` to the traced placeholders. In full-graph
 mode there is one piece, the whole forward. The piece count comes from the split, never from the layer count.
 """
@@ -17,12 +17,12 @@ from torch import nn
 from kiln.compile.backend import INPUT_IDS, NUM_TOKENS, POSITIONS, TracedForward, trace_forward
 from kiln.compile.counters import CompileCounters
 from kiln.compile.piece import Piece
-from kiln.compile.split import PieceGraph, module_paths, split_graph, structure_key
+from kiln.compile.split import SplitPiece, module_paths, split_graph, structure_key
 from kiln.errors import ConfigError
 
 
 @dataclass
-class PiecewiseGraph:
+class PiecewiseForward:
     traced: TracedForward
     pieces: list[Piece]
     outer: nn.Module  # the split graph (or, unsplit, the single piece)
@@ -65,14 +65,14 @@ def build_graph(
     split: bool,
     counters: CompileCounters,
     sample_size: int = 8,
-) -> PiecewiseGraph:
+) -> PiecewiseForward:
     """Trace `model`'s forward and split it at `splitting_ops` (or keep it whole when not `split`)."""
     traced = trace_forward(model, model, kv_caches, device, sample_size)
     counters.graphs_traced += 1
     if not split:
         gm = traced.gm
-        pieces = [Piece(PieceGraph(0, "", gm, structure_key(gm), module_paths(gm)), counters)]
-        graph = PiecewiseGraph(traced, pieces, pieces[0], [], False)
+        pieces = [Piece(SplitPiece(0, "", gm, structure_key(gm), module_paths(gm)), counters)]
+        graph = PiecewiseForward(traced, pieces, pieces[0], [], False)
     else:
         try:
             cut = split_graph(traced.gm, tuple(splitting_ops))
@@ -82,7 +82,7 @@ def build_graph(
         for piece in pieces:
             # NOTE: the split graph calls its submodules by attribute: the Piece (not the bare FX graph) runs there.
             setattr(cut.split_gm, piece.info.submod_name, piece)
-        graph = PiecewiseGraph(traced, pieces, cut.split_gm, cut.splitting_submods, True)
+        graph = PiecewiseForward(traced, pieces, cut.split_gm, cut.splitting_submods, True)
     counters.pieces_seen = len(graph.pieces)
     counters.splitting_ops_seen = len(graph.splitting_submods)
     return graph

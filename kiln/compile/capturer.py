@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from kiln.compile.backend import padding_context
-from kiln.compile.build import PiecewiseGraph
+from kiln.compile.build import PiecewiseForward
 from kiln.compile.capture import make_capture
 from kiln.compile.counters import CompileCounters
 from kiln.compile.piece import Piece
@@ -27,7 +27,7 @@ logger = logging.getLogger("kiln")
 
 class Capturer:
     def __init__(
-        self, graph: PiecewiseGraph, kv_caches: list[torch.Tensor], device: torch.device, counters: CompileCounters
+        self, graph: PiecewiseForward, kv_caches: list[torch.Tensor], device: torch.device, counters: CompileCounters
     ) -> None:
         self.graph = graph
         self.kv_caches = kv_caches

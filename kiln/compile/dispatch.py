@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from kiln.compile.build import PiecewiseGraph
+from kiln.compile.build import PiecewiseForward
 from kiln.compile.counters import CompileCounters
 from kiln.compile.full_graph import FullDecodeGraph
 from kiln.graph_mode import GraphMode
@@ -31,7 +31,7 @@ class Dispatcher:
     def __init__(
         self,
         mode: GraphMode,
-        graph: PiecewiseGraph,
+        graph: PiecewiseForward,
         static_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]],
         counters: CompileCounters,
         full: FullDecodeGraph | None = None,

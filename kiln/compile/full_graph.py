@@ -41,7 +41,7 @@ from kiln.compile.decode_buffers import DecodeBuffers
 from kiln.compile.decode_units import LayerUnits
 from kiln.compile.modes import PieceMode
 from kiln.compile.piece import Piece
-from kiln.compile.split import PieceGraph, module_paths, structure_key
+from kiln.compile.split import SplitPiece, module_paths, structure_key
 from kiln.compile.store import CompiledPieceStore
 from kiln.model.attention import cache_nulls, kv_cache_block_size
 from kiln.model.forward_context import DecodeInputs, DecodeKernel, ModelInputs
@@ -78,7 +78,7 @@ class DecodeVariant:
         derive_positions(traced)
         self.traced, self.static_size = traced, static_size
         gm = traced.gm
-        self.piece = Piece(PieceGraph(0, "full_decode", gm, structure_key(gm), module_paths(gm)), counters)
+        self.piece = Piece(SplitPiece(0, "full_decode", gm, structure_key(gm), module_paths(gm)), counters)
         self.piece.label = "full decode graph" + ("" if static_size is None else f" (num_tokens={static_size})")
         if static_size is None:
             self.piece.size_arg, self.piece.size_is_int = traced.slots.index(NUM_TOKENS), True

@@ -25,7 +25,7 @@ from kiln.compile.capture import Capture
 from kiln.compile.compiler import CompiledPiece, make_tuple_output
 from kiln.compile.counters import CompileCounters
 from kiln.compile.modes import PieceMode
-from kiln.compile.split import PieceGraph
+from kiln.compile.split import SplitPiece
 from kiln.model.forward_context import get_forward_context
 from kiln.platforms import platform_of
 
@@ -36,7 +36,7 @@ AfterHook = Callable[["Piece", Sequence[torch.Tensor]], None]
 
 
 class Piece(nn.Module):
-    def __init__(self, info: PieceGraph, counters: CompileCounters) -> None:
+    def __init__(self, info: SplitPiece, counters: CompileCounters) -> None:
         super().__init__()
         self.index = info.index
         self.label = f"piece {info.index}"  # how logs and errors name it

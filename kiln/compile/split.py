@@ -20,7 +20,7 @@ _NODE_NAME = re.compile(r"on node '\w+'")  # a runtime assertion's message names
 
 
 @dataclass
-class PieceGraph:
+class SplitPiece:
     index: int  # piece index (0..N): what --piece-modes and the artifacts count
     submod_name: str  # attribute of the split module that runs it
     graph: GraphModule
@@ -29,9 +29,9 @@ class PieceGraph:
 
 
 @dataclass
-class SplitGraph:
+class SplitForward:
     split_gm: GraphModule  # the outer graph: calls submod_0, submod_1, ... in order
-    pieces: list[PieceGraph]
+    pieces: list[SplitPiece]
     splitting_submods: list[str]
 
 
@@ -52,7 +52,7 @@ def is_splitting_node(node: Node, splitting_ops: tuple[str, ...]) -> bool:
     return node.op == "call_function" and op_name(node.target) in splitting_ops
 
 
-def split_graph(gm: GraphModule, splitting_ops: tuple[str, ...]) -> SplitGraph:
+def split_graph(gm: GraphModule, splitting_ops: tuple[str, ...]) -> SplitForward:
     """Cut `gm` before and after every splitting op; raise ValueError if none is found."""
     subgraph_of: dict[Node, int] = {}
     current = 0
@@ -69,7 +69,7 @@ def split_graph(gm: GraphModule, splitting_ops: tuple[str, ...]) -> SplitGraph:
     if num_splits == 0:
         raise ValueError(f"the traced forward calls none of the splitting ops {list(splitting_ops)}")
     split_gm = split_module(gm, None, lambda n: subgraph_of[n], keep_original_order=True)
-    pieces: list[PieceGraph] = []
+    pieces: list[SplitPiece] = []
     splitting: list[str] = []
     for node in split_gm.graph.nodes:
         if node.op != "call_module":
@@ -78,8 +78,8 @@ def split_graph(gm: GraphModule, splitting_ops: tuple[str, ...]) -> SplitGraph:
         if any(is_splitting_node(n, splitting_ops) for n in sub.graph.nodes):
             splitting.append(node.target)
             continue
-        pieces.append(PieceGraph(len(pieces), node.target, sub, structure_key(sub), module_paths(sub)))
-    return SplitGraph(split_gm, pieces, splitting)
+        pieces.append(SplitPiece(len(pieces), node.target, sub, structure_key(sub), module_paths(sub)))
+    return SplitForward(split_gm, pieces, splitting)
 
 
 def node_module_path(node: Node) -> str:

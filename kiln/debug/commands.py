@@ -25,9 +25,9 @@ from kiln.engine.args import EngineArgs
 from kiln.errors import ConfigError
 from kiln.log import setup_logging
 from kiln.model.attention import allocate_kv_caches
+from kiln.model.build import build_model
 from kiln.model.dtypes import parse_dtype
 from kiln.model.loader import open_checkpoint
-from kiln.model.registry import build_model
 
 
 def engine_args(args: argparse.Namespace, case: Case | None = None) -> EngineArgs:

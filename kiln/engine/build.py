@@ -28,10 +28,10 @@ from kiln.errors import ConfigError
 from kiln.executor.base import Executor
 from kiln.executor.eager import EagerExecutor
 from kiln.executor.graph import GraphExecutor
+from kiln.model.build import build_model, load_tokenizer
 from kiln.model.dtypes import parse_dtype
 from kiln.model.loader import Checkpoint, open_checkpoint
 from kiln.model.parallel import check_parallel
-from kiln.model.registry import build_model, load_tokenizer
 from kiln.platforms import platform_of
 
 logger = logging.getLogger("kiln")

@@ -24,7 +24,7 @@ from torch import nn
 from torch.fx import GraphModule
 
 from kiln.compile.artifacts import write_artifacts
-from kiln.compile.build import PiecewiseGraph, build_graph
+from kiln.compile.build import PiecewiseForward, build_graph
 from kiln.compile.capturer import Capturer
 from kiln.compile.compiler import make_compiler
 from kiln.compile.dispatch import Dispatcher
@@ -92,7 +92,7 @@ class GraphExecutor(Executor):
         )
         # NOTE: at least 3: a packed model traced at 2 tokens specialises num_tokens (dynamo constraint violation)
         sample = max(3, min(self.capture_sizes[-1] if self.capture_sizes else 8, 8))
-        self.graph: PiecewiseGraph = build_graph(
+        self.graph: PiecewiseForward = build_graph(
             model, kv_caches, self.device, self.config.splitting_ops, self.mode.splits_forward, self.counters, sample
         )
         self.set_trace_level(max(read_env().debug, self.config.debug))

@@ -1,8 +1,9 @@
 """Models: the Llama family on kiln's layers (llama.py, layers.py), the paged attention op and the KV cache
 layout (attention.py), per-step batch state (forward_context.py), checkpoint loading (loader/), tokenizers,
-dtype names, and model construction (registry.py).
+dtype names, and model construction (build.py).
 
 attention.py        `kiln::attention`: the paged-KV attention custom op and the graph's splitting point
+build.py            model construction: checkpoint -> kiln model on the requested dtype and device, with load progress
 causal_lm.py        what every kiln model class is: `forward`, `compute_logits`, weight loading by HF names
 dtypes.py           dtype names (`float32`, `bf16`, ...) to torch dtypes, with a clear error
 family_configs.py   config readers of the Llama-shaped families: the `ModelConfig` fields each family sets
@@ -15,7 +16,6 @@ llama.py            the Llama-shaped families (Llama 2/3, SmolLM2, Mistral, Qwen
 moe.py              `kiln::moe`: the mixture-of-experts custom op, the `FusedMoE` layer around it, its checkpoint names
 parallel.py         tensor-parallel pieces of the forward: the all-reduce after a row-parallel layer, the
                     vocab-parallel embedding
-registry.py         model construction: checkpoint -> kiln model on the requested dtype and device, with load progress
 tokenizer.py        tokenizer and chat template, from GGUF metadata or an HF directory, on the `tokenizers` library
 tp_slots.py         which part of each checkpoint tensor a tensor-parallel rank of a Llama-shaped model loads
 loader/             subpackage: checkpoint loading (HF directories, GGUF files), modules mapped in loader/__init__.py

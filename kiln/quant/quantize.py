@@ -10,27 +10,38 @@ A group of equal values gets scale 1 and codes that reproduce it exactly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kiln.quant.gguf_blocks import GROUP
 from kiln.quant.linear import PackedTensor
 
+
+def _int8(w: torch.Tensor) -> PackedTensor:
+    scale = w.abs().amax(-1, keepdim=True) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(w / scale).clamp(-127, 127)
+    return PackedTensor(codes.to(torch.int8), scale, torch.zeros_like(scale), bits=8)
+
+
+def _int4(w: torch.Tensor) -> PackedTensor:
+    low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+    scale = (high - low) / 15
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((w - low) / scale).clamp(0, 15).to(torch.uint8)
+    half = w.shape[-1] // 2
+    return PackedTensor(q[..., :half] | (q[..., half:] << 4), scale, low, bits=4)
+
+
+# scheme -> how a [rows, groups, group] float weight is packed; a new scheme is one function and one entry
+SCHEMES: dict[str, Callable[[torch.Tensor], PackedTensor]] = {"int8": _int8, "int4": _int4}
 BITS = {"int8": 8, "int4": 4}
 
 
 def quantize(weight: torch.Tensor, scheme: str, group: int = GROUP) -> PackedTensor:
-    """`weight` [rows, cols] (cols a multiple of the even `group`) packed under `scheme` ("int8" | "int4")."""
+    """`weight` [rows, cols] (cols a multiple of the even `group`) packed under `scheme` (a `SCHEMES` name)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown quantization scheme {scheme!r}: expected one of {', '.join(SCHEMES)}")
     rows, cols = weight.shape
-    w = weight.detach().float().reshape(rows, cols // group, group)
-    if scheme == "int8":
-        scale = w.abs().amax(-1, keepdim=True) / 127
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes = torch.round(w / scale).clamp(-127, 127)
-        return PackedTensor(codes.to(torch.int8), scale, torch.zeros_like(scale), bits=8)
-    if scheme == "int4":
-        low, high = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
-        scale = (high - low) / 15
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round((w - low) / scale).clamp(0, 15).to(torch.uint8)
-        return PackedTensor(q[..., : group // 2] | (q[..., group // 2 :] << 4), scale, low, bits=4)
-    raise ValueError(f"unknown quantization scheme {scheme!r}: expected one of {', '.join(BITS)}")
+    return SCHEMES[scheme](weight.detach().float().reshape(rows, cols // group, group))

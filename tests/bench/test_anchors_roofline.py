@@ -19,8 +19,8 @@ from kiln.bench.metrics import RunResult, compute_ratios
 from kiln.bench.report import print_report
 from kiln.bench.roofline import Roofline, streamed_weight_bytes
 from kiln.errors import ConfigError, KilnError
+from kiln.model.build import resident_weight_bytes
 from kiln.model.loader import resolve_model_path
-from kiln.model.registry import resident_weight_bytes
 from kiln.quant.linear import PackedEmbedding
 
 SMALL = ["--num-requests", "2", "--num-requests-bs1", "1", "--input-len", "8", "--output-len", "4"]

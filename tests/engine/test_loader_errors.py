@@ -17,9 +17,9 @@ import torch
 from gguf import GGUFReader
 
 from kiln.errors import ModelLoadError
+from kiln.model.build import build_model
 from kiln.model.llama import LlamaForCausalLM, WeightMismatch
 from kiln.model.loader import open_checkpoint
-from kiln.model.registry import build_model
 from tests.engine.tiny_models import rewrite_config, rewrite_safetensors, write_gguf_model, write_hf_model
 
 K_PROJ = "model.layers.0.self_attn.k_proj.weight"

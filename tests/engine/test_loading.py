@@ -10,8 +10,8 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.errors import ModelLoadError
+from kiln.model.build import build_model
 from kiln.model.loader import open_checkpoint
-from kiln.model.registry import build_model
 from tests.engine.tiny_models import write_gguf_model, write_hf_model
 
 PROMPT = [5, 17, 42, 7, 99, 3, 61, 250, 11]

@@ -16,8 +16,8 @@ from kiln import LLM, SamplingParams, StructuredOutput
 from kiln.engine.sampler import Sampler, SamplingRow
 from kiln.engine.structured_output import Grammars
 from kiln.errors import RequestError
+from kiln.model.build import load_tokenizer
 from kiln.model.loader import open_checkpoint
-from kiln.model.registry import load_tokenizer
 from kiln.model.tokenizer import KilnTokenizer
 
 SCHEMA = {

@@ -27,8 +27,8 @@ from kiln.kernels.candidates import (
 )
 from kiln.kernels.choices import KernelChoiceCache
 from kiln.kernels.packed import LARGE_ROWS, ROWS, TIMED_ROWS, PackedKernelTable, label
+from kiln.model.build import resident_weight_bytes
 from kiln.model.loader import resolve_model_path
-from kiln.model.registry import resident_weight_bytes
 from kiln.quant.gguf_blocks import PACKED_TYPES, decode_blocks, layout_of
 from kiln.quant.linear import PackedEmbedding, PackedLinear, PackedTensor, unpack_codes
 from kiln.quant.ops import LARGE, row_class, rows_label

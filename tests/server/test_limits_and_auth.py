@@ -210,8 +210,8 @@ def test_max_stream_buffer_reaches_the_engine() -> None:
 @pytest.mark.alone  # it times the event loop's stalls
 def test_a_maximal_prompt_does_not_stall_other_clients() -> None:
     """The real tokenizer holds the GIL for a whole encode; --max-prompt-chars bounds how long that takes."""
+    from kiln.model.build import load_tokenizer
     from kiln.model.loader import open_checkpoint
-    from kiln.model.registry import load_tokenizer
 
     tokenizer = load_tokenizer(open_checkpoint("default"))  # the default model is part of the install
     encoded_lengths: list[int] = []

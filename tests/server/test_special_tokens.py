@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from kiln.model.build import load_tokenizer
 from kiln.model.loader import open_checkpoint
-from kiln.model.registry import load_tokenizer
 from kiln.model.tokenizer import KilnTokenizer
 from tests.server.app_harness import Served, serve
 from tests.server.fake_core import FakeCore

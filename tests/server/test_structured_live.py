@@ -20,8 +20,8 @@ import openai
 import pydantic
 import pytest
 
+from kiln.model.build import load_tokenizer
 from kiln.model.loader import open_checkpoint
-from kiln.model.registry import load_tokenizer
 from tests.server.live import LiveServer, live_server
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"

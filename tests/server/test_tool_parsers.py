@@ -13,8 +13,8 @@ import pydantic
 import pytest
 
 from kiln.errors import RequestError
+from kiln.model.build import load_tokenizer
 from kiln.model.loader import open_checkpoint
-from kiln.model.registry import load_tokenizer
 from kiln.model.tokenizer import KilnTokenizer
 from kiln.server.tool_fields import NamedToolChoice, ToolDefinition, tool_use
 from kiln.server.tool_parsers import TOOL_PARSERS, choose_tool_parser
