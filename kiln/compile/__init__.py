@@ -3,7 +3,7 @@
 One role per module, as vLLM's compilation package separates them (the executor that composes them is
 kiln.executor.graph; the kernel choices they run with are kiln.kernels):
 backend.py    trace the forward with dynamo, num_tokens symbolic      split.py     cut at the splitting ops
-build.py      trace + split -> PiecewiseForward                         piece.py     one piece, three modes, hooks
+build.py      trace + split -> PiecewiseForward                     piece.py     one piece, three modes, hooks
 compiler.py   piece compilers (inductor, eager), one registry        store.py     compiled-piece store (memo,
 cache.py      the on-disk cache with manifests                                     cache, verification)
 verify.py     a compiled piece checked against its graph              capture.py   CUDA-graph / CPU captures
