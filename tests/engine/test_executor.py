@@ -103,3 +103,18 @@ def test_teacher_forcing_feeds_the_forced_tokens() -> None:
     assert out.finished and out.token_ids == forced != free.token_ids
     with pytest.raises(RequestError, match="no tokenizer"):
         engine.add_request("text", "hello", greedy)
+
+
+def test_a_core_steps_only_once_prepared() -> None:
+    """Construction allocates; the prepare phase (the executor's kernel plan, in graph mode trace/compile/capture)
+    is its own call, and a step before it is refused with a message, not run on an unprepared executor."""
+    model = tiny_model(num_layers=2)
+    config = EngineConfig(cache=CacheConfig(block_size=4, num_blocks=16))
+    engine = EngineCore(config, model, None, EagerExecutor(keep_layout=True))
+    assert not engine.runner.is_prepared
+    engine.add_request("r", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    with pytest.raises(RuntimeError, match=r"EngineCore\.prepare\(\) must run before the first step"):
+        engine.step()
+    assert engine.prepare() is engine and engine.runner.is_prepared
+    outputs = [out for _ in range(2) for out in engine.step()]
+    assert outputs[-1].finished and len(outputs[-1].token_ids) == 2
