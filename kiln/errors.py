@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+# what a client is told when its request fails inside the engine (the traceback goes to the server log)
+INTERNAL_ERROR = "internal error while running this request; the server log has the details"
+
 
 class KilnError(Exception):
     """Base of every error kiln raises on purpose; the CLI prints these as one line, no traceback."""

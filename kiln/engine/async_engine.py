@@ -39,8 +39,7 @@ from kiln.engine.request_stream import (
     settle,
 )
 from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.updater import INTERNAL_ERROR
-from kiln.errors import KilnError, WorkerFailure
+from kiln.errors import INTERNAL_ERROR, KilnError, WorkerFailure
 
 logger = logging.getLogger("kiln")
 

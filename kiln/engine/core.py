@@ -30,8 +30,8 @@ from kiln.engine.speculation import Speculator
 from kiln.engine.step_sample import ModelRunnerOutput
 from kiln.engine.step_shape import StepShaper
 from kiln.engine.structured_output import Grammars
-from kiln.engine.updater import INTERNAL_ERROR, Updater
-from kiln.errors import RequestError, WorkerFailure
+from kiln.engine.updater import Updater
+from kiln.errors import INTERNAL_ERROR, RequestError, WorkerFailure
 from kiln.executor.base import Executor
 from kiln.model.dtypes import parse_dtype
 from kiln.model.tokenizer import KilnTokenizer

@@ -18,12 +18,10 @@ from kiln.engine.request import Request, RequestOutput
 from kiln.engine.scheduler import Scheduler
 from kiln.engine.scheduler_output import SchedulerOutput
 from kiln.engine.step_sample import ModelRunnerOutput
-from kiln.errors import RequestError
+from kiln.errors import INTERNAL_ERROR, RequestError
 from kiln.model.tokenizer import KilnTokenizer
 
 logger = logging.getLogger("kiln")
-
-INTERNAL_ERROR = "internal error while running this request; the server log has the details"
 
 
 class Updater:

@@ -13,8 +13,7 @@ from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.core import EngineCore
 from kiln.engine.llm import LLM
 from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.updater import INTERNAL_ERROR
-from kiln.errors import RequestError
+from kiln.errors import INTERNAL_ERROR, RequestError
 from kiln.executor.eager import EagerExecutor
 from kiln.model.forward_context import ModelInputs
 from tests.compile.tiny import tiny_model
