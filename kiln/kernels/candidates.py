@@ -26,6 +26,10 @@ int8 / int8x2:
   broadcast of 4 activation bytes feeds them all and the float epilogue runs once per 16 (8); the transposition is
   shared by the rows.
 The native candidates run the widest ISA tier this CPU can run (what cpuid allows; timing picks the kernel).
+
+The candidates that build something (compile, repack) race after those that build nothing, and are built only
+where their floor leaves them a chance to win (kiln.kernels.race): compiled-dequant-blas can take no less than
+dequant-blas's BLAS part, any candidate no less than its own time at fewer rows.
 """
 
 from __future__ import annotations
@@ -52,13 +56,19 @@ BLOCKED_MAX_GROUP = 512  # packed_q8_blocked.cpp's MAX_SHIFTED_GROUP: the same f
 class PackedCandidate(ABC):
     """One way to compute a packed product. `applies` says for which layers and row counts it is timed; `make`
     builds the kernel for a layer (compiled for `rows` when it compiles), which must compute on any weight of the
-    layer's layout passed to it (the timing calls it on copies)."""
+    layer's layout passed to it (the timing calls it on copies); `floor_us` is the least time it can take, from the
+    times of the candidates timed before it in the same race (kiln.kernels.race)."""
 
     name: ClassVar[str]
     activations: ClassVar[str] = FLOAT32  # the arithmetic: float32 (dequantize-then-fp32's) or int8
+    builds: ClassVar[bool] = False  # make() compiles or repacks: it races after the candidates that build nothing
 
     def applies(self, layer: PackedLinear, rows: int) -> bool:
         return True
+
+    def floor_us(self, times: dict[str, float], dequant_us: float) -> float:
+        """`dequant_us`: the layer's dequantization by torch ops alone (dequant-blas's first part). 0: no bound."""
+        return 0.0
 
     @abstractmethod
     def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel: ...
@@ -73,6 +83,11 @@ class DequantBlas(PackedCandidate):
 
 class CompiledDequantBlas(PackedCandidate):
     name = "compiled-dequant-blas"
+    builds = True
+
+    def floor_us(self, times: dict[str, float], dequant_us: float) -> float:
+        """The same BLAS call as dequant-blas after a faster dequantization: at least dequant-blas's BLAS part."""
+        return max(0.0, times[DequantBlas.name] - dequant_us) if DequantBlas.name in times else 0.0
 
     def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
         dequant = Compiled(dequantize_codes, compiler, None, layer.codes, layer.scale, layer.offset)
@@ -81,6 +96,7 @@ class CompiledDequantBlas(PackedCandidate):
 
 class TiledDequantBlas(PackedCandidate):
     name = "tiled-dequant-blas"
+    builds = True  # (no BLAS floor: its BLAS reads tiles still in cache, faster than the whole weight)
 
     def applies(self, layer: PackedLinear, rows: int) -> bool:
         return rows > GEMV_ROWS and layer.out_features > TILE_ROWS
@@ -91,6 +107,7 @@ class TiledDequantBlas(PackedCandidate):
 
 class FusedReduction(PackedCandidate):
     name = "fused-reduction"
+    builds = True
 
     def applies(self, layer: PackedLinear, rows: int) -> bool:
         return rows <= GEMV_ROWS
@@ -102,6 +119,7 @@ class FusedReduction(PackedCandidate):
 
 class Int4PackMM(PackedCandidate):
     name = "int4pack-mm"
+    builds = True  # repacks every weight copy it is timed on
 
     def applies(self, layer: PackedLinear, rows: int) -> bool:
         """torch's CPU int4 kernel takes 4-bit codes in groups of 32 and float32 or bfloat16 activations."""

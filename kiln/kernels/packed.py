@@ -11,7 +11,7 @@ and LARGE_ROWS for more (prefill chunks), one entry each (kiln.quant.ops.row_cla
 from __future__ import annotations
 
 import logging
-import time
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,14 +25,16 @@ from kiln.kernels.candidates import (
     FUSED,
     INT4PACK,
     INT8_OPS,
+    PackedCandidate,
     candidates_for,
     native_int8_linear,
     native_packed_linear,
 )
 from kiln.kernels.choices import KernelChoiceCache, stream_count
 from kiln.kernels.native.build import source_hash
+from kiln.kernels.race import Entrant, time_candidates, time_us
 from kiln.quant.linear import PackedLinear
-from kiln.quant.ops import ROW_CLASSES, Kernel, row_class
+from kiln.quant.ops import ROW_CLASSES, Kernel, dequantize_codes, row_class
 
 logger = logging.getLogger("kiln")
 
@@ -116,45 +118,35 @@ class PackedKernelTable:
             layer.use_kernels(kernels, frozenset(inline))
 
     def _time(self, layer: PackedLinear) -> dict[str, Any]:
+        """Race the candidates at each row count, fewest rows first (kiln.kernels.race): a candidate's time at fewer
+        rows is its floor at more, so one far behind early is ruled out later without being built."""
         count = stream_count(layer.nbytes, STREAM_BYTES)
         copies = [tuple(t.clone() for t in (layer.codes, layer.scale, layer.offset)) for _ in range(count)]
+        dequant_us = time_us(lambda x, *weight: dequantize_codes(*weight), torch.empty(0), copies)
         times: dict[str, dict[str, float]] = {}
+        ruled_out: dict[str, dict[str, float]] = {}
+        floors: dict[str, float] = {}  # each candidate's time (or floor) at the most rows raced so far
         for rows in ROWS:
             x = torch.randn(rows, layer.in_features, dtype=layer.scale.dtype)
-            applying = {name: c for name, c in self.candidates.items() if c.applies(layer, rows)}
-            kernels = {name: c.make(layer, rows, self.compiler, copies) for name, c in applying.items()}
-            times[str(rows)] = time_candidates(kernels, x, copies)
+            applying = sorted(
+                ((n, c) for n, c in self.candidates.items() if c.applies(layer, rows)), key=lambda nc: nc[1].builds
+            )
+            entrants = {
+                name: Entrant(
+                    make=partial(c.make, layer, rows, self.compiler, copies),
+                    floor=partial(_floor, c, floors.get(name, 0.0), dequant_us),
+                )
+                for name, c in applying
+            }
+            race = time_candidates(entrants, x, copies)
+            times[str(rows)] = race.times
+            if race.ruled_out:
+                ruled_out[str(rows)] = race.ruled_out
+            floors |= race.ruled_out | race.times
         winners = {rows: min(t, key=t.__getitem__) for rows, t in times.items()}
-        return {"winners": winners, "times_us": times}
+        return {"winners": winners, "times_us": times, "ruled_out_us": ruled_out}
 
 
-def time_us(kernel: Kernel, x: torch.Tensor, copies: list[tuple], budget_s: float = 0.05) -> float:
-    """Mean time per call across the copies of the weight (one sweep, stopped after `budget_s`, so a slow candidate
-    costs little time to rule out), in µs."""
-    calls, start = 0, time.perf_counter()
-    for weight in copies:
-        kernel(x, *weight)
-        calls += 1
-        if time.perf_counter() - start > budget_s:
-            break
-    return (time.perf_counter() - start) / calls * 1e6
-
-
-OUT_OF_RACE = 3.0  # a candidate this many times slower than the best after a round is not timed again
-
-
-def time_candidates(kernels: dict[str, Kernel], x: torch.Tensor, copies: list[tuple], rounds: int = 3) -> dict:
-    """Each candidate's best sweep over `rounds` rounds, the candidates taking turns within a round: a burst of
-    other work on the machine slows one sweep of one candidate, not a candidate's every sweep. After each round
-    the candidates more than OUT_OF_RACE times slower than the best so far sit out the rest (their time is their
-    best sweep until then): ruling out a kernel 10x slower takes one sweep, not three."""
-    for kernel in kernels.values():
-        kernel(x, *copies[0])  # warm-up (first-call allocations, lazy repacking)
-    best = dict.fromkeys(kernels, float("inf"))
-    racing = dict(kernels)
-    for _ in range(rounds):
-        for name, kernel in racing.items():
-            best[name] = min(best[name], time_us(kernel, x, copies))
-        lead = min(best[name] for name in racing)
-        racing = {name: kernel for name, kernel in racing.items() if best[name] <= OUT_OF_RACE * lead}
-    return {name: round(us, 2) for name, us in best.items()}
+def _floor(candidate: PackedCandidate, least: float, dequant_us: float, times: dict[str, float]) -> float:
+    """The larger of a candidate's time at fewer rows (`least`) and its own bound from the race so far."""
+    return max(least, candidate.floor_us(times, dequant_us))

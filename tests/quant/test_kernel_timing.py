@@ -1,41 +1,89 @@
-"""What makes the packed kernel table's timing cheap: slow candidates leave the race, a graph compiles once."""
+"""What makes the packed kernel table's timing cheap: slow candidates leave the race, a candidate that cannot win is
+never built, a race keeps to its time budget, a graph compiles once."""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 import pytest
 import torch
 from torch.fx import GraphModule
 
-import kiln.kernels.packed as packed
+import kiln.kernels.race as race
 from kiln.compile.compiler import CompiledPiece, CompileOnce, EagerCompiler
 from kiln.kernels.product import Compiled, trace_static
 from kiln.quant.ops import dequantize_codes
+
+
+class Named:
+    """A kernel that only knows its name (the clock is faked), counting how often it was built."""
+
+    built: ClassVar[list[str]] = []
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, x, *weight) -> None:  # the warm-up call
+        pass
+
+    @classmethod
+    def entrant(cls, name: str, floor=race.no_floor) -> race.Entrant:
+        def make() -> Named:
+            cls.built.append(name)
+            return cls(name)
+
+        return race.Entrant(make, floor)
+
+
+def fake_clock(monkeypatch: pytest.MonkeyPatch, given: dict[str, list[float]]) -> dict[str, int]:
+    """`time_us` answers each kernel's next given time; returns the count of sweeps per kernel."""
+    sweeps: dict[str, int] = dict.fromkeys(given, 0)
+
+    def fake_time_us(kernel, x, copies) -> float:
+        us = given[kernel.name][sweeps[kernel.name]]
+        sweeps[kernel.name] += 1
+        return us
+
+    monkeypatch.setattr(race, "time_us", fake_time_us)
+    Named.built = []
+    return sweeps
 
 
 def test_candidates_far_behind_after_a_round_sit_out_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
     """Times are given (no clock): `slow` is 10x the lead after round 1 and is not timed again; `close` (1.5x)
     stays for every round; each keeps its best sweep and the winner is the fastest."""
     given = {"fast": [10.0, 9.0, 11.0], "close": [15.0, 14.0, 16.0], "slow": [100.0, 1.0, 1.0]}
-    sweeps: dict[str, int] = dict.fromkeys(given, 0)
-
-    def fake_time_us(kernel, x, copies) -> float:
-        name = kernel.name
-        us = given[name][sweeps[name]]
-        sweeps[name] += 1
-        return us
-
-    class Named:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        def __call__(self, x, *weight) -> None:  # the warm-up call
-            pass
-
-    monkeypatch.setattr(packed, "time_us", fake_time_us)
-    times = packed.time_candidates({n: Named(n) for n in given}, torch.zeros(1, 4), [()], rounds=3)
+    sweeps = fake_clock(monkeypatch, given)
+    result = race.time_candidates({n: Named.entrant(n) for n in given}, torch.zeros(1, 4), [()], rounds=3)
     assert sweeps == {"fast": 3, "close": 3, "slow": 1}
-    assert times == {"fast": 9.0, "close": 14.0, "slow": 100.0}  # had slow run again, its 1.0 would have won
-    assert min(times, key=times.__getitem__) == "fast"
+    assert result.times == {"fast": 9.0, "close": 14.0, "slow": 100.0}  # had slow run again, its 1.0 would have won
+    assert result.winner == "fast" and result.ruled_out == {}
+
+
+def test_a_candidate_whose_floor_reaches_the_lead_is_never_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`costly` can take no less than 12 µs and `fast` took 10: it is ruled out unbuilt, its floor recorded;
+    `hopeful`'s floor (5) is under the lead, so it is built and timed, and wins; the first entrant is always timed,
+    whatever its floor (there is no lead yet)."""
+    given = {"first": [20.0] * 3, "fast": [10.0] * 3, "costly": [1.0] * 3, "hopeful": [8.0] * 3}
+    sweeps = fake_clock(monkeypatch, given)
+    entrants = {
+        "first": Named.entrant("first", lambda times: 1e9),
+        "fast": Named.entrant("fast"),
+        "costly": Named.entrant("costly", lambda times: times["fast"] + 2.0),
+        "hopeful": Named.entrant("hopeful", lambda times: 5.0),
+    }
+    result = race.time_candidates(entrants, torch.zeros(1, 4), [()], rounds=3)
+    assert Named.built == ["first", "fast", "hopeful"] and sweeps["costly"] == 0
+    assert result.ruled_out == {"costly": 12.0} and set(result.times) == {"first", "fast", "hopeful"}
+    assert result.winner == "hopeful"
+
+
+def test_a_race_over_its_time_budget_keeps_its_first_round(monkeypatch: pytest.MonkeyPatch) -> None:
+    given = {"a": [10.0, 1.0], "b": [12.0, 1.0]}
+    sweeps = fake_clock(monkeypatch, given)
+    monkeypatch.setattr(race, "RACE_S", -1.0)  # already over budget after the first round
+    result = race.time_candidates({n: Named.entrant(n) for n in given}, torch.zeros(1, 4), [()], rounds=3)
+    assert sweeps == {"a": 1, "b": 1} and result.times == {"a": 10.0, "b": 12.0}
 
 
 class CountingCompiler(EagerCompiler):

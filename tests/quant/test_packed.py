@@ -251,13 +251,16 @@ def test_the_table_times_each_shape_once_picks_the_fastest_and_is_cached(tmp_pat
     four = first.records["96x64 4-bit/32 float32"]
     assert four["source"] == "timed" and set(four["times_us"]) == {"1", "2", "16", "64", "256", "1024"}
     native = {NATIVE} if native_packed_linear() is not None else set()  # where kiln's C++ kernels build here
-    assert set(four["times_us"]["1"]) == {DEQUANT_BLAS, COMPILED_DEQUANT, FUSED, INT4PACK, *native}
-    assert set(first.records["64x96 8-bit/32 float32"]["times_us"]["64"]) == {DEQUANT_BLAS, COMPILED_DEQUANT, *native}
-    assert FUSED not in four["times_us"]["16"] and FUSED not in four["times_us"]["256"]
+    assert raced(four, "1") == {DEQUANT_BLAS, COMPILED_DEQUANT, FUSED, INT4PACK, *native}
+    assert raced(first.records["64x96 8-bit/32 float32"], "64") == {DEQUANT_BLAS, COMPILED_DEQUANT, *native}
+    assert FUSED not in raced(four, "16") and FUSED not in raced(four, "256")
     assert INT4PACK not in str(first.records["64x96 8-bit/32 float32"])
     for record in first.records.values():
         for rows, times in record["times_us"].items():
             assert record["winners"][rows] == min(times, key=times.__getitem__) and min(times.values()) > 0
+            # a candidate left unbuilt could not have won: its floor was at or above a time measured in its race
+            assert all(floor >= min(times.values()) for floor in record["ruled_out_us"].get(rows, {}).values())
+            assert not set(times) & set(record["ruled_out_us"].get(rows, {}))
     again = PackedKernelTable(model, make_compiler("inductor"), KernelChoiceCache(tmp_path), "float32")
     assert all(r["source"] == "process" for r in again.records.values())
     assert {k: r["winners"] for k, r in again.records.items()} == {k: r["winners"] for k, r in first.records.items()}
@@ -265,6 +268,11 @@ def test_the_table_times_each_shape_once_picks_the_fastest_and_is_cached(tmp_pat
     for rows in (1, 2, 3, 32, 33, 300, 1100):  # every kernel the table installed computes what the plain forward does
         x = torch.randn(rows, 64)
         torch.testing.assert_close(model[0](x), x @ model[0].weight.t(), rtol=1e-4, atol=1e-4)
+
+
+def raced(record: dict, rows: str) -> set[str]:
+    """The candidates of a table record's race at `rows`: timed, or ruled out by their floor before being built."""
+    return set(record["times_us"][rows]) | set(record["ruled_out_us"].get(rows, {}))
 
 
 def _tiny_hf_dir(tmp_path: Path) -> Path:
