@@ -1,6 +1,7 @@
 """Profile decode steps of the default model (eager or piecewise) at a given batch size and context length.
 
-Usage: .venv/bin/python scripts/profile_decode.py [--batch 1] [--context 128] [--piecewise] [--steps 20]
+Usage: .venv/bin/python scripts/profile_decode.py [--batch 1] [--context 128] [--graph-mode eager] [--steps 20]
+  [--quantization none]
 Prints ms per step and the top operators by self CPU time (torch.profiler).
 """
 
@@ -19,10 +20,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--piecewise", action="store_true")
+    ap.add_argument("--graph-mode", default="eager", help="eager | piecewise | full | full_and_piecewise")
     ap.add_argument("--quantization", default="none", help="none | packed | int8 | int4")
     args = ap.parse_args()
-    llm = LLM(graph_mode="piecewise" if args.piecewise else "eager", quantization=args.quantization)
+    llm = LLM(graph_mode=args.graph_mode, quantization=args.quantization)
     engine = llm.engine
     params = SamplingParams(max_tokens=args.steps * 3 + 10, temperature=0, ignore_eos=True)
     for i in range(args.batch):

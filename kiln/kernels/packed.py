@@ -32,7 +32,7 @@ from kiln.kernels.candidates import (
 )
 from kiln.kernels.choices import KernelChoiceCache, stream_count
 from kiln.kernels.native.build import source_hash
-from kiln.kernels.race import Entrant, time_candidates, time_us
+from kiln.kernels.race import RULES, Entrant, time_candidates, time_us
 from kiln.quant.linear import PackedLinear
 from kiln.quant.ops import ROW_CLASSES, Kernel, dequantize_codes, row_class
 
@@ -50,7 +50,7 @@ def packed_layers(model: nn.Module) -> list[PackedLinear]:
 
 def layer_key(layer: PackedLinear, activations: str) -> dict[str, object]:
     """What a timed choice is for: the layout, the rows timed, the activations and the candidates they allow (a
-    new candidate, row class, or native sources that changed or now build, time the layout again)."""
+    new candidate, row class, race rules, or native sources that changed or now build, time the layout again)."""
     dtype = str(layer.scale.dtype).removeprefix("torch.")
     native = source_hash() if native_packed_linear() is not None else None
     return {
@@ -62,6 +62,7 @@ def layer_key(layer: PackedLinear, activations: str) -> dict[str, object]:
         "candidates": sorted(candidates_for(activations)),
         "rows": list(ROWS),
         "native": native,
+        "race": RULES,
     }
 
 

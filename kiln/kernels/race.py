@@ -8,11 +8,13 @@ all of a candidate's sweeps. What keeps a race short, without ever guessing whic
   part of the times measured so far). An entrant whose floor is at or above the lead's time cannot win: it is ruled
   out before it is built, so a candidate that compiles or repacks costs nothing where it could not have won. The
   cheap entrants run first, so the lead is known before the costly ones' turns.
-- **out of the race**: after a round, an entrant more than OUT_OF_RACE times slower than the lead sits out the rest
-  (its time is its best sweep so far): ruling out a kernel 10x slower takes one sweep, not three.
+- **out of the race**: an entrant whose best of two sweeps is more than OUT_OF_RACE times the lead's sits out the
+  rest (its time is that best): ruling out a kernel 10x slower takes two sweeps, not every round. Two, not one: a
+  burst of other work during one sweep once made the fastest kernel look 18x slower than it is, and a race that
+  dropped it then cached the wrong winner for good.
 - **a time budget**: rounds go on while the race has taken less than RACE_S (at least one round): products of a
-  second a call (the logits head at a thousand rows) are timed once each, as they are long enough to be measured
-  by one call.
+  second a call (the logits head at a thousand rows) are timed once each, a call long enough that a burst of
+  other work moves it little.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import torch
 
 from kiln.quant.ops import Kernel
 
-OUT_OF_RACE = 3.0  # an entrant this many times slower than the lead after a round is not timed again
+OUT_OF_RACE = 3.0  # an entrant this many times slower than the lead over two sweeps is not timed again
+SWEEPS_TO_DROP = 2
+RULES = 2  # the race's rules, part of every choice it made (kiln.kernels.packed): new rules time the layouts again
 RACE_S = 2.0  # a race that took this long stops after the round it is in
 SWEEP_S = 0.05  # one sweep over the weight copies stops after this long (at least one call)
 
@@ -77,9 +81,10 @@ def time_candidates(entrants: dict[str, Entrant], x: torch.Tensor, copies: list[
         kernel = kernels[name] = entrant.make()
         kernel(x, *copies[0])  # warm-up (first-call allocations, lazy repacking)
         race.times[name] = time_us(kernel, x, copies)
-    for _ in range(rounds - 1):
+    for swept in range(1, rounds):
         lead = min(race.times.values())
-        kernels = {name: k for name, k in kernels.items() if race.times[name] <= OUT_OF_RACE * lead}
+        if swept >= SWEEPS_TO_DROP:
+            kernels = {name: k for name, k in kernels.items() if race.times[name] <= OUT_OF_RACE * lead}
         if time.perf_counter() - started > RACE_S or len(kernels) < 2:
             break
         for name, kernel in kernels.items():
