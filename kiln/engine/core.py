@@ -154,7 +154,7 @@ class EngineCore:
         self, request_id: str, prompt: str | list[int], params: SamplingParams, forced_output: list[int] | None = None
     ) -> Request:
         """Tokenize and validate; raises RequestError (naming the request) without touching engine state."""
-        if request_id in self.updater.requests:
+        if request_id in self.requests:
             raise RequestError(f"duplicate request id {request_id!r}", request_id)
         return self.admission.make_request(request_id, prompt, params, forced_output)
 
