@@ -125,6 +125,7 @@ class PackedKernelTable:
         copies = [tuple(t.clone() for t in (layer.codes, layer.scale, layer.offset)) for _ in range(count)]
         dequant_us = time_us(lambda x, *weight: dequantize_codes(*weight), torch.empty(0), copies)
         times: dict[str, dict[str, float]] = {}
+        winners: dict[str, str] = {}
         ruled_out: dict[str, dict[str, float]] = {}
         floors: dict[str, float] = {}  # each candidate's time (or floor) at the most rows raced so far
         for rows in ROWS:
@@ -140,11 +141,10 @@ class PackedKernelTable:
                 for name, c in applying
             }
             race = time_candidates(entrants, x, copies)
-            times[str(rows)] = race.times
+            times[str(rows)], winners[str(rows)] = race.times, race.winner
             if race.ruled_out:
                 ruled_out[str(rows)] = race.ruled_out
             floors |= race.ruled_out | race.times
-        winners = {rows: min(t, key=t.__getitem__) for rows, t in times.items()}
         return {"winners": winners, "times_us": times, "ruled_out_us": ruled_out}
 
 
