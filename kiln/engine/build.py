@@ -37,8 +37,10 @@ from kiln.platforms import platform_of
 logger = logging.getLogger("kiln")
 
 EXECUTORS: dict[str, Callable[[EngineConfig], Executor]] = {
-    "eager": lambda config: EagerExecutor(config.graph.cache_dir, activations=config.activations),
-    "graph": lambda config: GraphExecutor(config.graph, activations=config.activations),
+    "eager": lambda config: EagerExecutor(
+        config.graph.cache_dir, activations=config.activations, head_rows=config.sampled_rows
+    ),
+    "graph": lambda config: GraphExecutor(config.graph, activations=config.activations, head_rows=config.sampled_rows),
 }
 
 

@@ -31,9 +31,14 @@ class EagerExecutor(Executor):
     name = "eager"
 
     def __init__(
-        self, cache_dir: str | None = None, keep_layout: bool = False, activations: str = DEFAULT_ACTIVATIONS
+        self,
+        cache_dir: str | None = None,
+        keep_layout: bool = False,
+        activations: str = DEFAULT_ACTIVATIONS,
+        head_rows: int | None = None,
     ) -> None:
         super().__init__()
+        self.head_rows = head_rows  # the most rows a step samples (None: no bound; kiln.kernels.plan)
         self.keep_layout = keep_layout
         self.activations = activations
         self.cache_root = Path(cache_dir) if cache_dir else read_env().cache_dir
@@ -49,7 +54,9 @@ class EagerExecutor(Executor):
     def prepare(self, model: nn.Module, kv_caches: list[torch.Tensor]) -> None:
         self._model = model
         if not self.keep_layout:
-            self.plan = plan_kernels(model, self.cache_root, activations=self.activations, kv_caches=kv_caches)
+            self.plan = plan_kernels(
+                model, self.cache_root, activations=self.activations, kv_caches=kv_caches, head_rows=self.head_rows
+            )
             self.plan.install(model)
         self._head = LogitsHead(model, self.plan.head_t)
 

@@ -54,10 +54,13 @@ PieceTransform = Callable[[Piece], GraphModule | None]
 class GraphExecutor(Executor):
     name = "graph"
 
-    def __init__(self, config: GraphConfig, activations: str = DEFAULT_ACTIVATIONS) -> None:
+    def __init__(
+        self, config: GraphConfig, activations: str = DEFAULT_ACTIVATIONS, head_rows: int | None = None
+    ) -> None:
         super().__init__()
         self.config = config
         self.activations = activations  # of packed products (kiln.kernels.plan)
+        self.head_rows = head_rows  # the most rows a step samples (None: no bound; kiln.kernels.plan)
         self.capture_sizes = sorted(config.capture_sizes)
         self.compiler = make_compiler(config.compiler)
         self.mode = GraphMode(config.mode)  # the one value every choice below reads
@@ -84,6 +87,7 @@ class GraphExecutor(Executor):
             self.config.compile_sizes,
             self.activations,
             kv_caches,
+            self.head_rows,
         )
         self.plan.install(model)
         self.compile_sizes = self.plan.static_sizes

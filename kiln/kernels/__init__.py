@@ -16,4 +16,5 @@ product.py       small functions traced and compiled for static shapes (the time
 attention.py     decode attention's kernel (the torch form or the native paged one), timed; its graph op
 head.py          `LogitsHead`: one-row logits the fastest way the plan found
 native/          kiln's own C++ kernels, one object per ISA tier, built here and loaded where cpuid allows
+cli.py           the `kiln kernels` parser; commands.py its handler: `kiln kernels build` (at install, make setup)
 """

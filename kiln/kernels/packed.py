@@ -5,7 +5,10 @@ timed on this machine, over copies of the weight streamed from DRAM, and the win
 the box the code was written on. The engine's activations (int8x2 | int8 | float32) say which candidates are timed.
 
 Rows timed: the largest of each row class (1, 2, 16 for 3-16 rows, 64 for 17-64: batched decode; 256 for 65-256)
-and LARGE_ROWS for more (prefill chunks), one entry each (kiln.quant.ops.row_class).
+and LARGE_ROWS for more (prefill chunks), one entry each (kiln.quant.ops.row_class). The logits head runs on the
+sampled rows alone (a step's sequences, times k + 1 where k drafts are verified): its layout is timed up to the row
+class of `head_rows`, the most the engine can ask of it; above that class (no engine path reaches it) the reference
+runs. Racing the 49152-row head at 256 and 1,024 rows took about half of its 15 s table on a 2-core EPYC.
 """
 
 from __future__ import annotations
@@ -48,7 +51,12 @@ def packed_layers(model: nn.Module) -> list[PackedLinear]:
     return [m for m in model.modules() if isinstance(m, PackedLinear)]
 
 
-def layer_key(layer: PackedLinear, activations: str) -> dict[str, object]:
+def timed_rows(most: int | None) -> tuple[int, ...]:
+    """The row counts timed for a layer asked for at most `most` rows (None: any number): ROWS up to its class."""
+    return ROWS if most is None else tuple(r for r in ROWS if r <= TIMED_ROWS[row_class(most)])
+
+
+def layer_key(layer: PackedLinear, activations: str, rows: tuple[int, ...] = ROWS) -> dict[str, object]:
     """What a timed choice is for: the layout, the rows timed, the activations and the candidates they allow (a
     new candidate, row class, race rules, or native sources that changed or now build, time the layout again)."""
     dtype = str(layer.scale.dtype).removeprefix("torch.")
@@ -60,7 +68,7 @@ def layer_key(layer: PackedLinear, activations: str) -> dict[str, object]:
         "dtype": dtype,
         "activations": activations,
         "candidates": sorted(candidates_for(activations)),
-        "rows": list(ROWS),
+        "rows": list(rows),
         "native": native,
         "race": RULES,
     }
@@ -80,6 +88,7 @@ class PackedKernelTable:
         compiler: PieceCompiler,
         cache: KernelChoiceCache,
         activations: str = DEFAULT_ACTIVATIONS,
+        head_rows: int | None = None,
     ) -> None:
         self.compiler = CompileOnce(compiler)  # a compiled candidate's graph is the same for many row counts
         self.activations = activations
@@ -88,15 +97,28 @@ class PackedKernelTable:
         self.int8_runs = activations in INT8_OPS and native_int8_linear(activations) is not None
         self.layers = packed_layers(model)
         self.distinct = {label(layer): layer for layer in self.layers}
+        # label -> the row counts timed: all of ROWS, but the logits head's alone (a decoder layer of the head's
+        # layout, if any, needs them all)
+        head = getattr(model, "lm_head", None)
+        others = {label(layer) for layer in self.layers if layer is not head}
+        self.rows = {
+            name: timed_rows(head_rows) if layer is head and name not in others else ROWS
+            for name, layer in self.distinct.items()
+        }
         self.records: dict[str, dict[str, Any]] = {}  # label -> record (for logs and kernel profiles)
         bar = tqdm(self.distinct.items(), desc="Timing packed kernels", unit="layout", leave=False, delay=0.5)
         for name, layer in bar:
+            rows = self.rows[name]
             self.records[name] = cache.choose(
-                "packed_kernels", layer_key(layer, activations), lambda layer=layer: self._time(layer)
+                "packed_kernels",
+                layer_key(layer, activations, rows),
+                lambda layer=layer, rows=rows: self._time(layer, rows),  # type: ignore[misc]
             )
 
-    def winner(self, layer: PackedLinear, rows: int) -> str:
-        return str(self.records[label(layer)]["winners"][str(TIMED_ROWS[row_class(rows)])])
+    def winner(self, layer: PackedLinear, rows: int) -> str | None:
+        """The kernel timed fastest for `rows` rows of this layer, None where its layout was not timed there."""
+        winner = self.records[label(layer)]["winners"].get(str(TIMED_ROWS[row_class(rows)]))
+        return None if winner is None else str(winner)
 
     def install(self) -> None:
         """Bind each layer its layout's winners (compiled ones built here, once per layout; repacked weights once
@@ -104,8 +126,9 @@ class PackedKernelTable:
         made: dict[tuple[str, str, int], Kernel] = {}
         for layer in self.layers:
             kernels, inline = {}, set()
-            for rows in ROWS:
+            for rows in self.rows[label(layer)]:
                 name = self.winner(layer, rows)
+                assert name is not None, f"{label(layer)} was timed at {rows} rows"
                 weight = (layer.codes, layer.scale, layer.offset)
                 key = (label(layer), name, rows)
                 if name == INT4PACK:  # holds this layer's own repacked codes
@@ -118,7 +141,7 @@ class PackedKernelTable:
                     inline.add(rows)
             layer.use_kernels(kernels, frozenset(inline))
 
-    def _time(self, layer: PackedLinear) -> dict[str, Any]:
+    def _time(self, layer: PackedLinear, rows_timed: tuple[int, ...]) -> dict[str, Any]:
         """Race the candidates at each row count, fewest rows first (kiln.kernels.race): a candidate's time at fewer
         rows is its floor at more, so one far behind early is ruled out later without being built."""
         count = stream_count(layer.nbytes, STREAM_BYTES)
@@ -128,7 +151,7 @@ class PackedKernelTable:
         winners: dict[str, str] = {}
         ruled_out: dict[str, dict[str, float]] = {}
         floors: dict[str, float] = {}  # each candidate's time (or floor) at the most rows raced so far
-        for rows in ROWS:
+        for rows in rows_timed:
             x = torch.randn(rows, layer.in_features, dtype=layer.scale.dtype)
             applying = sorted(
                 ((n, c) for n, c in self.candidates.items() if c.applies(layer, rows)), key=lambda nc: nc[1].builds

@@ -37,7 +37,7 @@ from kiln.kernels.layout import (
     one_row_head,
     set_layer_weight_layout,
 )
-from kiln.kernels.packed import ROWS, PackedKernelTable, packed_layers
+from kiln.kernels.packed import PackedKernelTable, packed_layers
 from kiln.kernels.static_sizes import choose_static_sizes
 from kiln.model.forward_context import DecodeKernel
 from kiln.model.graph_attention import traced_decode_attention
@@ -83,13 +83,15 @@ def plan_kernels(
     configured_sizes: Sequence[int] | None = (),
     activations: str = DEFAULT_ACTIVATIONS,
     kv_caches: Sequence[torch.Tensor] = (),
+    head_rows: int | None = None,
 ) -> KernelPlan:
     """The plan for `model` on this machine. `compiler` compiles the static sizes and the compiled candidates
     (the inductor compiler when None, or when it cannot compile for static shapes); `configured_sizes` are the
     static compile sizes when given (the eager executor gives none), else they are timed for the one- and
     two-row `capture_sizes`. `activations` (int8x2 | int8 | float32, kiln.config.ACTIVATION_NAMES) says which
     packed candidates may be timed; decode attention's kernel is timed over the geometry of `kv_caches` (the
-    first layer's that holds heads; none given: the torch form)."""
+    first layer's that holds heads; none given: the torch form); `head_rows`, the most rows the engine samples in
+    one step (None: no bound), bounds the row counts a packed logits head is timed at."""
     cpu = next(model.parameters()).device.type == "cpu"
     compiler = compiler or make_compiler("inductor")
     kernel_compiler = compiler if compiler.supports_static_sizes else make_compiler("inductor")
@@ -97,7 +99,7 @@ def plan_kernels(
     plan = KernelPlan()
     weight = largest_layer_weight(model)
     if cpu and packed_layers(model):  # their one- and two-row choices live in the op: no static sizes for them
-        plan.packed = PackedKernelTable(model, kernel_compiler, cache, activations)
+        plan.packed = PackedKernelTable(model, kernel_compiler, cache, activations, head_rows)
         plan.choices["packed_kernels"] = plan.packed.records
     if configured_sizes is not None:
         plan.static_sizes = tuple(sorted(configured_sizes))
@@ -152,7 +154,7 @@ def _log(plan: KernelPlan, float_head: bool) -> None:
             plan.packed.activations,
             "" if plan.packed.int8_runs or plan.packed.activations == FLOAT32 else ", no int8 kernel runs here",
             "; ".join(
-                f"{name}: " + ", ".join(f"{rows_label(r)} {rec['winners'][str(r)]}" for r in ROWS)
+                f"{name}: " + ", ".join(f"{rows_label(r)} {rec['winners'][str(r)]}" for r in plan.packed.rows[name])
                 for name, rec in plan.packed.records.items()
             ),
         )

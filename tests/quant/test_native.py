@@ -1,13 +1,15 @@
 """kiln's native kernels (kiln.kernels.native): every ISA tier this CPU runs computes the packed product of every
 packed GGUF type at 1 to 100 rows as dequantize-then-float32 does; a tier the CPU lacks is never loaded; the AVX2
-object holds no AVX-512 instruction; the build is cached by its key and a missing compiler leaves kiln on the
-torch candidates."""
+object holds no AVX-512 instruction; the build is cached by its key, an object built at install is loaded without
+a build, and a missing compiler leaves kiln on the torch candidates."""
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
+from kiln.cli import main
 from kiln.kernels.candidates import CANDIDATES, NATIVE
 from kiln.kernels.native import build
 from kiln.kernels.native.build import TIERS, native_op, runnable_tiers
@@ -150,3 +153,47 @@ def test_the_op_computes_on_torch_threads() -> None:
     finally:
         torch.set_num_threads(threads)
     assert np.isfinite(one.numpy()).all()
+
+
+def test_an_object_built_at_install_is_loaded_without_a_build(tmp_path: Path) -> None:
+    """`kiln kernels build` (make setup) puts the widest tier's object in KILN_NATIVE_DIR; a process whose cache has
+    none loads that one and builds nothing (a first start does not pay the ~20 s build)."""
+    tier = build.tier_by_name(RUNNABLE[0])
+    compiler = build.compiler_version() or ""
+    built = built_library(tier.name)
+    installed = tmp_path / "native" / built.parent.name / built.name
+    installed.parent.mkdir(parents=True)
+    shutil.copy(built, installed)
+    check = (
+        "from kiln.kernels.native import build; "
+        f"tier = build.tier_by_name({tier.name!r}); "
+        f"assert build.native_op(tier.name) is not None; print(build.library_path(tier, {compiler!r}))"
+    )
+    env = {**os.environ, "KILN_NATIVE_DIR": str(tmp_path / "native"), "KILN_CACHE_DIR": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == str(installed)
+    assert "Building native kernels" not in run.stderr
+    assert not list((tmp_path / "cache").glob("native/*/*.so"))
+
+
+def test_kernels_build_without_a_compiler_says_so_and_succeeds(
+    monkeypatch: pytest.MonkeyPatch, kiln_log: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """`make setup` on a machine without a C++ compiler still sets kiln up: the command says native kernels are off
+    and exits 0, writing nothing."""
+    monkeypatch.setattr(build, "compiler_version", lambda: None)
+    monkeypatch.setenv("KILN_NATIVE_DIR", str(tmp_path))
+    assert main(["kernels", "build"]) == 0
+    assert "Native kernels are off: no C++ compiler" in kiln_log.text
+    assert not list(tmp_path.iterdir())
+
+
+def test_kernels_build_names_a_folder_it_cannot_write(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("KILN_NATIVE_DIR", str(tmp_path / "file" / "native"))  # under a file: never a folder
+    assert main(["kernels", "build"]) == 1
+    err = capsys.readouterr().err
+    assert "kiln: error: cannot write the native kernels to" in err and "KILN_NATIVE_DIR" in err

@@ -15,6 +15,7 @@ from kiln import LLM, SamplingParams
 from kiln.compile.compiler import make_compiler
 from kiln.compile.full_graph import STATIC_SIZES
 from kiln.compile.kernels import kernels_in
+from kiln.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from kiln.errors import ConfigError
 from kiln.kernels.candidates import (
     CANDIDATES,
@@ -268,6 +269,47 @@ def test_the_table_times_each_shape_once_picks_the_fastest_and_is_cached(tmp_pat
     for rows in (1, 2, 3, 32, 33, 300, 1100):  # every kernel the table installed computes what the plain forward does
         x = torch.randn(rows, 64)
         torch.testing.assert_close(model[0](x), x @ model[0].weight.t(), rtol=1e-4, atol=1e-4)
+
+
+class _HeadedModel(torch.nn.Module):
+    """A decoder layer and a packed logits head (`lm_head`, as the models name it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer, self.lm_head = PackedLinear(64, 96, bits=4), PackedLinear(96, 64)
+        for i, layer in enumerate((self.layer, self.lm_head)):
+            kind = GGMLQuantizationType.Q4_1 if layer.bits == 4 else GGMLQuantizationType.Q8_0
+            layer.load_rows(0, _packed(kind, layer.out_features, layer.in_features, i))
+
+
+@pytest.mark.usefixtures("fresh_kernel_choices")
+def test_the_head_is_timed_only_at_the_rows_a_step_samples(tmp_path: Path) -> None:
+    """The logits head runs on the sampled rows alone: with at most 16 a step (EngineConfig.sampled_rows), its
+    layout is timed at 1, 2 and 16 rows, the decoder layer at every row class; more rows than were timed (no engine
+    path asks for them) still compute the product, on the reference."""
+    model = _HeadedModel()
+    table = PackedKernelTable(model, make_compiler("inductor"), KernelChoiceCache(tmp_path), "float32", head_rows=16)
+    head, layer = table.records["64x96 8-bit/32 float32"], table.records["96x64 4-bit/32 float32"]
+    assert set(head["times_us"]) == set(head["winners"]) == {"1", "2", "16"}
+    assert set(layer["times_us"]) == {str(r) for r in ROWS}
+    table.install()
+    for rows in (1, 16, 300):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(model.lm_head(x), x @ model.lm_head.weight.t(), rtol=1e-4, atol=1e-4)
+    # the same layout as a decoder layer too: every row class, the head's bound notwithstanding
+    model.layer = PackedLinear(96, 64)
+    model.layer.load_rows(0, _packed(GGMLQuantizationType.Q8_0, 64, 96, 1))
+    shared = PackedKernelTable(model, make_compiler("inductor"), KernelChoiceCache(tmp_path), "float32", head_rows=16)
+    assert set(shared.records["64x96 8-bit/32 float32"]["winners"]) == {str(r) for r in ROWS}
+
+
+def test_a_step_samples_every_sequence_and_each_verified_draft() -> None:
+    plain = EngineConfig(scheduler=SchedulerConfig(max_num_seqs=8))
+    assert plain.sampled_rows == 8
+    speculating = EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=8), speculative=SpeculativeConfig("ngram", num_speculative_tokens=3)
+    )
+    assert speculating.sampled_rows == 32
 
 
 def raced(record: dict, rows: str) -> set[str]:

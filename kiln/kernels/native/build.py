@@ -2,11 +2,12 @@
 
 A tier is a set of compiler flags and the CPU flags they need. Each tier's object is built once per machine from
 the sources beside this file, with `torch.utils.cpp_extension` (OpenMP on, so `at::parallel_for` runs on torch's
-thread pool), into `<cache_dir>/native/<tier>-<key>/`, where the key hashes the sources, the flags, the torch
-version and the compiler's version: a new torch, compiler or source builds again, nothing stale is loaded. The
-build holds a lock of kiln's own (an flock on that folder, released by the OS when a build is killed); torch's own
-lock file there, which a killed build leaves behind and which would make the next build wait forever, is removed
-under it.
+thread pool): at install (`kiln kernels build`, which `make setup` runs) into `<KILN_NATIVE_DIR>/<tier>-<key>/`,
+or, where no object for this key was installed, on first use into `<cache_dir>/native/<tier>-<key>/`. The key
+hashes the sources, the flags, the torch version and the compiler's version: a new torch, compiler or source
+builds again, nothing stale is loaded. The build holds a lock of kiln's own (an flock on that folder, released
+by the OS when a build is killed); torch's own lock file there, which a killed build leaves behind and which would
+make the next build wait forever, is removed under it.
 
 `native_op(tier, name)` is the tier's op `name` (`packed_linear`: float32 activations; `packed_linear_q8` and
 `packed_linear_q8x2`: one or two int8 digits; their `_blocked` forms, avx512 and avx2 tiers: the same arithmetic
@@ -153,16 +154,42 @@ def _say_once(message: str) -> None:
     logger.info(message)
 
 
-def library_path(tier: Tier, compiler: str) -> Path:
-    """Where the tier's object for this compiler, torch and sources is (or will be) built."""
+def _object(tier: Tier, compiler: str) -> Path:
+    """The tier's object for this compiler, torch and sources, relative to a folder of native objects."""
     key = build_key(tier, compiler)
-    return read_env().cache_dir / "native" / f"{tier.name}-{key}" / f"{tier.namespace}_{key}.so"
+    return Path(f"{tier.name}-{key}") / f"{tier.namespace}_{key}.so"
+
+
+def installed_path(tier: Tier, compiler: str) -> Path:
+    """Where `kiln kernels build` (run by `make setup`) puts the tier's object: KILN_NATIVE_DIR."""
+    return read_env().native_dir / _object(tier, compiler)
+
+
+def library_path(tier: Tier, compiler: str) -> Path:
+    """The tier's object this process loads: the one built at install where it is there, else the one built (or
+    to be built) in the cache."""
+    installed = installed_path(tier, compiler)
+    return installed if installed.is_file() else read_env().cache_dir / "native" / _object(tier, compiler)
+
+
+def install_tier(tier: Tier) -> Path:
+    """Build the tier's object into KILN_NATIVE_DIR (where it is not there yet) and load it; its path. Raises
+    RuntimeError where there is no compiler, OSError where the folder cannot be written, the compiler's error."""
+    compiler = compiler_version()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (c++ or $CXX) on this machine")
+    library = installed_path(tier, compiler)
+    _build_or_load(tier, compiler, library)
+    return library
 
 
 def _load(tier: Tier, compiler: str) -> None:
+    _build_or_load(tier, compiler, library_path(tier, compiler))
+
+
+def _build_or_load(tier: Tier, compiler: str, library: Path) -> None:
     from torch.utils import cpp_extension
 
-    library = library_path(tier, compiler)
     folder, name = library.parent, library.stem
     folder.mkdir(parents=True, exist_ok=True)
     fd = os.open(folder, os.O_RDONLY)

@@ -1,0 +1,18 @@
+"""Parser of `kiln kernels` (handlers in kiln.kernels.commands): `kiln kernels build` builds the native kernels
+at install, so a first start does not (`make setup` runs it)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_kernels_subcommand(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("kernels", help="kiln's native kernels: build them at install")
+    verbs = p.add_subparsers(dest="verb", required=True)
+    b = verbs.add_parser(
+        "build",
+        help="build the native kernels of the widest ISA tier this CPU runs into KILN_NATIVE_DIR "
+        "(default <environment>/share/kiln/native)",
+    )
+    b.add_argument("--all-tiers", action="store_true", help="every tier this CPU runs, not only the widest")
+    b.set_defaults(handler="kiln.kernels.commands:cmd_build")
