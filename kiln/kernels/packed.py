@@ -34,7 +34,7 @@ from kiln.kernels.candidates import (
     native_packed_linear,
 )
 from kiln.kernels.choices import KernelChoiceCache, stream_count
-from kiln.kernels.native.build import source_hash
+from kiln.kernels.native.build import install_native_dispatch, source_hash
 from kiln.kernels.race import RULES, Entrant, time_candidates, time_us
 from kiln.quant.linear import PackedLinear
 from kiln.quant.ops import ROW_CLASSES, Kernel, dequantize_codes, row_class
@@ -123,6 +123,7 @@ class PackedKernelTable:
     def install(self) -> None:
         """Bind each layer its layout's winners (compiled ones built here, once per layout; repacked weights once
         per layer)."""
+        install_native_dispatch()  # the op calls the native winners from C++ where kiln's objects load
         made: dict[tuple[str, str, int], Kernel] = {}
         for layer in self.layers:
             kernels, inline = {}, set()

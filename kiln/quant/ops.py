@@ -50,11 +50,30 @@ def _weight_key(codes: torch.Tensor) -> tuple[int, torch.Size, torch.dtype]:
     return codes.data_ptr(), codes.shape, codes.dtype
 
 
+# Where kiln's native objects load, the op's CPU kernel is C++ (kiln/kernels/native/dispatch.cpp): it calls the
+# bound native ops itself and this module's implementation for the rest. `(codes, [op name or "" per entry])`.
+NativeBinder = Callable[[torch.Tensor, list[str]], None]
+_native_binders: list[NativeBinder] = []
+
+
+def use_native_binder(binder: NativeBinder) -> None:
+    """From now on, tell the op's C++ kernel (installed by kiln.kernels.native) about every binding too."""
+    _native_binders[:] = [binder]
+
+
+def native_op_name(kernel: Kernel | None) -> str:
+    """ "kiln_native_<tier>::<op>" for a kernel that is one of kiln's native ops, "" for any other kernel."""
+    name = getattr(kernel, "_qualified_op_name", "")
+    return name if isinstance(name, str) and name.startswith("kiln_native_") else ""
+
+
 def bind_kernels(codes: torch.Tensor, kernels: dict[int, Kernel]) -> None:
     """Run `kernels` (by row class) for every product over these codes. The binding dies with the codes."""
     _BOUND[_weight_key(codes)] = (weakref.ref(codes), dict(kernels))
     for key in [k for k, (ref, _) in _BOUND.items() if ref() is None]:
         del _BOUND[key]
+    for binder in _native_binders:
+        binder(codes, [native_op_name(kernels.get(top)) for top in (*ROW_CLASSES, LARGE)])
 
 
 def bound_kernel(codes: torch.Tensor, rows: int) -> Kernel:
@@ -109,8 +128,16 @@ def packed_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, off
 
 
 _LIB.impl("packed_linear", packed_linear, "CompositeExplicitAutograd")
+# the same implementation under another name: what the C++ kernel calls for bindings that are not native ops
+_LIB.define("packed_linear_bound(Tensor x, Tensor codes, Tensor scale, Tensor offset) -> Tensor")
+_LIB.impl("packed_linear_bound", packed_linear, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("kiln::packed_linear", lib=_LIB)
+def _(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], codes.shape[0])
+
+
+@torch.library.register_fake("kiln::packed_linear_bound", lib=_LIB)
 def _(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], codes.shape[0])

@@ -12,8 +12,10 @@ make the next build wait forever, is removed under it.
 `native_op(tier, name)` is the tier's op `name` (`packed_linear`: float32 activations; `packed_linear_q8` and
 `packed_linear_q8x2`: one or two int8 digits; their `_blocked` forms, avx512 and avx2 tiers: the same arithmetic
 with 16 or 8 outputs a vector, for many rows, int8 codes on avx512 only; `paged_decode_attention`: decode attention
-over the paged KV cache), or None where the CPU lacks the tier, the tier has no such op, or the build failed (no
-compiler, a compiler error): kiln then runs on the torch candidates and says why once, in one log line.
+over the paged KV cache; `bind_packed` / `install_packed_dispatch`: the C++ CPU kernel of `kiln::packed_linear`,
+dispatch.cpp, installed by `install_native_dispatch`), or None where the CPU lacks the tier, the tier has no such
+op, or the build failed (no compiler, a compiler error): kiln then runs on the torch candidates and says why once,
+in one log line.
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ import torch
 
 from kiln.env import read_env
 from kiln.kernels.choices import cpu_info
+from kiln.quant.ops import use_native_binder
 
 logger = logging.getLogger("kiln")
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("packed_linear.cpp", "packed_q8.cpp", "packed_q8_blocked.cpp", "paged_attention.cpp")
+    for name in ("packed_linear.cpp", "packed_q8.cpp", "packed_q8_blocked.cpp", "paged_attention.cpp", "dispatch.cpp")
 )
 # included by the sources: part of their hash
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("packed_operands.h", "q8_activations.h"))
@@ -114,6 +117,8 @@ OPS = (
     "packed_linear_q8_blocked",
     "packed_linear_q8x2_blocked",
     "paged_decode_attention",
+    "bind_packed",
+    "install_packed_dispatch",
 )
 # ops only some tiers define (the blocked products: zmm and ymm forms, none in the plain tier)
 TIER_OPS = {name: ("avx512", "avx2") for name in ("packed_linear_q8_blocked", "packed_linear_q8x2_blocked")}
@@ -214,3 +219,18 @@ def _build_or_load(tier: Tier, compiler: str, library: Path) -> None:
     finally:
         os.close(fd)
     torch.ops.load_library(str(library))
+
+
+@functools.cache
+def install_native_dispatch() -> str | None:
+    """Make `kiln::packed_linear`'s CPU kernel the C++ one (dispatch.cpp) of the widest tier that loads, once per
+    process, and send every binding there too (kiln.quant.ops.use_native_binder); the tier's name, None where no
+    tier loads (the op keeps its Python implementation)."""
+    for tier in runnable_tiers():
+        install, bind = native_op(tier.name, "install_packed_dispatch"), native_op(tier.name, "bind_packed")
+        if install is None or bind is None:
+            continue
+        install()
+        use_native_binder(bind)
+        return tier.name
+    return None
