@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -71,6 +72,44 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+#ifdef KILN_ATTN_YMM
+// exp_nonpositive for 8 values, op for op (GCC 12 leaves the scalar form's loop unvectorized: the exponential was
+// about half of a one-row call's time on a 2-core EPYC).
+inline __m256 exp_nonpositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256i k = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_cvttps_epi32(_mm256_sub_ps(_mm256_set1_ps(0.5f), t)));
+  const __m256 f = _mm256_mul_ps(_mm256_sub_ps(t, _mm256_cvtepi32_ps(k)), _mm256_set1_ps(0.693147180559945309f));
+  __m256 p = _mm256_set1_ps(1.f / 5040.f);
+  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
+    p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(c));
+  const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(k, _mm256_set1_epi32(127)), 23));
+  return _mm256_mul_ps(p, scale);
+}
+#endif
+
+// s[j] = exp(s[j] - mx) for n scores; their sum.
+inline float exponentiate(float* s, int64_t n, float mx) {
+  float sum = 0.f;
+  int64_t j = 0;
+#ifdef KILN_ATTN_YMM
+  __m256 sums = _mm256_setzero_ps();
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm256_set1_ps(mx)));
+    _mm256_storeu_ps(s + j, e);
+    sums = _mm256_add_ps(sums, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sums);
+  for (const float v : lanes) sum += v;
+#endif
+  for (; j < n; ++j) {
+    s[j] = exp_nonpositive(s[j] - mx);
+    sum += s[j];
+  }
+  return sum;
+}
+
 struct Layout {
   int64_t heads, kv_heads, group, head_dim, blocks, block_size, table_width;
   int64_t window;
@@ -90,28 +129,48 @@ inline __m256 load8(const c10::BFloat16* p) {  // 8 bf16 widened: each the high 
 }
 #endif
 
+#ifdef KILN_ATTN_YMM
+// NG query heads against 4 keys k (rows of D values): 4 * NG independent accumulators, so the FMAs' latency is
+// hidden (4 chains, one head at a time, waited on it: 2.5x slower here), each key vector read once for NG heads.
+template <typename T, int NG>
+inline void scores_of_4_keys(const float* q, const T* k, int64_t D, float scale, float* scores, int64_t stride) {
+  __m256 a[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int j = 0; j < 4; ++j) a[g][j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 k0 = load8(k + d), k1 = load8(k + D + d), k2 = load8(k + 2 * D + d), k3 = load8(k + 3 * D + d);
+    for (int g = 0; g < NG; ++g) {
+      const __m256 x = _mm256_loadu_ps(q + g * D + d);
+      a[g][0] = _mm256_fmadd_ps(x, k0, a[g][0]);
+      a[g][1] = _mm256_fmadd_ps(x, k1, a[g][1]);
+      a[g][2] = _mm256_fmadd_ps(x, k2, a[g][2]);
+      a[g][3] = _mm256_fmadd_ps(x, k3, a[g][3]);
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]), _mm256_hadd_ps(a[g][2], a[g][3]));  // k0..k3 x2
+    const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(scores + g * stride, _mm_mul_ps(sum, _mm_set1_ps(scale)));
+  }
+}
+#endif
+
 // scores[g * stride + j] = scale * (q_g . k_j) for `run` keys k (rows of D values) and G query heads q (rows of D).
 template <typename T, int64_t DIM>
 void key_scores(const float* q, const T* k, int64_t run, int64_t G, int64_t D, float scale, float* scores,
                 int64_t stride) {
   int64_t j = 0;
 #ifdef KILN_ATTN_YMM
-  if (D % 8 == 0) {  // 4 keys at a time: 4 accumulators per head, summed lane-wise
-    const T* kf = k;
+  if (D % 8 == 0) {  // 4 keys at a time, up to 3 heads together (12 accumulators of the 16 ymm registers)
     for (; j + 4 <= run; j += 4) {
-      for (int64_t g = 0; g < G; ++g) {
+      for (int64_t g = 0; g < G; g += 3) {
         const float* qg = q + g * D;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t d = 0; d < D; d += 8) {
-          const __m256 x = _mm256_loadu_ps(qg + d);
-          a0 = _mm256_fmadd_ps(x, load8(kf + (j + 0) * D + d), a0);
-          a1 = _mm256_fmadd_ps(x, load8(kf + (j + 1) * D + d), a1);
-          a2 = _mm256_fmadd_ps(x, load8(kf + (j + 2) * D + d), a2);
-          a3 = _mm256_fmadd_ps(x, load8(kf + (j + 3) * D + d), a3);
+        float* sg = scores + g * stride + j;
+        switch (std::min<int64_t>(3, G - g)) {
+          case 3: scores_of_4_keys<T, 3>(qg, k + j * D, D, scale, sg, stride); break;
+          case 2: scores_of_4_keys<T, 2>(qg, k + j * D, D, scale, sg, stride); break;
+          default: scores_of_4_keys<T, 1>(qg, k + j * D, D, scale, sg, stride); break;
         }
-        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  // lanes: k0 k1 k2 k3 (x2)
-        const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-        _mm_storeu_ps(scores + g * stride + j, _mm_mul_ps(sum, _mm_set1_ps(scale)));
       }
     }
   }
@@ -162,9 +221,25 @@ void attend_chunk(const Layout& s, const float* q, const T* kv, const int64_t* t
   const T* keys = kv + c.head * head_stride;
   const T* values = kv + (s.kv_heads + c.head) * head_stride;
   const int64_t* blocks = table + c.row * s.table_width;
+  // where the run of keys (or values) from token t on lies in its block, and how many tokens it holds
+  const auto run_at = [&](const T* base, int64_t t) {
+    const int64_t first = t % BS;
+    return std::make_pair(base + (blocks[t / BS] * BS + first) * D, std::min(BS - first, c.end - t));
+  };
+  // A block is a page or so of its own: the hardware prefetchers stop at its end, so the next run's lines are asked
+  // for while this one is read (2.7x off the KV-streaming roofline at one row before, on a 2-core EPYC).
+  const auto prefetch_run = [&](const T* base, int64_t t) {
+    const auto [at, run] = run_at(base, t);
+    const char* bytes = reinterpret_cast<const char*>(at);
+    for (int64_t b = 0; b < run * D * int64_t(sizeof(T)); b += 64) __builtin_prefetch(bytes + b, 0, 3);
+  };
   for (int64_t t = c.begin; t < c.end;) {  // one block's run of keys at a time
-    const int64_t block = blocks[t / BS], first = t % BS, run = std::min(BS - first, c.end - t);
-    key_scores<T, DIM>(qh, keys + (block * BS + first) * D, run, G, D, s.scale, scores + (t - c.begin), len);
+    const auto [at, run] = run_at(keys, t);
+    if (t + run < c.end)
+      prefetch_run(keys, t + run);
+    else
+      prefetch_run(values, c.begin);  // the values come next
+    key_scores<T, DIM>(qh, at, run, G, D, s.scale, scores + (t - c.begin), len);
     t += run;
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -174,20 +249,14 @@ void attend_chunk(const Layout& s, const float* q, const T* kv, const int64_t* t
     float mx = -INFINITY;
 #pragma omp simd reduction(max : mx)
     for (int64_t j = 0; j < len; ++j) mx = std::max(mx, sg[j]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < len; ++j) {
-      sg[j] = exp_nonpositive(sg[j] - mx);
-      sum += sg[j];
-    }
     m[g] = mx;
-    l[g] = sum;
+    l[g] = exponentiate(sg, len, mx);
     std::fill(acc + g * D, acc + (g + 1) * D, 0.f);
   }
   for (int64_t t = c.begin; t < c.end;) {  // each block's values read once (from L1) for every head
-    const int64_t block = blocks[t / BS], first = t % BS, run = std::min(BS - first, c.end - t);
-    for (int64_t g = 0; g < G; ++g)
-      weigh_values<T, DIM>(scores + g * len + (t - c.begin), values + (block * BS + first) * D, run, D, acc + g * D);
+    const auto [at, run] = run_at(values, t);
+    if (t + run < c.end) prefetch_run(values, t + run);
+    for (int64_t g = 0; g < G; ++g) weigh_values<T, DIM>(scores + g * len + (t - c.begin), at, run, D, acc + g * D);
     t += run;
   }
 }
