@@ -58,6 +58,7 @@ inline VI broadcast16(const int8_t* p) { return _mm512_broadcast_i32x4(_mm_loadu
 inline VI low_nibbles(VI v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
 inline VI high_nibbles(VI v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
 inline VI dot_u8s8(VI acc, VI u, VI s) { return _mm512_dpbusd_epi32(acc, u, s); }
+inline VI dot_pair(VI acc, VI u, VI s, VI u2, VI s2) { return dot_u8s8(dot_u8s8(acc, u, s), u2, s2); }
 inline VI magnitude(VI w) { return _mm512_abs_epi8(w); }
 inline VI two_digits(VI high, VI low) { return _mm512_add_epi32(_mm512_slli_epi32(high, 7), low); }
 inline Sign sign_of(VI w) { return _mm512_movepi8_mask(w); }
@@ -96,6 +97,12 @@ inline VI low_nibbles(VI v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); 
 inline VI high_nibbles(VI v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15)); }
 inline VI dot_u8s8(VI acc, VI u, VI s) {  // pairs of u8 x s8 products fit in int16: |u| <= 128, |s| <= 127
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+// two nibble-code dot products (codes <= 15): each pair sum is at most 2 * 15 * 127, so the two add in int16 before
+// one widening multiply
+inline VI dot_pair(VI acc, VI u, VI s, VI u2, VI s2) {
+  const VI pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u, s), _mm256_maddubs_epi16(u2, s2));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 inline VI magnitude(VI w) { return _mm256_abs_epi8(w); }
 inline VI two_digits(VI high, VI low) { return _mm256_add_epi32(_mm256_slli_epi32(high, 7), low); }
@@ -147,10 +154,10 @@ void tile(const Weights& w, const Acts& a, int64_t r0, int64_t o0, float* out, i
         }
         for (int r = 0; r < R; ++r) {
           const VI xl = broadcast16(qg + r * a.in + c), xh = broadcast16(qg + r * a.in + w.code_bytes + c);
-          for (int t = 0; t < T; ++t) acc[r][t] = dot_u8s8(dot_u8s8(acc[r][t], lo[t], xl), hi[t], xh);
+          for (int t = 0; t < T; ++t) acc[r][t] = dot_pair(acc[r][t], lo[t], xl, hi[t], xh);
           if (D == 2) {
             const VI yl = broadcast16(qg2 + r * a.in + c), yh = broadcast16(qg2 + r * a.in + w.code_bytes + c);
-            for (int t = 0; t < T; ++t) acc2[r][t] = dot_u8s8(dot_u8s8(acc2[r][t], lo[t], yl), hi[t], yh);
+            for (int t = 0; t < T; ++t) acc2[r][t] = dot_pair(acc2[r][t], lo[t], yl, hi[t], yh);
           }
         }
       } else {
