@@ -96,6 +96,17 @@ class KernelChoiceCache:
         self._write(records)
         return {**record, "source": "timed"}
 
+    def forget_this_machine(self) -> int:
+        """Drop every choice timed on this CPU (any torch, any thread count) from the file, so the next start times
+        them again (after a first start that other work slowed down); other machines' choices stay. How many."""
+        records = self._read()
+        mine = {k for k, r in records.items() if _same_cpu(r.get("machine"), self.machine)}
+        if mine:
+            self._write({k: r for k, r in records.items() if k not in mine})
+        for key in mine:
+            _PROCESS_CHOICES.pop(key, None)
+        return len(mine)
+
     def _read(self) -> dict[str, Any]:
         try:
             data = json.loads(self.path.read_text())
@@ -111,6 +122,10 @@ class KernelChoiceCache:
             tmp.replace(self.path)
         except OSError as exc:  # a read-only cache costs a re-measure next start, nothing else
             logger.warning("Could not save kernel choices to %s (%s): they are timed again next start", self.path, exc)
+
+
+def _same_cpu(machine: object, this: dict[str, Any]) -> bool:
+    return isinstance(machine, dict) and (machine.get("cpu"), machine.get("isa")) == (this["cpu"], this["isa"])
 
 
 def _public(stored: dict[str, Any]) -> dict[str, Any]:

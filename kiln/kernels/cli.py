@@ -1,5 +1,6 @@
 """Parser of `kiln kernels` (handlers in kiln.kernels.commands): `kiln kernels build` builds the native kernels
-at install, so a first start does not (`make setup` runs it)."""
+at install, so a first start does not (`make setup` runs it); `kiln kernels forget` drops this CPU's timed
+choices so the next start times them again."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import argparse
 
 
 def add_kernels_subcommand(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("kernels", help="kiln's native kernels: build them at install")
+    p = sub.add_parser("kernels", help="kiln's kernels: build the native ones at install, forget timed choices")
     verbs = p.add_subparsers(dest="verb", required=True)
     b = verbs.add_parser(
         "build",
@@ -16,3 +17,10 @@ def add_kernels_subcommand(sub: argparse._SubParsersAction) -> None:
     )
     b.add_argument("--all-tiers", action="store_true", help="every tier this CPU runs, not only the widest")
     b.set_defaults(handler="kiln.kernels.commands:cmd_build")
+    f = verbs.add_parser(
+        "forget",
+        help="drop the kernel choices timed on this CPU from the cache, so the next start times them again "
+        "(after a first start that other work slowed down)",
+    )
+    f.add_argument("--cache-dir", default=None, help="the cache whose choices to drop (default: KILN_CACHE_DIR)")
+    f.set_defaults(handler="kiln.kernels.commands:cmd_forget")

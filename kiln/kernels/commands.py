@@ -1,13 +1,17 @@
 """`kiln kernels build`: the native kernels built at install (kiln.kernels.native.build), so that a first start
 loads them instead of compiling (~20 s on a 2-core machine). Without a C++ compiler it says so and succeeds:
-kiln runs on the torch candidates there."""
+kiln runs on the torch candidates there. `kiln kernels forget`: this CPU's timed choices dropped from a cache
+(kiln.kernels.choices), so the next start times them again."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
+from kiln.env import read_env
 from kiln.errors import ConfigError
+from kiln.kernels.choices import KernelChoiceCache
 from kiln.kernels.native.build import install_tier, runnable_tiers
 from kiln.log import setup_logging
 
@@ -35,3 +39,10 @@ def cmd_build(args: argparse.Namespace) -> int:
         if not args.all_tiers:
             return 0
     return 1 if failures else 0
+
+
+def cmd_forget(args: argparse.Namespace) -> int:
+    cache = KernelChoiceCache(Path(args.cache_dir) if args.cache_dir else read_env().cache_dir)
+    dropped = cache.forget_this_machine()
+    print(f"forgot {dropped} kernel choice{'s' if dropped != 1 else ''} timed on this CPU in {cache.path}")
+    return 0

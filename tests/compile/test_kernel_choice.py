@@ -3,6 +3,7 @@ weight layout and one-row head."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 import kiln.kernels.choices as choice_module
 import kiln.kernels.plan as plan_module
 import kiln.kernels.static_sizes as graph_choice
-from kiln.kernels.choices import KernelChoiceCache
+from kiln.cli import main
+from kiln.kernels.choices import CHOICES_FILE, KernelChoiceCache
 from kiln.kernels.layout import COLUMN_MAJOR, ROW_MAJOR, is_column_major
 from kiln.kernels.static_sizes import REDUCTION, decide
 from tests.compile.tiny import generate, graph_runner, make_runner, random_prompts, tiny_model
@@ -119,3 +121,26 @@ def test_automatic_choice_is_timed_on_this_machine(tmp_path: Path) -> None:
     assert list(graph.compile_sizes) == decide(record["times_us"])["static_sizes"] == record["static_sizes"]
     _, again = graph_runner(model, tmp_path, compiler="inductor", compile_sizes=None, capture_sizes=(1, 2, 4))
     assert again.kernel_choices["static_sizes"]["source"] == "process" and again.compile_sizes == graph.compile_sizes
+
+
+@pytest.mark.usefixtures("fresh_kernel_choices")
+def test_kernels_forget_drops_this_cpus_choices_and_keeps_the_others(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kiln kernels forget` (after a first start that other work slowed down): this CPU's choices go, whatever
+    their torch or thread count, so the next start times them again; another machine's stay."""
+    cache = KernelChoiceCache(tmp_path)
+    timed = cache.choose("a product", {"shape": [8, 8]}, lambda: {"winner": "x"})
+    assert timed["source"] == "timed"
+    path = tmp_path / CHOICES_FILE
+    records = json.loads(path.read_text())
+    other_machine = {**cache.machine, "cpu": "another CPU"}
+    other_threads = {**cache.machine, "threads": cache.machine["threads"] + 7}
+    records["elsewhere"] = {"winner": "y", "name": "b", "applies_to": {}, "machine": other_machine}
+    records["fewer threads"] = {"winner": "z", "name": "c", "applies_to": {}, "machine": other_threads}
+    path.write_text(json.dumps(records))
+    assert main(["kernels", "forget", "--cache-dir", str(tmp_path)]) == 0
+    assert "forgot 2 kernel choices timed on this CPU" in capsys.readouterr().out
+    assert set(json.loads(path.read_text())) == {"elsewhere"}
+    again = KernelChoiceCache(tmp_path).choose("a product", {"shape": [8, 8]}, lambda: {"winner": "x2"})
+    assert again["source"] == "timed" and again["winner"] == "x2"  # not the process's memo of the old choice
