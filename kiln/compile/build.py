@@ -14,10 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.compile.backend import INPUT_IDS, NUM_TOKENS, POSITIONS, TracedForward, trace_forward
+from kiln.compile.backend import INPUT_IDS, NUM_TOKENS, POSITIONS, TracedForward
 from kiln.compile.counters import CompileCounters
 from kiln.compile.piece import Piece
 from kiln.compile.split import SplitPiece, module_paths, split_graph, structure_key
+from kiln.compile.stamp import trace_model
 from kiln.errors import ConfigError
 
 
@@ -67,7 +68,7 @@ def build_graph(
     sample_size: int = 8,
 ) -> PiecewiseForward:
     """Trace `model`'s forward and split it at `splitting_ops` (or keep it whole when not `split`)."""
-    traced = trace_forward(model, model, kv_caches, device, sample_size)
+    traced = trace_model(model, kv_caches, device, sample_size)
     counters.graphs_traced += 1
     if not split:
         gm = traced.gm

@@ -33,7 +33,6 @@ from kiln.compile.backend import (
     SEQ_LENS,
     WINDOW_TABLE,
     TracedForward,
-    trace_forward,
 )
 from kiln.compile.capture import make_capture
 from kiln.compile.counters import CompileCounters
@@ -42,6 +41,7 @@ from kiln.compile.decode_units import LayerUnits
 from kiln.compile.modes import PieceMode
 from kiln.compile.piece import Piece
 from kiln.compile.split import SplitPiece, module_paths, structure_key
+from kiln.compile.stamp import trace_model
 from kiln.compile.store import CompiledPieceStore
 from kiln.model.attention import cache_nulls, kv_cache_block_size
 from kiln.model.forward_context import DecodeInputs, DecodeKernel, ModelInputs
@@ -127,9 +127,7 @@ class FullDecodeGraph:
         self.device = device
         self.counters = counters
         self.sizes = sorted(sizes)
-        trace = partial(
-            trace_forward, model, model, kv_caches, device, sample_size, decode=True, decode_kernel=decode_kernel
-        )
+        trace = partial(trace_model, model, kv_caches, device, sample_size, decode=True, decode_kernel=decode_kernel)
         self.variants: dict[int | None, DecodeVariant] = {None: DecodeVariant(trace(), counters, None)}
         counters.graphs_traced += 1
         for size in static_sizes(model, self.sizes, gemv_sizes):

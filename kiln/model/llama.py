@@ -10,6 +10,8 @@ What differs between the families is read from the config (kiln.model.family_con
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -127,6 +129,15 @@ class LlamaModel(nn.Module):
         )
         self.held = [i for i in range(config.num_layers) if stage.holds_layer(i)]
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
+
+    @contextmanager
+    def tracing_layers(self, layers: list[int]) -> Iterator[None]:
+        """Run only `layers` of the held ones (a trace of a few from which kiln.compile.stamp copies the rest)."""
+        held, self.held = self.held, layers
+        try:
+            yield
+        finally:
+            self.held = held
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if self.stage.prev_rank is None:
