@@ -11,6 +11,8 @@ capturer.py   capture every piece per size, largest first             dispatch.p
 passes.py     inductor post-grad passes (DecodeGemv)                  settings.py  GraphConfig from recipe/flags
 full_graph.py the full decode graph (attention traced inside)         decode_buffers.py  its persistent inputs
 decode_units.py  the full decode graph cut into layer units, each distinct one compiled once
+stamp.py      a uniform decoder stack traced through three layers, the rest stamped from the third
+layer_signature.py  which stacks are uniform (layers that trace to the same nodes)
 modes.py      piece modes and the --piece-modes syntax                counters.py  what graph mode did, as numbers
 fusion_match.py, fusion_flow.py, fusion.py, fusion_check.py: recipe fusion groups found in the pieces, judged
 on the generated code, enforced after compiling (a required group not realised fails the compile at its line).

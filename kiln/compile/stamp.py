@@ -2,8 +2,9 @@
 
 Dynamo's trace is most of a warm start (two traces of the default model's 30 layers, ~9 s each on 2 cores), and
 it is the same work 30 times: in a stack whose layers are alike (the same module types, attributes and weight
-shapes, only `layer_idx` differing) every layer traces to the same nodes. So the forward is traced through its
-first three layers only (`DecoderModel.tracing_layers`) and each further layer is a copy of the third's nodes:
+shapes, only `layer_idx` differing: kiln.compile.layer_signature) every layer traces to the same nodes. So the
+forward is traced through its first three layers only (the decoder's `tracing_layers`, kiln.model.llama) and each
+further layer is a copy of the third's nodes:
 - a reference to the previous layer's node (the residual stream) becomes the same node of the copy before it;
   the second layer's nodes line up one for one with the third's (checked), so the first copy can follow the third;
 - a reference to an earlier node (the embedding, values computed once in the first layer) stays as it is;
@@ -20,7 +21,6 @@ line up, is traced whole (`stamp_layers` returns None and says why at debug leve
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import re
@@ -34,12 +34,11 @@ from torch.fx import Graph, GraphModule, Node
 
 from kiln.compile.backend import TracedForward, trace_forward
 from kiln.compile.decode_units import layer_index
+from kiln.compile.layer_signature import TEMPLATE_LAYERS, describe, stampable_layers
 
 logger = logging.getLogger("kiln")
 
-TEMPLATE_LAYERS = 3  # the first (it may compute what later layers share), the previous one, the template
 LAYER_INDEX_ARG = {torch.ops.kiln.attention: 3, torch.ops.kiln.attention.default: 3}  # args that are layer_idx
-_PRIMITIVE = (int, float, str, bool, type(None), torch.dtype, torch.device)
 
 
 def trace_model(
@@ -64,42 +63,6 @@ def trace_model(
             )
             return stamped
     return trace_forward(model, model, kv_caches, device, sample_size, **options)
-
-
-def stampable_layers(model: nn.Module) -> list[int] | None:
-    """The decoder's layer indices when its forward can be traced through three and the rest stamped: it offers
-    `tracing_layers`, runs more than three layers, and they are alike (`layer_signature`); else None."""
-    decoder = getattr(model, "model", None)
-    held = getattr(decoder, "held", None)
-    if decoder is None or held is None or not hasattr(decoder, "tracing_layers") or len(held) <= TEMPLATE_LAYERS:
-        return None
-    signatures = {layer_signature(decoder.layers[i]) for i in held}
-    return list(held) if len(signatures) == 1 else None
-
-
-def layer_signature(layer: nn.Module) -> tuple[Any, ...]:
-    """What a layer's trace depends on: each module's type, its attributes (but `layer_idx`) and its tensors'
-    shapes, dtypes and strides. Two layers with one signature trace to the same nodes."""
-    parts: list[Any] = []
-    for name, module in layer.named_modules():
-        attrs = sorted((k, _describe(v)) for k, v in vars(module).items() if not k.startswith("_") and k != "layer_idx")
-        tensors = [(k, _describe(t)) for k, t in (*module._parameters.items(), *module._buffers.items())]
-        parts.append((name, type(module).__module__, type(module).__qualname__, tuple(attrs), tuple(tensors)))
-    return tuple(parts)
-
-
-def _describe(value: object) -> object:
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.stride(), value.dtype, value.device.type)
-    if isinstance(value, _PRIMITIVE):
-        return value
-    if isinstance(value, (tuple, list)):
-        return tuple(_describe(v) for v in value)
-    if isinstance(value, (set, frozenset)):
-        return ("set", tuple(sorted(repr(v) for v in value)))
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return repr(value)
-    return type(value).__qualname__  # a module (compared on its own) or an object whose identity does not trace
 
 
 def stamp_layers(
@@ -136,43 +99,11 @@ class _Stamper:
         self.tensor_paths = _tensor_paths(self.decoder_layers[self.template])
 
     def stamp(self) -> TracedForward:
-        order = [self.layer_of[n] for n in self.ops]
-        traced_layers = [self.first, self.prev, self.template]
-        runs = [layer for i, layer in enumerate(order) if i == 0 or layer != order[i - 1]]
-        if [r for r in runs if r is not None] != traced_layers or runs.count(None) > 2:
-            raise _NotStampable(f"the trace's layers run in the order {runs}, expected {traced_layers}")
-        prev = [n for n in self.ops if self.layer_of[n] == self.prev]
-        template = [n for n in self.ops if self.layer_of[n] == self.template]
-        if [_op(n) for n in prev] != [_op(n) for n in template]:
-            raise _NotStampable("the second and third layers trace to different nodes")
+        prev, template = self._lined_up_layers()
         position = {n: i for i, n in enumerate(prev)}
         suffix_start = self.ops.index(template[-1]) + 1
-        copied_placeholders = self._placeholders_of_copies(template)
         graph = Graph()
-        env: dict[Node, Node] = {}
-        suffix_inputs = _first_used_in(self.placeholders, self.ops[suffix_start:], set(self.ops[:suffix_start]))
-        slots, bound = [], []
-        for p in [p for p in self.placeholders if p not in suffix_inputs]:
-            env[p] = graph.node_copy(p)
-            slots.append(self.slot[p])
-            bound.append(self.bound[p])
-        new_placeholders: dict[tuple[int, Node], Node] = {}
-        names = {p.target for p in self.placeholders}
-        # where dynamo's placeholder names hold the layer: its weights' paths, its KV cache's index
-        layer_in_name = re.compile(rf"(_layers_modules_|_kv_caches_){self.template}_")
-        for (layer, p), value in copied_placeholders.items():
-            name = layer_in_name.sub(rf"\g<1>{layer}_", p.target)
-            while name in names:  # a placeholder's target is its argument's name: it must be unique
-                name += "_"
-            names.add(name)
-            new_placeholders[layer, p] = node = graph.placeholder(name)
-            node.meta = dict(p.meta)
-            slots.append(None)
-            bound.append(value)
-        for p in suffix_inputs:
-            env[p] = graph.node_copy(p)
-            slots.append(self.slot[p])
-            bound.append(self.bound[p])
+        env, new_placeholders, slots, bound = self._placeholders(graph, template, suffix_start)
         for n in self.ops[:suffix_start]:
             env[n] = graph.node_copy(n, lambda a: env[a])
         last = [env[n] for n in template]
@@ -207,7 +138,54 @@ class _Stamper:
         gm.meta = dict(self.traced.gm.meta)
         return TracedForward(gm, slots, bound, self.traced.trace_s)
 
-    def _placeholders_of_copies(self, template: list[Node]) -> dict[tuple[int, Node], torch.Tensor]:
+    def _lined_up_layers(self) -> tuple[list[Node], list[Node]]:
+        """The second and third layers' nodes, checked: the layers run one after the other, and the second's
+        nodes are the third's one for one (so a copy can follow the third as the third follows the second)."""
+        order = [self.layer_of[n] for n in self.ops]
+        traced_layers = [self.first, self.prev, self.template]
+        runs = [layer for i, layer in enumerate(order) if i == 0 or layer != order[i - 1]]
+        if [r for r in runs if r is not None] != traced_layers or runs.count(None) > 2:
+            raise _NotStampable(f"the trace's layers run in the order {runs}, expected {traced_layers}")
+        prev = [n for n in self.ops if self.layer_of[n] == self.prev]
+        template = [n for n in self.ops if self.layer_of[n] == self.template]
+        if [_op(n) for n in prev] != [_op(n) for n in template]:
+            raise _NotStampable("the second and third layers trace to different nodes")
+        return prev, template
+
+    def _placeholders(
+        self, graph: Graph, template: list[Node], suffix_start: int
+    ) -> tuple[dict[Node, Node], dict[tuple[int, Node], Node], list[str | None], list[Any]]:
+        """The new graph's placeholders in a full trace's order: those met up to the third layer, the copies'
+        own (layer by layer), then those first met after the layers; with their slots and bound values."""
+        env: dict[Node, Node] = {}
+        slots: list[str | None] = []
+        bound: list[Any] = []
+        before = set(self.ops[:suffix_start])
+        after = [p for p in self.placeholders if p.users and not any(u in before for u in p.users)]
+        for p in [p for p in self.placeholders if p not in after]:
+            env[p] = graph.node_copy(p)
+            slots.append(self.slot[p])
+            bound.append(self.bound[p])
+        new_placeholders: dict[tuple[int, Node], Node] = {}
+        names = {p.target for p in self.placeholders}
+        # where dynamo's placeholder names hold the layer: its weights' paths, its KV cache's index
+        layer_in_name = re.compile(rf"(_layers_modules_|_kv_caches_){self.template}_")
+        for (layer, p), value in self._placeholders_of_copies(set(template)).items():
+            name = layer_in_name.sub(rf"\g<1>{layer}_", p.target)
+            while name in names:  # a placeholder's target is its argument's name: it must be unique
+                name += "_"
+            names.add(name)
+            new_placeholders[layer, p] = node = graph.placeholder(name)
+            node.meta = dict(p.meta)
+            slots.append(None)
+            bound.append(value)
+        for p in after:
+            env[p] = graph.node_copy(p)
+            slots.append(self.slot[p])
+            bound.append(self.bound[p])
+        return env, new_placeholders, slots, bound
+
+    def _placeholders_of_copies(self, template: set[Node]) -> dict[tuple[int, Node], torch.Tensor]:
         """Each copy's value for every bound placeholder of the template layer that is the layer's own (its weight
         or KV cache); a placeholder the layers share maps to itself (absent here)."""
         inputs = [p for p in self.placeholders if any(u in template for u in p.users) and self.slot[p] is None]
@@ -233,7 +211,7 @@ class _Stamper:
         module_path, _, attr = path.rpartition(".")
         owner = self.decoder_layers[layer].get_submodule(module_path) if module_path else self.decoder_layers[layer]
         mine = getattr(owner, attr)
-        if not isinstance(mine, torch.Tensor) or _describe(mine) != _describe(value):
+        if not isinstance(mine, torch.Tensor) or describe(mine) != describe(value):
             raise _NotStampable(f"layer {layer}'s {path} is not like layer {self.template}'s")
         return mine
 
@@ -265,16 +243,6 @@ def _renamed_in_messages(template: Node, args: tuple[Any, ...], ref: Callable[[N
 
 def _op(node: Node) -> tuple[str, Any]:
     return node.op, node.target
-
-
-def _first_used_in(placeholders: list[Node], suffix: list[Node], before: set[Node]) -> list[Node]:
-    """Placeholders whose first user comes after the layers (they follow the copies' own, as in a full trace)."""
-    later = set(suffix)
-    return [
-        p
-        for p in placeholders
-        if p.users and not any(u in before for u in p.users) and any(u in later for u in p.users)
-    ]
 
 
 def _tensor_paths(layer: nn.Module) -> dict[int, str]:

@@ -9,8 +9,9 @@ import torch
 from torch.fx import Node
 
 from kiln.compile.backend import TracedForward, trace_forward
+from kiln.compile.layer_signature import stampable_layers
 from kiln.compile.split import node_module_path, structure_key
-from kiln.compile.stamp import stampable_layers, trace_model
+from kiln.compile.stamp import trace_model
 from kiln.model.forward_context import ForwardContext, set_forward_context
 from tests.compile.tiny import make_runner, prefill_metadata, tiny_model
 
