@@ -22,5 +22,11 @@ def add_kernels_subcommand(sub: argparse._SubParsersAction) -> None:
         help="drop the kernel choices timed on this CPU from the cache, so the next start times them again "
         "(after a first start that other work slowed down)",
     )
-    f.add_argument("--cache-dir", default=None, help="the cache whose choices to drop (default: KILN_CACHE_DIR)")
+    # NOTE: its own destination: engine flags (EngineArgs) belong to the commands that build an engine
+    f.add_argument(
+        "--cache-dir",
+        dest="choices_dir",
+        default=None,
+        help="the cache whose choices to drop (default: KILN_CACHE_DIR)",
+    )
     f.set_defaults(handler="kiln.kernels.commands:cmd_forget")

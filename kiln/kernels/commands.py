@@ -42,7 +42,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
-    cache = KernelChoiceCache(Path(args.cache_dir) if args.cache_dir else read_env().cache_dir)
+    cache = KernelChoiceCache(Path(args.choices_dir) if args.choices_dir else read_env().cache_dir)
     dropped = cache.forget_this_machine()
     print(f"forgot {dropped} kernel choice{'s' if dropped != 1 else ''} timed on this CPU in {cache.path}")
     return 0
