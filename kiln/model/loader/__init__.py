@@ -8,6 +8,7 @@ base.py           what every checkpoint loader returns, how a model name becomes
 families.py       model families: which HF architecture names kiln runs, with which model class and config reader
 gguf_families.py  the GGUF architectures kiln loads: `general.architecture` -> kiln family, tensor names, config
 gguf_loader.py    GGUF checkpoints: header, dequantized weights (via the `gguf` package) and tokenizer metadata
+gguf_reader.py    the GGUF header reader: gguf's, checked against cut files, quick on long arrays
 gguf_names.py     GGUF tensor names -> HF parameter names (llama.cpp's naming of the Llama family)
 gguf_rope.py      rope scaling in GGUF files: linear (metadata), llama 3.1's `rope_freqs` tensor, Phi-3's long-rope
 hf_config.py      an HF config.json read into kiln's ModelConfig; a bad value is a ModelLoadError naming the field

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderField, ReaderTensor
+from gguf import ReaderTensor
 from gguf.quants import dequantize
 
 from kiln.config import ModelConfig
@@ -29,6 +29,7 @@ from kiln.model.loader.gguf_families import (
     known_names,
 )
 from kiln.model.loader.gguf_names import ROPE_FREQS
+from kiln.model.loader.gguf_reader import CheckedReader
 from kiln.model.loader.gguf_rope import read_rope_scaling, rope_factors
 from kiln.quant.gguf_blocks import PACKED_TYPES, decode_blocks, layout_of
 from kiln.quant.linear import PackedTensor
@@ -46,38 +47,13 @@ def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-class _ExtentCheckedReader(GGUFReader):
-    """A GGUFReader that names the first tensor whose data runs past the end of the file.
-
-    NOTE: GGUFReader maps every tensor's data while it parses the header, and on a cut file fails with a bare numpy
-    reshape error. `_build_tensors` is a private hook of the pinned gguf version; the extents are checked first.
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        super().__init__(path)
-
-    def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
-        size = len(self.data)
-        for f in fields:
-            _, name, _, dims, raw_type, offset = f.parts
-            block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
-            end = int(start_offs + offset[0]) + int(np.prod(dims)) * type_size // block_size
-            if end > size:
-                tensor = bytes(name).decode("utf-8", errors="replace")
-                raise ModelLoadError(
-                    self.path, f"truncated: tensor {tensor} ends at byte {end} but the file has {size} bytes"
-                )
-        super()._build_tensors(start_offs, fields)
-
-
 class GGUFCheckpoint:
     """One GGUF file. Construction reads only the header; `weights()` dequantizes lazily, one tensor at a time."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         try:
-            self.reader = _ExtentCheckedReader(path)
+            self.reader = CheckedReader(path)
         except (ValueError, IndexError, OSError, KeyError) as exc:
             raise ModelLoadError(path, f"not a readable GGUF file: cut short or corrupt ({exc})") from None
 
