@@ -287,8 +287,7 @@ class EngineConfig:
 
     @property
     def sampled_rows(self) -> int:
-        """The most rows one step samples (the logits head's rows): every running sequence, with k + 1 rows each
-        where speculative decoding verifies k drafts."""
+        """The most rows a step samples (the logits head's): per running sequence 1, or k + 1 verifying k drafts."""
         drafts = self.speculative.num_speculative_tokens if self.speculative.is_enabled else 0
         return self.scheduler.max_num_seqs * (drafts + 1)
 

@@ -21,11 +21,11 @@ line up, is traced whole (`stamp_layers` returns None and says why at debug leve
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
 import time
 from collections.abc import Callable
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -205,7 +205,7 @@ class _Stamper:
                 return self.kv_caches[layer]
         path = self.tensor_paths.get(id(value))
         if path is None:
-            if id(value) in self._layers_tensors():
+            if id(value) in self._layers_tensors:
                 raise _NotStampable(f"layer {self.template} reads another layer's tensor")
             return value  # no layer's tensor (an input of the whole model)
         module_path, _, attr = path.rpartition(".")
@@ -215,8 +215,9 @@ class _Stamper:
             raise _NotStampable(f"layer {layer}'s {path} is not like layer {self.template}'s")
         return mine
 
-    @functools.cache  # noqa: B019  (one stamper, one call)
+    @cached_property
     def _layers_tensors(self) -> set[int]:
+        """Every tensor any layer holds, by id."""
         return {i for layer in self.decoder_layers for i in _tensor_paths(layer)}
 
     def _layer_args(self, template: Node, args: tuple[Any, ...], layer: int) -> tuple[Any, ...]:
