@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kiln.bench.hf_runner import quick_gguf_reads
 from kiln.bench.metrics import RunResult
 from kiln.env import read_env
 from kiln.errors import KilnError
@@ -81,10 +82,11 @@ def hf_dir_for(model_path: str) -> Path:
     folder, name = os.path.dirname(model_path), os.path.basename(model_path)
     # NOTE: dequantize=True: transformers otherwise keeps GGUF blocks packed, and a packed model cannot be saved
     dense = GgufConfig(dequantize=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=parse_dtype(DTYPE), quantization_config=dense
-    )
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    with quick_gguf_reads():
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=parse_dtype(DTYPE), quantization_config=dense
+        )
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     partial = out.with_name(out.name + ".partial")
     model.save_pretrained(partial, safe_serialization=True)
     tokenizer.save_pretrained(partial)

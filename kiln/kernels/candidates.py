@@ -62,6 +62,7 @@ class PackedCandidate(ABC):
     name: ClassVar[str]
     activations: ClassVar[str] = FLOAT32  # the arithmetic: float32 (dequantize-then-fp32's) or int8
     builds: ClassVar[bool] = False  # make() compiles or repacks: it races after the candidates that build nothing
+    built_per_rows: ClassVar[bool] = False  # make() builds anew for each row count (compiled for static rows)
 
     def applies(self, layer: PackedLinear, rows: int) -> bool:
         return True
@@ -108,6 +109,7 @@ class TiledDequantBlas(PackedCandidate):
 class FusedReduction(PackedCandidate):
     name = "fused-reduction"
     builds = True
+    built_per_rows = True
 
     def applies(self, layer: PackedLinear, rows: int) -> bool:
         return rows <= GEMV_ROWS

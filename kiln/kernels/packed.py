@@ -14,6 +14,7 @@ runs. Racing the 49152-row head at 256 and 1,024 rows took about half of its 15 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -43,6 +44,10 @@ logger = logging.getLogger("kiln")
 
 LARGE_ROWS = 1024  # prefill chunks of up to --max-num-batched-tokens (2048 by default)
 STREAM_BYTES = 96 << 20  # copies of a layer that add up to more than a last-level cache
+# NOTE: at most this many copies: 512 copies of a layer fit a cache only where the whole model is a toy that sits in
+# cache when it runs too, and a 64x64 4-bit layer's 19,000 copies (clones, and torch's int4 repacking of each) took
+# 20 s of a 54 s table on a 2-core EPYC. SmolLM2's layers take 4 to 390 copies.
+MAX_COPIES = 512
 ROWS = (*ROW_CLASSES, LARGE_ROWS)
 TIMED_ROWS = {row_class(rows): rows for rows in ROWS}  # row class -> the row count timed for it
 
@@ -145,33 +150,66 @@ class PackedKernelTable:
     def _time(self, layer: PackedLinear, rows_timed: tuple[int, ...]) -> dict[str, Any]:
         """Race the candidates at each row count, fewest rows first (kiln.kernels.race): a candidate's time at fewer
         rows is its floor at more, so one far behind early is ruled out later without being built."""
-        count = stream_count(layer.nbytes, STREAM_BYTES)
+        count = min(stream_count(layer.nbytes, STREAM_BYTES), MAX_COPIES)
         copies = [tuple(t.clone() for t in (layer.codes, layer.scale, layer.offset)) for _ in range(count)]
         dequant_us = time_us(lambda x, *weight: dequantize_codes(*weight), torch.empty(0), copies)
         times: dict[str, dict[str, float]] = {}
         winners: dict[str, str] = {}
         ruled_out: dict[str, dict[str, float]] = {}
         floors: dict[str, float] = {}  # each candidate's time (or floor) at the most rows raced so far
+        fewer: int | None = None  # the row count raced before
         for rows in rows_timed:
             x = torch.randn(rows, layer.in_features, dtype=layer.scale.dtype)
             applying = sorted(
                 ((n, c) for n, c in self.candidates.items() if c.applies(layer, rows)), key=lambda nc: nc[1].builds
             )
-            entrants = {
-                name: Entrant(
+            # a candidate that sat out the row count raced before has a floor from far fewer rows: it may be probed
+            sat_out = set() if fewer is None else {name for name, _ in applying} - set(times[str(fewer)])
+            entrants = {}
+            for name, c in applying:
+                probe = self._probe(c, layer, fewer, copies) if name in sat_out else None
+                entrants[name] = Entrant(
                     make=partial(c.make, layer, rows, self.compiler, copies),
-                    floor=partial(_floor, c, floors.get(name, 0.0), dequant_us),
+                    floor=partial(_floor, c, floors.get(name, 0.0), dequant_us, probe),
                 )
-                for name, c in applying
-            }
             race = time_candidates(entrants, x, copies)
             times[str(rows)], winners[str(rows)] = race.times, race.winner
             if race.ruled_out:
                 ruled_out[str(rows)] = race.ruled_out
             floors |= race.ruled_out | race.times
+            fewer = rows
         return {"winners": winners, "times_us": times, "ruled_out_us": ruled_out}
 
+    def _probe(
+        self, candidate: PackedCandidate, layer: PackedLinear, rows: int, copies: list[tuple]
+    ) -> Callable[[], float] | None:
+        """A measurement of `candidate` at `rows` (fewer than the race's) on two copies of the weight: the faster of
+        a first call and a call on the other copy (a low floor is safe, a high one could rule out a winner). None
+        where it does not apply at `rows`, or builds for each row count (it would cost what entering costs)."""
+        if not candidate.applies(layer, rows) or candidate.built_per_rows:
+            return None
 
-def _floor(candidate: PackedCandidate, least: float, dequant_us: float, times: dict[str, float]) -> float:
-    """The larger of a candidate's time at fewer rows (`least`) and its own bound from the race so far."""
-    return max(least, candidate.floor_us(times, dequant_us))
+        def measure() -> float:
+            kernel = candidate.make(layer, rows, self.compiler, copies[:2])
+            x = torch.randn(rows, layer.in_features, dtype=layer.scale.dtype)
+            first = time_us(kernel, x, copies[:1], budget_s=0.0)
+            return min(first, time_us(kernel, x, copies[1:2], budget_s=0.0))
+
+        return measure
+
+
+def _floor(
+    candidate: PackedCandidate,
+    least: float,
+    dequant_us: float,
+    probe: Callable[[], float] | None,
+    times: dict[str, float],
+) -> float:
+    """The larger of a candidate's time at fewer rows (`least`) and its own bound from the race so far; where that
+    is below the lead's time and a `probe` is given, also the candidate's time measured now at the row count raced
+    before (more rows do at least the work of fewer): int4pack-mm, out of the race at one row, was built and run
+    at 256 rows for 2.4 s on the 3072x576 layout (1.2 s a call) although its 64-row call already loses."""
+    floor = max(least, candidate.floor_us(times, dequant_us))
+    if probe is not None and times and floor < min(times.values()):
+        floor = max(floor, probe())
+    return floor

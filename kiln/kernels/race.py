@@ -29,7 +29,7 @@ from kiln.quant.ops import Kernel
 
 OUT_OF_RACE = 3.0  # an entrant this many times slower than the lead over two sweeps is not timed again
 SWEEPS_TO_DROP = 2
-RULES = 2  # the race's rules, part of every choice it made (kiln.kernels.packed): new rules time the layouts again
+RULES = 3  # the race's rules, part of every choice it made (kiln.kernels.packed): new rules time the layouts again
 RACE_S = 2.0  # a race that took this long stops after the round it is in
 SWEEP_S = 0.05  # one sweep over the weight copies stops after this long (at least one call)
 

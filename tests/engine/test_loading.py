@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
+from kiln.bench.hf_runner import load_hf_model
 from kiln.errors import ModelLoadError
 from kiln.model.build import build_model
 from kiln.model.loader import open_checkpoint
@@ -58,11 +59,9 @@ def test_hf_directory_matches_transformers(tmp_path: Path, family: str, override
 @pytest.mark.parametrize("tensor_type", ["F32", "F16", "Q8_0", "Q4_0", "Q4_1"])
 def test_gguf_types_match_transformers(tmp_path: Path, tensor_type: str) -> None:
     """HF transformers dequantizes the same file its own way; both must give the same logits."""
-    from transformers import AutoModelForCausalLM
-
     path = tmp_path / f"tiny-{tensor_type}.gguf"
     write_gguf_model(path, tensor_type)
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = load_hf_model(str(path), "float32", "cpu")
     with torch.no_grad():
         expected = hf(torch.tensor([PROMPT])).logits[0]
     got = kiln_prompt_logits(str(path), PROMPT)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
 import torch
 
 from kiln import LLM, SamplingParams
+from kiln.bench.hf_runner import load_hf_model
 from kiln.model.loader import default_model_path
 
 PROMPTS = [
@@ -24,12 +24,7 @@ TIE_GAP = 1e-4
 
 @pytest.fixture(scope="module")
 def hf_model():
-    from transformers import AutoModelForCausalLM
-
-    path = default_model_path()
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    ).eval()
+    return load_hf_model(default_model_path(), "float32", "cpu")  # transformers' own dequantization of the file
 
 
 def kiln_prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:

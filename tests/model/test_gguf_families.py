@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from kiln.bench.hf_runner import load_hf_model
 from kiln.errors import ModelLoadError
 from kiln.model.loader import open_checkpoint
 from tests.engine.parity import kiln_batch_logits
@@ -160,12 +161,10 @@ CASES = [(family, "F32") for family in FAMILIES] + [(f, "Q8_0") for f in ("qwen3
 
 @pytest.mark.parametrize("family,tensor_type", CASES)
 def test_gguf_family_matches_transformers(tmp_path: Path, family: str, tensor_type: str) -> None:
-    from transformers import AutoModelForCausalLM
-
     path = tmp_path / f"{family}-{tensor_type}.gguf"
     write_family_gguf(path, family, tensor_type)
     assert open_checkpoint(str(path)).config.architecture == family
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = load_hf_model(str(path), "float32", "cpu")
     with torch.no_grad():
         expected = [hf(torch.tensor([ids])).logits[0] for ids in PROMPTS]
     got = kiln_batch_logits(str(path), PROMPTS)

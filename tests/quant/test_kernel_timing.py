@@ -1,18 +1,24 @@
 """What makes the packed kernel table's timing cheap: slow candidates leave the race, a candidate that cannot win is
-never built, a race keeps to its time budget, a graph compiles once."""
+never built, one that sat out is probed at fewer rows before it is built, a race keeps to its time budget, a graph
+compiles once."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
 import torch
 from torch.fx import GraphModule
 
+import kiln.kernels.packed as packed
 import kiln.kernels.race as race
 from kiln.compile.compiler import CompiledPiece, CompileOnce, EagerCompiler
+from kiln.kernels.candidates import PackedCandidate
+from kiln.kernels.choices import KernelChoiceCache
 from kiln.kernels.product import Compiled, trace_static
-from kiln.quant.ops import dequantize_codes
+from kiln.quant.linear import PackedLinear
+from kiln.quant.ops import Kernel, dequantize_codes
 
 
 class Named:
@@ -121,3 +127,40 @@ def test_compile_once_compiles_each_structure_and_size_once_and_computes_the_sam
     want = dequantize_codes(codes, scale, offset)
     for kernel in kernels:
         torch.testing.assert_close(kernel(codes, scale, offset), want, rtol=0, atol=0)
+
+
+class PerRow(PackedCandidate):
+    """A fake candidate taking `fixed + per_row * rows` µs (the clock is faked), noting the rows it was built for."""
+
+    builds = True
+
+    def __init__(self, name: str, fixed: float, per_row: float) -> None:
+        self.name, self.fixed, self.per_row = name, fixed, per_row  # type: ignore[misc]
+        self.built_for: list[int] = []
+
+    def make(self, layer, rows, compiler, weights) -> Kernel:
+        self.built_for.append(rows)
+        return lambda x, *weight: self.fixed + self.per_row * x.shape[0]
+
+
+@pytest.mark.usefixtures("fresh_kernel_choices")
+def test_a_candidate_that_sat_out_is_probed_at_fewer_rows_before_it_is_built(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`slow` (100 µs a row) sits out at one row and after; at 256 rows its one-row floor (100) is under the lead
+    (`fast`: 266), so it is measured at 64 rows (6,400), which rules it out unbuilt at 256 rows (without the probe it
+    was built and run there). `late` (500 + 0.1 a row) is probed at 256 rows before 1,024 (525.6, under the lead's
+    1,034): it enters, is built, and wins there."""
+    fast, slow, late = PerRow("fast", 10.0, 1.0), PerRow("slow", 0.0, 100.0), PerRow("late", 500.0, 0.1)
+    fast.builds = False  # type: ignore[misc]  # raced first: the lead is known before the others' turns
+    candidates = {c.name: c for c in (fast, slow, late)}
+    monkeypatch.setattr(packed, "candidates_for", lambda activations: candidates)
+    fake_us = lambda kernel, x, copies, budget_s=0.0: kernel(x) if x.numel() else 1.0  # noqa: E731
+    monkeypatch.setattr(packed, "time_us", fake_us)
+    monkeypatch.setattr(race, "time_us", fake_us)
+    layer = PackedLinear(64, 96, bits=4)
+    record = packed.PackedKernelTable(layer, EagerCompiler(), KernelChoiceCache(tmp_path)).records[packed.label(layer)]
+    assert record["winners"] == {"1": "fast", "2": "fast", "16": "fast", "64": "fast", "256": "fast", "1024": "late"}
+    assert slow.built_for == [1, 64] and "slow" not in record["times_us"]["256"]
+    assert record["ruled_out_us"]["256"]["slow"] == 6400.0 and record["ruled_out_us"]["1024"]["slow"] == 6400.0
+    assert late.built_for == [1, 256, 1024] and record["times_us"]["1024"]["late"] == pytest.approx(602.4)
