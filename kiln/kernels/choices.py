@@ -11,7 +11,8 @@ layouts, so their graphs hash alike. The file is written on every dir that a cho
 process starts warm there too.
 
 Timings stream the weights the way a decode step does: each candidate runs over copies of the weight that add up
-to more than the last-level cache, so a product reads DRAM instead of a warm cache.
+to more than the last-level cache, so a product reads DRAM instead of a warm cache (a toy model's weights, which sit
+in cache when they run, are timed over MAX_COPIES copies).
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ logger = logging.getLogger("kiln")
 
 CHOICES_FILE = "kernel_choices.json"
 STREAM_BYTES = 256 << 20  # more than any last-level cache kiln runs on: timed products read DRAM
+# NOTE: but no more copies than this: 512 copies of a weight fit a cache only where the whole model is a toy that sits
+# in cache when it runs too, and the copies of toy weights cost most of a test: 19,000 of a 64x64 4-bit layer (clones,
+# torch's int4 repacking of each) took 20 s of a 54 s packed kernel table, 524,288 of a 128-byte MoE weight 23 s of a
+# layout choice (2-core EPYC). SmolLM2's weights take 3 to 390 copies.
+MAX_COPIES = 512
 
 
 def cpu_info() -> dict[str, str]:
@@ -134,8 +140,8 @@ def _public(stored: dict[str, Any]) -> dict[str, Any]:
 
 
 def stream_count(nbytes: int, total: int = STREAM_BYTES) -> int:
-    """How many separate copies of `nbytes` add up to at least `total` bytes (two at least)."""
-    return max(2, -(-total // nbytes))
+    """How many separate copies of `nbytes` add up to at least `total` bytes (two at least, MAX_COPIES at most)."""
+    return min(max(2, -(-total // nbytes)), MAX_COPIES)
 
 
 def streamed_copies(weight: torch.Tensor, make: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:

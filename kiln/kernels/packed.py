@@ -44,10 +44,6 @@ logger = logging.getLogger("kiln")
 
 LARGE_ROWS = 1024  # prefill chunks of up to --max-num-batched-tokens (2048 by default)
 STREAM_BYTES = 96 << 20  # copies of a layer that add up to more than a last-level cache
-# NOTE: at most this many copies: 512 copies of a layer fit a cache only where the whole model is a toy that sits in
-# cache when it runs too, and a 64x64 4-bit layer's 19,000 copies (clones, and torch's int4 repacking of each) took
-# 20 s of a 54 s table on a 2-core EPYC. SmolLM2's layers take 4 to 390 copies.
-MAX_COPIES = 512
 ROWS = (*ROW_CLASSES, LARGE_ROWS)
 TIMED_ROWS = {row_class(rows): rows for rows in ROWS}  # row class -> the row count timed for it
 
@@ -150,7 +146,7 @@ class PackedKernelTable:
     def _time(self, layer: PackedLinear, rows_timed: tuple[int, ...]) -> dict[str, Any]:
         """Race the candidates at each row count, fewest rows first (kiln.kernels.race): a candidate's time at fewer
         rows is its floor at more, so one far behind early is ruled out later without being built."""
-        count = min(stream_count(layer.nbytes, STREAM_BYTES), MAX_COPIES)
+        count = stream_count(layer.nbytes, STREAM_BYTES)
         copies = [tuple(t.clone() for t in (layer.codes, layer.scale, layer.offset)) for _ in range(count)]
         dequant_us = time_us(lambda x, *weight: dequantize_codes(*weight), torch.empty(0), copies)
         times: dict[str, dict[str, float]] = {}
