@@ -9,6 +9,10 @@ and LARGE_ROWS for more (prefill chunks), one entry each (kiln.quant.ops.row_cla
 sampled rows alone (a step's sequences, times k + 1 where k drafts are verified): its layout is timed up to the row
 class of `head_rows`, the most the engine can ask of it; above that class (no engine path reaches it) the reference
 runs. Racing the 49152-row head at 256 and 1,024 rows took about half of its 15 s table on a 2-core EPYC.
+
+Row counts are raced fewest first: a candidate's time at fewer rows is its floor at more (kiln.kernels.race). One
+that sat out a row count keeps the floor of an earlier, smaller one; where that floor would let it in, it is first
+measured at the row count it sat out (one call on each of two copies), which costs less than entering.
 """
 
 from __future__ import annotations
