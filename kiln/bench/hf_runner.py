@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
+import gguf
 import torch
 from tqdm import tqdm
 
@@ -38,8 +39,6 @@ def quick_gguf_reads() -> Iterator[None]:
     same fields, long arrays read in one pass: tests/model/test_gguf_reader.py) and each tensor-name map built once
     (transformers builds one per module, at 29 ms each). The tensors are still decoded by transformers and gguf.
     SmolLM2's GGUF loaded in 37 s without it on a 2-core EPYC, most of it in these two (three header reads)."""
-    import gguf
-
     name_map = functools.cache(gguf.get_tensor_name_map)
     with mock.patch.object(gguf, "GGUFReader", CheckedReader), mock.patch.object(gguf, "get_tensor_name_map", name_map):
         yield
