@@ -8,7 +8,9 @@ candidates again; nothing is assumed from the box the code was written on.
 Rule: one process makes each choice once. Every engine of the process (the server's, the debugger's several,
 a test's) reads the first one made, whatever its cache dir: two engines over one model always pick the same
 layouts, so their graphs hash alike. The file is written on every dir that a choice is asked of, so the next
-process starts warm there too.
+process starts warm there too. Processes sharing a dir take turns (a lock file beside it): one times a choice while
+another that needs it waits and reads it (tensor-parallel ranks over one layout), no two timings disturb each other,
+and no write drops a choice another process made.
 
 Timings stream the weights the way a decode step does: each candidate runs over copies of the weight that add up
 to more than the last-level cache, so a product reads DRAM instead of a warm cache (a toy model's weights, which sit
@@ -17,13 +19,16 @@ in cache when they run, are timed over MAX_COPIES copies).
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import platform
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +37,7 @@ import torch
 logger = logging.getLogger("kiln")
 
 CHOICES_FILE = "kernel_choices.json"
+LOCK_FILE = "kernel_choices.lock"
 STREAM_BYTES = 256 << 20  # more than any last-level cache kiln runs on: timed products read DRAM
 # NOTE: but no more copies than this: 512 copies of a weight fit a cache only where the whole model is a toy that sits
 # in cache when it runs too, and the copies of toy weights cost most of a test: 19,000 of a 64x64 4-bit layer (clones,
@@ -68,6 +74,8 @@ def machine_fingerprint() -> dict[str, Any]:
 
 # the choices this process made or read, by key (which holds the machine): shared by every engine it builds
 _PROCESS_CHOICES: dict[str, dict[str, Any]] = {}
+_HELD: dict[Path, int] = {}  # choice files whose lock this process holds, and how deep
+_THREADS = threading.RLock()  # the lock's holder within the process
 
 
 def forget_process_choices() -> None:
@@ -87,31 +95,64 @@ class KernelChoiceCache:
         """The record for (`name`, `applies_to`, this machine): this process's, else this cache dir's, else
         `measure()`'s, stored. The record gains `"source": "process" | "cache" | "timed"`."""
         key = hashlib.sha256(json.dumps([name, applies_to, self.machine], sort_keys=True).encode()).hexdigest()[:24]
-        records = self._read()
         held = _PROCESS_CHOICES.get(key)
         if held is not None:
-            if key not in records:
-                self._write({**records, key: held})
+            if key not in self._read():
+                with self._locked():
+                    self._write({**self._read(), key: held})
             return {**_public(held), "source": "process"}
-        if key in records:
-            _PROCESS_CHOICES[key] = records[key]
-            return {**_public(records[key]), "source": "cache"}
-        record = measure()
-        stored = {**record, "name": name, "applies_to": applies_to, "machine": self.machine}
-        records[key] = _PROCESS_CHOICES[key] = stored
-        self._write(records)
-        return {**record, "source": "timed"}
+        records = self._read()
+        if key not in records:
+            with self._locked():  # another process timing the same choice: wait for it, then read its record
+                records = self._read()
+                if key not in records:
+                    record = measure()
+                    stored = {**record, "name": name, "applies_to": applies_to, "machine": self.machine}
+                    _PROCESS_CHOICES[key] = stored
+                    self._write({**self._read(), key: stored})
+                    return {**record, "source": "timed"}
+        _PROCESS_CHOICES[key] = records[key]
+        return {**_public(records[key]), "source": "cache"}
 
     def forget_this_machine(self) -> int:
         """Drop every choice timed on this CPU (any torch, any thread count) from the file, so the next start times
         them again (after a first start that other work slowed down); other machines' choices stay. How many."""
-        records = self._read()
-        mine = {k for k, r in records.items() if _same_cpu(r.get("machine"), self.machine)}
-        if mine:
-            self._write({k: r for k, r in records.items() if k not in mine})
+        with self._locked():
+            records = self._read()
+            mine = {k for k, r in records.items() if _same_cpu(r.get("machine"), self.machine)}
+            if mine:
+                self._write({k: r for k, r in records.items() if k not in mine})
         for key in mine:
             _PROCESS_CHOICES.pop(key, None)
         return len(mine)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold this cache dir's lock: one process times and writes choices at a time, so engines starting together
+        on one machine (tensor-parallel ranks, test workers) neither time one choice twice nor disturb each other's
+        timings, and no write drops a choice another process wrote since its read. Re-entrant in a process; where
+        the lock file cannot be made (a read-only cache), no lock."""
+        with _THREADS:
+            if _HELD.get(self.path, 0):
+                _HELD[self.path] += 1
+                try:
+                    yield
+                finally:
+                    _HELD[self.path] -= 1
+                return
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(self.path.with_name(LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError:
+                yield
+                return
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                _HELD[self.path] = 1
+                yield
+            finally:
+                _HELD.pop(self.path, None)
+                os.close(fd)  # closing the descriptor releases the lock
 
     def _read(self) -> dict[str, Any]:
         try:

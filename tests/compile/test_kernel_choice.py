@@ -4,6 +4,8 @@ weight layout and one-row head."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,6 +68,37 @@ def test_every_engine_of_a_process_reads_the_first_choice(tmp_path: Path) -> Non
         "winner": "a",
         "source": "cache",
     }
+
+
+CHOOSER = """
+import json, sys, time
+from pathlib import Path
+from kiln.kernels.choices import KernelChoiceCache
+root, shape = Path(sys.argv[1]), json.loads(sys.argv[2])
+def measure():
+    with open(root / "measured.log", "a") as log:
+        log.write(f"{shape}\\n")
+    time.sleep(1.0)  # long enough for the others to be waiting
+    return {"winner": str(shape)}
+print(json.dumps(KernelChoiceCache(root).choose("k", {"shape": shape}, measure)))
+"""
+
+
+def test_processes_sharing_a_cache_dir_take_turns_and_lose_no_choice(tmp_path: Path) -> None:
+    """Four processes at once, two per choice: each choice is timed by one process (the other waits for it and reads
+    its record, as tensor-parallel ranks over one layout do), and the file keeps both choices (each write merges
+    under the lock; a write of what one process read earlier once dropped the other's choice)."""
+    shapes = ["[2, 2]", "[4, 2]", "[2, 2]", "[4, 2]"]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", CHOOSER, str(tmp_path), shape], stdout=subprocess.PIPE, text=True)
+        for shape in shapes
+    ]
+    records = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert sorted((tmp_path / "measured.log").read_text().split("\n")) == ["", "[2, 2]", "[4, 2]"]
+    assert sorted(r["source"] for r in records) == ["cache", "cache", "timed", "timed"]
+    assert [r["winner"] for r in records] == [str(json.loads(s)) for s in shapes]
+    stored = json.loads((tmp_path / CHOICES_FILE).read_text())
+    assert sorted(r["applies_to"]["shape"] for r in stored.values()) == [[2, 2], [4, 2]]
 
 
 @pytest.mark.parametrize(

@@ -51,7 +51,7 @@ def test_graph_fields_and_device_reach_the_engine_config(tmp_path: Path, caplog:
 
 
 def test_dtypes_and_kv_plan_change_the_engine(tmp_path: Path) -> None:
-    llm = LLM(recipe=write(tmp_path), graph_mode="piecewise")
+    llm = LLM(recipe=write(tmp_path), graph_mode="eager")  # the fields at stake shape the model and cache, not graphs
     engine = llm.engine
     assert next(engine.model.parameters()).dtype == torch.bfloat16  # weights.dtype
     assert {t.dtype for t in engine.runner.kv_caches} == {torch.bfloat16}  # kv_cache.dtype
@@ -73,7 +73,7 @@ def test_the_recipe_quantization_runs(tmp_path: Path, weights: str, group: int, 
     text = (FIELDS % ("false", "null", "false")).replace("dtype: bfloat16, source", "dtype: float32, source")
     quant = f"quantization: {{weights: {weights}, group_size: {group}}}"
     path.write_text(text.replace("memory_plan:", f"{quant}\nmemory_plan:"))
-    llm = LLM(recipe=str(path), graph_mode="piecewise")
+    llm = LLM(recipe=str(path), graph_mode="eager")  # (packed layers in graph mode: tests/quant/test_packed.py)
     assert llm.engine.config.quantization == engine_mode
     packed = [m for m in llm.engine.model.model.layers.modules() if isinstance(m, PackedLinear)]
     assert len(packed) == 4 * llm.engine.model_config.num_layers and {m.scheme for m in packed} == {scheme}
