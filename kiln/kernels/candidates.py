@@ -91,7 +91,7 @@ class CompiledDequantBlas(PackedCandidate):
         return max(0.0, times[DequantBlas.name] - dequant_us) if DequantBlas.name in times else 0.0
 
     def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
-        dequant = Compiled(dequantize_codes, compiler, None, layer.codes, layer.scale, layer.offset)
+        dequant = Compiled(dequantize_codes, compiler, None, *_weight(layer), dynamic_rows=True)
         return lambda x, c, s, o: nn.functional.linear(x, dequant(c, s, o).view(c.shape[0], -1))
 
 
@@ -243,26 +243,25 @@ def candidates_for(activations: str) -> dict[str, PackedCandidate]:
 
 
 class Tiled:
-    """Dequantize-then-BLAS over TILE_ROWS output rows at a time (one compiled dequantization per tile shape)."""
+    """Dequantize-then-BLAS over TILE_ROWS output rows at a time (the dequantization compiled for any row count)."""
 
     def __init__(self, layer: PackedLinear, compiler: PieceCompiler) -> None:
         self.tiles = [
             (start, min(TILE_ROWS, layer.out_features - start)) for start in range(0, layer.out_features, TILE_ROWS)
         ]
-        self.dequant = {
-            rows: Compiled(
-                dequantize_codes, compiler, None, layer.codes[:rows], layer.scale[:rows], layer.offset[:rows]
-            )
-            for rows in {rows for _, rows in self.tiles}
-        }
+        self.dequant = Compiled(dequantize_codes, compiler, None, *_weight(layer), dynamic_rows=True)  # any tile
 
     def __call__(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
         outs = []
         for start, rows in self.tiles:
             part = slice(start, start + rows)
-            weight = self.dequant[rows](codes[part], scale[part], offset[part]).view(rows, -1)
+            weight = self.dequant(codes[part], scale[part], offset[part]).view(rows, -1)
             outs.append(nn.functional.linear(x, weight))
         return torch.cat(outs, dim=1)
+
+
+def _weight(layer: PackedLinear) -> Weight:
+    return layer.codes, layer.scale, layer.offset
 
 
 class Int4Packed:

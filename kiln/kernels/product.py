@@ -60,16 +60,38 @@ class CompiledProduct:
 
 
 class Compiled:
-    """`fn(*args)` compiled by the piece compiler for these shapes, called with its inputs in dynamo's order."""
+    """`fn(*args)` compiled by the piece compiler for these shapes, called with its inputs in dynamo's order. With
+    `dynamic_rows`, the arguments' first dimension (a weight's output rows, equal in all of them) is symbolic: one
+    compile serves every layout and tile that differs only there (the dequantization of the packed kernel table's
+    candidates: one compile per bits and group, not one per layout and tile shape)."""
 
-    def __init__(self, fn: Callable[..., torch.Tensor], compiler: PieceCompiler, rows: int | None, *args) -> None:
-        graph = trace_static(lambda *a: (fn(*a),), *args)
+    def __init__(
+        self, fn: Callable[..., torch.Tensor], compiler: PieceCompiler, rows: int | None, *args, dynamic_rows=False
+    ) -> None:
+        examples = [_stand_in(a) for a in args] if dynamic_rows else list(args)
+        for a in examples if dynamic_rows else ():
+            torch._dynamo.mark_dynamic(a, 0)  # NOTE: on stand-ins: the mark stays on a tensor for later traces
+        graph = trace_static(lambda *a: (fn(*a),), *examples)
         self.fn = compiler.compile(graph, rows).fn
-        shapes = [tuple(a.shape) for a in args]
+        shapes = [tuple(a.shape) for a in examples]
         placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
-        # NOTE: dynamo orders a graph's inputs its own way; match them to the arguments by name (L_a_0_, ...)
-        self.order = [int(n.target.rstrip("_").rsplit("_", 1)[-1]) for n in placeholders]
-        assert [shapes[i] for i in self.order] == [tuple(n.meta["example_value"].shape) for n in placeholders]
+        # NOTE: dynamo orders a graph's inputs its own way; match them to the arguments by name (L_a_0_, ...); a
+        # symbolic size (dynamic_rows) is the first argument's row count
+        self.order = [ROWS if _is_size(n) else int(n.target.rstrip("_").rsplit("_", 1)[-1]) for n in placeholders]
+        tensors = [(i, n) for i, n in zip(self.order, placeholders, strict=True) if i != ROWS]
+        assert [shapes[i] for i, _ in tensors] == [tuple(n.meta["example_value"].shape) for _, n in tensors]
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
-        return self.fn(*map(args.__getitem__, self.order))[0]
+        return self.fn(*(args[0].shape[0] if i == ROWS else args[i] for i in self.order))[0]
+
+
+ROWS = -1  # Compiled.order's mark of the symbolic row count among the inputs
+
+
+def _is_size(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("example_value"), torch.SymInt)
+
+
+def _stand_in(a: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of `a`'s size, strides and dtype, to trace with (nothing is marked on `a`)."""
+    return torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)

@@ -164,3 +164,26 @@ def test_a_candidate_that_sat_out_is_probed_at_fewer_rows_before_it_is_built(
     assert slow.built_for == [1, 64] and "slow" not in record["times_us"]["256"]
     assert record["ruled_out_us"]["256"]["slow"] == 6400.0 and record["ruled_out_us"]["1024"]["slow"] == 6400.0
     assert late.built_for == [1, 256, 1024] and record["times_us"]["1024"]["late"] == pytest.approx(602.4)
+
+
+def test_a_dequantization_compiled_for_any_row_count_compiles_once_per_group_layout() -> None:
+    """With `dynamic_rows`, weights that differ only in their rows (layouts, tiles) share one compile and each
+    dequantizes exactly; another group layout is another compile; the weights themselves carry no dynamic mark (the
+    model's later traces stay static)."""
+    inner = CountingCompiler()
+    once = CompileOnce(inner)
+    weights = [
+        (
+            torch.randint(0, 255, (rows, groups, 16), dtype=torch.uint8),
+            torch.rand(rows, groups, 1),
+            torch.rand(rows, groups, 1),
+        )
+        for rows, groups in ((8, 2), (24, 2), (5, 2), (8, 3))
+    ]
+    kernels = [Compiled(dequantize_codes, once, None, *w, dynamic_rows=True) for w in weights]
+    assert len(inner.calls) == 2  # rows 8, 24 and 5 over 2 groups: one; 3 groups: another
+    for kernel, w in zip(kernels, weights, strict=True):
+        torch.testing.assert_close(kernel(*w), dequantize_codes(*w), rtol=0, atol=0)
+        if w[1].shape[1] == 2:  # the first kernel, compiled at 8 rows, runs at any row count
+            torch.testing.assert_close(kernels[0](*w), dequantize_codes(*w), rtol=0, atol=0)
+        assert not any(hasattr(t, "_dynamo_dynamic_indices") for t in w)
