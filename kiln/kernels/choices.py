@@ -8,9 +8,10 @@ candidates again; nothing is assumed from the box the code was written on.
 Rule: one process makes each choice once. Every engine of the process (the server's, the debugger's several,
 a test's) reads the first one made, whatever its cache dir: two engines over one model always pick the same
 layouts, so their graphs hash alike. The file is written on every dir that a choice is asked of, so the next
-process starts warm there too. Processes sharing a dir take turns (a lock file beside it): one times a choice while
-another that needs it waits and reads it (tensor-parallel ranks over one layout), no two timings disturb each other,
-and no write drops a choice another process made.
+process starts warm there too. Processes sharing a dir take turns per choice (a lock file for each): one times it
+while another that needs it waits and reads it (tensor-parallel ranks over one layout), and no write drops a choice
+another process made (the file's own lock). Different choices are timed side by side: a process does not wait for
+another's unrelated table.
 
 Timings stream the weights the way a decode step does: each candidate runs over copies of the weight that add up
 to more than the last-level cache, so a product reads DRAM instead of a warm cache (a toy model's weights, which sit
@@ -37,7 +38,8 @@ import torch
 logger = logging.getLogger("kiln")
 
 CHOICES_FILE = "kernel_choices.json"
-LOCK_FILE = "kernel_choices.lock"
+LOCK_FILE = "kernel_choices.lock"  # held while the file is rewritten
+KEY_LOCKS = "kernel_choices.locks"  # <key>.lock: held while that choice is timed
 STREAM_BYTES = 256 << 20  # more than any last-level cache kiln runs on: timed products read DRAM
 # NOTE: but no more copies than this: 512 copies of a weight fit a cache only where the whole model is a toy that sits
 # in cache when it runs too, and the copies of toy weights cost most of a test: 19,000 of a 64x64 4-bit layer (clones,
@@ -74,7 +76,7 @@ def machine_fingerprint() -> dict[str, Any]:
 
 # the choices this process made or read, by key (which holds the machine): shared by every engine it builds
 _PROCESS_CHOICES: dict[str, dict[str, Any]] = {}
-_HELD: dict[Path, int] = {}  # choice files whose lock this process holds, and how deep
+_HELD: dict[Path, int] = {}  # lock files this process holds, and how deep
 _THREADS = threading.RLock()  # the lock's holder within the process
 
 
@@ -103,13 +105,14 @@ class KernelChoiceCache:
             return {**_public(held), "source": "process"}
         records = self._read()
         if key not in records:
-            with self._locked():  # another process timing the same choice: wait for it, then read its record
+            with self._locked(f"{KEY_LOCKS}/{key}.lock"):  # another process timing it: wait, then read its record
                 records = self._read()
                 if key not in records:
                     record = measure()
                     stored = {**record, "name": name, "applies_to": applies_to, "machine": self.machine}
                     _PROCESS_CHOICES[key] = stored
-                    self._write({**self._read(), key: stored})
+                    with self._locked():
+                        self._write({**self._read(), key: stored})
                     return {**record, "source": "timed"}
         _PROCESS_CHOICES[key] = records[key]
         return {**_public(records[key]), "source": "cache"}
@@ -127,31 +130,32 @@ class KernelChoiceCache:
         return len(mine)
 
     @contextmanager
-    def _locked(self) -> Iterator[None]:
-        """Hold this cache dir's lock: one process times and writes choices at a time, so engines starting together
-        on one machine (tensor-parallel ranks, test workers) neither time one choice twice nor disturb each other's
-        timings, and no write drops a choice another process wrote since its read. Re-entrant in a process; where
-        the lock file cannot be made (a read-only cache), no lock."""
+    def _locked(self, name: str = LOCK_FILE) -> Iterator[None]:
+        """Hold the lock file `name` beside the choices (default: the file's own lock, for a read-merge-write that
+        drops no choice another process wrote since its read; a choice's: one process times it at a time, so engines
+        starting together, e.g. tensor-parallel ranks, do not time it twice). Re-entrant in a process; where the lock
+        file cannot be made (a read-only cache), no lock."""
+        lock = self.path.parent / name
         with _THREADS:
-            if _HELD.get(self.path, 0):
-                _HELD[self.path] += 1
+            if _HELD.get(lock, 0):
+                _HELD[lock] += 1
                 try:
                     yield
                 finally:
-                    _HELD[self.path] -= 1
+                    _HELD[lock] -= 1
                 return
             try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                fd = os.open(self.path.with_name(LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o600)
+                lock.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
             except OSError:
                 yield
                 return
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
-                _HELD[self.path] = 1
+                _HELD[lock] = 1
                 yield
             finally:
-                _HELD.pop(self.path, None)
+                _HELD.pop(lock, None)
                 os.close(fd)  # closing the descriptor releases the lock
 
     def _read(self) -> dict[str, Any]:
