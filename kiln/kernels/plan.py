@@ -30,6 +30,7 @@ from kiln.config import DEFAULT_ACTIVATIONS
 from kiln.kernels.attention import TORCH, choose_decode_attention, decode_kernel
 from kiln.kernels.candidates import FLOAT32
 from kiln.kernels.choices import KernelChoiceCache
+from kiln.kernels.inductor_isa import trust_recorded_probe
 from kiln.kernels.layout import (
     ROW_MAJOR,
     fastest_one_row_layout,
@@ -93,6 +94,8 @@ def plan_kernels(
     first layer's that holds heads; none given: the torch form); `head_rows`, the most rows the engine samples in
     one step (None: no bound), bounds the row counts a packed logits head is timed at."""
     cpu = next(model.parameters()).device.type == "cpu"
+    if cpu:
+        trust_recorded_probe()  # before the first compile: inductor's ISA probe, run at install (inductor_isa.py)
     compiler = compiler or make_compiler("inductor")
     kernel_compiler = compiler if compiler.supports_static_sizes else make_compiler("inductor")
     cache = KernelChoiceCache(cache_root)
