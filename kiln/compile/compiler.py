@@ -8,7 +8,7 @@ returns a sequence of tensors (the graph's outputs; one element when the graph r
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,6 +124,7 @@ class CompileOnce(PieceCompiler):
         self.name, self.has_artifact = compiler.name, compiler.has_artifact
         self.supports_static_sizes = compiler.supports_static_sizes
         self.compiled: dict[tuple[str, int | None], CompiledPiece] = {}
+        self.memo: dict[Hashable, Any] = {}  # what callers built around these compiles, by a key of their own
 
     def options(self, static_size: int | None = None) -> dict[str, Any]:
         return self.inner.options(static_size)

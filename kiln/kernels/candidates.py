@@ -91,7 +91,7 @@ class CompiledDequantBlas(PackedCandidate):
         return max(0.0, times[DequantBlas.name] - dequant_us) if DequantBlas.name in times else 0.0
 
     def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
-        dequant = Compiled(dequantize_codes, compiler, None, *_weight(layer), dynamic_rows=True)
+        dequant = dequantizer(layer, compiler)
         return lambda x, c, s, o: nn.functional.linear(x, dequant(c, s, o).view(c.shape[0], -1))
 
 
@@ -249,7 +249,7 @@ class Tiled:
         self.tiles = [
             (start, min(TILE_ROWS, layer.out_features - start)) for start in range(0, layer.out_features, TILE_ROWS)
         ]
-        self.dequant = Compiled(dequantize_codes, compiler, None, *_weight(layer), dynamic_rows=True)  # any tile
+        self.dequant = dequantizer(layer, compiler)  # any tile
 
     def __call__(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
         outs = []
@@ -262,6 +262,20 @@ class Tiled:
 
 def _weight(layer: PackedLinear) -> Weight:
     return layer.codes, layer.scale, layer.offset
+
+
+def dequantizer(layer: PackedLinear, compiler: PieceCompiler) -> Compiled:
+    """The layer's dequantization compiled for any row count: traced and compiled once per weight form (each
+    tensor's dtype and sizes and strides past the rows) where `compiler` keeps a memo (CompileOnce), so the
+    table's many layouts, row counts and tiles share one (a trace costs ~0.13 s even where the compile is shared)."""
+    memo = getattr(compiler, "memo", None)
+    key = ("dequantize_codes", *((t.dtype, t.shape[1:], t.stride()[1:]) for t in _weight(layer)))
+    if memo is not None and key in memo:
+        return memo[key]
+    dequant = Compiled(dequantize_codes, compiler, None, *_weight(layer), dynamic_rows=True)
+    if memo is not None:
+        memo[key] = dequant
+    return dequant
 
 
 class Int4Packed:

@@ -31,7 +31,9 @@ OUT_OF_RACE = 3.0  # an entrant this many times slower than the lead over two sw
 SWEEPS_TO_DROP = 2
 RULES = 3  # the race's rules, part of every choice it made (kiln.kernels.packed): new rules time the layouts again
 RACE_S = 2.0  # a race that took this long stops after the round it is in
-SWEEP_S = 0.05  # one sweep over the weight copies stops after this long (at least one call)
+# one sweep over the weight copies stops after this long (at least one call); 50 ms sweeps made ~14 s of the default
+# model's cold table (341 sweeps, Xeon with 2 vCPUs), where a product's best of two or three 20 ms sweeps reads the same
+SWEEP_S = 0.02
 
 
 def no_floor(times: dict[str, float]) -> float:
