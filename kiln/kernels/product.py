@@ -60,29 +60,32 @@ class CompiledProduct:
 
 
 class Compiled:
-    """`fn(*args)` compiled by the piece compiler for these shapes, called with its inputs in dynamo's order. With
-    `dynamic_rows`, the arguments' first dimension (a weight's output rows, equal in all of them) is symbolic: one
-    compile serves every layout and tile that differs only there (the dequantization of the packed kernel table's
-    candidates: one compile per bits and group, not one per layout and tile shape)."""
+    """`fn(*args)` compiled by the piece compiler for these shapes, called with its inputs in dynamo's order. The
+    arguments numbered in `dynamic` have a symbolic first dimension (a weight's output rows, equal in all of them):
+    one compile serves every layout and tile that differs only there (the packed kernel table's candidates: the
+    dequantization once per bits and group, the one-row reduction once per weight form and row count)."""
 
     def __init__(
-        self, fn: Callable[..., torch.Tensor], compiler: PieceCompiler, rows: int | None, *args, dynamic_rows=False
+        self, fn: Callable[..., torch.Tensor], compiler: PieceCompiler, rows: int | None, *args, dynamic=()
     ) -> None:
-        examples = [_stand_in(a) for a in args] if dynamic_rows else list(args)
-        for a in examples if dynamic_rows else ():
-            torch._dynamo.mark_dynamic(a, 0)  # NOTE: on stand-ins: the mark stays on a tensor for later traces
+        examples = [_stand_in(a) if i in dynamic else a for i, a in enumerate(args)]
+        for i in dynamic:
+            torch._dynamo.mark_dynamic(
+                examples[i], 0
+            )  # NOTE: on stand-ins: the mark stays on a tensor for later traces
         graph = trace_static(lambda *a: (fn(*a),), *examples)
         self.fn = compiler.compile(graph, rows).fn
+        self.sized_by = dynamic[0] if dynamic else None  # the argument whose first dimension is the symbolic size
         shapes = [tuple(a.shape) for a in examples]
         placeholders = [n for n in graph.graph.nodes if n.op == "placeholder"]
         # NOTE: dynamo orders a graph's inputs its own way; match them to the arguments by name (L_a_0_, ...); a
-        # symbolic size (dynamic_rows) is the first argument's row count
+        # symbolic size is the first dimension of argument `sized_by`
         self.order = [ROWS if _is_size(n) else int(n.target.rstrip("_").rsplit("_", 1)[-1]) for n in placeholders]
         tensors = [(i, n) for i, n in zip(self.order, placeholders, strict=True) if i != ROWS]
         assert [shapes[i] for i, _ in tensors] == [tuple(n.meta["example_value"].shape) for _, n in tensors]
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
-        return self.fn(*(args[0].shape[0] if i == ROWS else args[i] for i in self.order))[0]
+        return self.fn(*(args[self.sized_by].shape[0] if i == ROWS else args[i] for i in self.order))[0]
 
 
 ROWS = -1  # Compiled.order's mark of the symbolic row count among the inputs

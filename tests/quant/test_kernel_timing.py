@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.fx import GraphModule
 
+import kiln.kernels.candidates as candidates
 import kiln.kernels.packed as packed
 import kiln.kernels.race as race
 from kiln.compile.compiler import CompiledPiece, CompileOnce, EagerCompiler
@@ -18,7 +19,7 @@ from kiln.kernels.candidates import PackedCandidate
 from kiln.kernels.choices import KernelChoiceCache
 from kiln.kernels.product import Compiled, trace_static
 from kiln.quant.linear import PackedLinear
-from kiln.quant.ops import Kernel, dequantize_codes
+from kiln.quant.ops import Kernel, dequantize_codes, reduction
 
 
 class Named:
@@ -167,7 +168,7 @@ def test_a_candidate_that_sat_out_is_probed_at_fewer_rows_before_it_is_built(
 
 
 def test_a_dequantization_compiled_for_any_row_count_compiles_once_per_group_layout() -> None:
-    """With `dynamic_rows`, weights that differ only in their rows (layouts, tiles) share one compile and each
+    """With `dynamic` rows, weights that differ only in their rows (layouts, tiles) share one compile and each
     dequantizes exactly; another group layout is another compile; the weights themselves carry no dynamic mark (the
     model's later traces stay static)."""
     inner = CountingCompiler()
@@ -180,10 +181,32 @@ def test_a_dequantization_compiled_for_any_row_count_compiles_once_per_group_lay
         )
         for rows, groups in ((8, 2), (24, 2), (5, 2), (8, 3))
     ]
-    kernels = [Compiled(dequantize_codes, once, None, *w, dynamic_rows=True) for w in weights]
+    kernels = [Compiled(dequantize_codes, once, None, *w, dynamic=(0, 1, 2)) for w in weights]
     assert len(inner.calls) == 2  # rows 8, 24 and 5 over 2 groups: one; 3 groups: another
     for kernel, w in zip(kernels, weights, strict=True):
         torch.testing.assert_close(kernel(*w), dequantize_codes(*w), rtol=0, atol=0)
         if w[1].shape[1] == 2:  # the first kernel, compiled at 8 rows, runs at any row count
             torch.testing.assert_close(kernels[0](*w), dequantize_codes(*w), rtol=0, atol=0)
         assert not any(hasattr(t, "_dynamo_dynamic_indices") for t in w)
+
+
+def test_the_one_row_reduction_compiles_once_per_weight_form() -> None:
+    """The fused reduction of the table (static x rows, the weight's output rows symbolic): layouts that differ only in
+    their output rows share one trace and compile (the memo), and each computes the reduction; another row count of
+    x or another input width is another compile."""
+    inner = CountingCompiler()
+    once = CompileOnce(inner)
+
+    def weight(out: int, groups: int) -> tuple[torch.Tensor, ...]:
+        codes = torch.randint(0, 255, (out, groups, 16), dtype=torch.uint8)
+        return codes, torch.rand(out, groups, 1), torch.rand(out, groups, 1)
+
+    x1, x2 = torch.randn(1, 64), torch.randn(2, 64)
+    layouts = [weight(out, 2) for out in (8, 24, 5)]
+    kernels = [candidates.shared_compile(reduction, once, x1, *w) for w in layouts]
+    assert len(inner.calls) == 1 and all(k is kernels[0] for k in kernels)
+    for w in layouts:
+        torch.testing.assert_close(kernels[0](x1, *w), reduction(x1, *w), rtol=1e-5, atol=1e-5)
+    candidates.shared_compile(reduction, once, x2, *layouts[0])
+    candidates.shared_compile(reduction, once, torch.randn(1, 96), *weight(8, 3))
+    assert len(inner.calls) == 3
