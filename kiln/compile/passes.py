@@ -49,6 +49,7 @@ class DecodeGemv(CustomGraphPass):
     """
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        _dense_to_mm(graph)
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target is not aten.mm.default:
                 continue
@@ -66,7 +67,7 @@ class DecodeGemv(CustomGraphPass):
             graph.erase_node(node)
 
     def uuid(self) -> str:
-        return f"kiln.DecodeGemv.v1.rows{GEMV_MAX_ROWS}"
+        return f"kiln.DecodeGemv.v2.rows{GEMV_MAX_ROWS}"
 
 
 class KilnPostGradPasses(CustomGraphPass):
@@ -81,6 +82,25 @@ class KilnPostGradPasses(CustomGraphPass):
 
     def uuid(self) -> str:
         return "+".join(str(p.uuid()) for p in self.passes)
+
+
+def _dense_to_mm(graph: torch.fx.Graph) -> None:
+    """`kiln::dense_linear(x, W, b)` (a dense layer whose prepacked kernel won some row class, kiln.kernels.dense) for
+    a static x of at most GEMV_MAX_ROWS rows becomes `mm(x, W.T) (+ b)`, which DecodeGemv then reduces: the kernel
+    plan timed the prepacked product only at row counts that are not static GEMV sizes."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or str(node.target) != "kiln.dense_linear.default":
+            continue
+        x, w, bias = (*node.args, None)[:3]
+        rows = x.meta["val"].shape[0]
+        if x.meta["val"].dim() != 2 or not isinstance(rows, int) or rows > GEMV_MAX_ROWS:
+            continue
+        with graph.inserting_before(node):
+            out = _call(graph, aten.mm.default, x, _call(graph, aten.permute.default, w, [1, 0]))
+            if bias is not None:
+                out = _call(graph, aten.add.Tensor, out, bias)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
 
 
 def _call(graph: torch.fx.Graph, target: torch._ops.OpOverload, *args: object) -> torch.fx.Node:

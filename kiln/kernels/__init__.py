@@ -11,6 +11,7 @@ layout.py        row- or column-major decoder weights and the transposed one-row
 static_sizes.py  which one- and two-row capture sizes compile statically (GEMV reductions), timed
 candidates.py    the packed products' candidates (registry), float32 and int8 ones (`--activations`)
 packed.py        the packed products' timing table, binding the winners to layers
+dense.py         bf16 decoder products: F.linear or oneDNN on prepacked weights (`kiln::dense_linear`), timed
 race.py          a race of candidates at one row count: turns, floors (a candidate that cannot win is never built)
 product.py       small functions traced and compiled for static shapes (the timed product, compiled candidates)
 attention.py     decode attention's kernel (the torch form or the native paged one), timed; its graph op

@@ -6,6 +6,8 @@ A plan holds every kernel choice that makes the same model compute the same numb
 - the decoder weights' layout for one row (kiln.kernels.layout), row-major whenever GEMV reductions need it;
 - the one-row logits head (a transposed copy when it streams faster, kiln.kernels.head);
 - the packed products' kernel table (kiln.kernels.packed), one winner per layout and row count;
+- bf16 decoder layers' products: `F.linear` or oneDNN on a prepacked copy, per layout and row count
+  (kiln.kernels.dense);
 - decode attention's kernel (kiln.kernels.attention): the traced torch form or kiln's native paged kernel.
 
 Every choice is timed here and cached per machine and process (kiln.kernels.choices): two engines over one model
@@ -30,6 +32,7 @@ from kiln.config import DEFAULT_ACTIVATIONS
 from kiln.kernels.attention import TORCH, choose_decode_attention, decode_kernel
 from kiln.kernels.candidates import FLOAT32
 from kiln.kernels.choices import KernelChoiceCache
+from kiln.kernels.dense import DenseKernelTable, dense_layers, prepacking_runs
 from kiln.kernels.inductor_isa import trust_recorded_probe
 from kiln.kernels.layout import (
     ROW_MAJOR,
@@ -38,10 +41,11 @@ from kiln.kernels.layout import (
     one_row_head,
     set_layer_weight_layout,
 )
-from kiln.kernels.packed import PackedKernelTable, packed_layers
+from kiln.kernels.packed import ROWS, PackedKernelTable, packed_layers, timed_rows
 from kiln.kernels.static_sizes import choose_static_sizes
 from kiln.model.forward_context import DecodeKernel
 from kiln.model.graph_attention import traced_decode_attention
+from kiln.platforms import platform_of
 from kiln.quant.ops import rows_label
 
 logger = logging.getLogger("kiln")
@@ -55,6 +59,7 @@ class KernelPlan:
     decoder_layout: str | None = None  # row-major | column-major | packed; None: left as loaded (not on CPU)
     head_t: torch.Tensor | None = None  # [hidden, vocab] head copy for one-row logits, when BLAS gains that way
     packed: PackedKernelTable | None = None
+    dense: DenseKernelTable | None = None  # bf16 decoder layers' prepacked oneDNN products, where they run
     decode_attention: str = TORCH  # its kernel's name: the torch form or a native one (kiln.kernels.attention)
     # what was timed (or read from the cache), for logs and kernel_profile.json
     choices: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -74,6 +79,11 @@ class KernelPlan:
             set_layer_weight_layout(model, self.decoder_layout)
         if self.packed is not None:
             self.packed.install()
+        if self.dense is not None:
+            cpu = torch.device("cpu")  # (prepacked products run on CPU weights alone)
+            copies = self.dense.install(platform_of(cpu).available_memory_gb(cpu) * 1e9)
+            if copies:
+                logger.info("Dense kernels: %s (prepacked copies: %.1f MB)", self.dense.summary(), copies / 2**20)
 
 
 def plan_kernels(
@@ -126,6 +136,10 @@ def plan_kernels(
     else:
         plan.choices["decoder_layout"] = fastest_one_row_layout(weight, cache)
         plan.decoder_layout = str(plan.choices["decoder_layout"]["winner"])
+    if any(prepacking_runs(m.weight) for m in dense_layers(model)):
+        rows = tuple(r for r in ROWS if r not in plan.gemv_sizes)
+        plan.dense = DenseKernelTable(model, cache, rows, tuple(r for r in timed_rows(head_rows) if r in rows))
+        plan.choices["dense_kernels"] = plan.dense.records
     if 1 not in plan.static_sizes and isinstance(model.lm_head, nn.Linear):
         plan.head_t, plan.choices["lm_head"] = one_row_head(model.lm_head.weight, cache)
     _log(plan, isinstance(model.lm_head, nn.Linear))
