@@ -35,7 +35,6 @@ dequant-blas's BLAS part, any candidate no less than its own time at fewer rows.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -43,7 +42,7 @@ from torch import nn
 
 from kiln.compile.compiler import PieceCompiler
 from kiln.kernels.native.build import native_op, runnable_tiers
-from kiln.kernels.product import Compiled
+from kiln.kernels.product import Compiled, shared_compile
 from kiln.quant.linear import PackedLinear
 from kiln.quant.ops import GEMV_ROWS, Kernel, dequant_blas, dequantize_codes, reduction
 
@@ -268,24 +267,6 @@ def _weight(layer: PackedLinear) -> Weight:
 def dequantizer(layer: PackedLinear, compiler: PieceCompiler) -> Compiled:
     """The layer's dequantization compiled for any row count (layouts and tiles)."""
     return shared_compile(dequantize_codes, compiler, *_weight(layer))
-
-
-def shared_compile(fn: Callable[..., torch.Tensor], compiler: PieceCompiler, *args: torch.Tensor) -> Compiled:
-    """`fn(*args)` compiled with the weight's output rows symbolic (the last three arguments: codes, scales, offsets;
-    any before them, e.g. x, static): traced and compiled once per form (each tensor's dtype, and its sizes and
-    strides past a weight's rows) where `compiler` keeps a memo (CompileOnce), so the table's layouts, row counts and
-    tiles share one (a trace costs ~0.13 s even where the compile is shared; a compile ~0.8 s, and the reduction's
-    code and speed are a static compile's: 82 vs 87 µs a call for 3072x576 4-bit at one row, equal outputs)."""
-    weight = range(len(args) - 3, len(args))
-    memo = getattr(compiler, "memo", None)
-    form = tuple((t.dtype, t.shape[i in weight :], t.stride()[i in weight :]) for i, t in enumerate(args))
-    key = (fn.__qualname__, form)
-    if memo is not None and key in memo:
-        return memo[key]
-    compiled = Compiled(fn, compiler, None, *args, dynamic=tuple(weight))
-    if memo is not None:
-        memo[key] = compiled
-    return compiled
 
 
 class Int4Packed:

@@ -98,3 +98,21 @@ def _is_size(node: torch.fx.Node) -> bool:
 def _stand_in(a: torch.Tensor) -> torch.Tensor:
     """An uninitialised tensor of `a`'s size, strides and dtype, to trace with (nothing is marked on `a`)."""
     return torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
+
+
+def shared_compile(fn: Callable[..., torch.Tensor], compiler: PieceCompiler, *args: torch.Tensor) -> Compiled:
+    """`fn(*args)` compiled with the weight's output rows symbolic (the last three arguments: codes, scales, offsets;
+    any before them, e.g. x, static): traced and compiled once per form (each tensor's dtype, and its sizes and
+    strides past a weight's rows) where `compiler` keeps a memo (CompileOnce), so the table's layouts, row counts and
+    tiles share one (a trace costs ~0.13 s even where the compile is shared; a compile ~0.8 s, and the reduction's
+    code and speed are a static compile's: 82 vs 87 µs a call for 3072x576 4-bit at one row, equal outputs)."""
+    weight = range(len(args) - 3, len(args))
+    memo = getattr(compiler, "memo", None)
+    form = tuple((t.dtype, t.shape[i in weight :], t.stride()[i in weight :]) for i, t in enumerate(args))
+    key = (fn.__qualname__, form)
+    if memo is not None and key in memo:
+        return memo[key]
+    compiled = Compiled(fn, compiler, None, *args, dynamic=tuple(weight))
+    if memo is not None:
+        memo[key] = compiled
+    return compiled

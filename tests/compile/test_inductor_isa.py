@@ -63,8 +63,7 @@ def test_the_record_holds_inductors_answers(record: Path) -> None:
 def test_a_start_with_the_record_picks_inductors_isa_compiling_nothing(record: Path, tmp_path: Path) -> None:
     """In the "replayed" process any check inductor would compile raises; it picks what its own probe picks in a
     process without the record, with the same features (AVX-512 BF16, AMX FP16) found."""
-    if not json.loads(record.read_text())["passed"]:
-        pytest.skip("no vector ISA passed inductor's probe on this machine")
+    assert json.loads(record.read_text())["passed"]  # x86-64 CPUs kiln runs on have AVX2 at least
     replayed = _pick(record.parent, "replayed")
     probed = _pick(tmp_path / "no-record", "probed")
     assert replayed == {**probed, "told": True}
@@ -75,12 +74,10 @@ def test_a_check_that_failed_at_install_drops_its_isa(record: Path, tmp_path: Pa
     """Replayed answers are the record's, not a guess: the widest ISA's checks recorded as failed, inductor takes the
     next one, still compiling nothing."""
     saved = json.loads(record.read_text())
-    if len(saved["passed"]) < 2:
-        pytest.skip("fewer than two vector ISAs pass here")
-    widest = saved["passed"][0]
+    widest, rest = saved["passed"][0], saved["passed"][1:]
     checks = {key: ok and not key.startswith(f"{widest} |") for key, ok in saved["checks"].items()}
     changed = _rewritten(record, tmp_path, checks=checks)
-    assert _pick(changed.parent, "replayed")["isa"] == saved["passed"][1]
+    assert _pick(changed.parent, "replayed")["isa"] == (rest[0] if rest else str(cpu_vec_isa.invalid_vec_isa))
 
 
 @pytest.mark.parametrize(

@@ -11,13 +11,12 @@ import pytest
 import torch
 from torch.fx import GraphModule
 
-import kiln.kernels.candidates as candidates
 import kiln.kernels.packed as packed
 import kiln.kernels.race as race
 from kiln.compile.compiler import CompiledPiece, CompileOnce, EagerCompiler
 from kiln.kernels.candidates import PackedCandidate
 from kiln.kernels.choices import KernelChoiceCache
-from kiln.kernels.product import Compiled, trace_static
+from kiln.kernels.product import Compiled, shared_compile, trace_static
 from kiln.quant.linear import PackedLinear
 from kiln.quant.ops import Kernel, dequantize_codes, reduction
 
@@ -203,10 +202,10 @@ def test_the_one_row_reduction_compiles_once_per_weight_form() -> None:
 
     x1, x2 = torch.randn(1, 64), torch.randn(2, 64)
     layouts = [weight(out, 2) for out in (8, 24, 5)]
-    kernels = [candidates.shared_compile(reduction, once, x1, *w) for w in layouts]
+    kernels = [shared_compile(reduction, once, x1, *w) for w in layouts]
     assert len(inner.calls) == 1 and all(k is kernels[0] for k in kernels)
     for w in layouts:
         torch.testing.assert_close(kernels[0](x1, *w), reduction(x1, *w), rtol=1e-5, atol=1e-5)
-    candidates.shared_compile(reduction, once, x2, *layouts[0])
-    candidates.shared_compile(reduction, once, torch.randn(1, 96), *weight(8, 3))
+    shared_compile(reduction, once, x2, *layouts[0])
+    shared_compile(reduction, once, torch.randn(1, 96), *weight(8, 3))
     assert len(inner.calls) == 3
