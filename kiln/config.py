@@ -159,7 +159,7 @@ class SchedulerConfig:
         return cap if cap is not None else max(1, self.max_num_seqs // 2)
 
 
-SPECULATIVE_METHODS = ("ngram",)  # proposers of speculative decoding (kiln.engine.speculation)
+SPECULATIVE_METHODS = ("ngram", "draft")  # proposers of speculative decoding (kiln.engine.speculation, .draft)
 SPECULATIVE_POLICIES = ("measured", "always")
 
 
@@ -176,6 +176,8 @@ class SpeculativeConfig:
     # which proposals a step verifies: "measured" (those that raise tokens per second by the step costs timed here)
     # or "always" (every one)
     policy: str = "measured"
+    # draft: the smaller model (a .gguf file, an HF directory or "default") proposing the tokens; same vocabulary
+    draft_model: str | None = None
 
     @property
     def is_enabled(self) -> bool:
@@ -184,8 +186,21 @@ class SpeculativeConfig:
     def __str__(self) -> str:
         if not self.is_enabled:
             return "off"
-        lookup = f"lookup {self.prompt_lookup_min}-{self.prompt_lookup_max}"
-        return f"{self.method}, {self.num_speculative_tokens} tokens, {lookup}, {self.policy}"
+        if self.method == "draft":
+            proposer = f"draft model {self.draft_model}"
+        else:
+            proposer = f"ngram, lookup {self.prompt_lookup_min}-{self.prompt_lookup_max}"
+        return f"{proposer}, {self.num_speculative_tokens} tokens, {self.policy}"
+
+    def problem(self) -> str | None:
+        """What makes these settings contradict each other (None: nothing), worded for a flag or a recipe field."""
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            return f"prompt_lookup_min {self.prompt_lookup_min} is above prompt_lookup_max {self.prompt_lookup_max}"
+        if self.method == "draft" and not self.draft_model:
+            return "the draft method needs a draft model (--speculative-model, or the recipe's draft_model)"
+        if self.method != "draft" and self.draft_model:
+            return f"a draft model ({self.draft_model}) is only used by the draft method, not by {self.method or 'off'}"
+        return None
 
     def capture_sizes(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
         """`sizes` and, for each, that many sequences verifying k drafts (k+1 decode rows each), so a batch where

@@ -1,11 +1,12 @@
-"""Speculative decoding's gain: the default model, n-gram speculation on and off side by side in one run, at batch 1
-and 8 (each side run --repeats times in turns, the best kept), on an input-grounded workload (chat prompts asking
-to repeat, or lightly edit, a passage they contain: scripts/spec_passages.txt) and on free generation (short
-stories); greedy, exactly --output-len tokens each. With llama-cpp-python installed (`make llamacpp`), llama.cpp's
-prompt-lookup decoding (LlamaPromptLookupDecoding) beside it at batch 1 (the binding speculates in its one-sequence
-`generate` only). Results go to docs/benchmarks.md.
+"""Speculative decoding's gain: the default model, n-gram speculation (and, with --draft-model, a draft model) on
+and off side by side in one run, at batch 1 and 8 (each side run --repeats times in turns, the best kept), on an
+input-grounded workload (chat prompts asking to repeat, or lightly edit, a passage they contain:
+scripts/spec_passages.txt) and on free generation (short stories); greedy, exactly --output-len tokens each. With
+llama-cpp-python installed (`make llamacpp`), llama.cpp's prompt-lookup decoding (LlamaPromptLookupDecoding) beside
+it at batch 1 (the binding speculates in its one-sequence `generate` only). Results go to docs/benchmarks.md.
 
     .venv/bin/python scripts/spec_decode_bench.py [--output-len 256] [--num-speculative-tokens 4] [--json out.json]
+        [--draft-model DIR]   # a draft model with the default model's vocabulary, or "default" itself
 """
 
 from __future__ import annotations
@@ -72,9 +73,15 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each side, in turns; the best is reported")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--draft-model", default=None, help="also the draft method with this draft model (same vocabulary) as a side"
+    )
     args = parser.parse_args()
     k = args.num_speculative_tokens
     engines = {"off": LLM("default"), "ngram": LLM("default", speculative_method="ngram", num_speculative_tokens=k)}
+    if args.draft_model:
+        spec = dict(speculative_method="draft", speculative_model=args.draft_model, num_speculative_tokens=k)
+        engines["draft"] = LLM("default", **spec)
     loads = workloads(engines["off"].tokenizer, 8)
     for llm in engines.values():
         warm_up_kiln(llm, loads["free generation"][0])
@@ -88,20 +95,22 @@ def main() -> None:
                     run = run_kiln(llm, side, batch, args.output_len, bs)
                     if side not in best or run.wall_s < best[side].wall_s:
                         best[side] = run
-            off, on = best["off"], best["ngram"]
-            row = {
-                "off_output_tok_s": off.output_tok_s,
-                "ngram_output_tok_s": on.output_tok_s,
-                "speedup": on.output_tok_s / off.output_tok_s,
-                "off_decode_tok_s_per_seq": off.decode_tok_s_per_seq,
-                "ngram_decode_tok_s_per_seq": on.decode_tok_s_per_seq,
-                "decode_speedup": on.decode_tok_s_per_seq / off.decode_tok_s_per_seq,
-                "acceptance_length": on.acceptance_length,
-            }
+            off = best["off"]
+            row = {"off_output_tok_s": off.output_tok_s, "off_decode_tok_s_per_seq": off.decode_tok_s_per_seq}
+            for side, on in best.items():
+                if side == "off":
+                    continue
+                row |= {
+                    f"{side}_output_tok_s": on.output_tok_s,
+                    f"{side}_speedup": on.output_tok_s / off.output_tok_s,
+                    f"{side}_decode_tok_s_per_seq": on.decode_tok_s_per_seq,
+                    f"{side}_decode_speedup": on.decode_tok_s_per_seq / off.decode_tok_s_per_seq,
+                    f"{side}_acceptance_length": on.acceptance_length,
+                }
+                print(f"{load} bs {bs} {side}: output {off.output_tok_s:.1f} -> {on.output_tok_s:.1f} tok/s "
+                      f"({row[f'{side}_speedup']:.2f}x), decode/seq {row[f'{side}_decode_speedup']:.2f}x, "
+                      f"acceptance length {on.acceptance_length:.2f}", flush=True)  # fmt: skip
             report[f"{load} bs{bs}"] = row
-            print(f"{load} bs {bs}: output {off.output_tok_s:.1f} -> {on.output_tok_s:.1f} tok/s "
-                  f"({row['speedup']:.2f}x), decode/seq {row['decode_speedup']:.2f}x, acceptance length "
-                  f"{on.acceptance_length:.2f}", flush=True)  # fmt: skip
         lookup = llamacpp_lookup(engines["off"].engine.checkpoint_path, prompts[:4], args.output_len, k)
         if lookup is not None:
             report[f"{load} llama.cpp bs1"] = lookup | {"speedup": lookup["lookup"] / lookup["plain"]}

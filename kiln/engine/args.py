@@ -97,26 +97,18 @@ class EngineArgs:
         True, "split long prompts over steps", group="scheduler", action=argparse.BooleanOptionalAction
     )
     long_prefill_token_threshold: int = _arg(
-        512,
-        "with chunked prefill, most prompt tokens one request prefills in a step while others run or wait, so a "
-        "long prompt delays their next token by one chunk (0: no cap)",
-        group="scheduler",
-        type=int_at_least(0),
-    )
+        512, "with chunked prefill, most prompt tokens one request prefills in a step while others run or wait, so a "
+        "long prompt delays their next token by one chunk (0: no cap)", "scheduler", type=int_at_least(0),
+    )  # fmt: skip
     max_running_per_request: int | None = _arg(
-        None,
-        "most sequences of one client request (prompts x n) running at once, so one n=64 request cannot take every "
-        "batch slot (default: half of --max-num-seqs)",
-        group="scheduler",
-        type=int_at_least(1),
-    )
+        None, "most sequences of one client request (prompts x n) running at once, so one n=64 request cannot take "
+        "every batch slot (default: half of --max-num-seqs)", "scheduler", type=int_at_least(1),
+    )  # fmt: skip
     graph_mode: str | None = _arg(
-        None,
-        "which graphs run, as vLLM names them (default: the recipe's graph.mode, else full_and_piecewise: "
+        None, "which graphs run, as vLLM names them (default: the recipe's graph.mode, else full_and_piecewise: "
         "decode-only steps replay one full graph per size, attention included; mixed steps the pieces); eager: none",
-        group="graph mode",
-        choices=GRAPH_MODES,
-    )
+        "graph mode", choices=GRAPH_MODES,
+    )  # fmt: skip
     enforce_eager: bool = _arg(False, "the same as --graph-mode eager (vLLM's name)", group="graph mode")
     full_graph: bool = _arg(False, "the same as --graph-mode full", group="graph mode")
     enable_piecewise_graph: bool = _arg(
@@ -149,9 +141,12 @@ class EngineArgs:
     speculative_method: str | None = _arg(
         None,
         "ngram: propose the tokens that followed the latest earlier occurrence of the sequence's last n tokens in its "
-        "prompt and output, verified by the model in one step (default: off)",
-        SPEC, choices=SPECULATIVE_METHODS,
+        "prompt and output; draft: a smaller model (--speculative-model) proposes them; the model verifies them in "
+        "one step (default: off)", SPEC, choices=SPECULATIVE_METHODS,
     )  # fmt: skip
+    speculative_model: str | None = _arg(
+        None, "draft: the draft model (a .gguf file, an HF directory or 'default'), same vocabulary", SPEC
+    )
     num_speculative_tokens: int = _arg(4, "most draft tokens a sequence verifies per step", SPEC, type=int_at_least(1))
     prompt_lookup_max: int = _arg(4, "ngram: the longest suffix searched for", SPEC, type=int_at_least(1))
     prompt_lookup_min: int = _arg(2, "ngram: the shortest suffix searched for", SPEC, type=int_at_least(1))
@@ -291,9 +286,13 @@ class EngineArgs:
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low > high:
             raise ConfigError(f"--prompt-lookup-min {low} is above --prompt-lookup-max {high}")
-        return SpeculativeConfig(
-            self.speculative_method, self.num_speculative_tokens, high, low, self.speculative_policy
-        )
+        config = SpeculativeConfig(
+            self.speculative_method, self.num_speculative_tokens, high, low, self.speculative_policy,
+            self.speculative_model,
+        )  # fmt: skip
+        if problem := config.problem():
+            raise ConfigError(problem)
+        return config
 
     def graph_mode_flag(self) -> str | None:
         """The graph mode --graph-mode or one of its aliases names (kiln.compile.settings.graph_mode_from_flags)."""

@@ -20,6 +20,7 @@ from kiln.config import EngineConfig
 from kiln.distributed.state import RankState, rank_state
 from kiln.distributed.workers import Workers, follow, start_ranks
 from kiln.engine.core import EngineCore
+from kiln.engine.draft import DraftModel, draft_engine_config
 from kiln.engine.model_runner import StepObserver
 from kiln.engine.rank_role import RankRole, rank_role
 from kiln.engine.step_pipeline import StepPipeline
@@ -77,6 +78,8 @@ def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> 
         state, workers = start_ranks(config, build_engine)
     try:
         core = _build_core(config, checkpoint, observer, state, workers)
+        if config.speculative.method == "draft" and core.speculator is not None:
+            core.speculator.drafter = build_draft(config, core)
     except BaseException:
         if workers is not None:  # this rank failed: the ranks it started must not wait for it
             workers.abort()
@@ -89,6 +92,19 @@ def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> 
     logger.info("Rank %d ran %d steps for rank 0, which has stopped: exiting", state.rank, steps)
     workers.stop()
     raise SystemExit(0)
+
+
+def build_draft(config: EngineConfig, target: EngineCore) -> DraftModel:
+    """The draft method's model (kiln.engine.draft), in an engine of its own beside `target`'s."""
+    draft = open_checkpoint(config.speculative.draft_model)
+    draft_config = draft_engine_config(config, target, draft)
+    logger.info(
+        "Speculative decoding: draft model %s (%d layers) proposes up to %d tokens per step; building its engine",
+        draft.path,
+        draft.config.num_layers,
+        config.speculative.num_speculative_tokens,
+    )
+    return DraftModel(_build_core(draft_config, draft, None, detokenize=False))
 
 
 def engine_role(
@@ -106,7 +122,9 @@ def _build_core(
     observer: StepObserver | None,
     state: RankState | None = None,
     workers: Workers | None = None,
+    detokenize: bool = True,
 ) -> EngineCore:
+    """`detokenize` False: the engine serves token ids only (a draft model's)."""
     max_model_len = config.max_model_len or EngineCore.default_max_model_len(checkpoint.config)
     model = build_model(
         checkpoint,
@@ -117,7 +135,7 @@ def _build_core(
         config.quantization_group_size,
     )
     check_quantized(model, config.graph.fusion_groups)
-    tokenizer = load_tokenizer(checkpoint)
+    tokenizer = load_tokenizer(checkpoint) if detokenize else None
     graph = replace(config.graph, max_model_len=max_model_len)
     executor = make_executor(replace(config, graph=graph))
     role = engine_role(config, model, executor, state, workers)

@@ -24,6 +24,10 @@ second by the costs measured. Row counts not measured yet are tried one further 
 `PROBE_EVERY`-th choice runs the other way, so both sides' costs stay current. Policy "always" verifies every
 proposal (tests).
 
+The draft method (kiln.engine.draft) proposes with a second, smaller model instead. Its proposals cost a draft
+model round, so the choice is made first, over offers of `num_speculative_tokens` drafts each (their expected
+tokens as above, the step costs measured with the round included), and only the drafts chosen are computed.
+
 Requests that do not speculate: a structured output (its grammar would have to run ahead over the drafts) and a
 teacher-forced one (the debugger's), which decode as before.
 """
@@ -31,6 +35,7 @@ teacher-forced one (the debugger's), which decode as before.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kiln.config import SpeculativeConfig
 from kiln.engine.request import Request
@@ -66,11 +71,17 @@ class NgramIndex:
         return []
 
 
+class Drafter(Protocol):
+    def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        """Up to `count` draft tokens for each (request, count), by request id (kiln.engine.draft)."""
+
+
 @dataclass
 class SpecState:
-    """One request's proposer state: its n-gram index, its back-off and how its drafts fared so far."""
+    """One request's proposer state: its n-gram index (none with a drafter), its back-off and how its drafts fared
+    so far."""
 
-    index: NgramIndex
+    index: NgramIndex | None
     failures: int = 0  # verifications in a row that accepted no draft
     wait: int = 0  # decode steps left before the next proposal
     # per draft position j: how often its verifications accepted more than j drafts, averaged over those that
@@ -135,8 +146,11 @@ class SpecStats:
 class Speculator:
     """Proposes draft tokens for decoding requests and learns from their verification."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, drafter: Drafter | None = None) -> None:
+        """`drafter`: the draft method's model (kiln.engine.draft), set by whoever builds it (None: it proposes
+        nothing until then); the n-gram method needs none."""
         self.config = config
+        self.drafter = drafter
         self.max_model_len = max_model_len
         k = config.num_speculative_tokens
         self.stats = SpecStats(accepted_per_position=[0] * k, drafted_per_position=[0] * k)
@@ -150,28 +164,44 @@ class Speculator:
 
     def step_drafts(self, decoding: list[Request]) -> dict[str, list[int]]:
         """The draft tokens each of a step's decoding requests verifies (by request id; absent: none), chosen by the
-        policy over their proposals (module docstring)."""
-        proposed = [(req, drafts) for req in decoding if (drafts := self.propose(req))]
-        if not proposed or self.config.policy == "always":
-            return {req.request_id: drafts for req, drafts in proposed}
+        policy over their offers (module docstring)."""
+        known: dict[str, list[int]] = {}  # n-gram drafts, known before the choice
+        offers: list[tuple[Request, int]] = []
+        for req in decoding:
+            if self.config.method == "draft":
+                size = self.room(req) if self.drafter is not None else 0
+            else:
+                known[req.request_id] = self.propose(req)
+                size = len(known[req.request_id])
+            if size:
+                offers.append((req, size))
+        if not offers:
+            return {}
+        always = self.config.policy == "always"
+        counts = {req.request_id: size for req, size in offers} if always else self._choose(offers, len(decoding))
+        if self.drafter is not None:
+            wanted = [(req, counts[req.request_id]) for req, _ in offers if req.request_id in counts]
+            return self.drafter.propose(wanted) if wanted else {}
+        return {rid: known[rid][:count] for rid, count in counts.items()}
+
+    def _choose(self, offers: list[tuple[Request, int]], num_decoding: int) -> dict[str, int]:
+        """How many of its offered drafts each request verifies, by the measured policy."""
         # each draft token is one more row, worth the chance that its request accepts it and every draft before it
         rows = []
-        for req, drafts in proposed:
+        for req, size in offers:
             gain = 1.0
-            for j, held in enumerate(self._held(req.request_id, len(drafts))):
+            for j, held in enumerate(self._held(req.request_id, size)):
                 gain = min(gain, held)  # a later draft never counts for more than an earlier one
                 rows.append((gain, j, req.request_id))
         rows.sort(key=lambda row: (-row[0], row[1]))
-        taken = self.costs.best_prefix(len(decoding), [gain for gain, _, _ in rows])
+        taken = self.costs.best_prefix(num_decoding, [gain for gain, _, _ in rows])
         self.num_choices += 1
         if self.num_choices % PROBE_EVERY == 0:  # the other way, so that its cost is measured too
             taken = 0 if taken else len(rows)
         counts: dict[str, int] = {}
         for _, _, rid in rows[:taken]:
             counts[rid] = counts.get(rid, 0) + 1
-        return {
-            req.request_id: drafts[: counts[req.request_id]] for req, drafts in proposed if req.request_id in counts
-        }
+        return counts
 
     def _held(self, request_id: str, num_drafts: int) -> list[float]:
         """The chance that `request_id` accepts more than j drafts, for each position j < num_drafts: its own
@@ -181,24 +211,31 @@ class Speculator:
         return [own[j] if j < len(own) and own[j] is not None else prior[j] for j in range(num_drafts)]
 
     def propose(self, req: Request, budget: int | None = None) -> list[int]:
-        """Draft tokens for `req`, decoding its next token this step, within `budget` more tokens (none: it
-        decodes as usual). Never more than would run past max_tokens or max_model_len."""
+        """The n-gram draft tokens for `req`, decoding its next token this step, within `budget` more tokens (none:
+        it decodes as usual); as many as `room` allows."""
+        k = self.room(req, budget)
+        index = self.states[req.request_id].index if k > 0 else None
+        return index.propose(k) if index is not None else []
+
+    def room(self, req: Request, budget: int | None = None) -> int:
+        """How many drafts `req` may bring to this step: none while it backs off, nor for a structured output or a
+        teacher-forced request; never more than would run past max_tokens or max_model_len. Keeps its n-gram index
+        up to date."""
         if req.grammar is not None or req.forced_output is not None:
-            return []
+            return 0
         state = self.states.get(req.request_id)
         if state is None:
-            state = SpecState(NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max))
+            n_min, n_max = self.config.prompt_lookup_min, self.config.prompt_lookup_max
+            state = SpecState(NgramIndex(n_min, n_max) if self.config.method == "ngram" else None)
             self.states[req.request_id] = state
-        seen = len(state.index.tokens)
-        known = req.num_prompt_tokens
-        new = req.prompt_token_ids[seen:] + req.output_token_ids[max(0, seen - known) :]
-        state.index.extend(new)
+        if state.index is not None:
+            seen, known = len(state.index.tokens), req.num_prompt_tokens
+            state.index.extend(req.prompt_token_ids[seen:] + req.output_token_ids[max(0, seen - known) :])
         if state.wait:
             state.wait -= 1
-            return []
+            return 0
         left = min(req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
-        k = min(self.config.num_speculative_tokens, left if budget is None else min(budget, left))
-        return state.index.propose(k) if k > 0 else []
+        return max(0, min(self.config.num_speculative_tokens, left if budget is None else min(budget, left)))
 
     def verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
         """`req`'s verification accepted `num_accepted` of its `num_drafts` draft tokens."""

@@ -85,8 +85,7 @@ class Recipe:
         """The recipe's speculative decoding (None: the recipe has no `speculative` section)."""
         if "speculative" not in self.spec.model_fields_set:
             return None
-        s = self.spec.speculative
-        return SpeculativeConfig(s.method, s.num_speculative_tokens, s.prompt_lookup_max, s.prompt_lookup_min, s.policy)
+        return self.spec.speculative.config()
 
     @property
     def prefix_caching(self) -> bool:

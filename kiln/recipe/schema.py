@@ -6,7 +6,13 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kiln.config import ACTIVATION_NAMES, DEFAULT_ACTIVATIONS, SPECULATIVE_METHODS, SPECULATIVE_POLICIES
+from kiln.config import (
+    ACTIVATION_NAMES,
+    DEFAULT_ACTIVATIONS,
+    SPECULATIVE_METHODS,
+    SPECULATIVE_POLICIES,
+    SpeculativeConfig,
+)
 
 DType = Literal["float32", "float16", "bfloat16"]
 PositiveInt = Annotated[int, Field(gt=0)]
@@ -135,7 +141,7 @@ class Speculative(Section):
     method: Literal[SPECULATIVE_METHODS] | None = Field(  # type: ignore[valid-type]
         None,
         description="ngram: propose the tokens that followed the latest earlier occurrence of the sequence's last n "
-        "tokens in its prompt and output. null: off.",
+        "tokens in its prompt and output; draft: the draft_model proposes them. null: off.",
     )
     num_speculative_tokens: PositiveInt = Field(4, description="Most draft tokens a sequence verifies per step.")
     prompt_lookup_max: PositiveInt = Field(4, description="ngram: the longest suffix looked up.")
@@ -146,13 +152,25 @@ class Speculative(Section):
         "timed on the machine) or always.",
     )
 
+    draft_model: str | None = Field(
+        None, description="draft: the smaller model proposing the tokens (a .gguf file, an HF directory or 'default')."
+    )
+
     @model_validator(mode="after")
-    def _lookup_range(self) -> Speculative:
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(
-                f"prompt_lookup_min {self.prompt_lookup_min} is above prompt_lookup_max {self.prompt_lookup_max}"
-            )
+    def _consistent(self) -> Speculative:
+        if problem := self.config().problem():
+            raise ValueError(problem)
         return self
+
+    def config(self) -> SpeculativeConfig:
+        return SpeculativeConfig(
+            self.method,
+            self.num_speculative_tokens,
+            self.prompt_lookup_max,
+            self.prompt_lookup_min,
+            self.policy,
+            self.draft_model,
+        )
 
 
 class Hardware(Section):

@@ -175,13 +175,13 @@ def test_the_recipe_speculative_section_and_the_flags_over_it(tmp_path: Path, ca
     with caplog.at_level(logging.INFO, logger="kiln"):
         config = EngineArgs(recipe=str(path)).create_engine_config()
     assert config.speculative == SpeculativeConfig("ngram", 3, 4, 1)
-    assert "sets speculative=ngram, 3 tokens, lookup 1-4, measured (was off)" in caplog.text
+    assert "sets speculative=ngram, lookup 1-4, 3 tokens, measured (was off)" in caplog.text
     assert config.graph.capture_sizes == (1, 2, 8)  # the recipe's sizes are kept as given, never extended
     with caplog.at_level(logging.INFO, logger="kiln"):
         flags = EngineArgs(recipe=str(path), speculative_method="ngram", num_speculative_tokens=6)
         assert flags.create_engine_config().speculative.num_speculative_tokens == 6
     assert (
-        "Speculative decoding flags (ngram, 6 tokens, lookup 2-4, measured) override the recipe's (ngram, 3"
+        "Speculative decoding flags (ngram, lookup 2-4, 6 tokens, measured) override the recipe's (ngram, lookup 1-4, 3"
         in caplog.text
     )
     assert EngineArgs().create_engine_config().speculative == SpeculativeConfig()  # off without either
@@ -189,3 +189,14 @@ def test_the_recipe_speculative_section_and_the_flags_over_it(tmp_path: Path, ca
     line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if t.startswith("speculative:"))
     with pytest.raises(RecipeError, match=rf"{path}:{line}:\d+: .*prompt_lookup_min 5 is above prompt_lookup_max 4"):
         EngineArgs(recipe=str(path)).create_engine_config()
+    base = path.read_text()
+    for section, problem in [
+        ("method: ngram, draft_model: x", "only used by the draft method, not by ngram"),
+        ("method: draft", "the draft method needs a draft model"),
+    ]:
+        path.write_text(base.replace("method: ngram", section).replace("prompt_lookup_min: 5", "prompt_lookup_min: 1"))
+        with pytest.raises(RecipeError, match=rf"{path}:{line}:\d+: .*{problem}"):
+            EngineArgs(recipe=str(path)).create_engine_config()
+    path.write_text(base.replace("method: ngram", "method: draft, draft_model: default").replace("min: 5", "min: 1"))
+    config = EngineArgs(recipe=str(path)).create_engine_config()
+    assert config.speculative == SpeculativeConfig("draft", 3, 4, 1, draft_model="default")
