@@ -10,9 +10,11 @@ replaying the draft's full decode graphs. Nothing outlives a round but cached bl
 rollback here: the next round's prompt no longer matches the blocks that held them, which are keyed by their tokens.
 A request's cache salt goes with it, so draft blocks are shared between requests exactly as the target's are.
 
-Drafts are greedy, so the proposal distribution is one-hot at each draft and the verification's rejection rule
-(kiln.engine.spec_verify) treats them as it treats n-gram drafts: a sampled request's output keeps exactly the
-target's distribution (it accepts less often than it would with the draft's own sampled distribution).
+A draft request samples as its sequence does (greedy, or its temperature, top-k, top-p and min-p, seeded from the
+sequence's own generator so a seeded request repeats) and keeps the distribution each draft was drawn from; the
+verification's rejection rule (kiln.engine.spec_verify) takes it as the proposal distribution q, so a sampled
+sequence's output keeps exactly the target's distribution and accepts a draft with probability min(1, p/q): a
+draft that is the target itself accepts every one.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import logging
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
+
+import torch
 
 from kiln.config import EngineConfig, SpeculativeConfig
 from kiln.engine.request import Request
@@ -74,21 +78,22 @@ class DraftModel:
         """Up to `count` greedy draft tokens for each (request, count), by request id. A sequence whose draft request
         fails (the draft engine fails it alone, or its step raises) gets none, and the target decodes it as usual."""
         start, engine = time.perf_counter(), self.engine
-        ids: dict[str, str] = {}  # draft request id -> target request id
+        ids: dict[str, tuple[Request, Request]] = {}  # draft request id -> (target request, draft request)
         drafts: dict[str, list[int]] = {}
         try:
             for req, count in wanted:
                 rid = f"{req.request_id}#{self.rounds}"
-                params = SamplingParams(
-                    max_tokens=count, temperature=0, ignore_eos=True, cache_salt=req.params.cache_salt
-                )
-                engine.add_request(rid, req.prompt_token_ids + req.output_token_ids, params)
-                ids[rid] = req.request_id
+                tokens = req.prompt_token_ids + req.output_token_ids
+                draft = engine.add_request(rid, tokens, self.draft_params(req, count))
+                draft.keeps_probs, draft.draft_probs = not draft.params.is_greedy, []
+                ids[rid] = (req, draft)
             while engine.has_unfinished:
                 self.steps += 1
                 for out in engine.step():
                     if out.finished and out.finish_reason == "length":
-                        drafts[ids[out.request_id]] = out.token_ids
+                        req, draft = ids[out.request_id]
+                        drafts[req.request_id] = out.token_ids
+                        req.draft_probs = draft.draft_probs if draft.keeps_probs else None
         except Exception:  # the draft is an accelerator only: its failure costs the speedup, never a request
             logger.exception("draft model round failed: its sequences decode without drafts this step")
             for rid in ids:
@@ -96,3 +101,20 @@ class DraftModel:
         self.rounds += 1
         self.seconds += time.perf_counter() - start
         return drafts
+
+    @staticmethod
+    def draft_params(req: Request, count: int) -> SamplingParams:
+        """How `req`'s draft request samples its `count` tokens: as `req` does, without its penalties and bias (any
+        proposal distribution keeps the output exact; the verification applies them to the target's)."""
+        p = req.params
+        seed = None if req.generator is None else int(torch.randint(2**62, (1,), generator=req.generator))
+        return SamplingParams(
+            max_tokens=count,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            min_p=p.min_p,
+            seed=seed,
+            ignore_eos=True,
+            cache_salt=p.cache_salt,
+        )

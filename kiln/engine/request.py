@@ -67,6 +67,11 @@ class Request:
         self.error: str | None = None
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.grammar: GrammarState | None = None  # its place in its structured output's grammar (Admission sets it)
+        # the distribution each draft token was drawn from (kiln.engine.draft): a draft engine's sampled request
+        # collects one per token it samples (`keeps_probs`), and the target's request it drafted for verifies this
+        # step's drafts by them (None: one-hot at each draft, as greedy and n-gram drafts are)
+        self.draft_probs: list[torch.Tensor] | None = None
+        self.keeps_probs = False
 
     @property
     def block_ids(self) -> list[int]:

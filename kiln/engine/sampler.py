@@ -12,7 +12,7 @@ the other rows are sampled as usual.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,7 @@ class SamplingRow:
     # a structured output's bitmask of the tokens allowed: little-endian 32-bit words, as int32 or raw bytes
     # (kiln.engine.structured_output)
     allowed: torch.Tensor | None = None
+    keep_probs: bool = False  # return the distribution a sampled row's token was drawn from (a draft model's row)
 
 
 @dataclass
@@ -38,6 +39,8 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]
     errors: list[str | None]  # per row: why it could not be sampled (None: sampled)
+    # per row keeping them: the [vocab] distribution its token was drawn from (None: greedy, or not kept)
+    probs: list[torch.Tensor | None] = field(default_factory=list)
 
 
 # for every byte value v, 0.0 where bit b of v is set and -inf where not: a bitmask's bytes index it to turn 8 tokens
@@ -247,6 +250,7 @@ class Sampler:
         finite = torch.isfinite(best)
         bad = ~finite
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        kept: list[torch.Tensor | None] = [None] * len(rows)
         if sampled:
             groups = filter_rows(logits[torch.tensor(sampled)], [rows[i].params for i in sampled])
             for members, values, columns in groups:
@@ -257,8 +261,12 @@ class Sampler:
                 probs = torch.where(usable.unsqueeze(1), probs, 1.0)  # rows that fail still draw, unused
                 drawn = draw(probs, [rows[i].generator for i in index.tolist()])
                 tokens[index] = drawn if columns is None else columns.gather(1, drawn.unsqueeze(1)).squeeze(1)
+                for m, i in enumerate(index.tolist()):
+                    if rows[i].keep_probs:
+                        dense = logits.new_zeros(logits.shape[1])
+                        kept[i] = probs[m] if columns is None else dense.scatter_(0, columns[m], probs[m])
         token_ids = tokens.tolist()
         errors: list[str | None] = [None] * len(rows)
         for i in torch.nonzero(bad).flatten().tolist():
             errors[i] = unsampleable(raw[i]) if not bool(finite[i]) else UNUSABLE_PROBABILITIES
-        return SamplerOutput(token_ids, token_logprobs(raw, rows, token_ids), errors)
+        return SamplerOutput(token_ids, token_logprobs(raw, rows, token_ids), errors, kept)

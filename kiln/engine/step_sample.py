@@ -33,7 +33,7 @@ def sampling_row(
     p = req.params
     output = req.output_token_ids + drafts if drafts else req.output_token_ids
     block_eos = eos_token_ids + p.stop_token_ids if len(output) < p.min_tokens else []
-    return SamplingRow(p, req.prompt_token_ids, output, req.generator, block_eos, allowed)
+    return SamplingRow(p, req.prompt_token_ids, output, req.generator, block_eos, allowed, req.keeps_probs)
 
 
 def sample_step(
@@ -55,13 +55,17 @@ def sample_step(
     if plain:
         every = len(plain) == len(plan.sample_request_ids)
         drawn = sampler(logits if every else logits[torch.tensor([first_row[rid] for rid in plain])], rows)
-        for rid, token, lp, error in zip(plain, drawn.token_ids, drawn.logprobs, drawn.errors, strict=True):
-            _record(out, rid, [token], [lp] if lp else [], error)
+        for i, rid in enumerate(plain):
+            _record(out, rid, [drawn.token_ids[i]], [lp] if (lp := drawn.logprobs[i]) else [], drawn.errors[i])
+            if rows[i].keep_probs and drawn.probs[i] is not None:  # a draft engine's request keeps its draft's
+                by_id[rid].request.draft_probs.append(drawn.probs[i])
     for rid, start in first_row.items():
         s = by_id[rid]
         if drafts := s.spec_token_ids:
             spec_rows = [sampling_row(s.request, drafts[:j], eos_token_ids, None) for j in range(len(drafts) + 1)]
-            v = verify(logits[start : start + len(drafts) + 1], spec_rows, drafts)
+            kept, s.request.draft_probs = s.request.draft_probs, None  # this step's drafts' only
+            q = torch.stack(kept[: len(drafts)]) if kept and len(kept) >= len(drafts) else None
+            v = verify(logits[start : start + len(drafts) + 1], spec_rows, drafts, q)
             _record(out, rid, v.token_ids, v.logprobs, v.error)
     return out
 

@@ -61,12 +61,20 @@ def test_draft_model_outputs_equal_plain_decoding_and_the_target_as_its_own_draf
             assert llm.engine.executor.counters.full_verify_replays > 0
 
 
-def test_seeded_sampled_requests_repeat_with_a_draft_model(models: dict[str, Path]) -> None:
+def test_sampled_drafts_carry_their_distribution_so_the_target_as_draft_accepts_them_all(
+    models: dict[str, Path],
+) -> None:
+    """A sampled request's draft samples as it does and hands its distribution q to the verification: with the
+    target itself as draft p == q, so every draft is accepted (greedy-drafted, it would accept a draft only with the
+    probability p of the draft model's argmax); a seeded request repeats."""
     llm = draft_llm(models["target"], models["target"], **ALWAYS)
-    params = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True, logprobs=1)
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_k=50, seed=3, ignore_eos=True, logprobs=1)
     first, again = (llm.generate([PROMPTS[0]], params)[0] for _ in range(2))
     assert first.token_ids == again.token_ids and len(first.token_ids) == 16
-    assert llm.engine.scheduler.speculator.stats.num_drafts > 0  # verified by the speculative-sampling rule
+    stats = llm.engine.scheduler.speculator.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens
+    other = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=16, temperature=0.8, top_k=50, seed=4))[0]
+    assert other.token_ids != first.token_ids  # the seed, not the draft, decides the tokens
 
 
 class RecordingDrafter:
