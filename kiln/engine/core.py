@@ -203,10 +203,10 @@ class EngineCore:
         self.check_alive()
         if self.pipeline is not None:  # steps in flight on a pipeline
             return self.pipeline.step(self)
-        start = time.perf_counter()  # a step's cost includes its scheduling (with a draft model, the drafts' round)
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule()  # (with a draft model, its round: measured apart, kiln.engine.draft)
         if sched.is_empty:
             return []
+        start = time.perf_counter()
         try:
             result = self.runner.execute(sched)
         except RecipeViolation as exc:  # the step's shape breaks the recipe: its requests fail, named by the line

@@ -29,6 +29,7 @@ import torch
 from kiln.config import EngineConfig, SpeculativeConfig
 from kiln.engine.request import Request
 from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.speculation import COST_EMA
 from kiln.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ class DraftModel:
         self.rounds = 0
         self.steps = 0  # draft engine steps, over every round
         self.seconds = 0.0  # spent in rounds
+        self.token_seconds: dict[int, float] = {}  # a round's seconds per draft depth, by its sequences (averaged)
 
     def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
         """Up to `count` greedy draft tokens for each (request, count), by request id. A sequence whose draft request
@@ -99,8 +101,18 @@ class DraftModel:
             for rid in ids:
                 engine.abort(rid)
         self.rounds += 1
-        self.seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.seconds += seconds
+        if wanted:
+            n, per_depth = len(wanted), seconds / max(count for _, count in wanted)
+            old = self.token_seconds.get(n)
+            self.token_seconds[n] = per_depth if old is None else old + COST_EMA * (per_depth - old)
         return drafts
+
+    def round_seconds(self, sequences: int, depth: int) -> float | None:
+        """A round's cost, as measured here: `depth` times its seconds per draft token at `sequences` sequences."""
+        per_depth = self.token_seconds.get(sequences)
+        return None if per_depth is None else depth * per_depth
 
     @staticmethod
     def draft_params(req: Request, count: int) -> SamplingParams:

@@ -21,12 +21,15 @@ speculator keeps each decode-only step's seconds by its row count (`StepCosts`, 
 token is a candidate row worth its expected tokens (how often its request's verifications so far accepted the
 drafts up to its position), and a step verifies the best candidates, as many as give it the most tokens per
 second by the costs measured. Row counts not measured yet are tried one further each step, and every
-`PROBE_EVERY`-th choice runs the other way, so both sides' costs stay current. Policy "always" verifies every
-proposal (tests).
+`PROBE_EVERY`-th choice runs the other way, so both sides' costs stay current; while speculating keeps losing, the
+probes that speculate come half as often each time (at most every `MAX_PROBE_EVERY`-th choice), so a costly draft
+model's probes stay a small share of the steps. Policy "always" verifies every proposal (tests).
 
 The draft method (kiln.engine.draft) proposes with a second, smaller model instead. Its proposals cost a draft
-model round, so the choice is made first, over offers of `num_speculative_tokens` drafts each (their expected
-tokens as above, the step costs measured with the round included), and only the drafts chosen are computed.
+model round, so the choice is made first, over offers of `num_speculative_tokens` drafts each, and only the drafts
+chosen are computed. A prefix of the candidate rows then costs the target's step at its row count plus the round it
+needs (its sequences, as deep as its deepest draft), each measured where it runs (`Drafter.round_seconds`): a draft
+as costly as the target itself is not worth its rounds, and the policy finds that out as it finds out the rows.
 
 Requests that do not speculate: a structured output (its grammar would have to run ahead over the drafts) and a
 teacher-forced one (the debugger's), which decode as before.
@@ -42,6 +45,7 @@ from kiln.engine.request import Request
 
 MAX_BACKOFF = 64  # most decode steps a request whose drafts keep failing waits between proposals
 PROBE_EVERY = 16  # every this many step choices runs the other way, to keep both sides' costs measured
+MAX_PROBE_EVERY = 256  # the longest the probes that speculate back off to while speculating does not pay
 COST_EMA = 0.2  # weight of a new measurement in a row count's step seconds
 
 
@@ -75,6 +79,9 @@ class Drafter(Protocol):
     def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
         """Up to `count` draft tokens for each (request, count), by request id (kiln.engine.draft)."""
 
+    def round_seconds(self, sequences: int, depth: int) -> float | None:
+        """What a round drafting `depth` tokens for each of `sequences` sequences costs (None: not measured yet)."""
+
 
 @dataclass
 class SpecState:
@@ -99,21 +106,22 @@ class StepCosts:
         old = self.seconds.get(rows)
         self.seconds[rows] = seconds if old is None else old + COST_EMA * (seconds - old)
 
-    def best_prefix(self, rows: int, gains: list[float]) -> int:
+    def best_prefix(self, rows: int, gains: list[float], extra: list[float | None] | None = None) -> int:
         """How many of the candidate rows `gains` (each its expected tokens, best first) give a step of `rows` decode
-        rows the most tokens per second by the costs measured. 0 while `rows` alone is not measured yet (the plain
-        step is measured first); a prefix reaching a row count not measured yet is taken as far as that count (one
-        count further each step until the costs are known)."""
+        rows the most tokens per second by the costs measured, `extra[i - 1]` seconds added to a prefix of i (a
+        draft model's round). 0 while `rows` alone is not measured yet (the plain step is measured first); a prefix
+        reaching a row count (or a round) not measured yet is taken as far as that (one further each step until the
+        costs are known)."""
         if rows not in self.seconds:
             return 0
         tokens, best, best_rate = float(rows), 0, rows / self.seconds[rows]
         for i, gain in enumerate(gains, 1):
             tokens += gain
-            seconds = self.seconds.get(rows + i)
-            if seconds is None:
+            seconds, more = self.seconds.get(rows + i), extra[i - 1] if extra is not None else 0.0
+            if seconds is None or more is None:
                 return i
-            if tokens / seconds > best_rate:
-                best, best_rate = i, tokens / seconds
+            if tokens / (seconds + more) > best_rate:
+                best, best_rate = i, tokens / (seconds + more)
         return best
 
 
@@ -157,6 +165,7 @@ class Speculator:
         self.states: dict[str, SpecState] = {}
         self.costs = StepCosts()
         self.num_choices = 0
+        self.probe_every, self.since_probe = PROBE_EVERY, 0
 
     @classmethod
     def for_config(cls, config: SpeculativeConfig, max_model_len: int) -> Speculator | None:
@@ -194,14 +203,32 @@ class Speculator:
                 gain = min(gain, held)  # a later draft never counts for more than an earlier one
                 rows.append((gain, j, req.request_id))
         rows.sort(key=lambda row: (-row[0], row[1]))
-        taken = self.costs.best_prefix(num_decoding, [gain for gain, _, _ in rows])
+        taken = self.costs.best_prefix(num_decoding, [gain for gain, _, _ in rows], self._rounds(rows))
         self.num_choices += 1
-        if self.num_choices % PROBE_EVERY == 0:  # the other way, so that its cost is measured too
+        self.since_probe += 1
+        if taken:  # speculating pays: the plain step is probed every PROBE_EVERY-th choice
+            self.probe_every = PROBE_EVERY
+        if self.since_probe >= self.probe_every:  # the other way, so that its cost is measured too
+            if not taken:
+                self.probe_every = min(2 * self.probe_every, MAX_PROBE_EVERY)
+            self.since_probe = 0
             taken = 0 if taken else len(rows)
         counts: dict[str, int] = {}
         for _, _, rid in rows[:taken]:
             counts[rid] = counts.get(rid, 0) + 1
         return counts
+
+    def _rounds(self, rows: list[tuple[float, int, str]]) -> list[float | None] | None:
+        """With a draft model: the round each prefix of the candidate rows (gain, position, request) needs."""
+        if self.drafter is None:
+            return None
+        seen: set[str] = set()
+        depth, rounds = 0, []
+        for _, j, rid in rows:
+            seen.add(rid)
+            depth = max(depth, j + 1)
+            rounds.append(self.drafter.round_seconds(len(seen), depth))
+        return rounds
 
     def _held(self, request_id: str, num_drafts: int) -> list[float]:
         """The chance that `request_id` accepts more than j drafts, for each position j < num_drafts: its own

@@ -14,7 +14,7 @@ import pytest
 from kiln import LLM, SamplingParams
 from kiln.config import SpeculativeConfig
 from kiln.engine.request import Request
-from kiln.engine.speculation import Speculator
+from kiln.engine.speculation import MAX_PROBE_EVERY, PROBE_EVERY, Speculator
 from kiln.errors import ConfigError
 from tests.engine.test_speculation import ALWAYS, BLOCK, GREEDY, PROMPTS, request, run
 from tests.engine.tiny_models import write_hf_model
@@ -78,8 +78,12 @@ def test_sampled_drafts_carry_their_distribution_so_the_target_as_draft_accepts_
 
 
 class RecordingDrafter:
-    def __init__(self) -> None:
+    def __init__(self, per_token: float | None = 0.0) -> None:
         self.calls: list[list[tuple[str, int]]] = []
+        self.per_token = per_token  # a round's seconds per sequence and draft depth (None: not measured)
+
+    def round_seconds(self, sequences: int, depth: int) -> float | None:
+        return None if self.per_token is None else self.per_token * sequences * depth
 
     def propose(self, wanted: list[tuple[Request, int]]) -> dict[str, list[int]]:
         self.calls.append([(req.request_id, count) for req, count in wanted])
@@ -104,6 +108,29 @@ def test_the_measured_policy_chooses_before_the_draft_model_runs() -> None:
     always.step_drafts([limited, reqs[0]])
     assert drafter.calls[-1] == [("2", 1), ("0", 3)]  # within max_tokens: 4 - 2 outputs - its own next token
     assert Speculator(config, 99).step_drafts(reqs) == {}  # no draft model attached: nothing proposed
+    drafter.per_token = 0.005  # a draft as costly as a sequence of the target: its rounds cost more than they bring
+    assert spec.step_drafts(reqs) == {}
+    drafter.per_token = 0.0005
+    assert spec.step_drafts(reqs) == {"0": [9, 9], "1": [9, 9]}  # a cheap one: the rounds pay
+    drafter.per_token = None  # a round not measured yet is tried, one row at a time
+    assert spec.step_drafts(reqs) == {"0": [9]}
+
+
+def test_probes_of_a_draft_that_does_not_pay_back_off() -> None:
+    """Every PROBE_EVERY-th choice runs the other way; while drafting keeps losing, its probes (each a whole draft
+    round) come half as often each time, up to MAX_PROBE_EVERY; once drafting pays, the plain probes are back to
+    PROBE_EVERY."""
+    drafter = RecordingDrafter(per_token=0.05)  # far costlier than the target's step
+    spec = Speculator(SpeculativeConfig("draft", 2, draft_model="d"), max_model_len=999, drafter=drafter)
+    req = request("0", [1, 2, 3] * 4, max_tokens=900)
+    spec.costs.seconds = {r: 0.010 for r in range(1, 4)}
+    probes = [i for i in range(1, 1200) if spec.step_drafts([req])]
+    gaps = [b - a for a, b in zip([0, *probes], probes, strict=False)]
+    assert gaps[:5] == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY, 8 * PROBE_EVERY, MAX_PROBE_EVERY]
+    assert set(gaps[5:]) == {MAX_PROBE_EVERY} and len(drafter.calls) == len(probes)
+    drafter.per_token = 0.0  # drafting pays now: the plain step is the probe, every PROBE_EVERY-th choice
+    plain = [i for i in range(1, 3 * PROBE_EVERY + 1) if not spec.step_drafts([req])]
+    assert len(plain) <= 3 and spec.probe_every == PROBE_EVERY
 
 
 def test_a_failing_draft_round_costs_only_the_speedup(
