@@ -10,6 +10,8 @@ over copies of the weight streamed as the packed table streams them, fewest rows
 cached per machine. Where the prepacked kernel wins a row class, the layers of that layout run
 `torch.ops.kiln.dense_linear(x, weight, bias)` (one node in pieces and in the full decode graph, as
 `kiln::packed_linear` is), which runs the kernel bound to the weight for the step's rows, `F.linear` elsewhere.
+Where kiln's native objects load, the op's CPU kernel is C++ (kiln/kernels/native/dispatch.cpp: the bindings kept
+there, oneDNN called without a hop through Python); elsewhere it is the Python function below.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import torch
 from torch import nn
 
 from kiln.kernels.choices import KernelChoiceCache, stream_count
+from kiln.kernels.native.build import native_dense_binder
 from kiln.kernels.race import RULES, Entrant, time_candidates
-from kiln.quant.ops import row_class, rows_label
+from kiln.quant.ops import LARGE, ROW_CLASSES, row_class, rows_label
 
 logger = logging.getLogger("kiln")
 
@@ -55,6 +58,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 _LIB.impl("dense_linear", dense_linear, "CompositeExplicitAutograd")
+_LIB.define("dense_linear_bound(Tensor x, Tensor weight, Tensor? bias) -> Tensor")  # what the C++ kernel falls to
+_LIB.impl("dense_linear_bound", dense_linear, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("kiln::dense_linear", lib=_LIB)
@@ -67,6 +72,11 @@ def bind_dense_kernels(weight: torch.Tensor, kernels: dict[int, DenseKernel]) ->
     _BOUND[_key(weight)] = (weakref.ref(weight), dict(kernels))
     for key in [k for k, (ref, _) in _BOUND.items() if ref() is None]:
         del _BOUND[key]
+    binder = native_dense_binder()
+    if binder is not None:  # the C++ kernel of the op runs prepacked copies and F.linear (other kernels: this module)
+        entries = [kernels.get(top) for top in (*ROW_CLASSES, LARGE)]
+        packed = [k.packed.get(weight.data_ptr()) if isinstance(k, Prepacked) else None for k in entries]
+        binder(weight, packed, [k is not None and p is None for k, p in zip(entries, packed, strict=True)])
 
 
 class DenseLinear(nn.Linear):

@@ -84,14 +84,16 @@ def test_the_table_binds_the_row_classes_prepacking_won(monkeypatch: pytest.Monk
     copies = table.install()
     assert copies == sum(m.weight.numel() * 2 for m in table.layers)
     assert all(type(m) is dense.DenseLinear for m in table.layers)
-    packed_calls: list[int] = []
-    call = dense.Prepacked.__call__
-    monkeypatch.setattr(
-        dense.Prepacked, "__call__", lambda self, x, *a: packed_calls.append(len(x)) or call(self, x, *a)
-    )
-    torch.testing.assert_close(layer(_bf16(20, 128)), before)  # the same product, now through the op
-    model.model.layers[0].self_attn.qkv_proj(x[:2])  # 2 rows: F.linear
-    assert packed_calls == [20]
+    with torch.profiler.profile() as prof:  # the op's C++ kernel where the native objects load, else Python
+        torch.testing.assert_close(layer(_bf16(20, 128)), before)  # the same product, now through the op
+    assert _ran(prof, "mkldnn::_linear_pointwise") == 1
+    with torch.profiler.profile() as prof:
+        model.model.layers[0].self_attn.qkv_proj(x[:2])  # 2 rows: F.linear
+    assert _ran(prof, "mkldnn::_linear_pointwise") == 0 and _ran(prof, "aten::linear") == 1
+
+
+def _ran(prof: torch.profiler.profile, op: str) -> int:
+    return sum(e.count for e in prof.key_averages() if e.key == op)
 
 
 def test_where_blas_wins_every_row_count_nothing_changes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

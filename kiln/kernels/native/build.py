@@ -13,7 +13,8 @@ make the next build wait forever, is removed under it.
 `packed_linear_q8x2`: one or two int8 digits; their `_blocked` forms, avx512 and avx2 tiers: the same arithmetic
 with 16 or 8 outputs a vector, for many rows, int8 codes on avx512 only; `paged_decode_attention`: decode attention
 over the paged KV cache; `bind_packed` / `install_packed_dispatch`: the C++ CPU kernel of `kiln::packed_linear`,
-dispatch.cpp, installed by `install_native_dispatch`), or None where the CPU lacks the tier, the tier has no such
+dispatch.cpp, installed by `install_native_dispatch`; `bind_dense` / `install_dense_dispatch`: that of
+`kiln::dense_linear`, by `native_dense_binder`), or None where the CPU lacks the tier, the tier has no such
 op, or the build failed (no compiler, a compiler error): kiln then runs on the torch candidates and says why once,
 in one log line.
 """
@@ -119,6 +120,8 @@ OPS = (
     "paged_decode_attention",
     "bind_packed",
     "install_packed_dispatch",
+    "bind_dense",
+    "install_dense_dispatch",
 )
 # ops only some tiers define (the blocked products: zmm and ymm forms, none in the plain tier)
 TIER_OPS = {name: ("avx512", "avx2") for name in ("packed_linear_q8_blocked", "packed_linear_q8x2_blocked")}
@@ -219,6 +222,19 @@ def _build_or_load(tier: Tier, compiler: str, library: Path) -> None:
     finally:
         os.close(fd)
     torch.ops.load_library(str(library))
+
+
+@functools.cache
+def native_dense_binder() -> Callable[..., None] | None:
+    """`bind_dense` of the widest tier that loads, with `kiln::dense_linear`'s C++ CPU kernel (dispatch.cpp)
+    installed, once per process (the op must be defined: kiln.kernels.dense calls this); None where no tier loads
+    (the op keeps its Python implementation)."""
+    for tier in runnable_tiers():
+        install, bind = native_op(tier.name, "install_dense_dispatch"), native_op(tier.name, "bind_dense")
+        if install is not None and bind is not None:
+            install()
+            return bind
+    return None
 
 
 @functools.cache

@@ -10,6 +10,8 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <ATen/ops/linear.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/library.h>
 
@@ -100,9 +102,84 @@ void install_packed_dispatch() {
   });
 }
 
+// `kiln::dense_linear` (kiln/kernels/dense.py) the same way: each weight's prepacked oneDNN copy by row class is
+// kept here, and the op's CPU kernel calls `mkldnn::_linear_pointwise` on it (boxed: its C++ signature is
+// torch's own business), and a row class bound to no kernel `at::linear`; a kernel of Python's own, or a weight
+// not bound here, runs `kiln::dense_linear_bound`, the Python implementation (5 us a call more at one row).
+struct DenseBinding {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // the weight's
+  std::vector<std::optional<at::Tensor>> packed;       // by entry; none: at::linear
+  std::vector<bool> python;                            // by entry: the Python-bound kernel instead
+};
+
+using DenseProduct = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
+
+std::unordered_map<const void*, DenseBinding> dense_registry;  // under registry_mutex
+
+at::Tensor dense_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  std::optional<at::Tensor> packed;
+  bool python = true;
+  if (x.dim() >= 1 && x.size(-1) > 0) {
+    std::shared_lock<std::shared_mutex> lock(registry_mutex);
+    const auto found = dense_registry.find(weight.data_ptr());
+    if (found != dense_registry.end() && !found->second.storage.expired() &&
+        found->second.storage._unsafe_get_target() == weight.storage().unsafeGetStorageImpl()) {
+      const size_t entry = entry_of(x.numel() / x.size(-1));
+      packed = found->second.packed[entry];
+      python = found->second.python[entry];
+    }
+  }
+  if (python) {
+    static const auto bound =
+        c10::Dispatcher::singleton().findSchemaOrThrow("kiln::dense_linear_bound", "").typed<DenseProduct>();
+    return bound.call(x, weight, bias);
+  }
+  if (!packed) return at::linear(x, weight, bias);
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack;
+  stack.reserve(6);
+  stack.emplace_back(x);
+  stack.emplace_back(*packed);
+  stack.emplace_back(bias);
+  stack.emplace_back(std::string("none"));
+  stack.emplace_back(c10::List<std::optional<c10::Scalar>>());
+  stack.emplace_back(std::string());
+  op.callBoxed(stack);
+  return stack[0].toTensor();
+}
+
+// Bind each entry's prepacked copy of `weight` (none: at::linear) or, where `python` says so, the Python-bound
+// kernel.
+void bind_dense(const at::Tensor& weight, const c10::List<std::optional<at::Tensor>>& packed,
+                const c10::List<bool>& python) {
+  TORCH_CHECK(packed.size() == ENTRIES && python.size() == ENTRIES, "kiln native bind_dense: one entry per row "
+              "class (", ENTRIES, "), got ", packed.size(), " and ", python.size());
+  DenseBinding binding{weight.storage().getWeakStorageImpl(), {}, {}};
+  for (const std::optional<at::Tensor>& copy : packed) binding.packed.push_back(copy);
+  for (const bool p : python) binding.python.push_back(p);
+  std::unique_lock<std::shared_mutex> lock(registry_mutex);
+  for (auto it = dense_registry.begin(); it != dense_registry.end();)  // weights that are gone
+    it = it->second.storage.expired() ? dense_registry.erase(it) : std::next(it);
+  dense_registry.insert_or_assign(weight.data_ptr(), std::move(binding));
+}
+
+// Register the CPU kernel of kiln::dense_linear (once per process, as install_packed_dispatch).
+void install_dense_dispatch() {
+  static std::once_flag once;
+  static std::unique_ptr<torch::Library> library;
+  std::call_once(once, [] {
+    library = std::make_unique<torch::Library>(torch::Library::IMPL, "kiln", c10::DispatchKey::CPU, __FILE__,
+                                               __LINE__);
+    library->impl("dense_linear", TORCH_FN(dense_linear_cpu));
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(KILN_TIER_NS, m) {
   m.def("bind_packed(Tensor codes, str[] kernels) -> ()", TORCH_FN(bind_packed));
   m.def("install_packed_dispatch() -> ()", TORCH_FN(install_packed_dispatch));
+  m.def("bind_dense(Tensor weight, Tensor?[] packed, bool[] python) -> ()", TORCH_FN(bind_dense));
+  m.def("install_dense_dispatch() -> ()", TORCH_FN(install_dense_dispatch));
 }
