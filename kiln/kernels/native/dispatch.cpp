@@ -50,8 +50,10 @@ struct Binding {
 std::shared_mutex registry_mutex;
 std::unordered_map<const void*, Binding> registry;
 
-bool same_storage(const Binding& b, const at::Tensor& codes) {
-  return !b.storage.expired() && b.storage._unsafe_get_target() == codes.storage().unsafeGetStorageImpl();
+// whether a binding (Binding, DenseBinding) was made for this tensor's storage, which is still alive
+template <typename B>
+bool same_storage(const B& b, const at::Tensor& tensor) {
+  return !b.storage.expired() && b.storage._unsafe_get_target() == tensor.storage().unsafeGetStorageImpl();
 }
 
 at::Tensor python_bound(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
@@ -122,8 +124,7 @@ at::Tensor dense_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const
   if (x.dim() >= 1 && x.size(-1) > 0) {
     std::shared_lock<std::shared_mutex> lock(registry_mutex);
     const auto found = dense_registry.find(weight.data_ptr());
-    if (found != dense_registry.end() && !found->second.storage.expired() &&
-        found->second.storage._unsafe_get_target() == weight.storage().unsafeGetStorageImpl()) {
+    if (found != dense_registry.end() && same_storage(found->second, weight)) {
       const size_t entry = entry_of(x.numel() / x.size(-1));
       packed = found->second.packed[entry];
       python = found->second.python[entry];
