@@ -29,6 +29,7 @@ scheduler.py        continuous batching with a token budget, chunked prefill and
 scheduler_output.py `SchedulerOutput`: what the scheduler hands the runner each step (plain dataclasses)
 spec_verify.py      speculative decoding's verification: greedy acceptance and rejection sampling of draft tokens
 speculation.py      speculative decoding's proposals: the n-gram proposer, per-request back-off, the counters
+draft.py            speculative decoding's draft model: a second engine proposing drafts, one round per step
 step_pipeline.py    steps in flight on a pipeline: rank 0 launches the next step while later stages run the last one
 step_plan.py        a step's inputs as plain lists (what rank 0 sends the other ranks), and their micro-batch split
 step_sample.py      a step's sampled rows turned into each sequence's new tokens (`ModelRunnerOutput`)

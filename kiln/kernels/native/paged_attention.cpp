@@ -4,7 +4,9 @@
 //   row i has seq_lens[i] = L tokens (its query is the last, at position L - 1; L < 1 counts as 1); it sees key j iff
 //   j < L and, with window W > 0, j > L - 1 - W; scores are (q . k) / sqrt(D), soft-capped as tanh(s / C) * C when
 //   C > 0, softmaxed over the visible keys, and weight the values.
-// Query heads that share a KV head (GQA) are read together, so each key and value is loaded once per row.
+// Query heads that share a KV head (GQA) are read together, so each key and value is loaded once per row. The
+// avx512 tier computes in zmm registers (16 floats), up to four heads of a group per pass over a run of keys or
+// values; the avx2 tier in ymm.
 //
 // Work is split over (row, KV head, chunk of keys) so that short batches of long sequences still use every thread
 // (flash-decoding): each chunk keeps its running max, its sum of exponentials and its weighted values, and a
@@ -155,11 +157,86 @@ inline void scores_of_4_keys(const float* q, const T* k, int64_t D, float scale,
 }
 #endif
 
+#ifdef __AVX512F__
+// The avx512 tier's forms: 16 values a register, each key (and value) vector read once for the GQA group.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline __m256 fold(__m512 a) {  // the two 256-bit halves added
+  return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+// scores_of_4_keys with zmm accumulators (D a multiple of 16)
+template <typename T, int NG>
+inline void scores_of_4_keys_512(const float* q, const T* k, int64_t D, float scale, float* scores, int64_t stride) {
+  __m512 a[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int j = 0; j < 4; ++j) a[g][j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 k0 = load16(k + d), k1 = load16(k + D + d), k2 = load16(k + 2 * D + d), k3 = load16(k + 3 * D + d);
+    for (int g = 0; g < NG; ++g) {
+      const __m512 x = _mm512_loadu_ps(q + g * D + d);
+      a[g][0] = _mm512_fmadd_ps(x, k0, a[g][0]);
+      a[g][1] = _mm512_fmadd_ps(x, k1, a[g][1]);
+      a[g][2] = _mm512_fmadd_ps(x, k2, a[g][2]);
+      a[g][3] = _mm512_fmadd_ps(x, k3, a[g][3]);
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(fold(a[g][0]), fold(a[g][1])),
+                                    _mm256_hadd_ps(fold(a[g][2]), fold(a[g][3])));
+    const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    _mm_storeu_ps(scores + g * stride, _mm_mul_ps(sum, _mm_set1_ps(scale)));
+  }
+}
+
+// acc[g * 64 + d] += sum over j of p[g * stride + j] * v[j, d] for NG heads and `run` values v (rows of 64): each
+// value row read once for the NG heads, the accumulators in 4 * NG registers over the run.
+template <typename T, int NG>
+inline void weigh_values_64(const float* p, int64_t stride, const T* v, int64_t run, float* acc) {
+  __m512 a[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < 4; ++i) a[g][i] = _mm512_loadu_ps(acc + g * 64 + 16 * i);
+  for (int64_t j = 0; j < run; ++j) {
+    const __m512 v0 = load16(v + j * 64), v1 = load16(v + j * 64 + 16), v2 = load16(v + j * 64 + 32),
+                 v3 = load16(v + j * 64 + 48);
+    for (int g = 0; g < NG; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * stride + j]);
+      a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);
+      a[g][1] = _mm512_fmadd_ps(w, v1, a[g][1]);
+      a[g][2] = _mm512_fmadd_ps(w, v2, a[g][2]);
+      a[g][3] = _mm512_fmadd_ps(w, v3, a[g][3]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(acc + g * 64 + 16 * i, a[g][i]);
+}
+#endif
+
 // scores[g * stride + j] = scale * (q_g . k_j) for `run` keys k (rows of D values) and G query heads q (rows of D).
 template <typename T, int64_t DIM>
 void key_scores(const float* q, const T* k, int64_t run, int64_t G, int64_t D, float scale, float* scores,
                 int64_t stride) {
   int64_t j = 0;
+#ifdef __AVX512F__
+  if (D % 16 == 0) {  // 4 keys at a time, up to 4 heads together (16 accumulators of the 32 zmm registers)
+    for (; j + 4 <= run; j += 4) {
+      for (int64_t g = 0; g < G; g += 4) {
+        const float* qg = q + g * D;
+        float* sg = scores + g * stride + j;
+        switch (std::min<int64_t>(4, G - g)) {
+          case 4: scores_of_4_keys_512<T, 4>(qg, k + j * D, D, scale, sg, stride); break;
+          case 3: scores_of_4_keys_512<T, 3>(qg, k + j * D, D, scale, sg, stride); break;
+          case 2: scores_of_4_keys_512<T, 2>(qg, k + j * D, D, scale, sg, stride); break;
+          default: scores_of_4_keys_512<T, 1>(qg, k + j * D, D, scale, sg, stride); break;
+        }
+      }
+    }
+  }
+#endif
 #ifdef KILN_ATTN_YMM
   if (D % 8 == 0) {  // 4 keys at a time, up to 3 heads together (12 accumulators of the 16 ymm registers)
     for (; j + 4 <= run; j += 4) {
@@ -256,7 +333,19 @@ void attend_chunk(const Layout& s, const float* q, const T* kv, const int64_t* t
   for (int64_t t = c.begin; t < c.end;) {  // each block's values read once (from L1) for every head
     const auto [at, run] = run_at(values, t);
     if (t + run < c.end) prefetch_run(values, t + run);
-    for (int64_t g = 0; g < G; ++g) weigh_values<T, DIM>(scores + g * len + (t - c.begin), at, run, D, acc + g * D);
+    const float* p = scores + (t - c.begin);
+    int64_t g = 0;
+#ifdef __AVX512F__
+    for (; DIM == 64 && g < G; g += 4) {  // up to 4 heads a pass over the run's values
+      switch (std::min<int64_t>(4, G - g)) {
+        case 4: weigh_values_64<T, 4>(p + g * len, len, at, run, acc + g * D); break;
+        case 3: weigh_values_64<T, 3>(p + g * len, len, at, run, acc + g * D); break;
+        case 2: weigh_values_64<T, 2>(p + g * len, len, at, run, acc + g * D); break;
+        default: weigh_values_64<T, 1>(p + g * len, len, at, run, acc + g * D); break;
+      }
+    }
+#endif
+    for (; g < G; ++g) weigh_values<T, DIM>(p + g * len, at, run, D, acc + g * D);
     t += run;
   }
 }
