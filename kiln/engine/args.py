@@ -23,8 +23,6 @@ from kiln.config import (
     DEFAULT_ACTIVATIONS,
     DTYPE_NAMES,
     QUANTIZATION_NAMES,
-    SPECULATIVE_METHODS,
-    SPECULATIVE_POLICIES,
     CacheConfig,
     EngineConfig,
     ParallelConfig,
@@ -35,6 +33,7 @@ from kiln.engine.arg_types import argparse_kwargs, cli_flag, fraction, int_at_le
 from kiln.engine.prefix_cache import HASH_ALGOS
 from kiln.errors import ConfigError
 from kiln.graph_mode import GRAPH_MODES
+from kiln.speculative_config import SPECULATIVE_METHODS, SPECULATIVE_POLICIES
 
 SPEC = "speculative decoding"  # the flags' group
 

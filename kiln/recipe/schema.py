@@ -9,10 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kiln.config import (
     ACTIVATION_NAMES,
     DEFAULT_ACTIVATIONS,
-    SPECULATIVE_METHODS,
-    SPECULATIVE_POLICIES,
     SpeculativeConfig,
 )
+from kiln.speculative_config import SPECULATIVE_METHODS, SPECULATIVE_POLICIES
 
 DType = Literal["float32", "float16", "bfloat16"]
 PositiveInt = Annotated[int, Field(gt=0)]
