@@ -4,11 +4,11 @@ a JSON result path as its arguments. vLLM's `LLM(...)` starts worker processes, 
 `if __name__ == "__main__"`.
 
 The request: {"model_dir", "dtype", "batches": {batch size: [token ids, ...]}, "output_len", "max_model_len"}.
-Per batch size, as kiln's closed loop (kiln.bench.kiln_runner): a prefill-only pass (one output token each) at
-the same concurrency, then the timed pass, at most `batch size` requests in flight, each added as soon as one
-finishes; greedy, `ignore_eos`, so every request makes `output_len` tokens. The result: {"version", "runs":
-[{"batch_size", "wall_s", "prefill_s", "done": [[arrival, first token, finished, token ids], ...]}]}, monotonic
-clock times.
+Per batch size, as kiln's closed loop (kiln.bench.kiln_runner), each pass from an empty prefix cache: a
+prefill-only pass (one output token each) at the same concurrency, then the timed pass, at most `batch size`
+requests in flight, each added as soon as one finishes; greedy, `ignore_eos`, so every request makes `output_len`
+tokens. The result: {"version", "runs": [{"batch_size", "wall_s", "prefill_s", "done": [[arrival, first token,
+finished, token ids], ...]}]}, monotonic clock times.
 """
 
 from __future__ import annotations
@@ -18,8 +18,13 @@ import sys
 import time
 
 
-def closed_loop(engine, prompts: list[list[int]], output_len: int, batch_size: int, tag: str):
+def closed_loop(llm, prompts: list[list[int]], output_len: int, batch_size: int, tag: str):
     from vllm import SamplingParams
+
+    # NOTE: each pass starts from an empty prefix cache, as kiln's does: vLLM caches prefixes by default, and the
+    # timed pass would otherwise find every prompt of the prefill-only pass before it already computed
+    llm.reset_prefix_cache()
+    engine = llm.llm_engine
 
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     arrival: dict[str, float] = {}
@@ -58,13 +63,12 @@ def main(request_path: str, result_path: str) -> None:
         max_num_seqs=max(batches),
         seed=0,
     )
-    engine = llm.llm_engine
     first_prompts = next(iter(batches.values()))
-    closed_loop(engine, first_prompts[:1], 2, 1, "warm-up")
+    closed_loop(llm, first_prompts[:1], 2, 1, "warm-up")
     runs = []
     for bs, prompts in batches.items():
-        prefill_s, _ = closed_loop(engine, prompts, 1, bs, f"prefill-{bs}")
-        wall_s, done = closed_loop(engine, prompts, request["output_len"], bs, f"run-{bs}")
+        prefill_s, _ = closed_loop(llm, prompts, 1, bs, f"prefill-{bs}")
+        wall_s, done = closed_loop(llm, prompts, request["output_len"], bs, f"run-{bs}")
         runs.append({"batch_size": bs, "wall_s": wall_s, "prefill_s": prefill_s, "done": done})
         print(f"vllm bs={bs}: {len(prompts) * request['output_len'] / wall_s:.1f} output tok/s", flush=True)
     with open(result_path, "w") as f:

@@ -31,8 +31,9 @@ chosen are computed. A prefix of the candidate rows then costs the target's step
 needs (its sequences, as deep as its deepest draft), each measured where it runs (`Drafter.round_seconds`): a draft
 as costly as the target itself is not worth its rounds, and the policy finds that out as it finds out the rows.
 
-Requests that do not speculate: a structured output (its grammar would have to run ahead over the drafts) and a
-teacher-forced one (the debugger's), which decode as before.
+A structured output's drafts are cut at the first token its grammar refuses, and each verification row is masked
+by the grammar as it stands after the drafts before it (kiln.engine.step_sample). A teacher-forced request (the
+debugger's) does not speculate.
 """
 
 from __future__ import annotations
@@ -190,8 +191,22 @@ class Speculator:
         counts = {req.request_id: size for req, size in offers} if always else self._choose(offers, len(decoding))
         if self.drafter is not None:
             wanted = [(req, counts[req.request_id]) for req, _ in offers if req.request_id in counts]
-            return self.drafter.propose(wanted) if wanted else {}
-        return {rid: known[rid][:count] for rid, count in counts.items()}
+            drafts = self.drafter.propose(wanted) if wanted else {}
+        else:
+            drafts = {rid: known[rid][:count] for rid, count in counts.items()}
+        return self._within_grammars(drafts, {req.request_id: req for req, _ in offers})
+
+    def _within_grammars(self, drafts: dict[str, list[int]], by_id: dict[str, Request]) -> dict[str, list[int]]:
+        """`drafts` cut where a structured output's grammar refuses them (a draft model's sampled drafts keep the
+        refused token: GrammarState.drafts_within)."""
+        for rid, tokens in list(drafts.items()):
+            req = by_id[rid]
+            if req.grammar is not None and tokens:
+                keep_refused = self.drafter is not None and not req.params.is_greedy
+                drafts[rid] = req.grammar.drafts_within(tokens, keep_refused)
+                if not drafts[rid]:
+                    del drafts[rid]
+        return drafts
 
     def _choose(self, offers: list[tuple[Request, int]], num_decoding: int) -> dict[str, int]:
         """How many of its offered drafts each request verifies, by the measured policy."""
@@ -245,10 +260,9 @@ class Speculator:
         return index.propose(k) if index is not None else []
 
     def room(self, req: Request, budget: int | None = None) -> int:
-        """How many drafts `req` may bring to this step: none while it backs off, nor for a structured output or a
-        teacher-forced request; never more than would run past max_tokens or max_model_len. Keeps its n-gram index
-        up to date."""
-        if req.grammar is not None or req.forced_output is not None:
+        """How many drafts `req` may bring to this step: none while it backs off, nor for a teacher-forced request;
+        never more than would run past max_tokens or max_model_len. Keeps its n-gram index up to date."""
+        if req.forced_output is not None:
             return 0
         state = self.states.get(req.request_id)
         if state is None:

@@ -3,7 +3,8 @@ decode as usual through the batched sampler in one call, each verifying sequence
 draft tokens', kiln.engine.speculation) through kiln.engine.spec_verify.
 
 Each row is sampled with its own history: a verifying sequence's row j sees the sequence's output and its first j
-draft tokens (penalties count them; min_tokens holds EOS off by the row's own position).
+draft tokens (penalties count them; min_tokens holds EOS off by the row's own position; a structured output's
+grammar masks it as it stands after those drafts).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from kiln.engine.request import Request
 from kiln.engine.sampler import Sampler, SamplingRow
-from kiln.engine.scheduler_output import SchedulerOutput
+from kiln.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kiln.engine.spec_verify import verify
 from kiln.engine.step_plan import StepPlan
 
@@ -46,12 +47,8 @@ def sample_step(
         first_row.setdefault(rid, i)
     out = ModelRunnerOutput({}, {})
     plain = [rid for rid in first_row if not by_id[rid].spec_token_ids]
-    states = [g for rid in plain if (g := by_id[rid].request.grammar) is not None]
-    masks = iter(states[0].grammars.bitmasks(states)) if states else None  # all constrained rows at once
-    rows = []
-    for rid in plain:
-        req = by_id[rid].request
-        rows.append(sampling_row(req, [], eos_token_ids, next(masks) if masks and req.grammar is not None else None))
+    masks = _grammar_masks([by_id[rid] for rid in first_row])
+    rows = [sampling_row(by_id[rid].request, [], eos_token_ids, _row(masks, rid, 0)) for rid in plain]
     if plain:
         every = len(plain) == len(plan.sample_request_ids)
         drawn = sampler(logits if every else logits[torch.tensor([first_row[rid] for rid in plain])], rows)
@@ -62,12 +59,35 @@ def sample_step(
     for rid, start in first_row.items():
         s = by_id[rid]
         if drafts := s.spec_token_ids:
-            spec_rows = [sampling_row(s.request, drafts[:j], eos_token_ids, None) for j in range(len(drafts) + 1)]
+            spec_rows = [
+                sampling_row(s.request, drafts[:j], eos_token_ids, _row(masks, rid, j)) for j in range(len(drafts) + 1)
+            ]
             kept, s.request.draft_probs = s.request.draft_probs, None  # this step's drafts' only
             q = torch.stack(kept[: len(drafts)]) if kept and len(kept) >= len(drafts) else None
             v = verify(logits[start : start + len(drafts) + 1], spec_rows, drafts, q)
             _record(out, rid, v.token_ids, v.logprobs, v.error)
     return out
+
+
+def _grammar_masks(scheduled: list[ScheduledRequest]) -> dict[str, torch.Tensor]:
+    """The grammar masks of a step's constrained sequences, computed all at once: a decoding sequence's one row,
+    a verifying one's row per position (its drafts are within its grammar, kiln.engine.speculation), by request id."""
+    constrained = [s for s in scheduled if s.request.grammar is not None]
+    if not constrained:
+        return {}
+    states = [s.request.grammar for s in constrained]
+    drafts = [s.spec_token_ids or [] for s in constrained]
+    rows = states[0].grammars.bitmasks(states, drafts)  # type: ignore[union-attr]
+    masks, at = {}, 0
+    for s, tokens in zip(constrained, drafts, strict=True):
+        masks[s.request.request_id] = rows[at : at + 1 + len(tokens)]
+        at += 1 + len(tokens)
+    return masks
+
+
+def _row(masks: dict[str, torch.Tensor], request_id: str, position: int) -> torch.Tensor | None:
+    rows = masks.get(request_id)
+    return None if rows is None else rows[position]
 
 
 def _record(

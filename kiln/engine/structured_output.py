@@ -74,6 +74,14 @@ class GrammarState:
         if not self.matcher.consume_token(token) or self.matcher.is_error():
             raise RequestError(f"the output left the grammar of {self.param}: {self.matcher.get_error()}", None)
 
+    def drafts_within(self, drafts: list[int], keep_refused: bool) -> list[int]:
+        """The longest prefix of `drafts` (speculative decoding's proposals for the next tokens) the grammar allows
+        from here, the state unchanged; with `keep_refused`, the first token it refuses stays last (a sampled draft
+        with its proposal distribution: the verification rejects it by the rule, which keeps the output's
+        distribution exact; dropping it would not)."""
+        n = self.matcher.validate_tokens(drafts)
+        return drafts[: n + 1 if keep_refused and n < len(drafts) else n]
+
     @property
     def is_complete(self) -> bool:
         """The grammar allows nothing more: the sequence is done."""
@@ -117,15 +125,28 @@ class Grammars:
         """A new sequence's state in `constraint`'s grammar."""
         return GrammarState(self.compile(constraint).deep_copy(), constraint.param, self)
 
-    def bitmasks(self, states: list[GrammarState]) -> torch.Tensor:
-        """The tokens each of `states` allows next, as rows of little-endian 32-bit words ([len(states),
-        ceil(vocab / 32)] int32), computed by llguidance's threads in parallel (the GIL released): a mask inside a
-        JSON string takes ~0.4 ms, so one at a time they cost a 32-row step ~12 ms."""
-        out = torch.empty(len(states), (self.vocab_size + 31) // 32, dtype=torch.int32)
+    def bitmasks(self, states: list[GrammarState], drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """The tokens each of `states` allows next, as rows of little-endian 32-bit words ([rows, ceil(vocab / 32)]
+        int32), computed by llguidance's threads in parallel (the GIL released): a mask inside a JSON string takes
+        ~0.4 ms, so one at a time they cost a 32-row step ~12 ms. With `drafts` (a list per state, speculative
+        decoding's tokens to verify), state i has 1 + len(drafts[i]) rows in turn: its mask now, then after each
+        of its drafts, the state itself unchanged; rows after a draft the grammar refuses (or after its end)
+        allow every token (no verification reaches them)."""
+        width = (self.vocab_size + 31) // 32
         if self._executor is None:
             self._executor = _llguidance().LLExecutor(max(1, torch.get_num_threads()))
-        jobs = [(state.matcher, i) for i, state in enumerate(states)]
-        self._executor.unsafe_compute_mask_ptr(jobs, out.data_ptr(), out.shape[1] * 4, len(states))
+        drafts = drafts or [[] for _ in states]
+        starts = [0]
+        for tokens in drafts:
+            starts.append(starts[-1] + 1 + len(tokens))
+        out = torch.full((starts[-1], width), -1, dtype=torch.int32)
+        placed = list(zip(states, starts[:-1], drafts, strict=True))
+        now = [(state.matcher, at) for state, at, tokens in placed if not tokens]
+        ahead = [(state.matcher, at, tokens) for state, at, tokens in placed if tokens]
+        if now:
+            self._executor.unsafe_compute_mask_ptr(now, out.data_ptr(), width * 4, starts[-1])
+        if ahead:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(ahead, out.data_ptr(), width * 4, starts[-1])
         return out
 
     def _llg_tokenizer(self) -> Any:

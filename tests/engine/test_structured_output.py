@@ -13,7 +13,10 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams, StructuredOutput
+from kiln.config import SpeculativeConfig
+from kiln.engine.request import Request
 from kiln.engine.sampler import Sampler, SamplingRow
+from kiln.engine.speculation import Speculator
 from kiln.engine.structured_output import Grammars
 from kiln.errors import RequestError
 from kiln.model.build import load_tokenizer
@@ -116,3 +119,84 @@ def test_the_llm_api_generates_what_the_constraint_asks(llm: LLM) -> None:
     regex = SamplingParams(max_tokens=30, min_tokens=20, structured_output=StructuredOutput("regex", r"\d{3}"))
     out = llm.generate("Three digits:", regex)[0]
     assert re.fullmatch(r"\d{3}", out.text) and out.finish_reason == "stop"
+
+
+# -- with speculative decoding ---------------------------------------------------------------------------------
+def test_drafts_are_cut_where_the_grammar_refuses_them_and_masked_per_position(
+    grammars: Grammars, tokenizer: KilnTokenizer
+) -> None:
+    state = grammars.start(StructuredOutput("regex", r"ab[0-9]{3}"))
+    ab, one, two, three = tokenizer.encode("ab123", add_special_tokens=False)
+    x = tokenizer.encode("x", add_special_tokens=False)[0]
+    assert state.drafts_within([ab, one, x, two], keep_refused=False) == [ab, one]
+    assert state.drafts_within([ab, one, x, two], keep_refused=True) == [ab, one, x]  # a sampled draft's rule
+    assert state.drafts_within([ab, one, two, three], keep_refused=True) == [ab, one, two, three]
+    assert state.drafts_within([x, ab], keep_refused=False) == []
+    other = grammars.start(StructuredOutput.json(SCHEMA))
+    rows = grammars.bitmasks([state, other], [[ab, one, x], []])  # 1 + 3 rows, then 1
+    assert rows.shape[0] == 5
+    assert torch.equal(rows[4], grammars.bitmasks([other])[0])
+    assert torch.equal(rows[0], grammars.bitmasks([state])[0])  # the state did not move: only "ab" allowed
+    assert int(rows[0][ab // 32]) >> (ab % 32) & 1 and not int(rows[0][one // 32]) >> (one % 32) & 1
+    for token, row in ((ab, 1), (one, 2)):  # each draft row: the mask as decoding up to there gives it
+        state.advance(token)
+        assert torch.equal(rows[row], grammars.bitmasks([state])[0])
+    assert bool((rows[3] == -1).all())  # after the refused draft: no verification reaches it, nothing masked
+
+
+def test_the_speculator_cuts_a_structured_outputs_drafts(grammars: Grammars, tokenizer: KilnTokenizer) -> None:
+    ab, one, two = tokenizer.encode("ab12", add_special_tokens=False)
+    x = tokenizer.encode("x", add_special_tokens=False)[0]
+    config = SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1, policy="always")
+    spec = Speculator(config, max_model_len=99)
+    greedy = SamplingParams(max_tokens=9, temperature=0)
+    reqs = [Request(rid, None, [x, ab, one, two] * 2 + [x], greedy, None) for rid in ("free", "cut", "refused")]
+    reqs[1].grammar = grammars.start(StructuredOutput("regex", r"ab[0-9]{3}"))
+    reqs[2].grammar = grammars.start(StructuredOutput("regex", r"[0-9]+"))
+    drafts = spec.step_drafts(reqs)  # the same proposal for each: what followed the earlier "x ab 1 2 x"
+    assert drafts == {"free": [ab, one, two, x], "cut": [ab, one, two]}  # "refused": its first draft is not allowed
+
+
+PEOPLE = {
+    "type": "object",
+    "properties": {
+        "people": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "maximum": 120}},
+                "required": ["name", "age"],
+                "additionalProperties": False,
+            },
+            "minItems": 4,
+            "maxItems": 4,
+        }
+    },
+    "required": ["people"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_structured_outputs_speculate_and_keep_their_tokens(llm: LLM, method: str) -> None:
+    """Drafts verified under the grammar (n-gram: the schema's keys repeat; the model as its own draft: its
+    unconstrained picks, cut or rejected where the grammar refuses them): greedy tokens as without speculation,
+    sampled outputs valid."""
+    draft = dict(speculative_model="default") if method == "draft" else {}
+    spec_llm = LLM(
+        "default", dtype="float32", seed=0, quantization="none", graph_mode="eager", speculative_method=method,
+        speculative_policy="always", **draft,
+    )  # fmt: skip
+    ask = [{"role": "user", "content": "List four people with their ages as JSON."}]
+    greedy = SamplingParams(max_tokens=90, temperature=0, structured_output=StructuredOutput.json(PEOPLE))
+    plain, held = llm.chat(ask, greedy)[0], spec_llm.chat(ask, greedy)[0]
+    assert held.token_ids == plain.token_ids and held.finish_reason == plain.finish_reason == "stop"
+    jsonschema.validate(json.loads(held.text), PEOPLE)
+    stats = spec_llm.engine.scheduler.speculator.stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    constraint = StructuredOutput.json(PEOPLE)
+    sampled = [SamplingParams(max_tokens=90, temperature=0.8, seed=s, structured_output=constraint) for s in (5, 6)]
+    accepted = stats.num_accepted_tokens
+    for out in spec_llm.chat([ask, ask], sampled):
+        jsonschema.validate(json.loads(out.text), PEOPLE)
+    assert stats.num_accepted_tokens > accepted
