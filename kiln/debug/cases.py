@@ -51,6 +51,7 @@ class Case:
     def engine_args(self) -> EngineArgs:
         """The engine arguments the case was saved with."""
         m = self.meta
+        spec = m.get("speculative") or {}
         return EngineArgs(
             model=m["model"],
             recipe=m.get("recipe"),
@@ -60,6 +61,9 @@ class Case:
             capture_sizes=tuple(m["capture_sizes"]) if m.get("capture_sizes") else None,
             block_size=m.get("block_size", 16),
             seed=m["seed"],
+            # a case saved with speculation replays its verification steps (teacher-forced drafts: no proposer runs)
+            speculative_method="ngram" if spec.get("method") and not m.get("recipe") else None,
+            num_speculative_tokens=spec.get("num_tokens") or 4,
         )
 
 
@@ -78,6 +82,7 @@ def save_case(directory: Path, session: DebugSession, reference: Reference, repo
     """Write `reference` (and the test path's statistics in `report`) as a case in `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
     opts = session.args
+    spec = session.engine.config.speculative
     tensors = {
         "input_ids": torch.tensor(reference.input_ids, dtype=torch.long),
         "positions": torch.tensor(reference.positions, dtype=torch.long),
@@ -102,6 +107,8 @@ def save_case(directory: Path, session: DebugSession, reference: Reference, repo
         "sampling": {"temperature": 0.0, "max_tokens": reference.num_decode + 1, "ignore_eos": True},
         "expected_tokens": reference.tokens,
         "step_rows": reference.step_rows,
+        "logit_rows": reference.logit_rows,
+        "speculative": {"method": spec.method, "num_tokens": spec.num_speculative_tokens},
         "noise_ratio": NOISE_RATIO,
         "noise_floor": NOISE_FLOOR,
         "boundaries": [
@@ -143,6 +150,7 @@ def load_case(directory: Path | str) -> Case:
         num_decode=int(meta["num_decode"]),
         tokens=list(meta["expected_tokens"]),
         step_rows=list(meta["step_rows"]),
+        logit_rows=list(meta.get("logit_rows") or [1] * len(meta["step_rows"])),
         boundaries={b["name"]: tensors[f"boundary.{b['name']}"] for b in bounds},
         noise={b["name"]: float(b["noise"]) for b in bounds},
         thresholds={b["name"]: float(b["threshold"]) for b in bounds},

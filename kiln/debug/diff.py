@@ -71,6 +71,7 @@ class Reference:
     thresholds: dict[str, float]
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)  # logits rows per step (none given: one each)
 
     @property
     def logits(self) -> torch.Tensor:
@@ -99,6 +100,7 @@ def build_reference(
         thresholds={name: max(ratio * value, floor) for name, value in noise.items()},
         input_ids=ref.input_ids,
         positions=ref.positions,
+        logit_rows=ref.logit_rows,
     )
 
 
@@ -144,7 +146,7 @@ def compare(reference: Reference, run: PathRun, boundaries: Sequence[Boundary], 
         d = tensor_diff(run.boundary(b.name), ref)
         threshold = reference.thresholds[b.name]
         row = d.argmax[0] if d.argmax else 0
-        rows = [1] * len(reference.step_rows) if b.name == LOGITS else reference.step_rows
+        rows = (reference.logit_rows or [1] * len(reference.step_rows)) if b.name == LOGITS else reference.step_rows
         step, token = _locate_row(rows, row)
         flat = 0
         for size, i in zip(ref.shape[1:], d.argmax[1:], strict=True):

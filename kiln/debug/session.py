@@ -73,17 +73,20 @@ class PathRun:
     tokens: list[int]  # the path's own greedy choice at every step
     input_ids: list[int]  # the tokens fed, flattened over steps
     positions: list[int]
-    step_rows: list[int] = field(default_factory=list)  # tokens per step: the prompt, then 1 per decode
+    step_rows: list[int] = field(default_factory=list)  # tokens per step: the prompt, then 1 per decode (k + 1 per
+    # verification of k drafts, with speculative decoding)
+    logit_rows: list[int] = field(default_factory=list)  # logits rows per step: 1, or k + 1 for a verification
 
     @classmethod
     def from_steps(cls, path: str, records: list[StepRecord]) -> PathRun:
         return cls(
             path=path,
             steps=[r.values for r in records],
-            tokens=[int(r.values[LOGITS][0].argmax()) for r in records],
+            tokens=[int(t) for r in records for t in r.values[LOGITS].argmax(-1)],
             input_ids=[t for r in records for t in r.input_ids],
             positions=[p for r in records for p in r.positions],
             step_rows=[len(r.input_ids) for r in records],
+            logit_rows=[len(r.values[LOGITS]) for r in records],
         )
 
     def boundary(self, name: str) -> torch.Tensor:
@@ -109,7 +112,8 @@ def load_factory(spec: str) -> nn.Module:
 def debug_engine_args(args: EngineArgs) -> EngineArgs:
     """The session's engine arguments: graph mode (never eager: the session bisects pieces) with every piece eager
     until a path asks for more, one sequence at a time, a small KV cache (unless the blocks are given), a fixed
-    seed by default, and no prefix caching: every path prefills the whole prompt, so their steps compare."""
+    seed by default, and no prefix caching: every path prefills the whole prompt, so their steps compare. With
+    speculative decoding, its verification steps run with the forced tokens as drafts, whatever the method."""
     return replace(
         args,
         seed=args.seed if args.seed is not None else DEBUG_SEED,
@@ -120,6 +124,9 @@ def debug_engine_args(args: EngineArgs) -> EngineArgs:
         kv_cache_memory_gb=min(args.kv_cache_memory_gb or DEBUG_KV_CACHE_GB, DEBUG_KV_CACHE_GB),
         kv_cache_memory_fraction=None,
         enable_prefix_caching=False,
+        # with speculation every debug run verifies teacher-forced drafts (DebugSession._generate): no draft model
+        speculative_method="ngram" if args.speculative_method else None,
+        speculative_model=None,
     )
 
 
@@ -259,16 +266,30 @@ class DebugSession:
             )
         if forced is not None and len(forced) < num_decode:
             raise ConfigError(f"teacher forcing needs {num_decode} tokens, got {len(forced)}")
+        if forced is None and engine.scheduler.speculator is not None:
+            # speculation: the greedy tokens first (the same with drafts or without), then a run teacher-forced to
+            # them, whose drafts are those tokens, so that every row a step computes is a token kept
+            forced = self._tokens(path, engine, prompt, num_decode, None)
+        self._tokens(path, engine, prompt, num_decode, forced)
+        return PathRun.from_steps(path, self.recorder.take())
+
+    def _tokens(
+        self, path: str, engine: EngineCore, prompt: Sequence[int], num_decode: int, forced: Sequence[int] | None
+    ) -> list[int]:
+        """One greedy request of `num_decode` + 1 tokens through `engine`; its output tokens (the taps recording
+        its steps from a clean slate)."""
         params = SamplingParams(temperature=0.0, max_tokens=num_decode + 1, ignore_eos=True)
         self.recorder.take()
         request_id = f"debug-{path}-{next(self._request_ids)}"
         engine.add_request(request_id, list(prompt), params, list(forced) if forced is not None else None)
+        tokens: list[int] = []
         try:
             while engine.has_unfinished:
-                engine.step()
+                for out in engine.step():
+                    tokens = out.token_ids if out.request_id == request_id else tokens
         finally:
             engine.abort(request_id)
-        return PathRun.from_steps(path, self.recorder.take())
+        return list(tokens)
 
     def boundary(self, name: str) -> Boundary:
         for b in self.boundaries:

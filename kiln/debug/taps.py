@@ -83,8 +83,8 @@ class TapRecorder:
         self._active = True
 
     def end_step(self, logits: torch.Tensor | None) -> None:
-        if logits is not None:
-            self.record(LOGITS, logits, rows=1)
+        if logits is not None:  # one row per sampled token: a verification step's k + 1
+            self.record(LOGITS, logits, rows=logits.shape[0])
         self._active = False
 
     def record(self, name: str, value: torch.Tensor, rows: int | None = None) -> None:

@@ -45,10 +45,15 @@ class Verified:
 
 
 def verify(
-    logits: torch.Tensor, rows: list[SamplingRow], drafts: list[int], draft_probs: torch.Tensor | None = None
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    drafts: list[int],
+    draft_probs: torch.Tensor | None = None,
+    take_all: bool = False,
 ) -> Verified:
     """logits: [len(drafts) + 1, vocab] float32, the rows of one sequence; `draft_probs`: [len(drafts), vocab], the
-    proposer's distribution at each draft (None: one-hot at the draft, as n-gram proposes)."""
+    proposer's distribution at each draft (None: one-hot at the draft, as n-gram proposes). `take_all`: every draft
+    is kept whatever the target says (a teacher-forced request's drafts are the tokens it is given)."""
     adjusted = adjusted_logits(logits, rows)
     params = rows[0].params
     best, greedy = adjusted.max(-1)
@@ -56,13 +61,16 @@ def verify(
         return Verified([], [], unsampleable(logits))
     if params.is_greedy:
         picks = greedy.tolist()
-        m = next((j for j, d in enumerate(drafts) if picks[j] != d), len(drafts))
-        tokens = picks[: m + 1]
+        m = len(drafts) if take_all else next((j for j, d in enumerate(drafts) if picks[j] != d), len(drafts))
+        tokens = drafts[:m] + picks[m : m + 1]
     else:
         probs = filter_batch(adjusted, [r.params for r in rows]).softmax(-1)
         if not bool(torch.isfinite(probs).all()):
             return Verified([], [], UNUSABLE_PROBABILITIES)
-        tokens = _speculative_sample(probs, drafts, draft_probs, rows[0].generator)
+        if take_all:
+            tokens = [*drafts, int(draw(probs[-1:], [rows[0].generator])[0])]
+        else:
+            tokens = _speculative_sample(probs, drafts, draft_probs, rows[0].generator)
     logprobs = token_logprobs(logits[: len(tokens)], rows[: len(tokens)], tokens)
     return Verified(tokens, [lp for lp in logprobs if lp is not None])
 

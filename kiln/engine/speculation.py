@@ -42,38 +42,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kiln.config import SpeculativeConfig
+from kiln.engine.ngram import NgramIndex
 from kiln.engine.request import Request
 
 MAX_BACKOFF = 64  # most decode steps a request whose drafts keep failing waits between proposals
 PROBE_EVERY = 16  # every this many step choices runs the other way, to keep both sides' costs measured
 MAX_PROBE_EVERY = 256  # the longest the probes that speculate back off to while speculating does not pay
 COST_EMA = 0.2  # weight of a new measurement in a row count's step seconds
-
-
-class NgramIndex:
-    """Where each n-gram (n_min <= n <= n_max) of a token sequence last ended before the sequence's newest token."""
-
-    def __init__(self, n_min: int, n_max: int) -> None:
-        self.n_min, self.n_max = n_min, n_max
-        self.tokens: list[int] = []
-        self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(n_min, n_max + 1)}
-
-    def extend(self, tokens: list[int]) -> None:
-        for token in tokens:
-            size = len(self.tokens)
-            for n, ends in self.ends.items():  # the n-gram ending here is now followed by `token`
-                if size >= n:
-                    ends[tuple(self.tokens[size - n :])] = size
-            self.tokens.append(token)
-
-    def propose(self, k: int) -> list[int]:
-        """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix found (n >= n_min)."""
-        size = len(self.tokens)
-        for n in range(min(self.n_max, size), self.n_min - 1, -1):
-            end = self.ends[n].get(tuple(self.tokens[size - n :]))
-            if end is not None:
-                return self.tokens[end : end + k]
-        return []
 
 
 class Drafter(Protocol):
@@ -174,7 +149,17 @@ class Speculator:
 
     def step_drafts(self, decoding: list[Request]) -> dict[str, list[int]]:
         """The draft tokens each of a step's decoding requests verifies (by request id; absent: none), chosen by the
-        policy over their offers (module docstring)."""
+        policy over their offers (module docstring). A teacher-forced request (the debugger's) verifies its next
+        forced tokens, as many as fit, whatever the policy: every path of a debug run then steps alike."""
+        forced = {r.request_id: self._forced_drafts(r) for r in decoding if r.forced_output is not None}
+        chosen = self._chosen_drafts([r for r in decoding if r.forced_output is None])
+        return chosen | {rid: drafts for rid, drafts in forced.items() if drafts}
+
+    def _forced_drafts(self, req: Request) -> list[int]:
+        at = len(req.output_token_ids)
+        return list(req.forced_output[at : at + self._limit(req)]) if req.forced_output is not None else []
+
+    def _chosen_drafts(self, decoding: list[Request]) -> dict[str, list[int]]:
         known: dict[str, list[int]] = {}  # n-gram drafts, known before the choice
         offers: list[tuple[Request, int]] = []
         for req in decoding:
@@ -275,11 +260,18 @@ class Speculator:
         if state.wait:
             state.wait -= 1
             return 0
+        return self._limit(req) if budget is None else max(0, min(budget, self._limit(req)))
+
+    def _limit(self, req: Request) -> int:
+        """The most drafts `req` may verify: k, none past its max_tokens or max_model_len (its own token follows)."""
         left = min(req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
-        return max(0, min(self.config.num_speculative_tokens, left if budget is None else min(budget, left)))
+        return max(0, min(self.config.num_speculative_tokens, left))
 
     def verified(self, req: Request, num_drafts: int, num_accepted: int) -> None:
-        """`req`'s verification accepted `num_accepted` of its `num_drafts` draft tokens."""
+        """`req`'s verification accepted `num_accepted` of its `num_drafts` draft tokens (a teacher-forced request's
+        are not counted: it proposed nothing)."""
+        if req.forced_output is not None:
+            return
         s = self.stats
         s.num_drafts += 1
         s.num_draft_tokens += num_drafts

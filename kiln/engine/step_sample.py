@@ -64,7 +64,8 @@ def sample_step(
             ]
             kept, s.request.draft_probs = s.request.draft_probs, None  # this step's drafts' only
             q = torch.stack(kept[: len(drafts)]) if kept and len(kept) >= len(drafts) else None
-            v = verify(logits[start : start + len(drafts) + 1], spec_rows, drafts, q)
+            forced = s.request.forced_output is not None  # a teacher-forced request's drafts are its given tokens
+            v = verify(logits[start : start + len(drafts) + 1], spec_rows, drafts, q, take_all=forced)
             _record(out, rid, v.token_ids, v.logprobs, v.error)
     return out
 

@@ -11,10 +11,10 @@ import pytest
 from kiln.cli import main
 from kiln.compile.modes import PieceMode
 from kiln.debug.bisect import Bisector, BisectResult
-from kiln.debug.diff import DiffReport, Reference, run_diff
+from kiln.debug.diff import DiffReport, Reference, build_reference, run_diff
 from kiln.debug.faults import inject, parse_fault
 from kiln.debug.session import DebugSession
-from tests.debug.conftest import TINY
+from tests.debug.conftest import NUM_DECODE, PROMPT, TINY
 from tests.debug.models import NUM_LAYERS
 
 NUM_PIECES = NUM_LAYERS + 1
@@ -88,3 +88,22 @@ def test_diff_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
     out = json.loads(capsys.readouterr().out)
     assert out["first_divergence"]["name"] == "layers.2.mlp"
     assert out["first_divergence"]["module"] == "model.layers.2.mlp"
+
+
+def test_diff_and_bisect_with_speculation_hold_the_verification_steps(
+    open_tiny: Callable[..., DebugSession], tiny_reference: Reference
+) -> None:
+    """With speculative decoding every path verifies the reference's tokens as drafts: the steps of k + 1 rows (the
+    verification graphs) are held to the eager reference row by row, and a fault in them is found and bisected."""
+    spec = dict(speculative_method="ngram", num_speculative_tokens=2)
+    reference = build_reference(open_tiny(**spec), PROMPT, NUM_DECODE)
+    assert reference.tokens == tiny_reference.tokens  # greedy: the same tokens with drafts as without
+    assert reference.step_rows == [len(PROMPT), 3, 1] and reference.logit_rows == [1, 3, 1]  # 2 drafts + own
+    session = open_tiny(**spec)
+    for mode in ("traced", "captured"):
+        report = run_diff(session, reference, mode)
+        assert report.first_divergence is None and report.first_token_mismatch is None, mode
+    inject(session, parse_fault("layer=1:attn"))
+    report, result = diff_and_bisect(session, reference)
+    assert report.first_divergence is not None and report.first_divergence.name == "layers.1.attn"
+    assert result.culprits == [2]

@@ -68,9 +68,10 @@ def test_speculator_limits_and_back_off() -> None:
     assert spec.propose(request("b", prompt), budget=2) == [1, 2]
     assert spec.propose(request("c", prompt, [1, 2], max_tokens=4), budget=8) == [3]  # 4 - 2 outputs - its own
     assert spec.propose(request("d", prompt, [1, 2, 3, 4, 5], max_tokens=99), budget=8) == []  # 29 of 30 tokens
-    forced = request("e", prompt)
-    forced.forced_output = [9, 9]  # a teacher-forced request (the debugger's) decodes without drafts
-    assert spec.propose(forced, budget=8) == []
+    forced = request("e", prompt, [5])
+    forced.forced_output = [5, 9, 8, 7, 6, 5]  # a teacher-forced request (the debugger's) proposes nothing: it
+    assert spec.propose(forced, budget=8) == []  # verifies its next given tokens, as many as fit, whatever the policy
+    assert spec.step_drafts([forced]) == {"e": [9, 8, 7, 6]}
     req = request("r", prompt)
     waits = []
     for _ in range(8):  # every verification rejects everything: proposals every 1, 2, 4 ... steps
