@@ -15,6 +15,7 @@ kv_cache.py         paged KV cache bookkeeping: a pool of fixed-size blocks with
 kv_plan.py          how many KV blocks an engine allocates, and the start-up lines that say so
 kv_window.py        sliding-window KV blocks: which leading blocks of a sequence no future query reads
 llm.py              the offline API: `LLM(model=...).generate(prompts, params)` and `.chat(messages, params)`
+ngram.py            the n-gram proposer's index: where each n-gram of a sequence last ended (prompt lookup)
 model_runner.py     a SchedulerOutput turned into tensors, the executor run under a forward context, sampling
 outputs.py          the stop rules, and the `RequestOutput` handed to callers
 prefix_cache.py     the keys of cached KV blocks (chained hashes over tokens and a root), and the cache's stats
@@ -28,7 +29,7 @@ sampling_params.py  per-request sampling parameters, validated on construction w
 scheduler.py        continuous batching with a token budget, chunked prefill and preemption by recompute
 scheduler_output.py `SchedulerOutput`: what the scheduler hands the runner each step (plain dataclasses)
 spec_verify.py      speculative decoding's verification: greedy acceptance and rejection sampling of draft tokens
-speculation.py      speculative decoding's proposals: the n-gram proposer, per-request back-off, the counters
+speculation.py      speculative decoding's proposals: which drafts a step verifies, per-request back-off, the counters
 draft.py            speculative decoding's draft model: a second engine proposing drafts, one round per step
 step_pipeline.py    steps in flight on a pipeline: rank 0 launches the next step while later stages run the last one
 step_plan.py        a step's inputs as plain lists (what rank 0 sends the other ranks), and their micro-batch split
