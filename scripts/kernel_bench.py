@@ -1,7 +1,7 @@
 """kiln's native packed products on the default model's layouts, every ISA tier this CPU runs, side by side:
 float32 activations (`packed_linear`), one int8 digit (`packed_linear_q8`, llama.cpp's q8 arithmetic) and two
 (`packed_linear_q8x2`, the default), their blocked forms where the tier has them (`*_blocked`: 16 outputs a
-vector on AVX-512 VNNI, 8 on AVX2 for 4-bit codes), with the timed table's best torch candidate for scale
+vector on AVX-512 VNNI, 8 on AVX2 for 4-bit codes; `*_streamed`: the same, transposed in registers), with the timed table's best torch candidate for scale
 (dequantize-then-BLAS).
 
 Usage: .venv/bin/python scripts/kernel_bench.py [--rows 1,2,16,64,256] [--tiers avx512,avx2]
@@ -38,6 +38,8 @@ OPS = {
     "int8x2": "packed_linear_q8x2",
     "int8-blocked": "packed_linear_q8_blocked",
     "int8x2-blocked": "packed_linear_q8x2_blocked",
+    "int8-streamed": "packed_linear_q8_streamed",
+    "int8x2-streamed": "packed_linear_q8x2_streamed",
 }
 
 

@@ -10,6 +10,7 @@ choices.py       the per-machine cache of timed choices (JSON on disk + the proc
 layout.py        row- or column-major decoder weights and the transposed one-row head copy, timed
 static_sizes.py  which one- and two-row capture sizes compile statically (GEMV reductions), timed
 candidates.py    the packed products' candidates (registry), float32 and int8 ones (`--activations`)
+torch_kernels.py the kernels the torch candidates build: tiled dequantize-then-BLAS, torch's int4 kernel's copies
 packed.py        the packed products' timing table, binding the winners to layers
 dense.py         bf16 decoder products: F.linear or oneDNN on prepacked weights (`kiln::dense_linear`), timed
 race.py          a race of candidates at one row count: turns, floors (a candidate that cannot win is never built)

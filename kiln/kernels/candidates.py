@@ -24,7 +24,10 @@ int8 / int8x2:
 - `native-int8-blocked` / `native-int8x2-blocked` (more than 2 rows; AVX-512 VNNI, or AVX2 for 4-bit codes): the same
   arithmetic with the codes of 16 (8) outputs transposed per call into one 32-bit word per output and lane, so one
   broadcast of 4 activation bytes feeds them all and the float epilogue runs once per 16 (8); the transposition is
-  shared by the rows.
+  shared by the rows;
+- `native-int8-streamed` / `native-int8x2-streamed` (up to STREAMED_MAX_ROWS rows, where the blocked form runs): the
+  blocked arithmetic with the codes transposed in registers as they are used, no scratch: the weight streams as
+  the lane kernel streams it at one row, and one unpacking serves up to 8 rows.
 The native candidates run the widest ISA tier this CPU can run (what cpuid allows; timing picks the kernel).
 
 The candidates that build something (compile, repack) race after those that build nothing, and are built only
@@ -42,15 +45,17 @@ from torch import nn
 
 from kiln.compile.compiler import PieceCompiler
 from kiln.kernels.native.build import native_op, runnable_tiers
-from kiln.kernels.product import Compiled, shared_compile
+from kiln.kernels.product import shared_compile
+from kiln.kernels.torch_kernels import TILE_ROWS, Int4Packed, Tiled, Weight, dequantizer, layer_weight
 from kiln.quant.linear import PackedLinear
-from kiln.quant.ops import GEMV_ROWS, Kernel, dequant_blas, dequantize_codes, reduction
+from kiln.quant.ops import GEMV_ROWS, Kernel, dequant_blas, reduction
 
-TILE_ROWS = 2048  # output rows dequantized at a time by TILED: a tile stays in cache for its product
-Weight = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # codes, scale, offset
 FLOAT32, INT8, INT8X2 = "float32", "int8", "int8x2"
 INT8_MAX_GROUP = 1024  # packed_q8.cpp's MAX_GROUP: two digits' integer sums of a larger group could pass int32
 BLOCKED_MAX_GROUP = 512  # packed_q8_blocked.cpp's MAX_SHIFTED_GROUP: the same for int8 codes shifted by 128
+STREAMED_MAX_ROWS = 16  # the streamed forms are timed up to this many rows (the scratch form wins many more)
+BLOCKED_OPS = {INT8: "packed_linear_q8_blocked", INT8X2: "packed_linear_q8x2_blocked"}
+STREAMED_OPS = {INT8: "packed_linear_q8_streamed", INT8X2: "packed_linear_q8x2_streamed"}
 
 
 class PackedCandidate(ABC):
@@ -116,7 +121,7 @@ class FusedReduction(PackedCandidate):
 
     def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
         x = torch.zeros(rows, layer.in_features, dtype=layer.scale.dtype)
-        return shared_compile(reduction, compiler, x, *_weight(layer))
+        return shared_compile(reduction, compiler, x, *layer_weight(layer))
 
 
 class Int4PackMM(PackedCandidate):
@@ -166,26 +171,44 @@ class NativeInt8x2(NativeInt8):
 class NativeInt8Blocked(PackedCandidate):
     name = "native-int8-blocked"
     activations = INT8
+    ops = BLOCKED_OPS
 
     def applies(self, layer: PackedLinear, rows: int) -> bool:
+        return rows > GEMV_ROWS and self.fits(layer)
+
+    def fits(self, layer: PackedLinear) -> bool:
+        """The layer's codes can run this form here (any row count)."""
         on_cpu = layer.codes.device.type == "cpu"
         # int8 codes are shifted to unsigned: two digits' sums of a larger group could pass int32
         nibbles = layer.codes.dtype == torch.uint8
         widest = INT8_MAX_GROUP if nibbles or self.activations == INT8 else BLOCKED_MAX_GROUP
         fits = layer.group <= widest and layer.scale.dtype == torch.float32
         # int8 codes run on the AVX-512 VNNI form alone (the AVX2 one would saturate on them)
-        codes_run = nibbles or native_op("avx512", BLOCKED_OPS[self.activations]) is not None
-        return (
-            rows > GEMV_ROWS and on_cpu and fits and codes_run and native_blocked_linear(self.activations) is not None
-        )
+        op = self.ops[self.activations]
+        codes_run = nibbles or native_op("avx512", op) is not None
+        return on_cpu and fits and codes_run and widest_native(op) is not None
 
     def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
         # chosen on an earlier run but not built now: the float32 reference runs (the build logged why)
-        return native_blocked_linear(self.activations) or dequant_blas
+        return widest_native(self.ops[self.activations]) or dequant_blas
 
 
 class NativeInt8x2Blocked(NativeInt8Blocked):
     name = "native-int8x2-blocked"
+    activations = INT8X2
+
+
+class NativeInt8Streamed(NativeInt8Blocked):
+    name = "native-int8-streamed"
+    activations = INT8
+    ops = STREAMED_OPS
+
+    def applies(self, layer: PackedLinear, rows: int) -> bool:
+        return rows <= STREAMED_MAX_ROWS and self.fits(layer)
+
+
+class NativeInt8x2Streamed(NativeInt8Streamed):
+    name = "native-int8x2-streamed"
     activations = INT8X2
 
 
@@ -201,7 +224,6 @@ def native_packed_linear() -> Kernel | None:
 
 
 INT8_OPS = {INT8: "packed_linear_q8", INT8X2: "packed_linear_q8x2"}
-BLOCKED_OPS = {INT8: "packed_linear_q8_blocked", INT8X2: "packed_linear_q8x2_blocked"}
 
 
 def native_int8_linear(activations: str = INT8) -> Kernel | None:
@@ -228,67 +250,18 @@ CANDIDATES: dict[str, PackedCandidate] = {
         NativeInt8x2(),
         NativeInt8Blocked(),
         NativeInt8x2Blocked(),
+        NativeInt8Streamed(),
+        NativeInt8x2Streamed(),
     )
 }
 DEQUANT_BLAS, COMPILED_DEQUANT, TILED = DequantBlas.name, CompiledDequantBlas.name, TiledDequantBlas.name
 FUSED, INT4PACK, NATIVE = FusedReduction.name, Int4PackMM.name, NativePacked.name
 NATIVE_INT8, NATIVE_INT8X2 = NativeInt8.name, NativeInt8x2.name
 NATIVE_INT8_BLOCKED, NATIVE_INT8X2_BLOCKED = NativeInt8Blocked.name, NativeInt8x2Blocked.name
+NATIVE_INT8_STREAMED, NATIVE_INT8X2_STREAMED = NativeInt8Streamed.name, NativeInt8x2Streamed.name
 
 
 def candidates_for(activations: str) -> dict[str, PackedCandidate]:
     """The candidates an engine with these activations may time: float32 ones always (they compute the same
     product more exactly), and those of its int8 arithmetic (one digit or two)."""
     return {name: c for name, c in CANDIDATES.items() if c.activations in (FLOAT32, activations)}
-
-
-class Tiled:
-    """Dequantize-then-BLAS over TILE_ROWS output rows at a time (the dequantization compiled for any row count)."""
-
-    def __init__(self, layer: PackedLinear, compiler: PieceCompiler) -> None:
-        self.tiles = [
-            (start, min(TILE_ROWS, layer.out_features - start)) for start in range(0, layer.out_features, TILE_ROWS)
-        ]
-        self.dequant = dequantizer(layer, compiler)  # any tile
-
-    def __call__(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-        outs = []
-        for start, rows in self.tiles:
-            part = slice(start, start + rows)
-            weight = self.dequant(codes[part], scale[part], offset[part]).view(rows, -1)
-            outs.append(nn.functional.linear(x, weight))
-        return torch.cat(outs, dim=1)
-
-
-def _weight(layer: PackedLinear) -> Weight:
-    return layer.codes, layer.scale, layer.offset
-
-
-def dequantizer(layer: PackedLinear, compiler: PieceCompiler) -> Compiled:
-    """The layer's dequantization compiled for any row count (layouts and tiles)."""
-    return shared_compile(dequantize_codes, compiler, *_weight(layer))
-
-
-class Int4Packed:
-    """torch's CPU int4 kernel over its own copy of each weight's codes in torch's int4 layout (0.5 byte a weight)
-    and per group (scale, zero) with w = (q - 8) * scale + zero, so zero = offset + 8 * scale. The weights given
-    are repacked up front (as before serving); another is repacked at its first call."""
-
-    def __init__(self, weights: list[Weight]) -> None:
-        self.packed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # codes' address -> (repacked codes, pairs)
-        for weight in weights:
-            self._repacked(*weight)
-
-    def _repacked(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        packed = self.packed.get(codes.data_ptr())
-        if packed is None:
-            q = torch.cat([codes & 15, codes >> 4], dim=-1).reshape(codes.shape[0], -1).to(torch.int32)
-            s, o = scale.squeeze(-1), offset.squeeze(-1)
-            pairs = torch.stack([s.t(), (o + 8 * s).t()], dim=-1).contiguous()  # [groups, out, 2]
-            q4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-            packed = self.packed[codes.data_ptr()] = (q4, pairs)
-        return packed
-
-    def __call__(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-        weight, pairs = self._repacked(codes, scale, offset)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, 32, pairs)

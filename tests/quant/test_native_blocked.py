@@ -1,8 +1,9 @@
 """kiln's blocked int8-activation kernels (packed_q8_blocked.cpp: 16 outputs a zmm on AVX-512 VNNI, 8 a ymm on
-AVX2) equal the plain-torch statement of the same arithmetic (kiln.kernels.native.reference) within 1e-5, for every
-packed GGUF type and kiln's int8/int4 schemes (the AVX2 form: 4-bit codes; it refuses int8 ones), at 1, 2, 7, 32 and
-100 rows, with whole blocks and a tail; they exist exactly in the avx512 and avx2 tiers this CPU runs, and the kernel
-table times them for more than 2 rows, on int8 codes only where AVX-512 VNNI runs."""
+AVX2; the codes transposed into a scratch, or in registers: the streamed forms) equal the plain-torch statement of
+the same arithmetic (kiln.kernels.native.reference) within 1e-5, for every packed GGUF type and kiln's int8/int4
+schemes (the AVX2 form: 4-bit codes; it refuses int8 ones), at 1, 2, 7, 32 and 100 rows, with whole blocks and a
+tail; they exist exactly in the avx512 and avx2 tiers this CPU runs, and the kernel table times them for more than
+2 rows (the streamed forms from 1 to 16), on int8 codes only where AVX-512 VNNI runs."""
 
 from __future__ import annotations
 
@@ -10,14 +11,27 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from kiln.kernels.candidates import CANDIDATES, NATIVE_INT8_BLOCKED, NATIVE_INT8X2_BLOCKED, native_blocked_linear
+from kiln.kernels.candidates import (
+    CANDIDATES,
+    NATIVE_INT8_BLOCKED,
+    NATIVE_INT8_STREAMED,
+    NATIVE_INT8X2_BLOCKED,
+    NATIVE_INT8X2_STREAMED,
+    STREAMED_MAX_ROWS,
+    native_blocked_linear,
+)
 from kiln.kernels.native.build import TIER_NAMES, native_op, runnable_tiers
 from kiln.kernels.native.reference import q8_linear
 from kiln.quant.linear import PackedLinear
 from tests.quant.test_native_int8 import ROWS, WEIGHTS, assert_within
 from tests.quant.test_packed import _packed
 
-BLOCKED = {"packed_linear_q8_blocked": 1, "packed_linear_q8x2_blocked": 2}  # op -> int8 digits
+BLOCKED = {  # op -> int8 digits: the codes transposed into a scratch per block, or in registers as used (streamed)
+    "packed_linear_q8_blocked": 1,
+    "packed_linear_q8x2_blocked": 2,
+    "packed_linear_q8_streamed": 1,
+    "packed_linear_q8x2_streamed": 2,
+}
 RUNNABLE = {t.name for t in runnable_tiers()}
 HAS_VNNI = "avx512" in RUNNABLE
 TIERS = [t for t in ("avx512", "avx2") if t in RUNNABLE]  # the tiers that define the blocked ops, where they run
@@ -77,9 +91,11 @@ def test_blocked_ops_exist_exactly_in_the_vector_tiers_this_cpu_runs() -> None:
         assert (native_blocked_linear(activations) is not None) == bool(TIERS)
         assert CANDIDATES[name].applies(nibbles, 16) == bool(TIERS)
         assert CANDIDATES[name].applies(int8, 16) == HAS_VNNI  # int8 codes: the AVX-512 VNNI form alone
-        assert not CANDIDATES[name].applies(
-            nibbles, 2
-        )  # one or two rows: the lane kernel streams the codes as they are
+        assert not CANDIDATES[name].applies(nibbles, 2)  # one or two rows: the lane and streamed kernels
+    for name in (NATIVE_INT8_STREAMED, NATIVE_INT8X2_STREAMED):  # from one row to STREAMED_MAX_ROWS
+        assert CANDIDATES[name].applies(nibbles, 1) == CANDIDATES[name].applies(nibbles, 16) == bool(TIERS)
+        assert CANDIDATES[name].applies(int8, 2) == HAS_VNNI
+        assert not CANDIDATES[name].applies(nibbles, STREAMED_MAX_ROWS + 1)
 
 
 @pytest.mark.parametrize("tier", ["avx512"] if HAS_VNNI else [])
@@ -93,5 +109,10 @@ def test_blocked_two_digit_int8_groups_are_bounded(tier: str) -> None:
         op(torch.randn(4, 1024), *big)
     one = native_op(tier, "packed_linear_q8_blocked")
     assert one is not None and one(torch.randn(4, 1024), *big).abs().max().item() == 0
+    streamed = native_op(tier, "packed_linear_q8x2_streamed")
+    assert streamed is not None
+    with pytest.raises(RuntimeError, match="int8 codes in groups of at most 512 values, got 1024"):
+        streamed(torch.randn(4, 1024), *big)
     assert not CANDIDATES[NATIVE_INT8X2_BLOCKED].applies(PackedLinear(1024, 16, bits=8, group=1024), 16)
+    assert not CANDIDATES[NATIVE_INT8X2_STREAMED].applies(PackedLinear(1024, 16, bits=8, group=1024), 16)
     assert CANDIDATES[NATIVE_INT8_BLOCKED].applies(PackedLinear(1024, 16, bits=8, group=1024), 16)

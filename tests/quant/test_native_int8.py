@@ -15,8 +15,10 @@ from kiln.kernels.candidates import (
     CANDIDATES,
     NATIVE_INT8,
     NATIVE_INT8_BLOCKED,
+    NATIVE_INT8_STREAMED,
     NATIVE_INT8X2,
     NATIVE_INT8X2_BLOCKED,
+    NATIVE_INT8X2_STREAMED,
     candidates_for,
     native_blocked_linear,
 )
@@ -127,7 +129,8 @@ def test_bad_operands_are_clear_errors() -> None:
 
 def test_int8_candidates_are_timed_only_for_int8_activations(tmp_path) -> None:
     floats = set(candidates_for("float32"))
-    one, two = {NATIVE_INT8, NATIVE_INT8_BLOCKED}, {NATIVE_INT8X2, NATIVE_INT8X2_BLOCKED}
+    one = {NATIVE_INT8, NATIVE_INT8_BLOCKED, NATIVE_INT8_STREAMED}
+    two = {NATIVE_INT8X2, NATIVE_INT8X2_BLOCKED, NATIVE_INT8X2_STREAMED}
     assert not floats & (one | two)
     assert set(candidates_for("int8")) == floats | one
     assert set(candidates_for("int8x2")) == floats | two
@@ -141,7 +144,10 @@ def test_int8_candidates_are_timed_only_for_int8_activations(tmp_path) -> None:
         (record,) = table.records.values()
         timed = set().union(*(set(times) for times in record["times_us"].values()))
         assert timed & {NATIVE_INT8, NATIVE_INT8X2} == ({int8} if int8 else set())
-        # the blocked form of the same digits, where this CPU has AVX-512 VNNI (timed above 2 rows)
-        blocked = {f"{int8}-blocked"} if int8 and native_blocked_linear(activations) is not None else set()
-        assert timed & {NATIVE_INT8_BLOCKED, NATIVE_INT8X2_BLOCKED} == blocked
+        # the blocked and streamed forms of the same digits, where a vector tier runs them
+        blocked = {f"{int8}-blocked", f"{int8}-streamed"} if int8 and native_blocked_linear(activations) else set()
+        assert (
+            timed & {NATIVE_INT8_BLOCKED, NATIVE_INT8X2_BLOCKED, NATIVE_INT8_STREAMED, NATIVE_INT8X2_STREAMED}
+            == blocked
+        )
         assert table.int8_runs == (int8 is not None)

@@ -10,8 +10,9 @@ packed_q8.cpp      `packed_linear_q8` / `packed_linear_q8x2`: x quantized per we
                    integer dot products (AVX-512 VNNI vpdpbusd, AVX2 vpmaddubsw, scalar path), one 128-bit lane per
                    output, the next outputs' rows prefetched at one or two rows
 packed_q8_blocked.cpp
-                   `packed_linear_q8_blocked` / `packed_linear_q8x2_blocked` (AVX-512 VNNI only): the same arithmetic
-                   with 16 outputs' codes transposed per call into one word per lane, for many rows
+                   `packed_linear_q8_blocked` / `packed_linear_q8x2_blocked` (AVX-512 VNNI, AVX2 for 4-bit codes):
+                   the same arithmetic with 16 (8) outputs' codes transposed per call into one word per lane, for
+                   many rows; `_streamed` forms: transposed in registers as used, for one to a few rows
 paged_attention.cpp
                    `paged_decode_attention`: decode attention over the paged KV cache where the blocks lie, GQA
                    heads together, keys split across threads and merged (flash-decoding); float32 or bf16 KV

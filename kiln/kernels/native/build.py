@@ -10,8 +10,9 @@ by the OS when a build is killed); torch's own lock file there, which a killed b
 make the next build wait forever, is removed under it.
 
 `native_op(tier, name)` is the tier's op `name` (`packed_linear`: float32 activations; `packed_linear_q8` and
-`packed_linear_q8x2`: one or two int8 digits; their `_blocked` forms, avx512 and avx2 tiers: the same arithmetic
-with 16 or 8 outputs a vector, for many rows, int8 codes on avx512 only; `paged_decode_attention`: decode attention
+`packed_linear_q8x2`: one or two int8 digits; their `_blocked` and `_streamed` forms, avx512 and avx2 tiers: the
+same arithmetic with 16 or 8 outputs a vector (codes transposed into a scratch, or in registers), int8 codes on
+avx512 only; `paged_decode_attention`: decode attention
 over the paged KV cache; `bind_packed` / `install_packed_dispatch`: the C++ CPU kernel of `kiln::packed_linear`,
 dispatch.cpp, installed by `install_native_dispatch`; `bind_dense` / `install_dense_dispatch`: that of
 `kiln::dense_linear`, by `native_dense_binder`), or None where the CPU lacks the tier, the tier has no such
@@ -117,14 +118,16 @@ OPS = (
     "packed_linear_q8x2",
     "packed_linear_q8_blocked",
     "packed_linear_q8x2_blocked",
+    "packed_linear_q8_streamed",
+    "packed_linear_q8x2_streamed",
     "paged_decode_attention",
     "bind_packed",
     "install_packed_dispatch",
     "bind_dense",
     "install_dense_dispatch",
 )
-# ops only some tiers define (the blocked products: zmm and ymm forms, none in the plain tier)
-TIER_OPS = {name: ("avx512", "avx2") for name in ("packed_linear_q8_blocked", "packed_linear_q8x2_blocked")}
+# ops only some tiers define (the blocked and streamed products: zmm and ymm forms, none in the plain tier)
+TIER_OPS = {name: ("avx512", "avx2") for name in OPS if name.endswith(("_blocked", "_streamed"))}
 
 
 def native_op(tier_name: str, name: str = "packed_linear") -> Callable[..., torch.Tensor] | None:

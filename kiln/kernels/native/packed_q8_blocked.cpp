@@ -7,8 +7,11 @@
 // codes) of each output per lane, the layout llama.cpp's repacked blocks have, without keeping a second copy of
 // the weight: one broadcast of 4 activation bytes then feeds BLOCK outputs in a `vpdpbusd` (AVX-512 VNNI) or a
 // `vpmaddubsw` + `vpmaddwd` (AVX2), and the epilogue runs once per BLOCK outputs. The transposition is about one
-// pass over the block's codes, shared by every row; at one or two rows packed_q8.cpp's kernel, which streams the
-// codes as they are, is the one to run (the kernel table times both).
+// pass over the block's codes, shared by every row. The `_streamed` forms transpose in registers instead, each
+// 16-byte run of the block's codes as it is used, for up to ROW_BLOCK rows at a time (again for the next rows):
+// no scratch written and read again, so they stream the weight at one or a few rows as packed_q8.cpp's kernel
+// does (2 rows of 3072 x 576 4-bit: 46 us against its 60 and the scratch form's 73, on a 2-core Xeon), while the
+// scratch form still wins at 32 rows and more. The kernel table times them all.
 //
 // int8 codes are made unsigned as code + 128 (xor 0x80), and 128 times the row's digit sums is taken off each
 // group's integer sum again: AVX-512 VNNI only, as AVX2's vpmaddubsw would saturate its int16 pair sums on them
@@ -168,10 +171,9 @@ void transpose_block(const Weights& w, int64_t o0, Block& b) {
   }
 }
 
-inline VI broadcast4(const int8_t* p) {  // 4 activation bytes in every lane
-  int32_t word;
-  std::memcpy(&word, p, sizeof(word));
-  return set1_i(word);
+typedef int32_t __attribute__((may_alias, aligned(1))) word_alias;  // 4 activation bytes read as one int32
+inline VI broadcast4(const int8_t* p) {  // 4 activation bytes in every lane: one broadcast load (no GPR round trip)
+  return set1_i(*reinterpret_cast<const word_alias*>(p));
 }
 
 // R rows (r0 ..) times the block's BLOCK outputs, every group; D digits of x. `shift`: the int32 per (row, group) to
@@ -203,6 +205,78 @@ void block_rows(const Block& b, const Acts& a, int64_t group, const int32_t* shi
     }
   }
   for (int r = 0; r < R; ++r) store_f(out + (r0 + r) * n, f[r]);
+}
+
+// R rows (r0 ..) times BLOCK outputs (o0 ..) straight from the packed codes: each group's 16-byte runs of the
+// BLOCK outputs are transposed in registers (transpose_words) and used at once, no scratch; D digits of x. At few
+// rows this saves the scratch pass (written and read again) that `block_rows` amortizes over many.
+template <int R, int D>
+void stream_rows(const Weights& w, const Acts& a, const int32_t* shift, int64_t o0, int64_t r0, float* out,
+                 int64_t n) {
+  VF f[R];
+  for (int r = 0; r < R; ++r) f[r] = zero_f();
+  const int64_t stride = w.groups * w.code_bytes;  // bytes from one output's codes to the next
+  for (int64_t g = 0; g < w.groups; ++g) {
+    if constexpr (R <= 4) {  // few rows wait on memory: the block PREFETCH_OUTPUTS ahead, a group's share of it
+      const int64_t ahead = o0 + PREFETCH_OUTPUTS, share = BLOCK * w.code_bytes;
+      prefetch_lines(w.codes, ahead * stride + g * share, share);
+      prefetch_lines(w.scale, (ahead * w.groups + g * BLOCK) * 4, BLOCK * 4);
+      prefetch_lines(w.offset, (ahead * w.groups + g * BLOCK) * 4, BLOCK * 4);
+    }
+    VI acc[R], acc2[R];
+    for (int r = 0; r < R; ++r) acc[r] = acc2[r] = zero_i();
+    const uint8_t* src = w.codes + o0 * stride + g * w.code_bytes;
+    const int64_t x0 = r0 * a.in + g * w.group;
+    for (int64_t c = 0; c < w.code_bytes; c += 16) {
+      VI z[4], y[4];
+      for (int t = 0; t < 4; ++t) z[t] = lanes(src + c + t * stride, 4 * stride);
+      transpose_words(z, y);
+      for (int k = 0; k < 4; ++k) {
+        const int64_t at = x0 + c + 4 * k;  // the word's codes: 4v .. 4v+3, v = c / 4 + k
+        if (w.nibbles) {  // low nibbles: codes at, high: at + G/2
+          const VI lo = low_nibbles(y[k]), hi = high_nibbles(y[k]);
+          for (int r = 0; r < R; ++r) {
+            acc[r] = dot(dot(acc[r], lo, broadcast4(a.q + at + r * a.in)), hi, broadcast4(a.q + at + w.code_bytes + r * a.in));
+            if (D == 2)
+              acc2[r] = dot(dot(acc2[r], lo, broadcast4(a.q2 + at + r * a.in)), hi,
+                            broadcast4(a.q2 + at + w.code_bytes + r * a.in));
+          }
+        } else {
+          const VI u = unsigned_codes(y[k]);
+          for (int r = 0; r < R; ++r) {
+            acc[r] = dot(acc[r], u, broadcast4(a.q + at + r * a.in));
+            if (D == 2) acc2[r] = dot(acc2[r], u, broadcast4(a.q2 + at + r * a.in));
+          }
+        }
+      }
+    }
+    const VF scale = gather(w.scale + o0 * w.groups + g, w.groups), offset = gather(w.offset + o0 * w.groups + g, w.groups);
+    for (int r = 0; r < R; ++r) {
+      const int64_t rg = (r0 + r) * a.groups + g;
+      VI sums = D == 2 ? two_digits(acc[r], acc2[r]) : acc[r];
+      if (shift) sums = sub_i(sums, set1_i(shift[rg]));
+      f[r] = fmadd(to_float(sums), mul(scale, set1_f(a.d[rg])), f[r]);
+      f[r] = fmadd(offset, set1_f(a.sum[rg]), f[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store_f(out + (r0 + r) * n + o0, f[r]);
+}
+
+template <int D>
+void stream_all_rows(const Weights& w, const Acts& a, const int32_t* shift, int64_t o0, int64_t rows, float* out,
+                     int64_t n) {
+  int64_t r = 0;
+  for (; r + ROW_BLOCK <= rows; r += ROW_BLOCK) stream_rows<ROW_BLOCK, D>(w, a, shift, o0, r, out, n);
+  switch (rows - r) {
+    case 7: stream_rows<7, D>(w, a, shift, o0, r, out, n); break;
+    case 6: stream_rows<6, D>(w, a, shift, o0, r, out, n); break;
+    case 5: stream_rows<5, D>(w, a, shift, o0, r, out, n); break;
+    case 4: stream_rows<4, D>(w, a, shift, o0, r, out, n); break;
+    case 3: stream_rows<3, D>(w, a, shift, o0, r, out, n); break;
+    case 2: stream_rows<2, D>(w, a, shift, o0, r, out, n); break;
+    case 1: stream_rows<1, D>(w, a, shift, o0, r, out, n); break;
+    default: break;
+  }
 }
 
 template <int D>
@@ -237,9 +311,11 @@ std::vector<int32_t> digit_shifts(const Acts& a, int64_t rows, int64_t group) {
   return shift;
 }
 
+// `streamed`: the codes transposed in registers as they are used (stream_rows), else into a scratch per block first
 at::Tensor blocked(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
-                   int digits) {
-  const char* name = digits == 2 ? "packed_linear_q8x2_blocked" : "packed_linear_q8_blocked";
+                   int digits, bool streamed) {
+  const char* name = streamed ? (digits == 2 ? "packed_linear_q8x2_streamed" : "packed_linear_q8_streamed")
+                              : (digits == 2 ? "packed_linear_q8x2_blocked" : "packed_linear_q8_blocked");
   const PackedShape shape = check_q8_operands(name, x, codes, scale, offset);
   const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous(), oc = offset.contiguous();
   const int64_t rows = xc.size(0), n = shape.n;
@@ -256,16 +332,27 @@ at::Tensor blocked(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
   float* op = out.data_ptr<float>();
   const bool vector = w.code_bytes % 16 == 0;  // whole 16-byte runs of codes per group: the transposition's unit
   const int64_t blocks = vector ? n / BLOCK : 0;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    Block block(w.groups, w.group);
-    for (int64_t i = b0; i < b1; ++i) {
-      transpose_block(w, i * BLOCK, block);
-      if (digits == 2)
-        block_all_rows<2>(block, a, w.group, sp, rows, op + i * BLOCK, n);
-      else
-        block_all_rows<1>(block, a, w.group, sp, rows, op + i * BLOCK, n);
-    }
-  });
+  if (streamed) {
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t i = b0; i < b1; ++i) {
+        if (digits == 2)
+          stream_all_rows<2>(w, a, sp, i * BLOCK, rows, op, n);
+        else
+          stream_all_rows<1>(w, a, sp, i * BLOCK, rows, op, n);
+      }
+    });
+  } else {
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      Block block(w.groups, w.group);
+      for (int64_t i = b0; i < b1; ++i) {
+        transpose_block(w, i * BLOCK, block);
+        if (digits == 2)
+          block_all_rows<2>(block, a, w.group, sp, rows, op + i * BLOCK, n);
+        else
+          block_all_rows<1>(block, a, w.group, sp, rows, op + i * BLOCK, n);
+      }
+    });
+  }
   // outputs past the last whole block (or every output, for codes in shorter runs): one (row, output) at a time
   at::parallel_for(blocks * BLOCK, n, 1, [&](int64_t o0, int64_t o1) {
     for (int64_t r = 0; r < rows; ++r)
@@ -276,12 +363,22 @@ at::Tensor blocked(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
 
 at::Tensor packed_linear_q8_blocked(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                     const at::Tensor& offset) {
-  return blocked(x, codes, scale, offset, 1);
+  return blocked(x, codes, scale, offset, 1, false);
 }
 
 at::Tensor packed_linear_q8x2_blocked(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                       const at::Tensor& offset) {
-  return blocked(x, codes, scale, offset, 2);
+  return blocked(x, codes, scale, offset, 2, false);
+}
+
+at::Tensor packed_linear_q8_streamed(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                     const at::Tensor& offset) {
+  return blocked(x, codes, scale, offset, 1, true);
+}
+
+at::Tensor packed_linear_q8x2_streamed(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                       const at::Tensor& offset) {
+  return blocked(x, codes, scale, offset, 2, true);
 }
 
 }  // namespace
@@ -291,5 +388,9 @@ TORCH_LIBRARY_FRAGMENT(KILN_TIER_NS, m) {
   m.impl("packed_linear_q8_blocked", c10::DispatchKey::CPU, TORCH_FN(packed_linear_q8_blocked));
   m.def("packed_linear_q8x2_blocked(Tensor x, Tensor codes, Tensor scale, Tensor offset) -> Tensor");
   m.impl("packed_linear_q8x2_blocked", c10::DispatchKey::CPU, TORCH_FN(packed_linear_q8x2_blocked));
+  m.def("packed_linear_q8_streamed(Tensor x, Tensor codes, Tensor scale, Tensor offset) -> Tensor");
+  m.impl("packed_linear_q8_streamed", c10::DispatchKey::CPU, TORCH_FN(packed_linear_q8_streamed));
+  m.def("packed_linear_q8x2_streamed(Tensor x, Tensor codes, Tensor scale, Tensor offset) -> Tensor");
+  m.impl("packed_linear_q8x2_streamed", c10::DispatchKey::CPU, TORCH_FN(packed_linear_q8x2_streamed));
 }
 #endif
