@@ -4,6 +4,8 @@ taps.py           boundary values (embed, per-layer attn/mlp, norm, logits) from
 session.py        a model, engines that run it on each path (eager, eager-fp64, traced, compiled, captured) through
                   EngineCore, taps installed through the graph executor's hooks; optionally teacher-forced so paths
                   see the same tokens
+runs.py           one debug request through an engine: fit checks, teacher forcing, speculation's forced drafts,
+                  a cached prefix primed first (`--cached-prefix`)
 diff.py           per-boundary metrics against a float64 noise floor; the first divergence
 bisect.py         the minimal set of pieces whose mode causes a failure, about log2(N) rounds per piece found; a final
                   compiled round tells a miscompile from a capture/replay fault

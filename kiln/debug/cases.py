@@ -2,7 +2,7 @@
 
 A case directory holds
 - `case.json`: model spec, recipe, dtype, compiler and capture sizes; prompt ids, decode steps, sampling
-  (greedy), seed; expected tokens; per boundary: module, piece, noise floor, threshold and the statistics of
+  (greedy), seed, speculation and the cached prefix (kiln.debug.runs); expected tokens; per boundary: module, piece, noise floor, threshold and the statistics of
   the path under test when the case was saved; an environment fingerprint (torch version, device, recipe hash,
   kiln version).
 - `tensors.safetensors`: input ids and positions as fed (prefill then decodes), the expected tokens and each
@@ -108,6 +108,7 @@ def save_case(directory: Path, session: DebugSession, reference: Reference, repo
         "expected_tokens": reference.tokens,
         "step_rows": reference.step_rows,
         "logit_rows": reference.logit_rows,
+        "cached_prefix": session.runs.cached_prefix,
         "speculative": {"method": spec.method, "num_tokens": spec.num_speculative_tokens},
         "noise_ratio": NOISE_RATIO,
         "noise_floor": NOISE_FLOOR,

@@ -73,5 +73,12 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=None, help=f"prompt text (default {DEFAULT_PROMPT!r})")
     p.add_argument("--prompt-ids", default=None, help="prompt token ids, e.g. 1,2,3 (models without a tokenizer)")
     p.add_argument("--num-decode", type=int, default=DEFAULT_NUM_DECODE, help="decode steps after the prefill")
+    p.add_argument(
+        "--cached-prefix",
+        type=int,
+        default=0,
+        help="the prompt's first N tokens (whole KV blocks) come from the prefix cache, primed by an earlier "
+        "request: every path prefills only the rest over that cached context",
+    )
     p.add_argument("--inject-fault", action="append", default=[], help="layer=K:mlp | piece=K:stale-input")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

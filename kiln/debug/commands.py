@@ -44,7 +44,8 @@ def engine_args(args: argparse.Namespace, case: Case | None = None) -> EngineArg
 def _open(args: argparse.Namespace, case: Case | None = None) -> DebugSession:
     setup_logging()
     faults = [parse_fault(spec) for spec in args.inject_fault]
-    session = DebugSession.open(engine_args(args, case))
+    cached = case.meta.get("cached_prefix", 0) if case is not None else getattr(args, "cached_prefix", 0)
+    session = DebugSession.open(engine_args(args, case), cached)
     if case is not None:
         check_names(case, session)
         for change in fingerprint_changes(case, session):

@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import copy
 import importlib
-import itertools
 import logging
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -33,10 +32,9 @@ from torch.fx import GraphModule
 from kiln.compile.modes import PieceMode
 from kiln.compile.piece import Piece
 from kiln.config import EngineConfig
+from kiln.debug.runs import DebugRuns, PathRun
 from kiln.debug.taps import (
-    LOGITS,
     Boundary,
-    StepRecord,
     TapProbe,
     TapRecorder,
     eager_taps,
@@ -49,7 +47,6 @@ from kiln.distributed.state import rank_state
 from kiln.engine.args import EngineArgs
 from kiln.engine.build import apply_device_settings, build_engine, engine_role
 from kiln.engine.core import EngineCore
-from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import ConfigError
 from kiln.executor.eager import EagerExecutor
 from kiln.executor.graph import GraphExecutor
@@ -62,35 +59,6 @@ EAGER, EAGER_FP64, TRACED = "eager", "eager-fp64", "traced"
 PATHS = (EAGER, EAGER_FP64, TRACED, "compiled", "captured")
 DEBUG_SEED = 0  # a debug run is reproducible: a synthetic model's weights and a random prompt come from it
 DEBUG_KV_CACHE_GB = 0.05  # each of the session's engines: ~1000 tokens of the default model
-
-
-@dataclass
-class PathRun:
-    """What one path computed for one sequence: per step, each boundary's rows (real tokens only)."""
-
-    path: str
-    steps: list[dict[str, torch.Tensor]]
-    tokens: list[int]  # the path's own greedy choice at every step
-    input_ids: list[int]  # the tokens fed, flattened over steps
-    positions: list[int]
-    step_rows: list[int] = field(default_factory=list)  # tokens per step: the prompt, then 1 per decode (k + 1 per
-    # verification of k drafts, with speculative decoding)
-    logit_rows: list[int] = field(default_factory=list)  # logits rows per step: 1, or k + 1 for a verification
-
-    @classmethod
-    def from_steps(cls, path: str, records: list[StepRecord]) -> PathRun:
-        return cls(
-            path=path,
-            steps=[r.values for r in records],
-            tokens=[int(t) for r in records for t in r.values[LOGITS].argmax(-1)],
-            input_ids=[t for r in records for t in r.input_ids],
-            positions=[p for r in records for p in r.positions],
-            step_rows=[len(r.input_ids) for r in records],
-            logit_rows=[len(r.values[LOGITS]) for r in records],
-        )
-
-    def boundary(self, name: str) -> torch.Tensor:
-        return torch.cat([s[name] for s in self.steps])
 
 
 def is_factory_spec(model: str) -> bool:
@@ -109,11 +77,12 @@ def load_factory(spec: str) -> nn.Module:
     return model
 
 
-def debug_engine_args(args: EngineArgs) -> EngineArgs:
+def debug_engine_args(args: EngineArgs, prefix_caching: bool = False) -> EngineArgs:
     """The session's engine arguments: graph mode (never eager: the session bisects pieces) with every piece eager
     until a path asks for more, one sequence at a time, a small KV cache (unless the blocks are given), a fixed
-    seed by default, and no prefix caching: every path prefills the whole prompt, so their steps compare. With
-    speculative decoding, its verification steps run with the forced tokens as drafts, whatever the method."""
+    seed by default, and no prefix caching (unless a run primes a cached prefix: kiln.debug.runs), so every path
+    prefills the same tokens and their steps compare. With speculative decoding, its verification steps run with
+    the forced tokens as drafts, whatever the method."""
     return replace(
         args,
         seed=args.seed if args.seed is not None else DEBUG_SEED,
@@ -123,15 +92,15 @@ def debug_engine_args(args: EngineArgs) -> EngineArgs:
         max_num_seqs=1,
         kv_cache_memory_gb=min(args.kv_cache_memory_gb or DEBUG_KV_CACHE_GB, DEBUG_KV_CACHE_GB),
         kv_cache_memory_fraction=None,
-        enable_prefix_caching=False,
-        # with speculation every debug run verifies teacher-forced drafts (DebugSession._generate): no draft model
+        enable_prefix_caching=prefix_caching,
+        # with speculation every debug run verifies teacher-forced drafts (kiln.debug.runs): no draft model
         speculative_method="ngram" if args.speculative_method else None,
         speculative_model=None,
     )
 
 
 class DebugSession:
-    def __init__(self, engine: EngineCore, args: EngineArgs, recorder: TapRecorder) -> None:
+    def __init__(self, engine: EngineCore, args: EngineArgs, recorder: TapRecorder, cached_prefix: int = 0) -> None:
         graph = engine.executor
         if not isinstance(graph, GraphExecutor) or not graph.mode.splits_forward:
             raise ConfigError(
@@ -146,7 +115,7 @@ class DebugSession:
         self.recipe = engine.recipe
         self.recorder = recorder
         self._eager_engines: dict[str, EngineCore] = {}
-        self._request_ids = itertools.count()
+        self.runs = DebugRuns(recorder, cached_prefix)
         self.fault_descriptions: list[str] = []
         self.base_keys = [p.info.structure_key for p in graph.pieces]
         try:
@@ -175,17 +144,18 @@ class DebugSession:
 
     # -- construction ----------------------------------------------------------------------------------------
     @classmethod
-    def open(cls, args: EngineArgs) -> DebugSession:
-        """Load the model and build its graph engine (traced once; every piece eager, nothing compiled)."""
+    def open(cls, args: EngineArgs, cached_prefix: int = 0) -> DebugSession:
+        """Load the model and build its graph engine (traced once; every piece eager, nothing compiled); with
+        `cached_prefix`, every run prefills over that many prompt tokens found in the prefix cache (DebugRuns)."""
         recorder = TapRecorder()
-        config = debug_engine_args(args).create_engine_config()
+        config = debug_engine_args(args, cached_prefix > 0).create_engine_config()
         if config.parallel.is_distributed and rank_state() is None:
             raise ConfigError(
                 "a multi-device debug session runs on every rank (kiln.debug.ranks): kiln debug diff and bisect "
                 "start the ranks themselves"
             )
         if not is_factory_spec(args.model):
-            return cls(build_engine(config, observer=recorder), args, recorder)
+            return cls(build_engine(config, observer=recorder), args, recorder, cached_prefix)
         if args.recipe:
             raise ConfigError("--recipe needs a checkpoint model: a recipe is validated against checkpoint headers")
         apply_device_settings(config)
@@ -194,7 +164,7 @@ class DebugSession:
         model.eval().requires_grad_(False)
         executor = GraphExecutor(config.graph, activations=config.activations)
         engine = EngineCore(config, model, None, executor, args.model, recorder).prepare()
-        return cls(engine, args, recorder)
+        return cls(engine, args, recorder, cached_prefix)
 
     # -- piece modes -------------------------------------------------------------------------------------------
     def set_modes(self, mode: PieceMode | str, overrides: dict[int, PieceMode] | None = None) -> dict[int, PieceMode]:
@@ -221,11 +191,11 @@ class DebugSession:
         if path in (EAGER, EAGER_FP64):
             engine = self._eager_engine(path)
             with eager_taps(engine.model, self.boundaries, self.recorder):
-                return self._generate(path, engine, prompt, num_decode, forced)
+                return self.runs.generate(path, engine, prompt, num_decode, forced)
         if path not in PATHS:
             raise ConfigError(f"unknown path {path!r}: expected one of {', '.join(PATHS)}")
         self.set_modes(PieceMode.EAGER if path == TRACED else path, piece_modes)
-        return self._generate(path, self.engine, prompt, num_decode, forced)
+        return self.runs.generate(path, self.engine, prompt, num_decode, forced)
 
     def _eager_engine(self, path: str) -> EngineCore:
         """An engine over the session's model (or its float64 copy) running the model's own forward."""
@@ -242,54 +212,6 @@ class DebugSession:
             engine = EngineCore(config, model, self.tokenizer, executor, checkpoint, self.recorder, role).prepare()
             self._eager_engines[path] = engine
         return self._eager_engines[path]
-
-    def _generate(
-        self,
-        path: str,
-        engine: EngineCore,
-        prompt: Sequence[int],
-        num_decode: int,
-        forced: Sequence[int] | None,
-    ) -> PathRun:
-        total = len(prompt) + num_decode + 1
-        if engine.pool.blocks_for(total) > engine.pool.num_blocks:
-            raise ConfigError(
-                f"the debug run needs {total} tokens of KV cache but the engine holds "
-                f"{engine.pool.num_blocks * engine.pool.block_size}; use a shorter prompt, fewer decode steps, "
-                "or more --num-kv-blocks"
-            )
-        max_tokens = engine.config.scheduler.max_num_batched_tokens
-        if len(prompt) > max_tokens:
-            raise ConfigError(
-                f"the debug prompt has {len(prompt)} tokens but one step takes at most {max_tokens}: a debug run "
-                "prefills in one step; raise --max-num-batched-tokens"
-            )
-        if forced is not None and len(forced) < num_decode:
-            raise ConfigError(f"teacher forcing needs {num_decode} tokens, got {len(forced)}")
-        if forced is None and engine.scheduler.speculator is not None:
-            # speculation: the greedy tokens first (the same with drafts or without), then a run teacher-forced to
-            # them, whose drafts are those tokens, so that every row a step computes is a token kept
-            forced = self._tokens(path, engine, prompt, num_decode, None)
-        self._tokens(path, engine, prompt, num_decode, forced)
-        return PathRun.from_steps(path, self.recorder.take())
-
-    def _tokens(
-        self, path: str, engine: EngineCore, prompt: Sequence[int], num_decode: int, forced: Sequence[int] | None
-    ) -> list[int]:
-        """One greedy request of `num_decode` + 1 tokens through `engine`; its output tokens (the taps recording
-        its steps from a clean slate)."""
-        params = SamplingParams(temperature=0.0, max_tokens=num_decode + 1, ignore_eos=True)
-        self.recorder.take()
-        request_id = f"debug-{path}-{next(self._request_ids)}"
-        engine.add_request(request_id, list(prompt), params, list(forced) if forced is not None else None)
-        tokens: list[int] = []
-        try:
-            while engine.has_unfinished:
-                for out in engine.step():
-                    tokens = out.token_ids if out.request_id == request_id else tokens
-        finally:
-            engine.abort(request_id)
-        return list(tokens)
 
     def boundary(self, name: str) -> Boundary:
         for b in self.boundaries:

@@ -14,7 +14,8 @@ from kiln.debug.bisect import Bisector, BisectResult
 from kiln.debug.diff import DiffReport, Reference, build_reference, run_diff
 from kiln.debug.faults import inject, parse_fault
 from kiln.debug.session import DebugSession
-from tests.debug.conftest import NUM_DECODE, PROMPT, TINY
+from kiln.errors import ConfigError
+from tests.debug.conftest import NUM_DECODE, PROMPT, TINY, tiny_options
 from tests.debug.models import NUM_LAYERS
 
 NUM_PIECES = NUM_LAYERS + 1
@@ -107,3 +108,21 @@ def test_diff_and_bisect_with_speculation_hold_the_verification_steps(
     report, result = diff_and_bisect(session, reference)
     assert report.first_divergence is not None and report.first_divergence.name == "layers.1.attn"
     assert result.culprits == [2]
+
+
+def test_diff_over_a_cached_prefix_prefills_the_rest_and_finds_a_fault(open_tiny: Callable[..., DebugSession]) -> None:
+    """--cached-prefix: every path's prefill finds the prompt's first blocks in the prefix cache (primed by an
+    earlier request) and computes the rest over that context; held to the reference, a fault there is found."""
+    prompt = (PROMPT * 3)[:21]
+    block = tiny_options().block_size
+    session = DebugSession.open(tiny_options(), cached_prefix=block)
+    reference = build_reference(session, prompt, NUM_DECODE)
+    assert reference.step_rows[0] == len(prompt) - block and reference.positions[0] == block  # the tail alone
+    assert reference.tokens == build_reference(open_tiny(), prompt, NUM_DECODE).tokens  # as over the whole prompt
+    for mode in ("traced", "captured"):
+        assert run_diff(session, reference, mode).first_divergence is None, mode
+    inject(session, parse_fault("layer=2:mlp"))
+    report = run_diff(session, reference, "captured")
+    assert report.first_divergence is not None and report.first_divergence.name == "layers.2.mlp"
+    with pytest.raises(ConfigError, match="multiple of the KV block size"):
+        build_reference(DebugSession.open(tiny_options(), cached_prefix=block - 1), prompt, NUM_DECODE)
