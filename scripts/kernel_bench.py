@@ -1,8 +1,8 @@
-"""kiln's native packed products on the default model's layouts, every ISA tier this CPU runs, side by side:
-float32 activations (`packed_linear`), one int8 digit (`packed_linear_q8`, llama.cpp's q8 arithmetic) and two
-(`packed_linear_q8x2`, the default), their blocked forms where the tier has them (`*_blocked`: 16 outputs a
-vector on AVX-512 VNNI, 8 on AVX2 for 4-bit codes; `*_streamed`: the same, transposed in registers), with the timed table's best torch candidate for scale
-(dequantize-then-BLAS).
+"""kiln's native packed products on the default model's layouts, every ISA tier this CPU runs, side by side: float32
+activations (`packed_linear`), one int8 digit (`packed_linear_q8`, llama.cpp's q8 arithmetic) and two
+(`packed_linear_q8x2`, the default), their blocked forms where the tier has them (`*_blocked`: 16 outputs a vector
+on AVX-512 VNNI, 8 on AVX2 for 4-bit codes; `*_streamed`: the same, transposed in registers), with the timed table's
+best torch candidate for scale (dequantize-then-BLAS).
 
 Usage: .venv/bin/python scripts/kernel_bench.py [--rows 1,2,16,64,256] [--tiers avx512,avx2]
 Prints µs per call (best of 5 sweeps over weight copies larger than the LLC, so codes stream from DRAM), GB/s of

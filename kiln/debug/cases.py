@@ -1,10 +1,10 @@
 """Debug cases: a saved input, its expected outputs and per-boundary thresholds, replayable as a regression test.
 
 A case directory holds
-- `case.json`: model spec, recipe, dtype, compiler and capture sizes; prompt ids, decode steps, sampling
-  (greedy), seed, speculation and the cached prefix (kiln.debug.runs); expected tokens; per boundary: module, piece, noise floor, threshold and the statistics of
-  the path under test when the case was saved; an environment fingerprint (torch version, device, recipe hash,
-  kiln version).
+- `case.json`: model spec, recipe, dtype, compiler and capture sizes; prompt ids, decode steps, sampling (greedy),
+  seed, speculation and the cached prefix (kiln.debug.runs); expected tokens; per boundary: module, piece, noise
+  floor, threshold and the statistics of the path under test when the case was saved; an environment fingerprint
+  (torch version, device, recipe hash, kiln version).
 - `tensors.safetensors`: input ids and positions as fed (prefill then decodes), the expected tokens and each
   boundary's reference values (`boundary.<name>`, logits included).
 
