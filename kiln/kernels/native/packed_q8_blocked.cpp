@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "packed_operands.h"
@@ -176,6 +177,20 @@ inline VI broadcast4(const int8_t* p) {  // 4 activation bytes in every lane: on
   return set1_i(*reinterpret_cast<const word_alias*>(p));
 }
 
+// A group's integer sums of R rows (r0 ..) added to their float outputs `f`: scaled by the weight's and the row's
+// scales, plus the offsets times the row's sums; D digits of x, `shift` as in block_rows.
+template <int R, int D>
+inline void add_group(VF f[R], const VI acc[R], const VI acc2[R], VF scale, VF offset, const Acts& a,
+                      const int32_t* shift, int64_t r0, int64_t g) {
+  for (int r = 0; r < R; ++r) {
+    const int64_t rg = (r0 + r) * a.groups + g;
+    VI sums = D == 2 ? two_digits(acc[r], acc2[r]) : acc[r];
+    if (shift) sums = sub_i(sums, set1_i(shift[rg]));
+    f[r] = fmadd(to_float(sums), mul(scale, set1_f(a.d[rg])), f[r]);
+    f[r] = fmadd(offset, set1_f(a.sum[rg]), f[r]);
+  }
+}
+
 // R rows (r0 ..) times the block's BLOCK outputs, every group; D digits of x. `shift`: the int32 per (row, group) to
 // take off the sums (128 x the digit sums, for int8 codes made unsigned), or null.
 template <int R, int D>
@@ -195,14 +210,8 @@ void block_rows(const Block& b, const Acts& a, int64_t group, const int32_t* shi
         if (D == 2) acc2[r] = dot(acc2[r], c, broadcast4(a.q2 + at + r * a.in));
       }
     }
-    const VF scale = load_f(b.scale.data() + g * BLOCK), offset = load_f(b.offset.data() + g * BLOCK);
-    for (int r = 0; r < R; ++r) {
-      const int64_t rg = (r0 + r) * a.groups + g;
-      VI sums = D == 2 ? two_digits(acc[r], acc2[r]) : acc[r];
-      if (shift) sums = sub_i(sums, set1_i(shift[rg]));
-      f[r] = fmadd(to_float(sums), mul(scale, set1_f(a.d[rg])), f[r]);
-      f[r] = fmadd(offset, set1_f(a.sum[rg]), f[r]);
-    }
+    add_group<R, D>(f, acc, acc2, load_f(b.scale.data() + g * BLOCK), load_f(b.offset.data() + g * BLOCK), a, shift,
+                    r0, g);
   }
   for (int r = 0; r < R; ++r) store_f(out + (r0 + r) * n, f[r]);
 }
@@ -250,50 +259,39 @@ void stream_rows(const Weights& w, const Acts& a, const int32_t* shift, int64_t 
         }
       }
     }
-    const VF scale = gather(w.scale + o0 * w.groups + g, w.groups), offset = gather(w.offset + o0 * w.groups + g, w.groups);
-    for (int r = 0; r < R; ++r) {
-      const int64_t rg = (r0 + r) * a.groups + g;
-      VI sums = D == 2 ? two_digits(acc[r], acc2[r]) : acc[r];
-      if (shift) sums = sub_i(sums, set1_i(shift[rg]));
-      f[r] = fmadd(to_float(sums), mul(scale, set1_f(a.d[rg])), f[r]);
-      f[r] = fmadd(offset, set1_f(a.sum[rg]), f[r]);
-    }
+    add_group<R, D>(f, acc, acc2, gather(w.scale + o0 * w.groups + g, w.groups),
+                    gather(w.offset + o0 * w.groups + g, w.groups), a, shift, r0, g);
   }
   for (int r = 0; r < R; ++r) store_f(out + (r0 + r) * n + o0, f[r]);
+}
+
+// `rows` rows in blocks of ROW_BLOCK, then the rest: run(std::integral_constant<int, R>, r0) for each block.
+template <typename Run>
+void in_row_blocks(int64_t rows, Run&& run) {
+  int64_t r = 0;
+  for (; r + ROW_BLOCK <= rows; r += ROW_BLOCK) run(std::integral_constant<int, ROW_BLOCK>{}, r);
+  switch (rows - r) {
+    case 7: run(std::integral_constant<int, 7>{}, r); break;
+    case 6: run(std::integral_constant<int, 6>{}, r); break;
+    case 5: run(std::integral_constant<int, 5>{}, r); break;
+    case 4: run(std::integral_constant<int, 4>{}, r); break;
+    case 3: run(std::integral_constant<int, 3>{}, r); break;
+    case 2: run(std::integral_constant<int, 2>{}, r); break;
+    case 1: run(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
 }
 
 template <int D>
 void stream_all_rows(const Weights& w, const Acts& a, const int32_t* shift, int64_t o0, int64_t rows, float* out,
                      int64_t n) {
-  int64_t r = 0;
-  for (; r + ROW_BLOCK <= rows; r += ROW_BLOCK) stream_rows<ROW_BLOCK, D>(w, a, shift, o0, r, out, n);
-  switch (rows - r) {
-    case 7: stream_rows<7, D>(w, a, shift, o0, r, out, n); break;
-    case 6: stream_rows<6, D>(w, a, shift, o0, r, out, n); break;
-    case 5: stream_rows<5, D>(w, a, shift, o0, r, out, n); break;
-    case 4: stream_rows<4, D>(w, a, shift, o0, r, out, n); break;
-    case 3: stream_rows<3, D>(w, a, shift, o0, r, out, n); break;
-    case 2: stream_rows<2, D>(w, a, shift, o0, r, out, n); break;
-    case 1: stream_rows<1, D>(w, a, shift, o0, r, out, n); break;
-    default: break;
-  }
+  in_row_blocks(rows, [&](auto size, int64_t r) { stream_rows<decltype(size)::value, D>(w, a, shift, o0, r, out, n); });
 }
 
 template <int D>
 void block_all_rows(const Block& b, const Acts& a, int64_t group, const int32_t* shift, int64_t rows, float* out,
                     int64_t n) {
-  int64_t r = 0;
-  for (; r + ROW_BLOCK <= rows; r += ROW_BLOCK) block_rows<ROW_BLOCK, D>(b, a, group, shift, r, out, n);
-  switch (rows - r) {
-    case 7: block_rows<7, D>(b, a, group, shift, r, out, n); break;
-    case 6: block_rows<6, D>(b, a, group, shift, r, out, n); break;
-    case 5: block_rows<5, D>(b, a, group, shift, r, out, n); break;
-    case 4: block_rows<4, D>(b, a, group, shift, r, out, n); break;
-    case 3: block_rows<3, D>(b, a, group, shift, r, out, n); break;
-    case 2: block_rows<2, D>(b, a, group, shift, r, out, n); break;
-    case 1: block_rows<1, D>(b, a, group, shift, r, out, n); break;
-    default: break;
-  }
+  in_row_blocks(rows, [&](auto size, int64_t r) { block_rows<decltype(size)::value, D>(b, a, group, shift, r, out, n); });
 }
 
 // 128 x (128 sum(q) + sum(q2)) per (row, group) (one digit: 128 sum(q)): what code + 128 adds to the sums.
