@@ -9,12 +9,12 @@ grammar masks it as it stands after those drafts).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from kiln.engine.request import Request
-from kiln.engine.sampler import Sampler, SamplingRow
+from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kiln.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kiln.engine.spec_verify import verify
 from kiln.engine.step_plan import StepPlan
@@ -47,11 +47,14 @@ def sample_step(
         first_row.setdefault(rid, i)
     out = ModelRunnerOutput({}, {})
     plain = [rid for rid in first_row if not by_id[rid].spec_token_ids]
-    masks = _grammar_masks([by_id[rid] for rid in first_row])
+    checked = {rid for rid in plain if by_id[rid].request.grammar is not None and _checked_after(by_id[rid].request)}
+    masks = _grammar_masks([by_id[rid] for rid in first_row if rid not in checked])
     rows = [sampling_row(by_id[rid].request, [], eos_token_ids, _row(masks, rid, 0)) for rid in plain]
     if plain:
         every = len(plain) == len(plan.sample_request_ids)
-        drawn = sampler(logits if every else logits[torch.tensor([first_row[rid] for rid in plain])], rows)
+        plain_logits = logits if every else logits[torch.tensor([first_row[rid] for rid in plain])]
+        drawn = sampler(plain_logits, rows)
+        _redraw_refused(sampler, plain_logits, rows, [by_id[rid].request for rid in plain], checked, drawn)
         for i, rid in enumerate(plain):
             _record(out, rid, [drawn.token_ids[i]], [lp] if (lp := drawn.logprobs[i]) else [], drawn.errors[i])
             if rows[i].keep_probs and drawn.probs[i] is not None:  # a draft engine's request keeps its draft's
@@ -68,6 +71,36 @@ def sample_step(
             v = verify(logits[start : start + len(drafts) + 1], spec_rows, drafts, q, take_all=forced)
             _record(out, rid, v.token_ids, v.logprobs, v.error)
     return out
+
+
+def _checked_after(req: Request) -> bool:
+    """Whether `req`'s row samples before its grammar mask and checks the token after (kiln.engine.structured_output:
+    exact for greedy rows and rows whose only filter is temperature; logprobs are the model's own either way)."""
+    p = req.params
+    return p.is_greedy or (p.top_k in (0, -1) and p.top_p == 1.0 and p.min_p == 0.0)
+
+
+def _redraw_refused(
+    sampler: Sampler,
+    logits: torch.Tensor,
+    rows: list[SamplingRow],
+    requests: list[Request],
+    checked: set[str],
+    drawn: SamplerOutput,
+) -> None:
+    """The rows in `checked` whose token their grammar refuses, sampled again with their masks (in `drawn`)."""
+    refused = [
+        i
+        for i, req in enumerate(requests)
+        if req.request_id in checked and drawn.errors[i] is None and not req.grammar.allows(drawn.token_ids[i])
+    ]
+    if not refused:
+        return
+    states = [requests[i].grammar for i in refused]
+    masks = states[0].grammars.bitmasks(states)  # type: ignore[union-attr]
+    again = sampler(logits[torch.tensor(refused)], [replace(rows[i], allowed=masks[j]) for j, i in enumerate(refused)])
+    for j, i in enumerate(refused):
+        drawn.token_ids[i], drawn.logprobs[i], drawn.errors[i] = again.token_ids[j], again.logprobs[j], again.errors[j]
 
 
 def _grammar_masks(scheduled: list[ScheduledRequest]) -> dict[str, torch.Tensor]:

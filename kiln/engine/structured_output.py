@@ -7,6 +7,14 @@ model's 49k vocabulary) and hands each sequence its own `GrammarState`. Each ste
 are masked to the tokens the grammar allows (`Grammars.bitmasks`, applied in kiln.engine.sampler); the sampled token
 advances the state; once the grammar allows nothing more the sequence stops with `finish_reason: "stop"`.
 
+A mask walks the token trie (~0.4 ms inside a length-bounded JSON string), so a row whose filters are only
+temperature (or greedy) samples first without one and checks the token alone (`GrammarState.allows`, a walk over
+its bytes); only a refused row computes its mask and samples again, masked (kiln.engine.step_sample), as llama.cpp
+does. Greedy, this is the masked pick (the likeliest allowed token). Sampled, it is rejection sampling: the first
+draw is kept with probability Z (the mass the grammar allows), else the second is drawn from the masked
+distribution, so token t comes with probability p(t) + (1 - Z) p(t) / Z = p(t) / Z, the masked distribution
+exactly. A row with top-k, top-p or min-p masks first (its filters must see the masked distribution).
+
 llguidance is imported on the first constraint, so an engine runs without it (a machine without the package gets
 a clear error for a constrained request, not an engine that fails to import).
 
@@ -73,6 +81,10 @@ class GrammarState:
         """Take the sampled `token`; RequestError when the grammar cannot (a token it did not allow was forced)."""
         if not self.matcher.consume_token(token) or self.matcher.is_error():
             raise RequestError(f"the output left the grammar of {self.param}: {self.matcher.get_error()}", None)
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar takes `token` next (the state unchanged): a walk over the token's bytes alone."""
+        return self.matcher.validate_tokens([token]) == 1
 
     def drafts_within(self, drafts: list[int], keep_refused: bool) -> list[int]:
         """The longest prefix of `drafts` (speculative decoding's proposals for the next tokens) the grammar allows

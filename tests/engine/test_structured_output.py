@@ -5,8 +5,10 @@ model's tokenizer (errors naming the field, one compile per constraint, a sequen
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -16,7 +18,9 @@ from kiln import LLM, SamplingParams, StructuredOutput
 from kiln.config import SpeculativeConfig
 from kiln.engine.request import Request
 from kiln.engine.sampler import Sampler, SamplingRow
+from kiln.engine.scheduler_output import ScheduledRequest
 from kiln.engine.speculation import Speculator
+from kiln.engine.step_sample import sample_step
 from kiln.engine.structured_output import Grammars
 from kiln.errors import RequestError
 from kiln.model.build import load_tokenizer
@@ -200,3 +204,52 @@ def test_structured_outputs_speculate_and_keep_their_tokens(llm: LLM, method: st
     for out in spec_llm.chat([ask, ask], sampled):
         jsonschema.validate(json.loads(out.text), PEOPLE)
     assert stats.num_accepted_tokens > accepted
+
+
+# -- sampled first, masked only when refused ---------------------------------------------------------------------
+def test_rows_sample_before_their_mask_and_keep_the_masked_distribution(
+    grammars: Grammars, tokenizer: KilnTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A greedy or temperature-only row samples without its grammar mask and computes the mask only when the grammar
+    refuses the token: greedy gives the likeliest allowed token, sampled rows the masked distribution (chi-square
+    over 2,000 draws), and rows whose first token is allowed compute no mask."""
+    yes, no, maybe, ok = (tokenizer.encode(w, add_special_tokens=False)[0] for w in ("yes", "no", "maybe", "ok"))
+    choice = StructuredOutput.choice(["yes", "no"])
+    masked_rows: list[int] = []  # the rows of each mask computation
+    bitmasks = Grammars.bitmasks
+
+    def counted(self: Grammars, states: list, drafts: list | None = None) -> torch.Tensor:
+        masked_rows.append(len(states))
+        return bitmasks(self, states, drafts)
+
+    monkeypatch.setattr(Grammars, "bitmasks", counted)
+
+    def step(params: list[SamplingParams], favourites: list[dict[int, float]]) -> list[int]:
+        reqs = []
+        for i, p in enumerate(params):
+            req = Request(str(i), None, [1], p, torch.Generator().manual_seed(i))
+            req.grammar = grammars.start(choice)
+            reqs.append(req)
+        logits = torch.full((len(reqs), 49152), -30.0)
+        for i, probs in enumerate(favourites):
+            for token, prob in probs.items():
+                logits[i, token] = math.log(prob)
+        sched = SimpleNamespace(scheduled=[ScheduledRequest(r, 1) for r in reqs])
+        plan = SimpleNamespace(sample_request_ids=[r.request_id for r in reqs])
+        out = sample_step(Sampler(), sched, plan, logits, [tokenizer.eos_token_id])
+        return [out.sampled[r.request_id][0] for r in reqs]
+
+    greedy = SamplingParams(temperature=0)
+    assert step([greedy, greedy], [{maybe: 0.5, no: 0.3, yes: 0.2}, {yes: 0.6, maybe: 0.4}]) == [no, yes]
+    assert masked_rows == [1]  # the first row alone was refused ("maybe") and masked
+    masked_rows.clear()
+    mass = {maybe: 0.4, yes: 0.3, ok: 0.2, no: 0.1}  # the grammar allows yes and no: 3/4 and 1/4 of their mass
+    tokens = []
+    for _ in range(5):
+        tokens += step([SamplingParams(temperature=1.0, seed=None)] * 400, [mass] * 400)
+    counts = torch.tensor([tokens.count(yes), tokens.count(no)], dtype=torch.float64)
+    assert int(counts.sum()) == len(tokens)  # every token allowed
+    expected = torch.tensor([0.75, 0.25], dtype=torch.float64) * len(tokens)
+    assert float(((counts - expected) ** 2 / expected).sum()) < 10.83  # chi-square, 1 dof, p = 0.001
+    refused = sum(masked_rows) / len(tokens)
+    assert 0.5 < refused < 0.7  # masks for the rows whose first draw was refused (0.6 of the mass) only
