@@ -87,7 +87,8 @@ def forget_process_choices() -> None:
 
 
 class KernelChoiceCache:
-    """Timed choices by key, in one JSON file (read once; rewritten whole, atomically, on a new choice)."""
+    """Timed choices by key, in one JSON file: read again for each choice this process does not hold yet (another
+    process may have timed it since), rewritten whole, atomically, on a new choice."""
 
     def __init__(self, root: Path) -> None:
         self.path = Path(root) / CHOICES_FILE
