@@ -56,6 +56,28 @@ bool same_storage(const B& b, const at::Tensor& tensor) {
   return !b.storage.expired() && b.storage._unsafe_get_target() == tensor.storage().unsafeGetStorageImpl();
 }
 
+// `binding` for the weight at `key`, in place of any before it; the bindings of weights that are gone dropped.
+template <typename Entry>
+void store(std::unordered_map<const void*, Entry>& bindings, const void* key, Entry binding) {
+  std::unique_lock<std::shared_mutex> lock(registry_mutex);
+  for (auto it = bindings.begin(); it != bindings.end();)
+    it = it->second.storage.expired() ? bindings.erase(it) : std::next(it);
+  bindings.insert_or_assign(key, std::move(binding));
+}
+
+// `Kernel` as the CPU kernel of kiln::`name`, registered once per process (each kernel its own flag and library,
+// which stays registered for the process's life).
+template <auto* Kernel>
+void install_cpu_kernel(const char* name) {
+  static std::once_flag once;
+  static std::unique_ptr<torch::Library> library;
+  std::call_once(once, [name] {
+    library = std::make_unique<torch::Library>(torch::Library::IMPL, "kiln", c10::DispatchKey::CPU, __FILE__,
+                                               __LINE__);
+    library->impl(name, TORCH_FN(Kernel));
+  });
+}
+
 at::Tensor python_bound(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                         const at::Tensor& offset) {
   static const Handle op =
@@ -87,22 +109,11 @@ void bind_packed(const at::Tensor& codes, std::vector<std::string> kernels) {
     }
     binding.kernels.emplace_back(c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "").typed<Product>());
   }
-  std::unique_lock<std::shared_mutex> lock(registry_mutex);
-  for (auto it = registry.begin(); it != registry.end();)  // weights that are gone
-    it = it->second.storage.expired() ? registry.erase(it) : std::next(it);
-  registry.insert_or_assign(codes.data_ptr(), std::move(binding));
+  store(registry, codes.data_ptr(), std::move(binding));
 }
 
 // Register the CPU kernel of kiln::packed_linear (once: the Python side calls this for one tier per process).
-void install_packed_dispatch() {
-  static std::once_flag once;
-  static std::unique_ptr<torch::Library> library;
-  std::call_once(once, [] {
-    library = std::make_unique<torch::Library>(torch::Library::IMPL, "kiln", c10::DispatchKey::CPU, __FILE__,
-                                               __LINE__);
-    library->impl("packed_linear", TORCH_FN(packed_linear_cpu));
-  });
-}
+void install_packed_dispatch() { install_cpu_kernel<&packed_linear_cpu>("packed_linear"); }
 
 // `kiln::dense_linear` (kiln/kernels/dense.py) the same way: each weight's prepacked oneDNN copy by row class is
 // kept here, and the op's CPU kernel calls `mkldnn::_linear_pointwise` on it (boxed: its C++ signature is
@@ -159,22 +170,11 @@ void bind_dense(const at::Tensor& weight, const c10::List<std::optional<at::Tens
   DenseBinding binding{weight.storage().getWeakStorageImpl(), {}, {}};
   for (const std::optional<at::Tensor>& copy : packed) binding.packed.push_back(copy);
   for (const bool p : python) binding.python.push_back(p);
-  std::unique_lock<std::shared_mutex> lock(registry_mutex);
-  for (auto it = dense_registry.begin(); it != dense_registry.end();)  // weights that are gone
-    it = it->second.storage.expired() ? dense_registry.erase(it) : std::next(it);
-  dense_registry.insert_or_assign(weight.data_ptr(), std::move(binding));
+  store(dense_registry, weight.data_ptr(), std::move(binding));
 }
 
 // Register the CPU kernel of kiln::dense_linear (once per process, as install_packed_dispatch).
-void install_dense_dispatch() {
-  static std::once_flag once;
-  static std::unique_ptr<torch::Library> library;
-  std::call_once(once, [] {
-    library = std::make_unique<torch::Library>(torch::Library::IMPL, "kiln", c10::DispatchKey::CPU, __FILE__,
-                                               __LINE__);
-    library->impl("dense_linear", TORCH_FN(dense_linear_cpu));
-  });
-}
+void install_dense_dispatch() { install_cpu_kernel<&dense_linear_cpu>("dense_linear"); }
 
 }  // namespace
 
