@@ -31,10 +31,15 @@ class _Output:
         self.outputs = [type("Completion", (), {"token_ids": tokens})()]
 
 class Engine:
-    """One token per running request per step: (sum of the prompt + position) % 1000."""
+    """One token per running request per step: (sum of the prompt + position) % 1000. Prompts are cached as vLLM's
+    prefix cache keeps them: a prompt seen since the last reset is a hit."""
     def __init__(self, max_num_seqs):
         self.running, self.max_num_seqs, self.most = {}, max_num_seqs, 0
+        self.cached, self.hits = set(), 0
     def add_request(self, request_id, prompt, params):
+        key = tuple(prompt["prompt_token_ids"])
+        self.hits += key in self.cached
+        self.cached.add(key)
         self.running[request_id] = (prompt["prompt_token_ids"], params.max_tokens, [])
     def step(self):
         self.most = max(self.most, len(self.running))
@@ -51,9 +56,15 @@ class LLM:
     def __init__(self, model, **kwargs):
         if os.path.exists(os.path.join(model, "broken")):
             raise RuntimeError("this model cannot load")
+        self.model = model
         with open(os.path.join(model, "llm_kwargs.json"), "w") as f:
             json.dump(kwargs | {"threads": os.environ["VLLM_CPU_OMP_THREADS_BIND"]}, f)
         self.llm_engine = Engine(kwargs["max_num_seqs"])
+    def reset_prefix_cache(self):
+        with open(os.path.join(self.model, "hits_at_resets.txt"), "a") as f:
+            print(self.llm_engine.hits, file=f)
+        self.llm_engine.cached.clear()
+        return True
 '''
 
 
@@ -107,8 +118,12 @@ def test_the_worker_runs_kilns_closed_loop(tmp_path: Path, monkeypatch: pytest.M
     worker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(worker)
     prompts = [[i, i + 1] for i in range(7)]
-    engine = fake.Engine(max_num_seqs=8)
-    wall_s, done = worker.closed_loop(engine, prompts, 5, 3, "t")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    llm = fake.LLM(str(tmp_path), max_num_seqs=8)
+    worker.closed_loop(llm, prompts, 1, 3, "prefill")  # a prefill-only pass over the same prompts first
+    wall_s, done = worker.closed_loop(llm, prompts, 5, 3, "t")
+    engine = llm.llm_engine
+    assert engine.hits == 0  # each pass starts from an empty prefix cache: the timed one finds nothing cached
     assert engine.most == 3 and wall_s > 0
     assert [tokens for *_, tokens in done] == [_expected(p, 5) for p in prompts]
     assert all(arrival <= first <= finished for arrival, first, finished, _ in done)
@@ -130,6 +145,8 @@ def test_the_runner_round_trips_through_vllms_python(tmp_path: Path, fake_vllm_p
     kwargs = json.loads((model / "llm_kwargs.json").read_text())
     assert kwargs["dtype"] == "bfloat16" and kwargs["max_num_seqs"] == 3 and kwargs["max_model_len"] == 4 + 4 + 16
     assert len(kwargs["threads"].split(",")) == 1  # kiln's thread count: one CPU bound
+    # warm-up, then a prefill-only and a timed pass per batch size, each from an empty cache: never a hit
+    assert (model / "hits_at_resets.txt").read_text().split() == ["0"] * 5
     (model / "broken").touch()
     with pytest.raises(KilnError, match="the vLLM worker exited with status 1"):
         run_vllm(str(model), batches, 4, 1)
