@@ -93,6 +93,12 @@ class Bf16Form:
             form = self.copies[codes.data_ptr()] = pack_bf16(codes, scale, offset)
         return form
 
+    def native_form(self, codes: torch.Tensor) -> tuple[str, torch.Tensor | None]:
+        """The op and this weight's copy, for `kiln::packed_linear`'s C++ kernel to call without Python
+        (kiln.quant.ops.native_form); none for a weight not copied yet."""
+        form = self.copies.get(codes.data_ptr())
+        return (self.op._qualified_op_name, form) if form is not None else ("", None)
+
     @property
     def copy_bytes(self) -> int:
         return sum(form.numel() * form.element_size() for form in self.copies.values())

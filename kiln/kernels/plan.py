@@ -65,6 +65,7 @@ class KernelPlan:
     # the most memory second forms of packed weights may take (kiln.kernels.compute_forms); None: SECOND_FORM_SHARE
     # of the memory free when the plan is installed (after the weights and the KV cache)
     second_form_gb: float | None = None
+    second_form_bytes: int = 0  # what the installed second forms take
     # what was timed (or read from the cache), for logs and kernel_profile.json
     choices: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -86,6 +87,7 @@ class KernelPlan:
         if self.packed is not None:
             budget = SECOND_FORM_SHARE * free if self.second_form_gb is None else self.second_form_gb * 1e9
             spent = self.packed.install(budget)
+            self.second_form_bytes = spent
             free -= spent
             if self.packed.second_forms or self.packed.over_budget:
                 how = (
