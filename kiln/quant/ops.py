@@ -19,11 +19,14 @@ import torch
 from torch import nn
 
 GEMV_ROWS = 2  # row counts up to this get kernels of their own; more rows share an entry with their neighbours
-# the largest row count of each kernel entry (its id): 1, 2, 3-16 (small decode batches), 17-64 (decode batches up
-# to the default --max-num-seqs), 65-256 (short prefill chunks, mixed steps); more rows (prefill chunks up to
-# --max-num-batched-tokens) share the LARGE entry: a kernel whose work grows with the rows can win 256 rows and lose
-# 2048 to dequantize-then-BLAS, whose dequantization is paid once for all of them
-ROW_CLASSES = (*range(1, GEMV_ROWS + 1), 16, 64, 256)
+# the largest row count of each kernel entry (its id): 1, 2, 3-6 (speculative verification of one sequence, tiny
+# batches), 7-16 (small decode batches), 17-64 (decode batches up to the default --max-num-seqs), 65-256 (short
+# prefill chunks, mixed steps); more rows (prefill chunks up to --max-num-batched-tokens) share the LARGE entry: a
+# kernel whose work grows with the rows can win 256 rows and lose 2048 to dequantize-then-BLAS, whose dequantization
+# is paid once for all of them. NOTE: 3-6 apart from 7-16 since the bf16 second form (kiln.kernels.compute_forms)
+# wins 16 rows and loses 5 to the packed int8 kernels, which read a third of its bytes: a class timed at 16 rows gave
+# a 5-row verification step the slower kernel. The native dispatch is handed these (kiln.kernels.native.build).
+ROW_CLASSES = (*range(1, GEMV_ROWS + 1), 6, 16, 64, 256)
 LARGE = -1
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # (codes' address, shape, dtype) -> (the codes, weakly; their kernels by row class)

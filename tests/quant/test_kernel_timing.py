@@ -160,7 +160,15 @@ def test_a_candidate_that_sat_out_is_probed_at_fewer_rows_before_it_is_built(
     monkeypatch.setattr(race, "time_us", fake_us)
     layer = PackedLinear(64, 96, bits=4)
     record = packed.PackedKernelTable(layer, EagerCompiler(), KernelChoiceCache(tmp_path)).records[packed.label(layer)]
-    assert record["winners"] == {"1": "fast", "2": "fast", "16": "fast", "64": "fast", "256": "fast", "1024": "late"}
+    assert record["winners"] == {
+        "1": "fast",
+        "2": "fast",
+        "6": "fast",
+        "16": "fast",
+        "64": "fast",
+        "256": "fast",
+        "1024": "late",
+    }
     assert slow.built_for == [1, 64] and "slow" not in record["times_us"]["256"]
     assert record["ruled_out_us"]["256"]["slow"] == 6400.0 and record["ruled_out_us"]["1024"]["slow"] == 6400.0
     assert late.built_for == [1, 256, 1024] and record["times_us"]["1024"]["late"] == pytest.approx(602.4)

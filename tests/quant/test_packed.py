@@ -250,7 +250,7 @@ def test_the_table_times_each_shape_once_picks_the_fastest_and_is_cached(tmp_pat
     first = PackedKernelTable(model, make_compiler("inductor"), KernelChoiceCache(tmp_path), "float32")
     assert len(first.records) == 2  # two layers of one shape share an entry
     four = first.records["96x64 4-bit/32 float32"]
-    assert four["source"] == "timed" and set(four["times_us"]) == {"1", "2", "16", "64", "256", "1024"}
+    assert four["source"] == "timed" and set(four["times_us"]) == {"1", "2", "6", "16", "64", "256", "1024"}
     native = {NATIVE} if native_packed_linear() is not None else set()  # where kiln's C++ kernels build here
     assert raced(four, "1") == {DEQUANT_BLAS, COMPILED_DEQUANT, FUSED, INT4PACK, *native}
     assert raced(first.records["64x96 8-bit/32 float32"], "64") == {DEQUANT_BLAS, COMPILED_DEQUANT, *native}
@@ -285,12 +285,12 @@ class _HeadedModel(torch.nn.Module):
 @pytest.mark.usefixtures("fresh_kernel_choices")
 def test_the_head_is_timed_only_at_the_rows_a_step_samples(tmp_path: Path) -> None:
     """The logits head runs on the sampled rows alone: with at most 16 a step (EngineConfig.sampled_rows), its
-    layout is timed at 1, 2 and 16 rows, the decoder layer at every row class; more rows than were timed (no engine
+    layout is timed at 1, 2, 6 and 16 rows, the decoder layer at every row class; more rows than were timed (no engine
     path asks for them) still compute the product, on the reference."""
     model = _HeadedModel()
     table = PackedKernelTable(model, make_compiler("inductor"), KernelChoiceCache(tmp_path), "float32", head_rows=16)
     head, layer = table.records["64x96 8-bit/32 float32"], table.records["96x64 4-bit/32 float32"]
-    assert set(head["times_us"]) == set(head["winners"]) == {"1", "2", "16"}
+    assert set(head["times_us"]) == set(head["winners"]) == {"1", "2", "6", "16"}
     assert set(layer["times_us"]) == {str(r) for r in ROWS}
     table.install()
     for rows in (1, 16, 300):
@@ -346,5 +346,5 @@ def test_every_row_count_has_one_timed_entry_that_covers_it() -> None:
         smallest = min((r for r in ROWS if r >= rows), default=LARGE_ROWS)
         assert timed == (smallest if row_class(rows) != LARGE else LARGE_ROWS)
     assert row_class(33) == row_class(64) != row_class(65) == row_class(256) != row_class(257) == row_class(2048)
-    labels = ["1 row", "2 rows", "3-16 rows", "17-64 rows", "65-256 rows", "257+ rows"]
+    labels = ["1 row", "2 rows", "3-6 rows", "7-16 rows", "17-64 rows", "65-256 rows", "257+ rows"]
     assert [rows_label(r) for r in ROWS] == labels

@@ -38,7 +38,7 @@ import torch
 
 from kiln.env import read_env
 from kiln.kernels.choices import cpu_info
-from kiln.quant.ops import use_native_binder
+from kiln.quant.ops import ROW_CLASSES, use_native_binder
 
 logger = logging.getLogger("kiln")
 
@@ -245,7 +245,7 @@ def native_dense_binder() -> Callable[..., None] | None:
     for tier in runnable_tiers():
         install, bind = native_op(tier.name, "install_dense_dispatch"), native_op(tier.name, "bind_dense")
         if install is not None and bind is not None:
-            install()
+            install(list(ROW_CLASSES))
             return bind
     return None
 
@@ -259,7 +259,7 @@ def install_native_dispatch() -> str | None:
         install, bind = native_op(tier.name, "install_packed_dispatch"), native_op(tier.name, "bind_packed")
         if install is None or bind is None:
             continue
-        install()
+        install(list(ROW_CLASSES))
         use_native_binder(bind)
         return tier.name
     return None

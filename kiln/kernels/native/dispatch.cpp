@@ -16,6 +16,7 @@
 #include <c10/util/intrusive_ptr.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -33,14 +34,27 @@ namespace {
 using Product = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using Handle = c10::TypedOperatorHandle<Product>;
 
-// kiln/quant/ops.py ROW_CLASSES: the largest row count of each kernel entry; more rows use the last entry (LARGE)
-constexpr int64_t ROW_CLASSES[] = {1, 2, 16, 64, 256};
-constexpr size_t ENTRIES = sizeof(ROW_CLASSES) / sizeof(ROW_CLASSES[0]) + 1;
+std::shared_mutex registry_mutex;
+
+// kiln/quant/ops.py ROW_CLASSES, handed over by the install calls: the largest row count of each kernel entry; more
+// rows use the last entry (LARGE). Set once per process, before any binding; read under registry_mutex.
+std::vector<int64_t> row_classes;
+
+size_t entries() { return row_classes.size() + 1; }
 
 size_t entry_of(int64_t rows) {
-  for (size_t i = 0; i + 1 < ENTRIES; ++i)
-    if (rows <= ROW_CLASSES[i]) return i;
-  return ENTRIES - 1;
+  for (size_t i = 0; i < row_classes.size(); ++i)
+    if (rows <= row_classes[i]) return i;
+  return row_classes.size();
+}
+
+void set_row_classes(const std::vector<int64_t>& tops) {
+  std::unique_lock<std::shared_mutex> lock(registry_mutex);
+  TORCH_CHECK(row_classes.empty() || row_classes == tops, "kiln native dispatch: the row classes were set already, "
+              "to others");
+  TORCH_CHECK(!tops.empty() && std::is_sorted(tops.begin(), tops.end()), "kiln native dispatch: row classes must be "
+              "ascending row counts");
+  row_classes = tops;
 }
 
 // A kernel over a form of the weight of its own (kiln/kernels/compute_forms.py): op(x, form, outputs).
@@ -56,7 +70,6 @@ struct Binding {
   std::vector<std::optional<FormCall>> forms;         // by entry: the kernel runs over this form of the weight
 };
 
-std::shared_mutex registry_mutex;
 std::unordered_map<const void*, Binding> registry;
 
 // whether a binding (Binding, DenseBinding) was made for this tensor's storage, which is still alive
@@ -114,10 +127,10 @@ at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& codes, const
 // where an entry has a form, its op takes (x, form, outputs) instead.
 void bind_packed(const at::Tensor& codes, std::vector<std::string> kernels,
                  const c10::List<std::optional<at::Tensor>>& forms) {
-  TORCH_CHECK(kernels.size() == ENTRIES && forms.size() == ENTRIES, "kiln native bind_packed: one kernel name and "
-              "form per row class (", ENTRIES, "), got ", kernels.size(), " and ", forms.size());
+  TORCH_CHECK(kernels.size() == entries() && forms.size() == entries(), "kiln native bind_packed: one kernel name "
+              "and form per row class (", entries(), "), got ", kernels.size(), " and ", forms.size());
   Binding binding{codes.storage().getWeakStorageImpl(), {}, {}};
-  for (size_t i = 0; i < ENTRIES; ++i) {
+  for (size_t i = 0; i < entries(); ++i) {
     const std::string& name = kernels[i];
     const std::optional<at::Tensor> form = forms.get(i);
     binding.kernels.emplace_back(std::nullopt);
@@ -133,7 +146,10 @@ void bind_packed(const at::Tensor& codes, std::vector<std::string> kernels,
 }
 
 // Register the CPU kernel of kiln::packed_linear (once: the Python side calls this for one tier per process).
-void install_packed_dispatch() { install_cpu_kernel<&packed_linear_cpu>("packed_linear"); }
+void install_packed_dispatch(std::vector<int64_t> tops) {
+  set_row_classes(tops);
+  install_cpu_kernel<&packed_linear_cpu>("packed_linear");
+}
 
 // `kiln::dense_linear` (kiln/kernels/dense.py) the same way: each weight's prepacked oneDNN copy by row class is
 // kept here, and the op's CPU kernel calls `mkldnn::_linear_pointwise` on it (boxed: its C++ signature is
@@ -185,8 +201,8 @@ at::Tensor dense_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const
 // kernel.
 void bind_dense(const at::Tensor& weight, const c10::List<std::optional<at::Tensor>>& packed,
                 const c10::List<bool>& python) {
-  TORCH_CHECK(packed.size() == ENTRIES && python.size() == ENTRIES, "kiln native bind_dense: one entry per row "
-              "class (", ENTRIES, "), got ", packed.size(), " and ", python.size());
+  TORCH_CHECK(packed.size() == entries() && python.size() == entries(), "kiln native bind_dense: one entry per row "
+              "class (", entries(), "), got ", packed.size(), " and ", python.size());
   DenseBinding binding{weight.storage().getWeakStorageImpl(), {}, {}};
   for (const std::optional<at::Tensor>& copy : packed) binding.packed.push_back(copy);
   for (const bool p : python) binding.python.push_back(p);
@@ -194,13 +210,16 @@ void bind_dense(const at::Tensor& weight, const c10::List<std::optional<at::Tens
 }
 
 // Register the CPU kernel of kiln::dense_linear (once per process, as install_packed_dispatch).
-void install_dense_dispatch() { install_cpu_kernel<&dense_linear_cpu>("dense_linear"); }
+void install_dense_dispatch(std::vector<int64_t> tops) {
+  set_row_classes(tops);
+  install_cpu_kernel<&dense_linear_cpu>("dense_linear");
+}
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(KILN_TIER_NS, m) {
   m.def("bind_packed(Tensor codes, str[] kernels, Tensor?[] forms) -> ()", TORCH_FN(bind_packed));
-  m.def("install_packed_dispatch() -> ()", TORCH_FN(install_packed_dispatch));
+  m.def("install_packed_dispatch(int[] row_classes) -> ()", TORCH_FN(install_packed_dispatch));
   m.def("bind_dense(Tensor weight, Tensor?[] packed, bool[] python) -> ()", TORCH_FN(bind_dense));
-  m.def("install_dense_dispatch() -> ()", TORCH_FN(install_dense_dispatch));
+  m.def("install_dense_dispatch(int[] row_classes) -> ()", TORCH_FN(install_dense_dispatch));
 }
