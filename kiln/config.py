@@ -246,6 +246,7 @@ class EngineConfig:
     graph: GraphConfig = field(default_factory=GraphConfig)  # graph.mode says which graphs run (eager: none)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    grammar_cache_bytes: int = 256 << 20  # structured outputs' compiled grammars (kiln.engine.grammar_cache)
 
     @property
     def graph_mode(self) -> GraphMode:

@@ -30,6 +30,7 @@ from kiln.config import (
     SpeculativeConfig,
 )
 from kiln.engine.arg_types import argparse_kwargs, cli_flag, fraction, int_at_least, parse_sizes
+from kiln.engine.grammar_cache import GRAMMAR_CACHE_BYTES
 from kiln.engine.prefix_cache import HASH_ALGOS
 from kiln.errors import ConfigError
 from kiln.graph_mode import GRAPH_MODES
@@ -135,6 +136,14 @@ class EngineArgs:
         "mode of the pieces --piece-modes does not name (default captured)",
         group="graph mode",
         choices=tuple(m.value for m in PieceMode),
+    )
+
+    grammar_cache_mb: int = _arg(
+        GRAMMAR_CACHE_BYTES >> 20,
+        "memory the compiled grammars of structured outputs may take, estimated from their size (least recently used "
+        "evicted first); a grammar larger than all of it is refused",
+        "structured outputs",
+        type=int_at_least(1),
     )
 
     speculative_method: str | None = _arg(
@@ -266,6 +275,7 @@ class EngineArgs:
                 master_port=self.master_port,
             ),
             speculative=speculative,
+            grammar_cache_bytes=self.grammar_cache_mb << 20,
         )
         if self.enable_piecewise_graph and not graph.mode.is_graph:
             raise ConfigError(

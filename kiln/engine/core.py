@@ -113,7 +113,11 @@ class EngineCore:
         self.updater = Updater(self.scheduler, tokenizer, self.eos_token_ids, self.max_model_len)
         self.workers: Workers | None = role.workers  # the other ranks, when this is rank 0 of a multi-device engine
         self.pipeline = step_loop
-        self.grammars = Grammars(tokenizer.tokenizer, mc.vocab_size, self.eos_token_ids) if tokenizer else None
+        self.grammars = (
+            Grammars(tokenizer.tokenizer, mc.vocab_size, self.eos_token_ids, config.grammar_cache_bytes)
+            if tokenizer
+            else None
+        )
         self.admission = Admission(
             tokenizer,
             mc.vocab_size,

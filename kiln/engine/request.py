@@ -49,6 +49,7 @@ class Request:
         self.group: str | None = None
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
+        # NOTE: its seed alone is used: each output position draws from its own generator (`generator_at`)
         self.generator = generator
         self.output_token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] = []
@@ -72,6 +73,14 @@ class Request:
         # step's drafts by them (None: one-hot at each draft, as greedy and n-gram drafts are)
         self.draft_probs: list[torch.Tensor] | None = None
         self.keeps_probs = False
+
+    def generator_at(self, position: int) -> torch.Generator | None:
+        """The generator of output position `position` (None: greedy): seeded by the request's seed and the
+        position alone, so a token's draw never depends on how many draws came before it. With speculative
+        decoding, whether a step verified drafts then changes nothing: the same seed gives the same text."""
+        if self.generator is None:
+            return None
+        return torch.Generator().manual_seed(position_seed(self.generator.initial_seed(), position))
 
     @property
     def block_ids(self) -> list[int]:
@@ -121,3 +130,13 @@ class RequestOutput:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 63-bit seed for output `position` of a request seeded `seed`: splitmix64's finalizer over both, so
+    neighbouring positions (and seeds) get unrelated streams."""
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 1

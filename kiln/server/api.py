@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kiln import __version__
 from kiln.engine.async_engine import AsyncEngine
 from kiln.server.errors import install_error_handlers
+from kiln.server.grammar_limits import GRAMMAR_COMPILE_THREADS, GrammarLimits
 from kiln.server.limits import ServerLimits
 from kiln.server.metrics import HTTPMetricsMiddleware, ServerMetrics
 from kiln.server.middleware import (
@@ -36,6 +37,8 @@ class AppSettings:
     allowed_hosts: frozenset[str] = frozenset()  # Host names answered without a key, beyond IPs and localhost
     parse_special_tokens: bool = True  # /v1/completions text prompts: special-token text becomes control tokens
     tool_call_parser: str | None = None  # None: chosen by the chat template (kiln.server.tool_parsers)
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)  # structured outputs' size and deadline
+    grammar_compile_threads: int = GRAMMAR_COMPILE_THREADS
 
 
 def create_app(engine: AsyncEngine, settings: AppSettings) -> FastAPI:
@@ -64,6 +67,8 @@ def create_app(engine: AsyncEngine, settings: AppSettings) -> FastAPI:
         settings.model_aliases,
         settings.parse_special_tokens,
         settings.tool_call_parser,
+        settings.grammar_limits,
+        settings.grammar_compile_threads,
     )
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     app.state.settings = settings

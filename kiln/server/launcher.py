@@ -36,6 +36,7 @@ from kiln.errors import ConfigError
 from kiln.log import setup_logging
 from kiln.server.api import AppSettings, create_app
 from kiln.server.connections import http_config
+from kiln.server.grammar_limits import GrammarLimits
 from kiln.server.limits import ServerLimits
 
 logger = logging.getLogger("kiln")
@@ -169,7 +170,24 @@ def build_app(core: EngineCore, args: argparse.Namespace, api_key: str | None) -
     allowed = frozenset(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
     parse = args.completion_special_tokens == "parse"
     parser = args.tool_call_parser
-    settings = AppSettings(model_name, aliases, api_key, args.metrics_auth, limits, allowed, parse, parser)
+    grammar_limits = GrammarLimits(
+        max_bytes=args.max_grammar_bytes,
+        max_choices=args.max_grammar_choices,
+        max_depth=args.max_schema_depth,
+        compile_timeout_s=args.grammar_compile_timeout,
+    )
+    settings = AppSettings(
+        model_name,
+        aliases,
+        api_key,
+        args.metrics_auth,
+        limits,
+        allowed,
+        parse,
+        parser,
+        grammar_limits=grammar_limits,
+        grammar_compile_threads=args.grammar_compile_threads,
+    )
     return create_app(engine, settings)
 
 
