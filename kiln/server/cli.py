@@ -119,8 +119,17 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         type=int_at_least(1),
         default=MAX_CONNECTIONS,
-        help="open connections served at once; a request on a connection beyond them gets 503 (default: "
+        help="open connections at once; a new connection beyond them first closes the one idle longest (awaiting "
+        "a request), and gets 503 only when every one has a request in flight (default: "
         f"{MAX_CONNECTIONS}; keep it under the process's file-descriptor limit, ulimit -n)",
+    )
+    limits.add_argument(
+        "--max-connections-per-peer",
+        metavar="N",
+        type=int_at_least(1),
+        default=None,
+        help="open connections from one address at once, handled as --max-connections among its own (default: half "
+        "of --max-connections)",
     )
     limits.add_argument(
         "--max-body-bytes",
