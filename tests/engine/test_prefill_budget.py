@@ -5,6 +5,8 @@ bookkeeping: no model runs."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from kiln.config import SchedulerConfig
@@ -37,7 +39,7 @@ def test_a_chunk_shrinks_as_its_context_grows() -> None:
     chunks = [s["long"] for s in steps if "long" in s]
     assert sum(chunks) == 8000 and all(s.get("stream") == 1 for s in steps)  # the stream: a token every step
     assert chunks[0] == 512 and chunks[-2] < 160  # the last full chunk is under a third of the first
-    assert all(a >= b for a, b in zip(chunks[:-1], chunks[1:], strict=False))
+    assert all(a >= b for a, b in itertools.pairwise(chunks))
     budget, start = scheduler.prefill, 0
     for chunk in chunks:  # every chunk costs at most a 512-token chunk at context 0 (before: up to 3.5x)
         assert budget.cost(chunk, start) <= budget.cost(512, 0) + 1e-9
