@@ -66,6 +66,9 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
+        # the request field whose content failed it (its grammar, kiln.engine.updater): the client's error, not the
+        # engine's
+        self.error_param: str | None = None
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.grammar: GrammarState | None = None  # its place in its structured output's grammar (Admission sets it)
         # the distribution each draft token was drawn from (kiln.engine.draft): a draft engine's sampled request
@@ -124,6 +127,7 @@ class RequestOutput:
     num_new_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None
     error: str | None = None
+    error_param: str | None = None  # set: the request's own field made it fail (a grammar), a client error
     num_cached_tokens: int = 0  # prompt tokens it found in the prefix cache (usage.prompt_tokens_details)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
 

@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import torch
 
-from kiln.engine.grammar_build import GrammarRefused, grammar_text, llguidance_module, new_matcher
+from kiln.engine.grammar_build import MAX_REASON_CHARS, GrammarRefused, grammar_text, llguidance_module, new_matcher
 from kiln.engine.grammar_cache import GRAMMAR_CACHE_BYTES, GrammarCache, estimated_bytes, grammar_key
 from kiln.errors import RequestError
 
@@ -90,7 +90,8 @@ class GrammarState:
     def advance(self, token: int) -> None:
         """Take the sampled `token`; RequestError when the grammar cannot (a token it did not allow was forced)."""
         if not self.matcher.consume_token(token) or self.matcher.is_error():
-            raise RequestError(f"the output left the grammar of {self.param}: {self.matcher.get_error()}", None)
+            why = " ".join(self.matcher.get_error().split("<", 1)[0].split())[:MAX_REASON_CHARS]
+            raise RequestError(f"the output left the grammar of {self.param}: {why or 'refused'}", None, self.param)
 
     def allows(self, token: int) -> bool:
         """Whether the grammar takes `token` next (the state unchanged): a walk over the token's bytes alone."""

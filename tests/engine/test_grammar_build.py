@@ -13,6 +13,7 @@ from kiln.engine import structured_output
 from kiln.engine.grammar_build import GrammarRefused, short_reason
 from kiln.engine.grammar_cache import estimated_bytes
 from kiln.engine.structured_output import Grammars, StructuredOutput
+from kiln.errors import RequestError
 from kiln.model.build import load_tokenizer
 from kiln.model.loader import open_checkpoint
 from kiln.model.tokenizer import KilnTokenizer
@@ -47,6 +48,10 @@ def test_a_2000_choice_list_is_served_to_its_end(tokenizer: KilnTokenizer) -> No
         assert int(mask[token // 32]) >> (token % 32) & 1
         state.advance(token)
     assert state.is_complete
+    other = grammars.start(StructuredOutput.choice(choices, "guided_choice"))
+    with pytest.raises(RequestError, match="left the grammar of guided_choice") as left:
+        other.advance(tokenizer.encode("{", add_special_tokens=False)[0])
+    assert left.value.param == "guided_choice" and "<state>" not in str(left.value) and "item" not in str(left.value)
 
 
 @pytest.mark.parametrize("name", sorted(UNSERVABLE))

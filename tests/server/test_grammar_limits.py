@@ -6,6 +6,7 @@ at a time, so they cannot take every thread. Over a FakeCore with a grammar comp
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 
@@ -13,7 +14,10 @@ import pytest
 
 from kiln.engine.grammar_build import GrammarRefused
 from kiln.engine.grammar_cache import GrammarCache
+from kiln.engine.request import RequestOutput
 from kiln.engine.structured_output import StructuredOutput
+from kiln.server.answers import raise_if_failed
+from kiln.server.errors import APIError
 from kiln.server.grammar_compiler import GrammarCompiler
 from kiln.server.grammar_limits import GrammarLimits
 from kiln.server.limits import LimitExceeded
@@ -155,3 +159,16 @@ def test_bombs_over_the_limits_never_reach_the_compiler() -> None:
         assert grammars.compiled == [json.dumps(choices[:2000])]
 
     serve(core, body, ["--max-body-bytes", str(4 << 20)])
+
+
+def test_a_grammar_that_fails_mid_output_is_the_clients_400_not_a_500() -> None:
+    failed = RequestOutput(
+        "cmpl-1-0", None, [1], "", [], True, "error", error="the output left the grammar of guided_json: refused"
+    )
+    with pytest.raises(APIError) as grammar:
+        raise_if_failed(dataclasses.replace(failed, error_param="guided_json"), "req-1")
+    assert grammar.value.status == 400 and grammar.value.param == "guided_json"
+    assert grammar.value.code == "grammar_failed" and "req-1" in grammar.value.message
+    with pytest.raises(APIError) as engine:  # any other failure stays the engine's
+        raise_if_failed(failed, "req-2")
+    assert engine.value.status == 500
