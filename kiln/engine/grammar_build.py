@@ -6,9 +6,11 @@ item of the parser's row, and llguidance refuses rows of more than 2,000 items (
 2,000 or more failed at the first token.
 
 `new_matcher` compiles it and computes its first mask, then steps each of the first PROBE_TOKENS tokens it allows
-and computes the mask after each: the grammars llguidance cannot serve (a recursive `$ref` with no valid value, an
-anyOf of thousands of objects, a Lark grammar of doubling rules) fail there, so they are refused before their
-request is queued instead of failing the request at its first token. Errors say what failed in one short line:
+and computes the mask after each, and walks PROBE_STEPS tokens down one path (forced tokens first): the grammars
+llguidance cannot serve (a recursive `$ref` with no valid value, also behind a tool call's forced prefix, an anyOf
+of thousands of objects, a Lark grammar of doubling rules) fail there, so they are refused before their request is
+queued instead of failing the request at its first tokens (a failure further on is the client's 400 all the same,
+kiln.server.answers). Errors say what failed in one short line:
 llguidance's limits are built with `verbose_errors=False` (no parser state, no grammar text), and a panic inside
 llguidance is answered with a fixed sentence, never its text.
 """
@@ -25,6 +27,7 @@ from kiln.errors import RequestError
 # JSON as models write it on one line ("a": 1, "b": [2, 3]); any whitespace lets a small model loop on blanks
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 PROBE_TOKENS = 8
+PROBE_STEPS = 64
 MAX_REASON_CHARS = 160
 
 
@@ -82,7 +85,9 @@ def new_matcher(tokenizer: Any, grammar: str, param: str) -> Any:
 
 
 def _probe(matcher: Any, param: str) -> None:
-    """Compute the first mask, then the mask after each of the first PROBE_TOKENS tokens it allows."""
+    """Compute the first mask, then the mask after each of the first PROBE_TOKENS tokens it allows; then walk
+    PROBE_STEPS tokens down one path (the forced tokens where there are, else the first allowed), where a forced
+    prefix leads to a part that cannot be served (a tool whose parameters refer to themselves)."""
     mask = matcher.compute_bitmask()
     _check(matcher, param)
     for token in _first_allowed(mask, PROBE_TOKENS):
@@ -91,6 +96,19 @@ def _probe(matcher: Any, param: str) -> None:
         _check(step, param)
         step.compute_bitmask()
         _check(step, param)
+    walk = matcher.deep_copy()
+    num_steps = 0
+    while num_steps < PROBE_STEPS and not walk.is_stopped():
+        tokens = walk.compute_ff_tokens() or _first_allowed(walk.compute_bitmask(), 1)
+        _check(walk, param)
+        if not tokens:
+            return
+        walk.consume_tokens(tokens[: PROBE_STEPS - num_steps])
+        _check(walk, param)
+        num_steps += len(tokens)
+    if not walk.is_stopped():
+        walk.compute_bitmask()
+        _check(walk, param)
 
 
 def _first_allowed(mask: bytes, count: int) -> list[int]:
