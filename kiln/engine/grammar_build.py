@@ -69,11 +69,11 @@ def new_matcher(tokenizer: Any, grammar: str, param: str) -> Any:
     llguidance = llguidance_module()
     limits = llguidance.LLParserLimits(verbose_errors=False)
     try:
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer, limits=limits)
-        if is_error:
-            raise GrammarRefused(f"{param} cannot be used: {_one_line(messages)}", None, param)
+        # NOTE: no separate validate_grammar call: it builds the whole lexer once more (0.4 s of 0.85 s for 100k
+        # choices), and a matcher that cannot be built says why as well
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=limits)
-        _check(matcher, param)
+        if matcher.is_error():
+            raise GrammarRefused(f"{param} cannot be used: {_one_line([matcher.get_error()])}", None, param)
         _probe(matcher, param)
     except RequestError:
         raise
