@@ -8,9 +8,12 @@ With 512 tokens a chunk, an 8,000-token prompt's last chunks cost ~3.5x its firs
 waited for them (gaps of 13 s on a shared 2-core machine).
 
 The budget is `long_prefill_token_threshold` tokens at context 0, and, once steps have been timed, at most
-`long_prefill_step_seconds` of measured time: every step that prefilled is timed and its cost counted, and the
-seconds per unit of cost are an average of those; the chunk is the largest whose cost fits the smaller budget, so
-it shrinks as its context grows and as the machine is slower. Counted: `num_shrunk` chunks cut below the threshold.
+`long_prefill_step_seconds` of measured time. A step takes a fixed time (its decode rows, the weights read once),
+averaged over the steps that prefill nothing, plus its chunks' cost times the seconds per unit of cost, averaged
+over the steps that prefill (their time less the fixed part: counting it per unit would shrink small chunks
+further and further). The chunk is the largest whose cost fits the smaller budget, so it shrinks as its context
+grows and as the machine is slower, but never below a step's fixed time (where the target cannot be met, a
+prompt still prefills at half speed or better). Counted: `num_shrunk` chunks cut below the threshold.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class PrefillBudget:
         take, once measured (0: not timed)."""
         self.max_tokens, self.attention_tokens, self.step_seconds = max_tokens, attention_tokens, step_seconds
         self.seconds_per_cost: float | None = None
+        self.base_seconds = 0.0  # a step's time without a chunk
         self.num_shrunk = 0
 
     def cost(self, num_new: int, start: int) -> float:
@@ -52,7 +56,10 @@ class PrefillBudget:
         """The tokens of `wanted` a request with `start` tokens computed prefills this step."""
         budget = self.cost(self.max_tokens, 0) if self.max_tokens else math.inf
         if self.step_seconds and self.seconds_per_cost:
-            budget = min(budget, self.step_seconds / self.seconds_per_cost)
+            # NOTE: a chunk gets at least a step's fixed time: below it the fixed part dominates and the prompt's
+            # prefill slows down more than the others' gaps shrink (where the target cannot be met at all)
+            chunk_seconds = max(self.step_seconds - self.base_seconds, self.base_seconds)
+            budget = min(budget, chunk_seconds / self.seconds_per_cost)
         if self.cost(wanted, start) <= budget:
             return wanted
         chunk = max(MIN_CHUNK, self._largest_within(budget, start))
@@ -61,10 +68,15 @@ class PrefillBudget:
         return min(chunk, wanted)
 
     def observe(self, cost: float, seconds: float) -> None:
-        """A step of `cost` (its chunks' and one per decode row) took `seconds`."""
-        if cost < MIN_TIMED_COST or seconds <= 0:
+        """A step of `cost` (its chunks' and its decode rows'; 0: it prefilled nothing) took `seconds`."""
+        if seconds <= 0:
             return
-        rate = seconds / cost
+        if cost == 0:
+            self.base_seconds += COST_EMA * (seconds - self.base_seconds)
+            return
+        if cost < MIN_TIMED_COST:
+            return
+        rate = max(seconds - self.base_seconds, seconds / 4) / cost
         old = self.seconds_per_cost
         self.seconds_per_cost = rate if old is None else old + COST_EMA * (rate - old)
 

@@ -53,8 +53,16 @@ def test_a_measured_step_time_over_the_target_shrinks_the_chunk() -> None:
     budget.observe(cost=512.0, seconds=1.0)  # a 512-token chunk took a second here
     chunk = budget.chunk(2000, 0)
     assert budget.cost(chunk, 0) <= 256 + 1 and chunk > 200  # half a second's worth
-    budget.observe(cost=MIN_TIMED_COST / 2, seconds=10.0)  # a decode-only step: its overheads are not timed
+    budget.observe(cost=MIN_TIMED_COST / 2, seconds=10.0)  # a chunk too small to time: its overheads dominate
     assert budget.chunk(2000, 0) == chunk
+    for _ in range(50):  # decode-only steps of 0.1 s: a step's fixed part, not counted per unit of cost
+        budget.observe(cost=0.0, seconds=0.1)
+    for _ in range(50):  # small chunks whose steps are mostly that fixed part do not shrink the next ones
+        budget.observe(cost=100.0, seconds=0.1 + 100 / 512)
+    assert budget.cost(budget.chunk(2000, 0), 0) == pytest.approx(0.4 * 512, rel=0.05)  # (0.5 - 0.1) s of chunk
+    for _ in range(50):  # a machine where a step's fixed part alone takes 0.45 s: the target cannot be met
+        budget.observe(cost=0.0, seconds=0.45)
+    assert budget.cost(budget.chunk(2000, 0), 0) == pytest.approx(0.45 * 512, rel=0.05)  # a fixed part's worth
     untimed = PrefillBudget(max_tokens=512, attention_tokens=None, step_seconds=0.0)
     untimed.observe(cost=512.0, seconds=10.0)
     assert untimed.chunk(2000, 7000) == 512  # no attention cost, no target: the token threshold alone
