@@ -241,6 +241,9 @@ class EngineConfig:
     quantization: str = "auto"  # one of QUANTIZATION_NAMES (kiln.quant)
     quantization_group_size: int = 32  # values per scale/offset group when int8/int4 quantize at load
     activations: str = DEFAULT_ACTIVATIONS  # of packed products: one of ACTIVATION_NAMES
+    # the memory second forms of packed weights may take (kiln.kernels.compute_forms); None: half the memory free
+    # after the weights and the KV cache; 0: none
+    second_form_memory_gb: float | None = None
     max_model_len: int | None = None  # None: min(model context, DEFAULT_MAX_MODEL_LEN)
     seed: int | None = None  # None: unseeded requests get fresh OS randomness
     num_threads: int | None = None

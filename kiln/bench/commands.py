@@ -61,7 +61,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             results.append(run_kiln(llm, mode, batch, args.output_len, bs))
         if roofline is None:
             # NOTE: measured after the engine has set torch's thread count, with the thread count kiln ran with.
-            roofline = Roofline.measure(llm.engine.model, model_path, read_bandwidth_gbs())
+            second_forms = llm.engine.executor.plan.second_form_bytes
+            roofline = Roofline.measure(llm.engine.model, model_path, read_bandwidth_gbs(), second_forms)
         del llm
         gc.collect()
     assert roofline is not None  # the parser gives at least one mode

@@ -63,7 +63,8 @@ def _roofline_summary(roofline: Roofline) -> str:
         file = f" ({roofline.resident_over_file:.2f}x the {roofline.gguf_file_bytes / 1e6:.1f} MB GGUF file)"
     tpot_ms = roofline.roofline_tpot_s * 1000.0
     return (
-        f"kiln weights: {roofline.resident_weight_bytes / 1e6:.1f} MB resident{file}, "
+        f"kiln weights: {roofline.resident_weight_bytes / 1e6:.1f} MB resident{file}, second forms "
+        f"{roofline.second_form_bytes / 1e6:.1f} MB, process RSS {roofline.process_rss_bytes / 1e6:.0f} MB, "
         f"{roofline.streamed_bytes_per_token / 1e6:.1f} MB read per decode token; read bandwidth "
         f"{roofline.read_bandwidth_gbs:.1f} GB/s -> batch-1 roofline {tpot_ms:.2f} ms/token "
         f"({1000.0 / tpot_ms:.1f} tok/s); roofline column = roofline ms/token over mean TPOT"

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import torch
 from torch import nn
 
@@ -54,15 +55,19 @@ class Roofline:
     streamed_bytes_per_token: int
     read_bandwidth_gbs: float
     gguf_file_bytes: int | None
+    second_form_bytes: int = 0  # copies of packed weights for compute-bound row classes (kiln.kernels.compute_forms)
+    process_rss_bytes: int = 0  # the whole process's resident memory once the engine is ready
 
     @classmethod
-    def measure(cls, model: nn.Module, model_path: str, read_gbs: float) -> Roofline:
+    def measure(cls, model: nn.Module, model_path: str, read_gbs: float, second_form_bytes: int = 0) -> Roofline:
         is_gguf = os.path.isfile(model_path) and model_path.endswith(".gguf")
         return cls(
             resident_weight_bytes=resident_weight_bytes(model),
             streamed_bytes_per_token=streamed_weight_bytes(model),
             read_bandwidth_gbs=read_gbs,
             gguf_file_bytes=os.path.getsize(model_path) if is_gguf else None,
+            second_form_bytes=second_form_bytes,
+            process_rss_bytes=psutil.Process().memory_info().rss,
         )
 
     @property
@@ -81,6 +86,8 @@ class Roofline:
     def to_dict(self) -> dict[str, Any]:
         return {
             "resident_weight_bytes": self.resident_weight_bytes,
+            "second_form_bytes": self.second_form_bytes,
+            "process_rss_bytes": self.process_rss_bytes,
             "streamed_bytes_per_token": self.streamed_bytes_per_token,
             "read_bandwidth_gbs": self.read_bandwidth_gbs,
             "roofline_tpot_ms": self.roofline_tpot_s * 1000.0,

@@ -162,7 +162,9 @@ class DebugSession:
         torch.manual_seed(config.seed)
         model = load_factory(args.model).to(device=args.device, dtype=parse_dtype(args.dtype))
         model.eval().requires_grad_(False)
-        executor = GraphExecutor(config.graph, activations=config.activations)
+        executor = GraphExecutor(
+            config.graph, activations=config.activations, second_form_gb=config.second_form_memory_gb
+        )
         engine = EngineCore(config, model, None, executor, args.model, recorder).prepare()
         return cls(engine, args, recorder, cached_prefix)
 

@@ -35,6 +35,17 @@ def fraction(text: str) -> float:
     return value
 
 
+def non_negative(text: str) -> float:
+    """A number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0.0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
 def parse_sizes(text: str) -> tuple[int, ...]:
     """`1,2,4` -> (1, 2, 4); `none` -> ()."""
     if text.strip().lower() == "none":

@@ -29,7 +29,7 @@ from kiln.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from kiln.engine.arg_types import argparse_kwargs, cli_flag, fraction, int_at_least, parse_sizes
+from kiln.engine.arg_types import argparse_kwargs, cli_flag, fraction, int_at_least, non_negative, parse_sizes
 from kiln.engine.grammar_cache import GRAMMAR_CACHE_BYTES
 from kiln.engine.prefix_cache import HASH_ALGOS
 from kiln.errors import ConfigError
@@ -66,6 +66,12 @@ class EngineArgs:
         "arithmetic: faster, less exact), quantized per weight group for kiln's native integer kernels; or float32 "
         "(the dequantize-then-fp32 arithmetic)",
         choices=ACTIVATION_NAMES,
+    )
+    second_form_memory_gb: float | None = _arg(
+        None,
+        "GB that second forms of packed weights may take (a bf16 copy for the matrix unit, used by the row counts "
+        "where it was timed fastest; default: half the memory free after the weights and the KV cache; 0: none)",
+        type=non_negative,
     )
     max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: min(model context, 8192))")
     seed: int | None = _arg(
@@ -251,6 +257,7 @@ class EngineArgs:
             quantization=self.quantization,
             quantization_group_size=self.quantization_group_size,
             activations=self.activations,
+            second_form_memory_gb=self.second_form_memory_gb,
             max_model_len=self.max_model_len,
             seed=self.seed,
             num_threads=self.num_threads,

@@ -39,9 +39,17 @@ logger = logging.getLogger("kiln")
 
 EXECUTORS: dict[str, Callable[[EngineConfig], Executor]] = {
     "eager": lambda config: EagerExecutor(
-        config.graph.cache_dir, activations=config.activations, head_rows=config.sampled_rows
+        config.graph.cache_dir,
+        activations=config.activations,
+        head_rows=config.sampled_rows,
+        second_form_gb=config.second_form_memory_gb,
     ),
-    "graph": lambda config: GraphExecutor(config.graph, activations=config.activations, head_rows=config.sampled_rows),
+    "graph": lambda config: GraphExecutor(
+        config.graph,
+        activations=config.activations,
+        head_rows=config.sampled_rows,
+        second_form_gb=config.second_form_memory_gb,
+    ),
 }
 
 

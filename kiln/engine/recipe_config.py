@@ -68,6 +68,7 @@ def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
         quantization=recipe.quantization,
         quantization_group_size=recipe.quantization_group_size,
         activations=recipe.activations,
+        second_form_memory_gb=_narrowest(config.second_form_memory_gb, recipe.second_form_memory_gb),
         dtype=recipe.dtype,
         max_model_len=max_model_len,
         cache=cache,
@@ -101,6 +102,12 @@ def _refuse_contradictions(given: EngineConfig, resolved: EngineConfig, recipe: 
         )
 
 
+def _narrowest(flag: float | None, recipe: float | None) -> float | None:
+    """A bound the flag may narrow but not raise: the smaller of the two given (None: not given)."""
+    given = [v for v in (flag, recipe) if v is not None]
+    return min(given) if given else None
+
+
 def _shown(value: object) -> str:
     return "none" if value is None else str(value)
 
@@ -115,6 +122,7 @@ def _fields(before: EngineConfig, after: EngineConfig) -> list[tuple[str, str | 
         ("quantization", "--quantization", b.quantization, a.quantization),
         ("quantization group size", "--quantization-group-size", b.quantization_group_size, a.quantization_group_size),
         ("activations", "--activations", b.activations, a.activations),
+        ("second_form_memory_gb", "--second-form-memory-gb", b.second_form_memory_gb, a.second_form_memory_gb),
         ("dtype", "--dtype", b.dtype, a.dtype),
         ("max_model_len", "--max-model-len", b.max_model_len, a.max_model_len),
         ("kv_cache.dtype", None, b.cache.dtype, a.cache.dtype),

@@ -11,6 +11,7 @@ Rules:
   under a forward context whose metadata covers the real tokens (attention ignores the padding).
 - `forward(batch)` returns hidden states for every fed token: [padded_num_tokens, hidden].
 - `compute_logits(hidden, rows)` returns fp32 logits for `hidden[rows]`.
+- `plan` is the kernel plan `prepare` made and installed (kiln.kernels.plan; empty before it).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from kiln.compile.counters import CompileCounters
+from kiln.kernels.plan import KernelPlan
 from kiln.model.forward_context import ModelInputs
 
 
@@ -30,6 +32,7 @@ class Executor(ABC):
 
     def __init__(self) -> None:
         self.counters = CompileCounters()
+        self.plan = KernelPlan()
 
     @abstractmethod
     def prepare(self, model: nn.Module, kv_caches: list[torch.Tensor]) -> None: ...

@@ -36,9 +36,11 @@ class EagerExecutor(Executor):
         keep_layout: bool = False,
         activations: str = DEFAULT_ACTIVATIONS,
         head_rows: int | None = None,
+        second_form_gb: float | None = None,
     ) -> None:
         super().__init__()
         self.head_rows = head_rows  # the most rows a step samples (None: no bound; kiln.kernels.plan)
+        self.second_form_gb = second_form_gb  # the memory second forms of packed weights may take (kiln.kernels.plan)
         self.keep_layout = keep_layout
         self.activations = activations
         self.cache_root = Path(cache_dir) if cache_dir else read_env().cache_dir
@@ -55,7 +57,12 @@ class EagerExecutor(Executor):
         self._model = model
         if not self.keep_layout:
             self.plan = plan_kernels(
-                model, self.cache_root, activations=self.activations, kv_caches=kv_caches, head_rows=self.head_rows
+                model,
+                self.cache_root,
+                activations=self.activations,
+                kv_caches=kv_caches,
+                head_rows=self.head_rows,
+                second_form_gb=self.second_form_gb,
             )
             self.plan.install(model)
         self._head = LogitsHead(model, self.plan.head_t)

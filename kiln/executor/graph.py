@@ -55,12 +55,17 @@ class GraphExecutor(Executor):
     name = "graph"
 
     def __init__(
-        self, config: GraphConfig, activations: str = DEFAULT_ACTIVATIONS, head_rows: int | None = None
+        self,
+        config: GraphConfig,
+        activations: str = DEFAULT_ACTIVATIONS,
+        head_rows: int | None = None,
+        second_form_gb: float | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.activations = activations  # of packed products (kiln.kernels.plan)
         self.head_rows = head_rows  # the most rows a step samples (None: no bound; kiln.kernels.plan)
+        self.second_form_gb = second_form_gb  # the memory second forms of packed weights may take (kiln.kernels.plan)
         self.capture_sizes = sorted(config.capture_sizes)
         self.compiler = make_compiler(config.compiler)
         self.mode = GraphMode(config.mode)  # the one value every choice below reads
@@ -82,12 +87,13 @@ class GraphExecutor(Executor):
         self.plan = plan_kernels(
             model,
             cache_root,
-            self.compiler,
-            self.capture_sizes,
-            self.config.compile_sizes,
-            self.activations,
-            kv_caches,
-            self.head_rows,
+            compiler=self.compiler,
+            capture_sizes=self.capture_sizes,
+            configured_sizes=self.config.compile_sizes,
+            activations=self.activations,
+            kv_caches=kv_caches,
+            head_rows=self.head_rows,
+            second_form_gb=self.second_form_gb,
         )
         self.plan.install(model)
         self.compile_sizes = self.plan.static_sizes

@@ -11,7 +11,9 @@ layout.py        row- or column-major decoder weights and the transposed one-row
 static_sizes.py  which one- and two-row capture sizes compile statically (GEMV reductions), timed
 candidates.py    the packed products' candidates (registry), float32 and int8 ones (`--activations`)
 torch_kernels.py the kernels the torch candidates build: tiled dequantize-then-BLAS, torch's int4 kernel's copies
-packed.py        the packed products' timing table, binding the winners to layers
+packed.py        the packed products' timing table, binding the winners to layers (second forms within a budget)
+compute_forms.py second forms of packed weights for compute-bound rows: the bf16 copy on oneDNN's brgemm (AMX),
+                 the matrix unit's probe in a child process
 dense.py         bf16 decoder products: F.linear or oneDNN on prepacked weights (`kiln::dense_linear`), timed
 race.py          a race of candidates at one row count: turns, floors (a candidate that cannot win is never built)
 product.py       small functions traced and compiled for static shapes (the timed product, compiled candidates)

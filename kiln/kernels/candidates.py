@@ -29,6 +29,12 @@ int8 / int8x2:
   blocked arithmetic with the codes transposed in registers as they are used, no scratch: the weight streams as
   the lane kernel streams it at one row, and one unpacking serves up to 8 rows.
 The native candidates run the widest ISA tier this CPU can run (what cpuid allows; timing picks the kernel).
+bf16 (a second form of the weight, kiln.kernels.compute_forms; timed for int8 and int8x2 engines, whose arithmetic
+is approximate too, where the engine allows second forms and the matrix unit's probe passed):
+- `brgemm-bf16` (more than 2 rows): a bf16 copy of the weight in oneDNN's VNNI order times x rounded to bf16, summed
+  in float32 by oneDNN's brgemm ukernel (AMX tiles where the CPU has them).
+A candidate whose kernel holds a copy of the weight (`second_form`) is made per layer at install, and its copies
+count against the engine's budget for second forms (kiln.kernels.packed).
 
 The candidates that build something (compile, repack) race after those that build nothing, and are built only
 where their floor leaves them a chance to win (kiln.kernels.race): compiled-dequant-blas can take no less than
@@ -38,19 +44,20 @@ dequant-blas's BLAS part, any candidate no less than its own time at fewer rows.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 from torch import nn
 
 from kiln.compile.compiler import PieceCompiler
+from kiln.kernels.compute_forms import Bf16Form, FormMemo, bf16_form_bytes, brgemm_bf16_op
 from kiln.kernels.native.build import native_op, runnable_tiers
 from kiln.kernels.product import shared_compile
 from kiln.kernels.torch_kernels import TILE_ROWS, Int4Packed, Tiled, Weight, dequantizer, layer_weight
 from kiln.quant.linear import PackedLinear
 from kiln.quant.ops import GEMV_ROWS, Kernel, dequant_blas, reduction
 
-FLOAT32, INT8, INT8X2 = "float32", "int8", "int8x2"
+FLOAT32, INT8, INT8X2, BF16 = "float32", "int8", "int8x2", "bf16"
 INT8_MAX_GROUP = 1024  # packed_q8.cpp's MAX_GROUP: two digits' integer sums of a larger group could pass int32
 BLOCKED_MAX_GROUP = 512  # packed_q8_blocked.cpp's MAX_SHIFTED_GROUP: the same for int8 codes shifted by 128
 STREAMED_MAX_ROWS = 16  # the streamed forms are timed up to this many rows (the scratch form wins many more)
@@ -67,6 +74,7 @@ class PackedCandidate(ABC):
     name: ClassVar[str]
     activations: ClassVar[str] = FLOAT32  # the arithmetic: float32 (dequantize-then-fp32's) or int8
     builds: ClassVar[bool] = False  # make() compiles or repacks: it races after the candidates that build nothing
+    second_form: ClassVar[bool] = False  # its kernel holds a copy of each weight (bytes: copy_bytes)
     built_per_rows: ClassVar[bool] = False  # make() builds anew for each row count (compiled for static rows)
 
     def applies(self, layer: PackedLinear, rows: int) -> bool:
@@ -75,6 +83,10 @@ class PackedCandidate(ABC):
     def floor_us(self, times: dict[str, float], dequant_us: float) -> float:
         """`dequant_us`: the layer's dequantization by torch ops alone (dequant-blas's first part). 0: no bound."""
         return 0.0
+
+    def copy_bytes(self, layer: PackedLinear) -> int:
+        """The bytes of the copy a `second_form` kernel holds of this layer's weight."""
+        return 0
 
     @abstractmethod
     def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel: ...
@@ -127,14 +139,44 @@ class FusedReduction(PackedCandidate):
 class Int4PackMM(PackedCandidate):
     name = "int4pack-mm"
     builds = True  # repacks every weight copy it is timed on
+    second_form = True
+
+    def copy_bytes(self, layer: PackedLinear) -> int:
+        """4-bit codes and a (scale, zero) pair of float32 per group."""
+        return layer.out_features * layer.in_features // 2 + layer.scale.numel() * 8
 
     def applies(self, layer: PackedLinear, rows: int) -> bool:
         """torch's CPU int4 kernel takes 4-bit codes in groups of 32 and float32 or bfloat16 activations."""
         has_op = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
         return has_op and layer.bits == 4 and layer.group == 32 and layer.scale.dtype in (torch.float32, torch.bfloat16)
 
+    def __init__(self) -> None:
+        self.forms = FormMemo(Int4Packed)  # one repacked copy per race's copies and per layer
+
     def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
-        return Int4Packed(weights)
+        return cast(Kernel, self.forms(weights))
+
+
+class BrgemmBf16(PackedCandidate):
+    name = "brgemm-bf16"
+    activations = BF16
+    builds = True  # a bf16 copy of every weight it is timed on
+    second_form = True
+
+    def __init__(self) -> None:
+        self.forms = FormMemo(Bf16Form)  # one form per race's copies and per layer
+
+    def applies(self, layer: PackedLinear, rows: int) -> bool:
+        on_cpu = layer.codes.device.type == "cpu"
+        return rows > GEMV_ROWS and on_cpu and layer.in_features % 2 == 0 and brgemm_bf16_op() is not None
+
+    def copy_bytes(self, layer: PackedLinear) -> int:
+        return bf16_form_bytes(layer.out_features, layer.in_features)
+
+    def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
+        if brgemm_bf16_op() is None:  # chosen on an earlier run but not built now (the build logged why)
+            return dequant_blas
+        return cast(Kernel, self.forms(weights))
 
 
 class NativePacked(PackedCandidate):
@@ -245,6 +287,7 @@ CANDIDATES: dict[str, PackedCandidate] = {
         TiledDequantBlas(),
         FusedReduction(),
         Int4PackMM(),
+        BrgemmBf16(),
         NativePacked(),
         NativeInt8(),
         NativeInt8x2(),
@@ -255,13 +298,22 @@ CANDIDATES: dict[str, PackedCandidate] = {
     )
 }
 DEQUANT_BLAS, COMPILED_DEQUANT, TILED = DequantBlas.name, CompiledDequantBlas.name, TiledDequantBlas.name
-FUSED, INT4PACK, NATIVE = FusedReduction.name, Int4PackMM.name, NativePacked.name
+FUSED, INT4PACK, NATIVE, BRGEMM_BF16 = FusedReduction.name, Int4PackMM.name, NativePacked.name, BrgemmBf16.name
 NATIVE_INT8, NATIVE_INT8X2 = NativeInt8.name, NativeInt8x2.name
 NATIVE_INT8_BLOCKED, NATIVE_INT8X2_BLOCKED = NativeInt8Blocked.name, NativeInt8x2Blocked.name
 NATIVE_INT8_STREAMED, NATIVE_INT8X2_STREAMED = NativeInt8Streamed.name, NativeInt8x2Streamed.name
 
 
-def candidates_for(activations: str) -> dict[str, PackedCandidate]:
-    """The candidates an engine with these activations may time: float32 ones always (they compute the same
-    product more exactly), and those of its int8 arithmetic (one digit or two)."""
-    return {name: c for name, c in CANDIDATES.items() if c.activations in (FLOAT32, activations)}
+# the arithmetics an engine's activations admit besides float32 (which computes the same product more exactly): its
+# own int8 one, and bf16 second forms for int8 engines (approximate too; the bf16 form passes the accuracy bar of
+# int8 activations, kiln.kernels.compute_forms)
+ADMITS = {FLOAT32: (FLOAT32,), INT8: (FLOAT32, INT8, BF16), INT8X2: (FLOAT32, INT8X2, BF16)}
+
+
+def candidates_for(activations: str, second_forms: bool = True) -> dict[str, PackedCandidate]:
+    """The candidates an engine with these activations may time; those that hold a second form of the weight only
+    where the engine allows second forms (a memory budget above zero)."""
+    admitted = ADMITS.get(activations, (FLOAT32, activations))
+    return {
+        name: c for name, c in CANDIDATES.items() if c.activations in admitted and (second_forms or not c.second_form)
+    }

@@ -18,7 +18,7 @@ measured at the row count it sat out (one call on each of two copies), which cos
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -29,9 +29,10 @@ from tqdm import tqdm
 from kiln.compile.compiler import CompileOnce, PieceCompiler
 from kiln.config import DEFAULT_ACTIVATIONS
 from kiln.kernels.candidates import (
+    BRGEMM_BF16,
     CANDIDATES,
+    DEQUANT_BLAS,
     FUSED,
-    INT4PACK,
     INT8_OPS,
     PackedCandidate,
     candidates_for,
@@ -39,8 +40,10 @@ from kiln.kernels.candidates import (
     native_packed_linear,
 )
 from kiln.kernels.choices import KernelChoiceCache, stream_count
+from kiln.kernels.compute_forms import matrix_unit_works
 from kiln.kernels.native.build import install_native_dispatch, source_hash
 from kiln.kernels.race import RULES, Entrant, time_candidates, time_us
+from kiln.kernels.torch_kernels import layer_weight
 from kiln.quant.linear import PackedLinear
 from kiln.quant.ops import ROW_CLASSES, Kernel, dequantize_codes, row_class
 
@@ -61,9 +64,12 @@ def timed_rows(most: int | None) -> tuple[int, ...]:
     return ROWS if most is None else tuple(r for r in ROWS if r <= TIMED_ROWS[row_class(most)])
 
 
-def layer_key(layer: PackedLinear, activations: str, rows: tuple[int, ...] = ROWS) -> dict[str, object]:
+def layer_key(
+    layer: PackedLinear, activations: str, rows: tuple[int, ...] = ROWS, candidates: Iterable[str] | None = None
+) -> dict[str, object]:
     """What a timed choice is for: the layout, the rows timed, the activations and the candidates they allow (a
-    new candidate, row class, race rules, or native sources that changed or now build, time the layout again)."""
+    new candidate, row class, race rules, or native sources that changed or now build, time the layout again);
+    `candidates`: the names raced (default: all the activations allow)."""
     dtype = str(layer.scale.dtype).removeprefix("torch.")
     native = source_hash() if native_packed_linear() is not None else None
     return {
@@ -72,11 +78,16 @@ def layer_key(layer: PackedLinear, activations: str, rows: tuple[int, ...] = ROW
         "group": layer.group,
         "dtype": dtype,
         "activations": activations,
-        "candidates": sorted(candidates_for(activations)),
+        "candidates": sorted(candidates_for(activations) if candidates is None else candidates),
         "rows": list(rows),
         "native": native,
         "race": RULES,
     }
+
+
+def second_form_bytes(layer: PackedLinear, names: set[str]) -> int:
+    """The bytes of the second forms these candidates would hold of the layer's weight."""
+    return sum(CANDIDATES[name].copy_bytes(layer) for name in names if CANDIDATES[name].second_form)
 
 
 def label(layer: PackedLinear) -> str:
@@ -94,10 +105,15 @@ class PackedKernelTable:
         cache: KernelChoiceCache,
         activations: str = DEFAULT_ACTIVATIONS,
         head_rows: int | None = None,
+        second_forms: bool = True,
     ) -> None:
+        """`second_forms`: candidates that hold a second form of a weight may be timed (the engine's budget for
+        them is above zero); the bf16 one only where the matrix unit's probe passed here."""
         self.compiler = CompileOnce(compiler)  # a compiled candidate's graph is the same for many row counts
         self.activations = activations
-        self.candidates = candidates_for(activations)
+        self.candidates = candidates_for(activations, second_forms)
+        if BRGEMM_BF16 in self.candidates and not matrix_unit_works(cache):
+            del self.candidates[BRGEMM_BF16]
         # int8 activations asked for and an int8 kernel runs here (else the float32 candidates alone are timed)
         self.int8_runs = activations in INT8_OPS and native_int8_linear(activations) is not None
         self.layers = packed_layers(model)
@@ -116,7 +132,7 @@ class PackedKernelTable:
             rows = self.rows[name]
             self.records[name] = cache.choose(
                 "packed_kernels",
-                layer_key(layer, activations, rows),
+                layer_key(layer, activations, rows, self.candidates),
                 lambda layer=layer, rows=rows: self._time(layer, rows),  # type: ignore[misc]
             )
 
@@ -125,27 +141,53 @@ class PackedKernelTable:
         winner = self.records[label(layer)]["winners"].get(str(TIMED_ROWS[row_class(rows)]))
         return None if winner is None else str(winner)
 
-    def install(self) -> None:
-        """Bind each layer its layout's winners (compiled ones built here, once per layout; repacked weights once
-        per layer)."""
+    def install(self, budget_bytes: float | None = None) -> int:
+        """Bind each layer its layout's winners (compiled ones built here, once per layout; second forms of the
+        weight once per layer). Winners that hold a second form (kiln.kernels.compute_forms) are bound while the
+        layers' second forms fit `budget_bytes` (None: no bound), layers in model order; past it a layer runs the
+        fastest timed candidate that holds none. The bytes of the second forms made."""
         install_native_dispatch()  # the op calls the native winners from C++ where kiln's objects load
         made: dict[tuple[str, str, int], Kernel] = {}
+        spent = 0
+        self.second_forms: dict[str, list[int]] = {}  # label -> [layers with a second form, their bytes]
+        self.over_budget = 0  # layers whose second form did not fit
         for layer in self.layers:
+            names = {rows: self.winner(layer, rows) or DEQUANT_BLAS for rows in self.rows[label(layer)]}
+            need = second_form_bytes(layer, set(names.values()))
+            if need and budget_bytes is not None and spent + need > budget_bytes:
+                names = {rows: self.without_second_form(layer, rows) for rows in names}
+                need, self.over_budget = 0, self.over_budget + 1
+            if need:
+                counted = self.second_forms.setdefault(label(layer), [0, 0])
+                counted[0], counted[1] = counted[0] + 1, counted[1] + need
+            spent += need
             kernels, inline = {}, set()
-            for rows in self.rows[label(layer)]:
-                name = self.winner(layer, rows)
-                assert name is not None, f"{label(layer)} was timed at {rows} rows"
-                weight = (layer.codes, layer.scale, layer.offset)
-                key = (label(layer), name, rows)
-                if name == INT4PACK:  # holds this layer's own repacked codes
-                    kernels[row_class(rows)] = CANDIDATES[name].make(layer, rows, self.compiler, [weight])
+            for rows, name in names.items():
+                candidate, key = CANDIDATES[name], (label(layer), name, rows)
+                if candidate.second_form:  # holds this layer's own copy (one for all its row classes)
+                    kernels[row_class(rows)] = candidate.make(layer, rows, self.compiler, [layer_weight(layer)])
                     continue
                 if key not in made:
-                    made[key] = CANDIDATES[name].make(layer, rows, self.compiler, [])
+                    made[key] = candidate.make(layer, rows, self.compiler, [])
                 kernels[row_class(rows)] = made[key]
                 if name == FUSED:
                     inline.add(rows)
             layer.use_kernels(kernels, frozenset(inline))
+        return spent
+
+    def without_second_form(self, layer: PackedLinear, rows: int) -> str:
+        """The fastest candidate timed for `rows` rows of this layer that holds no second form (the reference
+        where none was timed)."""
+        times = self.records[label(layer)]["times_us"].get(str(TIMED_ROWS[row_class(rows)]), {})
+        light = {name: us for name, us in times.items() if name in CANDIDATES and not CANDIDATES[name].second_form}
+        return min(light, key=light.__getitem__) if light else DEQUANT_BLAS
+
+    def second_form_summary(self) -> str:
+        """Which layouts keep a second form and its bytes, for the start-up log."""
+        parts = [f"{name} x{count} ({nbytes / 2**20:.1f} MB)" for name, (count, nbytes) in self.second_forms.items()]
+        if self.over_budget:
+            parts.append(f"{self.over_budget} layers over the budget run without one")
+        return "; ".join(parts) or "none"
 
     def _time(self, layer: PackedLinear, rows_timed: tuple[int, ...]) -> dict[str, Any]:
         """Race the candidates at each row count, fewest rows first (kiln.kernels.race): a candidate's time at fewer

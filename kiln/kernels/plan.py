@@ -50,6 +50,7 @@ from kiln.quant.ops import rows_label
 
 logger = logging.getLogger("kiln")
 
+SECOND_FORM_SHARE = 0.5  # second forms may take this share of the memory free at install (the default budget)
 PACKED = "packed"  # the decoder layout of a model whose decoder weights are all packed: nothing to lay out
 
 
@@ -61,6 +62,10 @@ class KernelPlan:
     packed: PackedKernelTable | None = None
     dense: DenseKernelTable | None = None  # bf16 decoder layers' prepacked oneDNN products, where they run
     decode_attention: str = TORCH  # its kernel's name: the torch form or a native one (kiln.kernels.attention)
+    # the most memory second forms of packed weights may take (kiln.kernels.compute_forms); None: SECOND_FORM_SHARE
+    # of the memory free when the plan is installed (after the weights and the KV cache)
+    second_form_gb: float | None = None
+    second_form_bytes: int = 0  # what the installed second forms take
     # what was timed (or read from the cache), for logs and kernel_profile.json
     choices: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -77,11 +82,28 @@ class KernelPlan:
         """Lay out `model`'s decoder weights (strides only, never values) and bind the packed winners."""
         if self.decoder_layout not in (None, PACKED):
             set_layer_weight_layout(model, self.decoder_layout)
+        cpu = torch.device("cpu")  # (second forms and prepacked products are CPU copies)
+        free = platform_of(cpu).available_memory_gb(cpu) * 1e9
         if self.packed is not None:
-            self.packed.install()
+            budget = SECOND_FORM_SHARE * free if self.second_form_gb is None else self.second_form_gb * 1e9
+            spent = self.packed.install(budget)
+            self.second_form_bytes = spent
+            free -= spent
+            if self.packed.second_forms or self.packed.over_budget:
+                how = (
+                    "--second-form-memory-gb"
+                    if self.second_form_gb is not None
+                    else (f"{SECOND_FORM_SHARE:.0%} of the memory free after the weights and the KV cache")
+                )
+                logger.info(
+                    "Second forms: %s; %.1f MB of a %.0f MB budget (%s)",
+                    self.packed.second_form_summary(),
+                    spent / 2**20,
+                    budget / 2**20,
+                    how,
+                )
         if self.dense is not None:
-            cpu = torch.device("cpu")  # (prepacked products run on CPU weights alone)
-            copies = self.dense.install(platform_of(cpu).available_memory_gb(cpu) * 1e9)
+            copies = self.dense.install(free)
             if copies:
                 logger.info("Dense kernels: %s (prepacked copies: %.1f MB)", self.dense.summary(), copies / 2**20)
 
@@ -95,6 +117,7 @@ def plan_kernels(
     activations: str = DEFAULT_ACTIVATIONS,
     kv_caches: Sequence[torch.Tensor] = (),
     head_rows: int | None = None,
+    second_form_gb: float | None = None,
 ) -> KernelPlan:
     """The plan for `model` on this machine. `compiler` compiles the static sizes and the compiled candidates
     (the inductor compiler when None, or when it cannot compile for static shapes); `configured_sizes` are the
@@ -102,17 +125,26 @@ def plan_kernels(
     two-row `capture_sizes`. `activations` (int8x2 | int8 | float32, kiln.config.ACTIVATION_NAMES) says which
     packed candidates may be timed; decode attention's kernel is timed over the geometry of `kv_caches` (the
     first layer's that holds heads; none given: the torch form); `head_rows`, the most rows the engine samples in
-    one step (None: no bound), bounds the row counts a packed logits head is timed at."""
+    one step (None: no bound), bounds the row counts a packed logits head is timed at; `second_form_gb` bounds the
+    memory of second forms of packed weights (None: SECOND_FORM_SHARE of the memory free at install; 0: none are
+    timed)."""
     cpu = next(model.parameters()).device.type == "cpu"
     if cpu:
         trust_recorded_probe()  # before the first compile: inductor's ISA probe, run at install (inductor_isa.py)
     compiler = compiler or make_compiler("inductor")
     kernel_compiler = compiler if compiler.supports_static_sizes else make_compiler("inductor")
     cache = KernelChoiceCache(cache_root)
-    plan = KernelPlan()
+    plan = KernelPlan(second_form_gb=second_form_gb)
     weight = largest_layer_weight(model)
     if cpu and packed_layers(model):  # their one- and two-row choices live in the op: no static sizes for them
-        plan.packed = PackedKernelTable(model, kernel_compiler, cache, activations, head_rows)
+        plan.packed = PackedKernelTable(
+            model,
+            kernel_compiler,
+            cache,
+            activations=activations,
+            head_rows=head_rows,
+            second_forms=second_form_gb != 0,
+        )
         plan.choices["packed_kernels"] = plan.packed.records
     if configured_sizes is not None:
         plan.static_sizes = tuple(sorted(configured_sizes))

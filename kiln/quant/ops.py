@@ -51,8 +51,9 @@ def _weight_key(codes: torch.Tensor) -> tuple[int, torch.Size, torch.dtype]:
 
 
 # Where kiln's native objects load, the op's CPU kernel is C++ (kiln/kernels/native/dispatch.cpp): it calls the
-# bound native ops itself and this module's implementation for the rest. `(codes, [op name or "" per entry])`.
-NativeBinder = Callable[[torch.Tensor, list[str]], None]
+# bound native ops itself and this module's implementation for the rest. `(codes, [op name or "" per entry],
+# [a form of the weight the entry's op multiplies instead of the codes, or None, per entry])`.
+NativeBinder = Callable[[torch.Tensor, list[str], list[torch.Tensor | None]], None]
 _native_binders: list[NativeBinder] = []
 
 
@@ -67,13 +68,23 @@ def native_op_name(kernel: Kernel | None) -> str:
     return name if isinstance(name, str) and name.startswith("kiln_native_") else ""
 
 
+def native_form(kernel: Kernel | None, codes: torch.Tensor) -> tuple[str, torch.Tensor | None]:
+    """("namespace::op", form) for a kernel that multiplies a form of these codes' weight of its own with a native
+    op(x, form, outputs) (its `native_form(codes)`, kiln.kernels.compute_forms); ("", None) for any other."""
+    form_of = getattr(kernel, "native_form", None)
+    return form_of(codes) if form_of is not None else ("", None)
+
+
 def bind_kernels(codes: torch.Tensor, kernels: dict[int, Kernel]) -> None:
     """Run `kernels` (by row class) for every product over these codes. The binding dies with the codes."""
     _BOUND[_weight_key(codes)] = (weakref.ref(codes), dict(kernels))
     for key in [k for k, (ref, _) in _BOUND.items() if ref() is None]:
         del _BOUND[key]
+    entries = [kernels.get(top) for top in (*ROW_CLASSES, LARGE)]
+    forms = [native_form(kernel, codes) for kernel in entries]
+    names = [form_op or native_op_name(kernel) for kernel, (form_op, _) in zip(entries, forms, strict=True)]
     for binder in _native_binders:
-        binder(codes, [native_op_name(kernels.get(top)) for top in (*ROW_CLASSES, LARGE)])
+        binder(codes, names, [form for _, form in forms])
 
 
 def bound_kernel(codes: torch.Tensor, rows: int) -> Kernel:

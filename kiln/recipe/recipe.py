@@ -69,6 +69,11 @@ class Recipe:
         return self.spec.quantization.activations
 
     @property
+    def second_form_memory_gb(self) -> float | None:
+        """The most memory second forms of packed weights may take (None: the engine's default budget)."""
+        return self.spec.memory_plan.second_form_memory_gb
+
+    @property
     def kv_cache_dtype(self) -> str:
         return self.spec.memory_plan.kv_cache.dtype
 

@@ -105,6 +105,13 @@ class KVCache(Section):
 class MemoryPlan(Section):
     kv_cache: KVCache = Field(default_factory=KVCache)
     activation_reuse: bool = True
+    second_form_memory_gb: float | None = Field(
+        None,
+        ge=0,
+        description="GB that second forms of packed weights may take (a bf16 copy for the matrix unit, used by the "
+        "row counts where it was timed fastest); default: half the memory free after the weights and the KV cache; "
+        "0: none.",
+    )
 
 
 class Graph(Section):

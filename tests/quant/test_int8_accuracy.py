@@ -3,6 +3,7 @@ packed weights, over 1,200 tokens of fixed text (the source of Python's difflib,
 mean KL divergence of the next-token distributions and top-1 agreement. Two digits (int8x2, the default) pass the
 bar (mean KL <= 1e-3, top-1 >= 99 %); one digit (int8, llama.cpp's q8 arithmetic) is reported, and must be the
 less exact of the two. Greedy tokens with int8x2 equal the float32 ones on the parity prompts except at near-ties.
+The bf16 second form (kiln.kernels.compute_forms, the matrix unit's product) passes the same bar.
 Every layer is bound the kernel under test at every row class, so the numbers do not depend on what timing picked."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.kernels.candidates import native_int8_linear
+from kiln.kernels.compute_forms import Bf16Form, brgemm_bf16_op
 from kiln.kernels.packed import packed_layers
 from kiln.quant.ops import LARGE, ROW_CLASSES, Kernel, dequant_blas
 from tests.engine.test_parity_hf import PROMPTS, kiln_prompt_logits
@@ -26,6 +28,11 @@ NEAR_TIE = 1e-2  # float32 top-2 logit gap below which a greedy token may differ
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return LLM("default", seed=0, quantization="packed", graph_mode="eager", activations="float32")
+
+
+@pytest.fixture(scope="module")
+def reference(llm: LLM) -> torch.Tensor:
+    return log_probs(llm, dequant_blas)
 
 
 def bind(llm: LLM, kernel: Kernel) -> None:
@@ -51,16 +58,24 @@ def agreement(reference: torch.Tensor, other: torch.Tensor) -> tuple[float, floa
     return kl.mean().item(), (reference.argmax(-1) == other.argmax(-1)).double().mean().item()
 
 
-def test_int8_activations_against_float32_on_1200_tokens(llm: LLM) -> None:
+def test_int8_activations_against_float32_on_1200_tokens(llm: LLM, reference: torch.Tensor) -> None:
     two, one = native_int8_linear("int8x2"), native_int8_linear("int8")
     assert two is not None and one is not None, "kiln's native kernels build on this machine"
-    reference = log_probs(llm, dequant_blas)
     kl2, top2 = agreement(reference, log_probs(llm, two))
     kl1, top1 = agreement(reference, log_probs(llm, one))
     print(f"int8x2: mean KL {kl2:.2e}, top-1 {top2:.2%}; int8: mean KL {kl1:.2e}, top-1 {top1:.2%}")
     assert kl2 <= 1e-3 and top2 >= 0.99
     assert kl1 > kl2 and top1 <= top2  # one digit is the coarser arithmetic
     assert kl2 > 0  # int8x2 is not float32 under another name
+
+
+@pytest.mark.skipif(brgemm_bf16_op() is None, reason="oneDNN's bf16 brgemm needs AVX-512 (this CPU lacks it)")
+def test_the_bf16_second_form_against_float32_on_1200_tokens(llm: LLM, reference: torch.Tensor) -> None:
+    kl, top = agreement(reference, log_probs(llm, Bf16Form([])))
+    bind(llm, dequant_blas)
+    print(f"bf16 second form: mean KL {kl:.2e}, top-1 {top:.2%}")
+    assert kl <= 1e-3 and top >= 0.99
+    assert kl > 1e-6  # bf16 rounding shows: not float32 under another name
 
 
 def test_greedy_tokens_equal_float32_except_at_near_ties(llm: LLM) -> None:

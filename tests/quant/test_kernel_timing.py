@@ -154,7 +154,7 @@ def test_a_candidate_that_sat_out_is_probed_at_fewer_rows_before_it_is_built(
     fast, slow, late = PerRow("fast", 10.0, 1.0), PerRow("slow", 0.0, 100.0), PerRow("late", 500.0, 0.1)
     fast.builds = False  # type: ignore[misc]  # raced first: the lead is known before the others' turns
     candidates = {c.name: c for c in (fast, slow, late)}
-    monkeypatch.setattr(packed, "candidates_for", lambda activations: candidates)
+    monkeypatch.setattr(packed, "candidates_for", lambda activations, second_forms=True: candidates)
     fake_us = lambda kernel, x, copies, budget_s=0.0: kernel(x) if x.numel() else 1.0  # noqa: E731
     monkeypatch.setattr(packed, "time_us", fake_us)
     monkeypatch.setattr(race, "time_us", fake_us)

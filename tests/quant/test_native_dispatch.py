@@ -1,6 +1,7 @@
 """`kiln::packed_linear`'s C++ CPU kernel (kiln/kernels/native/dispatch.cpp): a weight bound to a native op runs it
 from C++, with no hop through Python; every other binding, and a weight bound to nothing, still runs the Python
-implementation's kernel (compiled candidates, BLAS, the reference)."""
+implementation's kernel (compiled candidates, BLAS, the reference). A kernel over a form of the weight of its own
+(the bf16 copy for the matrix unit) runs its op on that form from C++ too."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from kiln.kernels.candidates import native_int8_linear, native_packed_linear
+from kiln.kernels.compute_forms import Bf16Form, brgemm_bf16_op
 from kiln.kernels.native.build import install_native_dispatch, native_op
 from kiln.quant import ops
 from tests.quant.test_packed import _packed
@@ -73,7 +75,32 @@ def test_a_binding_names_one_kernel_per_row_class() -> None:
     assert tier is not None
     bind = native_op(tier, "bind_packed")
     assert bind is not None
-    with pytest.raises(RuntimeError, match="one kernel name per row class"):
-        bind(_weight()[0], ["", ""])
+    with pytest.raises(RuntimeError, match="one kernel name and form per row class"):
+        bind(_weight()[0], ["", ""], [None, None])
     assert ops.native_op_name(native_int8_linear("int8x2")).startswith("kiln_native_")
     assert ops.native_op_name(ops.dequant_blas) == ""
+
+
+@pytest.mark.skipif(brgemm_bf16_op() is None, reason="oneDNN's bf16 brgemm needs AVX-512 (this CPU lacks it)")
+def test_a_form_binding_runs_its_op_on_its_copy_from_cpp() -> None:
+    install_native_dispatch()
+    weight = _weight()
+    codes = weight[0]
+
+    class CountingForm(Bf16Form):
+        calls = 0
+
+        def __call__(self, x: torch.Tensor, *w: torch.Tensor) -> torch.Tensor:
+            CountingForm.calls += 1
+            return super().__call__(x, *w)
+
+    form = CountingForm([weight])
+    not_copied = CountingForm([])  # no copy of this weight yet: bound as a Python kernel, copied at its first call
+    ops.bind_kernels(codes, {16: form, 64: not_copied})
+    x8, x32 = torch.randn(8, 128), torch.randn(32, 128)
+    assert torch.equal(torch.ops.kiln.packed_linear(x8, *weight), form(x8, *weight))
+    assert CountingForm.calls == 1  # the direct call above alone: the op ran the copy from C++
+    torch.testing.assert_close(torch.ops.kiln.packed_linear(x32, *weight), form(x32, *weight))
+    assert CountingForm.calls == 3  # through Python, then the direct call
+    assert ops.native_form(form, codes)[0].endswith("::brgemm_bf16_linear")
+    assert ops.native_form(ops.dequant_blas, codes) == ("", None)

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType
 
 from kiln.compile.compiler import make_compiler
 from kiln.kernels.candidates import (
+    BRGEMM_BF16,
     CANDIDATES,
     NATIVE_INT8,
     NATIVE_INT8_BLOCKED,
@@ -131,10 +132,11 @@ def test_int8_candidates_are_timed_only_for_int8_activations(tmp_path) -> None:
     floats = set(candidates_for("float32"))
     one = {NATIVE_INT8, NATIVE_INT8_BLOCKED, NATIVE_INT8_STREAMED}
     two = {NATIVE_INT8X2, NATIVE_INT8X2_BLOCKED, NATIVE_INT8X2_STREAMED}
-    assert not floats & (one | two)
-    assert set(candidates_for("int8")) == floats | one
-    assert set(candidates_for("int8x2")) == floats | two
-    assert set(CANDIDATES) == floats | one | two
+    bf16 = {BRGEMM_BF16}  # the second form for the matrix unit: admitted by int8 engines (test_compute_forms.py)
+    assert not floats & (one | two | bf16)
+    assert set(candidates_for("int8")) == floats | one | bf16
+    assert set(candidates_for("int8x2")) == floats | two | bf16
+    assert set(CANDIDATES) == floats | one | two | bf16
     model = torch.nn.Sequential(PackedLinear(64, 48, bits=4))
     model[0].load_rows(0, _packed(GGMLQuantizationType.Q4_1, 48, 64, 2))
     cache = KernelChoiceCache(tmp_path)

@@ -16,6 +16,10 @@ packed_q8_blocked.cpp
 paged_attention.cpp
                    `paged_decode_attention`: decode attention over the paged KV cache where the blocks lie, GQA
                    heads together, keys split across threads and merged (flash-decoding); float32 or bf16 KV
+dense_brgemm.cpp   `brgemm_bf16_linear`: x times a bf16 copy of a weight in oneDNN's VNNI order on ATen's
+                   `cpublas::brgemm` (oneDNN's ukernel: AMX tiles where the CPU has them), float32 sums and output
+dispatch.cpp       the C++ CPU kernels of `kiln::packed_linear` (native bindings and second forms called without
+                   Python) and `kiln::dense_linear`
 packed_operands.h  the operand checks every product shares, and the prefetch of the next outputs' rows
 q8_activations.h   what the int8-activation products share: x quantized per group, the scalar (row, output) dot
 reference.py       the int8 arithmetic in plain torch: what every tier must equal

@@ -12,12 +12,12 @@ make the next build wait forever, is removed under it.
 `native_op(tier, name)` is the tier's op `name` (`packed_linear`: float32 activations; `packed_linear_q8` and
 `packed_linear_q8x2`: one or two int8 digits; their `_blocked` and `_streamed` forms, avx512 and avx2 tiers: the
 same arithmetic with 16 or 8 outputs a vector (codes transposed into a scratch, or in registers), int8 codes on
-avx512 only; `paged_decode_attention`: decode attention
-over the paged KV cache; `bind_packed` / `install_packed_dispatch`: the C++ CPU kernel of `kiln::packed_linear`,
-dispatch.cpp, installed by `install_native_dispatch`; `bind_dense` / `install_dense_dispatch`: that of
-`kiln::dense_linear`, by `native_dense_binder`), or None where the CPU lacks the tier, the tier has no such
-op, or the build failed (no compiler, a compiler error): kiln then runs on the torch candidates and says why once,
-in one log line.
+avx512 only; `paged_decode_attention`: decode attention over the paged KV cache; `brgemm_bf16_linear`, avx512 tier:
+a bf16 copy of a weight times x on oneDNN's brgemm ukernel (the matrix unit where there is one, dense_brgemm.cpp);
+`bind_packed` / `install_packed_dispatch`: the C++ CPU kernel of `kiln::packed_linear`, dispatch.cpp, installed by
+`install_native_dispatch`; `bind_dense` / `install_dense_dispatch`: that of `kiln::dense_linear`, by
+`native_dense_binder`), or None where the CPU lacks the tier, the tier has no such op, or the build failed (no
+compiler, a compiler error): kiln then runs on the torch candidates and says why once, in one log line.
 """
 
 from __future__ import annotations
@@ -44,7 +44,14 @@ logger = logging.getLogger("kiln")
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("packed_linear.cpp", "packed_q8.cpp", "packed_q8_blocked.cpp", "paged_attention.cpp", "dispatch.cpp")
+    for name in (
+        "packed_linear.cpp",
+        "packed_q8.cpp",
+        "packed_q8_blocked.cpp",
+        "paged_attention.cpp",
+        "dispatch.cpp",
+        "dense_brgemm.cpp",
+    )
 )
 # included by the sources: part of their hash
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("packed_operands.h", "q8_activations.h"))
@@ -125,9 +132,12 @@ OPS = (
     "install_packed_dispatch",
     "bind_dense",
     "install_dense_dispatch",
+    "brgemm_bf16_linear",
 )
-# ops only some tiers define (the blocked and streamed products: zmm and ymm forms, none in the plain tier)
+# ops only some tiers define (the blocked and streamed products: zmm and ymm forms, none in the plain tier) or run
+# (oneDNN's bf16 brgemm needs AVX-512: every tier's object has the op, the avx512 tier's alone is looked up)
 TIER_OPS = {name: ("avx512", "avx2") for name in OPS if name.endswith(("_blocked", "_streamed"))}
+TIER_OPS["brgemm_bf16_linear"] = ("avx512",)
 
 
 def native_op(tier_name: str, name: str = "packed_linear") -> Callable[..., torch.Tensor] | None:

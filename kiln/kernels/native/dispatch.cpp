@@ -3,7 +3,8 @@
 // on a 2-core EPYC, about 1 ms of a batch-1 decode step's 121 products. Here the bindings whose kernel is a native
 // op are kept in C++ (keyed by the codes' address, checked against their storage, which may have died), and the
 // op's CPU kernel calls that op through the dispatcher; any other binding (a compiled candidate, BLAS, the
-// reference) runs `kiln::packed_linear_bound`, the same Python implementation as before.
+// reference) runs `kiln::packed_linear_bound`, the same Python implementation as before. A kernel over a form of
+// the weight of its own (a bf16 copy for the matrix unit) is kept as its op and that form, called without Python.
 //
 // Every tier's object holds this code; kiln installs one tier's (`install_packed_dispatch`, once per process) and
 // binds through that tier (`bind_packed`), so one registry serves the op.
@@ -42,9 +43,17 @@ size_t entry_of(int64_t rows) {
   return ENTRIES - 1;
 }
 
+// A kernel over a form of the weight of its own (kiln/kernels/compute_forms.py): op(x, form, outputs).
+using FormProduct = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t);
+struct FormCall {
+  c10::TypedOperatorHandle<FormProduct> op;
+  at::Tensor form;
+};
+
 struct Binding {
   c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // the codes' storage: a freed weight's address may be reused
-  std::vector<std::optional<Handle>> kernels;         // by entry; none: the Python-bound kernel
+  std::vector<std::optional<Handle>> kernels;         // by entry; none: a form's op, or the Python-bound kernel
+  std::vector<std::optional<FormCall>> forms;         // by entry: the kernel runs over this form of the weight
 };
 
 std::shared_mutex registry_mutex;
@@ -88,26 +97,37 @@ at::Tensor python_bound(const at::Tensor& x, const at::Tensor& codes, const at::
 at::Tensor packed_linear_cpu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                              const at::Tensor& offset) {
   std::optional<Handle> kernel;
+  std::optional<FormCall> form;
   {
     std::shared_lock<std::shared_mutex> lock(registry_mutex);
     const auto found = registry.find(codes.data_ptr());
-    if (found != registry.end() && same_storage(found->second, codes) && x.dim() == 2)
+    if (found != registry.end() && same_storage(found->second, codes) && x.dim() == 2) {
       kernel = found->second.kernels[entry_of(x.size(0))];
+      form = found->second.forms[entry_of(x.size(0))];
+    }
   }
+  if (form && x.scalar_type() == at::kFloat) return form->op.call(x, form->form, codes.size(0));
   return kernel ? kernel->call(x, codes, scale, offset) : python_bound(x, codes, scale, offset);
 }
 
-// Bind the native op of each entry ("namespace::name", or "" where the kernel is not a native op) to these codes.
-void bind_packed(const at::Tensor& codes, std::vector<std::string> kernels) {
-  TORCH_CHECK(kernels.size() == ENTRIES, "kiln native bind_packed: one kernel name per row class (", ENTRIES,
-              "), got ", kernels.size());
-  Binding binding{codes.storage().getWeakStorageImpl(), {}};
-  for (const std::string& name : kernels) {
-    if (name.empty()) {
-      binding.kernels.emplace_back(std::nullopt);
-      continue;
-    }
-    binding.kernels.emplace_back(c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "").typed<Product>());
+// Bind the native op of each entry ("namespace::name", or "" where the kernel is not a native op) to these codes;
+// where an entry has a form, its op takes (x, form, outputs) instead.
+void bind_packed(const at::Tensor& codes, std::vector<std::string> kernels,
+                 const c10::List<std::optional<at::Tensor>>& forms) {
+  TORCH_CHECK(kernels.size() == ENTRIES && forms.size() == ENTRIES, "kiln native bind_packed: one kernel name and "
+              "form per row class (", ENTRIES, "), got ", kernels.size(), " and ", forms.size());
+  Binding binding{codes.storage().getWeakStorageImpl(), {}, {}};
+  for (size_t i = 0; i < ENTRIES; ++i) {
+    const std::string& name = kernels[i];
+    const std::optional<at::Tensor> form = forms.get(i);
+    binding.kernels.emplace_back(std::nullopt);
+    binding.forms.emplace_back(std::nullopt);
+    if (name.empty()) continue;
+    const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "");
+    if (form)
+      binding.forms.back() = FormCall{op.typed<FormProduct>(), *form};
+    else
+      binding.kernels.back() = op.typed<Product>();
   }
   store(registry, codes.data_ptr(), std::move(binding));
 }
@@ -179,7 +199,7 @@ void install_dense_dispatch() { install_cpu_kernel<&dense_linear_cpu>("dense_lin
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(KILN_TIER_NS, m) {
-  m.def("bind_packed(Tensor codes, str[] kernels) -> ()", TORCH_FN(bind_packed));
+  m.def("bind_packed(Tensor codes, str[] kernels, Tensor?[] forms) -> ()", TORCH_FN(bind_packed));
   m.def("install_packed_dispatch() -> ()", TORCH_FN(install_packed_dispatch));
   m.def("bind_dense(Tensor weight, Tensor?[] packed, bool[] python) -> ()", TORCH_FN(bind_dense));
   m.def("install_dense_dispatch() -> ()", TORCH_FN(install_dense_dispatch));
