@@ -110,7 +110,7 @@ class EngineArgs:
         0.5, "with chunked prefill, the longest a step holding a prompt's chunk should take while other requests "
         "stream (its measured time): the chunk shrinks as its context grows and as the machine is slower, so a "
         "long prompt delays the others' next token by at most about this (0: the token threshold alone)",
-        "scheduler", type=float,
+        "scheduler", type=non_negative,
     )  # fmt: skip
     max_running_per_request: int | None = _arg(
         None, "most sequences of one client request (prompts x n) running at once, so one n=64 request cannot take "
