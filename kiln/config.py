@@ -153,6 +153,10 @@ class SchedulerConfig:
     # most sequences of one client request (its prompts x n) running at once; None: half of max_num_seqs. The rest
     # wait, so an n=64 request leaves batch slots to other requests instead of taking every one.
     max_running_per_request: int | None = None
+    # with chunked prefill, a step holding a long prompt's chunk takes at most about this long, as measured: the
+    # chunk shrinks as its context grows and as steps take longer (kiln.engine.prefill_budget). 0: the threshold's
+    # cost alone.
+    long_prefill_step_seconds: float = 0.5
 
     @property
     def running_per_request(self) -> int:
@@ -249,6 +253,7 @@ class EngineConfig:
     graph: GraphConfig = field(default_factory=GraphConfig)  # graph.mode says which graphs run (eager: none)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    grammar_cache_bytes: int = 256 << 20  # structured outputs' compiled grammars (kiln.engine.grammar_cache)
 
     @property
     def graph_mode(self) -> GraphMode:

@@ -11,6 +11,8 @@ cli.py              parsers of `kiln generate`, `kiln chat` and `kiln compile` (
 commands.py         handlers of `kiln generate`, `kiln chat` and `kiln compile`
 core.py             EngineCore: the step (schedule -> execute -> update), failure isolation, the prepare phase
 detokenizer.py      incremental detokenization with stop strings
+grammar_build.py    a constraint's llguidance grammar, compiled and tried on its first tokens (short errors, no panics)
+grammar_cache.py    compiled grammars bounded in bytes, and failed constraints remembered by key
 kv_cache.py         paged KV cache bookkeeping: a pool of fixed-size blocks with a free list and reference counts
 kv_plan.py          how many KV blocks an engine allocates, and the start-up lines that say so
 kv_window.py        sliding-window KV blocks: which leading blocks of a sequence no future query reads
@@ -18,6 +20,7 @@ llm.py              the offline API: `LLM(model=...).generate(prompts, params)` 
 ngram.py            the n-gram proposer's index: where each n-gram of a sequence last ended (prompt lookup)
 model_runner.py     a SchedulerOutput turned into tensors, the executor run under a forward context, sampling
 outputs.py          the stop rules, and the `RequestOutput` handed to callers
+prefill_budget.py   prefill chunks budgeted by cost (attention grows with the context) and by measured step time
 prefix_cache.py     the keys of cached KV blocks (chained hashes over tokens and a root), and the cache's stats
 prefix_sharing.py   automatic prefix caching: a waiting request's longest cached prefix, sibling copies, registering
 rank_role.py        `RankRole`: a rank's part in each step of a multi-device engine, fixed at construction

@@ -30,6 +30,7 @@ from kiln.config import (
     SpeculativeConfig,
 )
 from kiln.engine.arg_types import argparse_kwargs, cli_flag, fraction, int_at_least, non_negative, parse_sizes
+from kiln.engine.grammar_cache import GRAMMAR_CACHE_BYTES
 from kiln.engine.prefix_cache import HASH_ALGOS
 from kiln.errors import ConfigError
 from kiln.graph_mode import GRAPH_MODES
@@ -105,6 +106,12 @@ class EngineArgs:
         512, "with chunked prefill, most prompt tokens one request prefills in a step while others run or wait, so a "
         "long prompt delays their next token by one chunk (0: no cap)", "scheduler", type=int_at_least(0),
     )  # fmt: skip
+    long_prefill_step_seconds: float = _arg(
+        0.5, "with chunked prefill, the longest a step holding a prompt's chunk should take while other requests "
+        "stream (its measured time): the chunk shrinks as its context grows and as the machine is slower, so a "
+        "long prompt delays the others' next token by at most about this (0: the token threshold alone)",
+        "scheduler", type=non_negative,
+    )  # fmt: skip
     max_running_per_request: int | None = _arg(
         None, "most sequences of one client request (prompts x n) running at once, so one n=64 request cannot take "
         "every batch slot (default: half of --max-num-seqs)", "scheduler", type=int_at_least(1),
@@ -141,6 +148,14 @@ class EngineArgs:
         "mode of the pieces --piece-modes does not name (default captured)",
         group="graph mode",
         choices=tuple(m.value for m in PieceMode),
+    )
+
+    grammar_cache_mb: int = _arg(
+        GRAMMAR_CACHE_BYTES >> 20,
+        "memory the compiled grammars of structured outputs may take, estimated from their size (least recently used "
+        "evicted first); a grammar larger than all of it is refused",
+        "structured outputs",
+        type=int_at_least(1),
     )
 
     speculative_method: str | None = _arg(
@@ -260,6 +275,7 @@ class EngineArgs:
                 self.enable_chunked_prefill,
                 self.long_prefill_token_threshold,
                 self.max_running_per_request,
+                long_prefill_step_seconds=self.long_prefill_step_seconds,
             ),
             graph=graph,
             parallel=ParallelConfig(
@@ -273,6 +289,7 @@ class EngineArgs:
                 master_port=self.master_port,
             ),
             speculative=speculative,
+            grammar_cache_bytes=self.grammar_cache_mb << 20,
         )
         if self.enable_piecewise_graph and not graph.mode.is_graph:
             raise ConfigError(

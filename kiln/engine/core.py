@@ -20,6 +20,7 @@ from kiln.engine.admission import Admission
 from kiln.engine.kv_cache import BlockPool
 from kiln.engine.kv_plan import kv_budget, kv_cache_blocks, log_kv_cache
 from kiln.engine.model_runner import ModelRunner, StepObserver
+from kiln.engine.prefill_budget import attention_tokens_of
 from kiln.engine.prefix_sharing import prefix_keys_for
 from kiln.engine.rank_role import SINGLE_DEVICE, RankRole
 from kiln.engine.request import Request, RequestOutput
@@ -108,12 +109,17 @@ class EngineCore:
             steps_in_flight=role.steps_in_flight,
             prefix_keys=prefix_keys_for(cc, mc, namespace),
             speculator=self.speculator,
+            attention_tokens=attention_tokens_of(mc),
         )
         log_kv_cache(cc, blocks, self.runner.kv_cache_bytes, kv_dtype, self.max_model_len, mc, budget_reason)
         self.updater = Updater(self.scheduler, tokenizer, self.eos_token_ids, self.max_model_len)
         self.workers: Workers | None = role.workers  # the other ranks, when this is rank 0 of a multi-device engine
         self.pipeline = step_loop
-        self.grammars = Grammars(tokenizer.tokenizer, mc.vocab_size, self.eos_token_ids) if tokenizer else None
+        self.grammars = (
+            Grammars(tokenizer.tokenizer, mc.vocab_size, self.eos_token_ids, config.grammar_cache_bytes)
+            if tokenizer
+            else None
+        )
         self.admission = Admission(
             tokenizer,
             mc.vocab_size,
@@ -206,6 +212,7 @@ class EngineCore:
         sched = self.scheduler.schedule()  # (with a draft model, its round: measured apart, kiln.engine.draft)
         if sched.is_empty:
             return []
+        cost = self.scheduler.step_cost(sched)
         start = time.perf_counter()
         try:
             result = self.runner.execute(sched)
@@ -220,6 +227,7 @@ class EngineCore:
                 raise
             return self._isolate_failure(sched)
         self.num_steps += 1
+        self.scheduler.prefill.observe(cost, time.perf_counter() - start)
         outputs = self.update(sched, result)
         if self.speculator is not None and (rows := sched.decode_rows):  # what verifying costs here, measured
             self.speculator.costs.observe(rows, time.perf_counter() - start)

@@ -24,13 +24,13 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-import torch
-
 from kiln.config import EngineConfig, SpeculativeConfig
-from kiln.engine.request import Request
+from kiln.engine.request import Request, position_seed
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.speculation import COST_EMA
 from kiln.errors import ConfigError
+
+DRAFT_SALT = 0x5EED_D4AF7  # the draft model's seeds differ from the target's at the same position
 
 if TYPE_CHECKING:
     from kiln.engine.core import EngineCore
@@ -119,7 +119,9 @@ class DraftModel:
         """How `req`'s draft request samples its `count` tokens: as `req` does, without its penalties and bias (any
         proposal distribution keeps the output exact; the verification applies them to the target's)."""
         p = req.params
-        seed = None if req.generator is None else int(torch.randint(2**62, (1,), generator=req.generator))
+        # NOTE: by the target's seed and position, as the target's own draws (kiln.engine.request.position_seed)
+        position = len(req.output_token_ids)
+        seed = None if req.generator is None else position_seed(req.generator.initial_seed() ^ DRAFT_SALT, position)
         return SamplingParams(
             max_tokens=count,
             temperature=p.temperature,

@@ -49,6 +49,7 @@ class Request:
         self.group: str | None = None
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
+        # NOTE: its seed alone is used: each output position draws from its own generator (`generator_at`)
         self.generator = generator
         self.output_token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] = []
@@ -65,6 +66,9 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
+        # the request field whose content failed it (its grammar, kiln.engine.updater): the client's error, not the
+        # engine's
+        self.error_param: str | None = None
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.grammar: GrammarState | None = None  # its place in its structured output's grammar (Admission sets it)
         # the distribution each draft token was drawn from (kiln.engine.draft): a draft engine's sampled request
@@ -72,6 +76,14 @@ class Request:
         # step's drafts by them (None: one-hot at each draft, as greedy and n-gram drafts are)
         self.draft_probs: list[torch.Tensor] | None = None
         self.keeps_probs = False
+
+    def generator_at(self, position: int) -> torch.Generator | None:
+        """The generator of output position `position` (None: greedy): seeded by the request's seed and the
+        position alone, so a token's draw never depends on how many draws came before it. With speculative
+        decoding, whether a step verified drafts then changes nothing: the same seed gives the same text."""
+        if self.generator is None:
+            return None
+        return torch.Generator().manual_seed(position_seed(self.generator.initial_seed(), position))
 
     @property
     def block_ids(self) -> list[int]:
@@ -115,9 +127,20 @@ class RequestOutput:
     num_new_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None
     error: str | None = None
+    error_param: str | None = None  # set: the request's own field made it fail (a grammar), a client error
     num_cached_tokens: int = 0  # prompt tokens it found in the prefix cache (usage.prompt_tokens_details)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """A 63-bit seed for output `position` of a request seeded `seed`: splitmix64's finalizer over both, so
+    neighbouring positions (and seeds) get unrelated streams."""
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 1

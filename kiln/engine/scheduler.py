@@ -2,8 +2,10 @@
 
 Each step: running requests first (decodes and unfinished prefill chunks), then waiting requests while
 the token budget, the sequence limit and free KV blocks allow. While more than one request is unfinished, one
-request prefills at most `long_prefill_token_threshold` tokens a step, and one client request (prompts x n)
-runs at most `running_per_request` sequences, so the others keep getting tokens and batch slots. When
+request prefills a chunk of at most `long_prefill_token_threshold` tokens' cost a step, and of at most
+`long_prefill_step_seconds` once timed (the chunk shrinks as its context grows, kiln.engine.prefill_budget), and
+one client request (prompts x n) runs at most `running_per_request` sequences, so the others keep getting tokens
+and batch slots. When
 blocks run out, the most recently admitted running request is preempted: its blocks are freed and it rejoins the
 front of the waiting queue to be recomputed from its prompt and the tokens it has already produced. Under a
 recipe's step constraints a request joins a step only with as many tokens as keep the step paddable to an
@@ -31,6 +33,7 @@ from kiln.config import SchedulerConfig
 from kiln.engine.block_group import BlockGroup, blocks_short, window_cap
 from kiln.engine.kv_cache import BlockPool
 from kiln.engine.kv_window import num_dead_blocks
+from kiln.engine.prefill_budget import PrefillBudget
 from kiln.engine.prefix_cache import PrefixKeys
 from kiln.engine.prefix_sharing import NOTHING_CACHED, CachedPrefix, PrefixSharing
 from kiln.engine.request import Request, RequestStatus
@@ -51,12 +54,15 @@ class Scheduler:
         steps_in_flight: int = 1,
         prefix_keys: PrefixKeys | None = None,
         speculator: Speculator | None = None,
+        attention_tokens: float | None = None,
     ) -> None:
         """`window` > 0: the layers slide with this window, so blocks behind it are released: every layer's, or with
         `window_pool`, only the sliding layers' (their own pool; `block_pool` then holds the global layers').
         `steps_in_flight` > 1: rank 0 of a pipeline keeps that many steps launched (kiln.engine.step_pipeline).
         `prefix_keys`: prefix caching on (kiln.engine.prefix_sharing), for models without a sliding window.
-        `speculator`: decoding sequences bring draft tokens to verify (kiln.engine.speculation)."""
+        `speculator`: decoding sequences bring draft tokens to verify (kiln.engine.speculation).
+        `attention_tokens`: the context at which a token's attention costs as much as its weight products, so a
+        prefill chunk shrinks as its context grows (kiln.engine.prefill_budget; None: chunks counted in tokens)."""
         self.config = config
         self.pool = block_pool
         self.shaper = shaper
@@ -76,6 +82,9 @@ class Scheduler:
             raise KilnError("prefix caching needs every layer to keep its whole context (this model slides)")
         self.prefix = PrefixSharing(block_pool, prefix_keys, steps_in_flight == 1) if prefix_keys else None
         self.speculator = speculator
+        self.prefill = PrefillBudget(
+            config.long_prefill_token_threshold, attention_tokens, config.long_prefill_step_seconds
+        )
 
     @property
     def has_unfinished(self) -> bool:
@@ -101,7 +110,7 @@ class Scheduler:
             else:
                 num_new = self._fit(
                     scheduled,
-                    window_cap(self.groups, req, self._chunk(min(req.num_tokens - req.num_computed_tokens, budget))),
+                    window_cap(self.groups, req, self._chunk(req, req.num_computed_tokens, budget)),
                 )
             if num_new == 0:  # no allowed step shape holds it next to the others: it runs in a later step
                 i += 1
@@ -121,7 +130,7 @@ class Scheduler:
             num_new = req.num_tokens - start
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = self._chunk(min(num_new, budget))
+            num_new = self._chunk(req, start, budget)
             fitted = self._fit(scheduled, window_cap(self.groups, req, num_new))
             if fitted == 0 or (fitted < num_new and not self.config.enable_chunked_prefill):
                 break
@@ -156,13 +165,21 @@ class Scheduler:
                 return r
         return None
 
-    def _chunk(self, wanted: int) -> int:
-        """At most `long_prefill_token_threshold` prompt tokens for one request while others run or wait (with
-        chunked prefill): a 2,000-token prompt no longer holds every other stream for its whole prefill."""
-        cap = self.config.long_prefill_token_threshold
-        if not (cap and self.config.enable_chunked_prefill) or len(self.running) + len(self.waiting) < 2:
+    def _chunk(self, req: Request, start: int, budget: int) -> int:
+        """The tokens `req` computes this step from `start` on, within `budget`: while others run or wait (with
+        chunked prefill) a chunk of at most the prefill budget's cost (kiln.engine.prefill_budget), so a long
+        prompt no longer holds every other stream for its whole prefill, nor for one costly chunk."""
+        wanted = min(req.num_tokens - start, budget)
+        if not self.config.enable_chunked_prefill or len(self.running) + len(self.waiting) < 2:
             return wanted
-        return min(wanted, cap)
+        return self.prefill.chunk(wanted, start)
+
+    def step_cost(self, sched: SchedulerOutput) -> float:
+        """What `sched` costs in the prefill budget's units (call before the step advances its requests); 0 when it
+        prefills nothing (only steps with a chunk are timed)."""
+        if all(s.num_new_tokens == s.num_rows for s in sched.scheduled):
+            return 0.0
+        return sum(self.prefill.cost(s.num_new_tokens, s.request.num_computed_tokens) for s in sched.scheduled)
 
     def _fit(self, scheduled: list[ScheduledRequest], wanted: int) -> int:
         """How many of `wanted` new tokens one more sequence may bring to the step under the recipe's shapes."""

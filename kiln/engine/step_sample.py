@@ -34,7 +34,8 @@ def sampling_row(
     p = req.params
     output = req.output_token_ids + drafts if drafts else req.output_token_ids
     block_eos = eos_token_ids + p.stop_token_ids if len(output) < p.min_tokens else []
-    return SamplingRow(p, req.prompt_token_ids, output, req.generator, block_eos, allowed, req.keeps_probs)
+    generator = req.generator_at(len(output))
+    return SamplingRow(p, req.prompt_token_ids, output, generator, block_eos, allowed, req.keeps_probs)
 
 
 def sample_step(

@@ -18,28 +18,33 @@ exactly. A row with top-k, top-p or min-p masks first (its filters must see the 
 llguidance is imported on the first constraint, so an engine runs without it (a machine without the package gets
 a clear error for a constrained request, not an engine that fails to import).
 
-Compiling can take long for a complex schema: the server compiles on its tokenizer thread before the request is
-queued (an invalid schema, regex or grammar is a 400 then), and the engine thread finds it in the cache.
+Compiling can take long for a complex schema: the server compiles on its own bounded pool before the request is
+queued (kiln.server.grammar_compiler: an invalid schema, regex or grammar, or one llguidance fails on at its first
+tokens, is a 400 then), and the engine thread finds it in the cache (kiln.engine.grammar_cache: bounded in bytes,
+failures remembered by key). kiln.engine.grammar_build writes and tries the grammars.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import threading
-from collections import OrderedDict
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
+from kiln.engine.grammar_build import MAX_REASON_CHARS, GrammarRefused, grammar_text, llguidance_module, new_matcher
+from kiln.engine.grammar_cache import GRAMMAR_CACHE_BYTES, GrammarCache, estimated_bytes, grammar_key
 from kiln.errors import RequestError
+
+logger = logging.getLogger("kiln")
 
 Kind = Literal["json", "regex", "choice", "grammar"]
 KINDS: tuple[str, ...] = ("json", "regex", "choice", "grammar")
 ANY_JSON_OBJECT = '{"type": "object"}'  # OpenAI's json_object mode
-CACHED_GRAMMARS = 256
-# JSON as models write it on one line ("a": 1, "b": [2, 3]); any whitespace lets a small model loop on blanks
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,11 @@ class StructuredOutput:
             )
         if not isinstance(self.spec, str):
             raise RequestError(f"{self.param} must be given as text, got {type(self.spec).__name__}", None, self.param)
+
+    @functools.cached_property
+    def key(self) -> str:
+        """The grammar cache's key: a hash of the kind and text (logs name a grammar by its first 12 digits)."""
+        return grammar_key(self.kind, self.spec)
 
     @classmethod
     def json(cls, schema: dict[str, Any] | str, param: str = "json") -> StructuredOutput:
@@ -80,7 +90,8 @@ class GrammarState:
     def advance(self, token: int) -> None:
         """Take the sampled `token`; RequestError when the grammar cannot (a token it did not allow was forced)."""
         if not self.matcher.consume_token(token) or self.matcher.is_error():
-            raise RequestError(f"the output left the grammar of {self.param}: {self.matcher.get_error()}", None)
+            why = " ".join(self.matcher.get_error().split("<", 1)[0].split())[:MAX_REASON_CHARS]
+            raise RequestError(f"the output left the grammar of {self.param}: {why or 'refused'}", None, self.param)
 
     def allows(self, token: int) -> bool:
         """Whether the grammar takes `token` next (the state unchanged): a walk over the token's bytes alone."""
@@ -101,37 +112,61 @@ class GrammarState:
 
 
 class Grammars:
-    """Compiled constraints of one engine (its tokenizer and vocabulary), cached by constraint; thread-safe."""
+    """Compiled constraints of one engine (its tokenizer and vocabulary), cached by constraint within
+    `cache_bytes` (kiln.engine.grammar_cache); thread-safe."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...], cache_bytes: int = GRAMMAR_CACHE_BYTES
+    ) -> None:
         """`tokenizer`: the engine's `tokenizers.Tokenizer`; `vocab_size`: the width of the logits."""
         self._hf_tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
         self._tokenizer: Any = None  # llguidance's view of the vocabulary, built on first use (~0.3 s)
-        self._compiled: OrderedDict[StructuredOutput, Any] = OrderedDict()
+        self.cache = GrammarCache(cache_bytes)
         self._lock = threading.Lock()
         self._executor: Any = None  # llguidance's thread pool for masks of many sequences at once
 
     def compile(self, constraint: StructuredOutput) -> Any:
-        """The grammar's matcher at its start (a template each sequence copies); RequestError naming the field when
-        the schema, regex or grammar is invalid or unsupported."""
+        """The grammar's matcher at its start (a template each sequence copies); GrammarRefused naming the field
+        when the schema, regex or grammar is invalid, unsupported, or fails on its first tokens (then its key is
+        remembered, and the same constraint is refused at once)."""
+        key = constraint.key
+        if (matcher := self.cache.get(key)) is not None:
+            return matcher
+        if (why := self.cache.failure(key)) is not None:
+            raise GrammarRefused(why, None, constraint.param)
         with self._lock:
-            if constraint in self._compiled:
-                self._compiled.move_to_end(constraint)
-                return self._compiled[constraint]
             tokenizer = self._llg_tokenizer()
-        llguidance = _llguidance()
-        grammar = _grammar_text(constraint)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-        if is_error:
-            raise RequestError(f"{constraint.param} cannot be used: {_first_line(messages)}", None, constraint.param)
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise RequestError(f"{constraint.param} cannot be used: {matcher.get_error()}", None, constraint.param)
-        with self._lock:
-            self._compiled[constraint] = matcher
-            while len(self._compiled) > CACHED_GRAMMARS:
-                self._compiled.popitem(last=False)
+        started = time.monotonic()
+        try:
+            grammar = grammar_text(constraint.kind, constraint.spec, constraint.param)
+            num_bytes = estimated_bytes(grammar)
+            if num_bytes > self.cache.max_bytes:
+                raise GrammarRefused(
+                    f"{constraint.param} compiles to a grammar of about {num_bytes >> 20} MiB, more than the grammar "
+                    f"cache holds ({self.cache.max_bytes >> 20} MiB, --grammar-cache-mb); send a smaller one",
+                    None,
+                    constraint.param,
+                )
+            matcher = new_matcher(tokenizer, grammar, constraint.param)
+        except GrammarRefused as exc:
+            self.cache.fail(key, exc.args[0])
+            logger.info("grammar %s (%s, %d bytes) refused: %s", key[:12], constraint.kind, len(constraint.spec), exc)
+            raise
+        self.cache.put(key, matcher, num_bytes)
+        logger.info(
+            "grammar %s (%s, %d bytes) compiled in %.2f s; cache %d grammars, ~%d MiB",
+            key[:12],
+            constraint.kind,
+            len(constraint.spec),
+            time.monotonic() - started,
+            len(self.cache),
+            self.cache.num_bytes >> 20,
+        )
         return matcher
+
+    def remember_failure(self, constraint: StructuredOutput, message: str) -> None:
+        """Refuse `constraint` at once from now on with `message` (the server's compile deadline passed)."""
+        self.cache.fail(constraint.key, message)
 
     def start(self, constraint: StructuredOutput) -> GrammarState:
         """A new sequence's state in `constraint`'s grammar."""
@@ -146,7 +181,7 @@ class Grammars:
         allow every token (no verification reaches them)."""
         width = (self.vocab_size + 31) // 32
         if self._executor is None:
-            self._executor = _llguidance().LLExecutor(max(1, torch.get_num_threads()))
+            self._executor = llguidance_module().LLExecutor(max(1, torch.get_num_threads()))
         drafts = drafts or [[] for _ in states]
         starts = [0]
         for tokens in drafts:
@@ -163,43 +198,8 @@ class Grammars:
 
     def _llg_tokenizer(self) -> Any:
         if self._tokenizer is None:
-            llguidance = _llguidance()
+            llguidance = llguidance_module()
             eos = list(self.eos_token_ids)
             text = self._hf_tokenizer.to_str()
             self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=eos)
         return self._tokenizer
-
-
-def _llguidance() -> Any:
-    try:
-        import llguidance
-    except ImportError:
-        raise RequestError("structured outputs need the llguidance package: pip install llguidance==1.9.0") from None
-    return llguidance
-
-
-def _grammar_text(constraint: StructuredOutput) -> str:
-    llguidance = _llguidance()
-    from llguidance.gbnf_to_lark import any_to_lark
-
-    spec = constraint.spec
-    try:
-        if constraint.kind == "json":
-            return llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
-        if constraint.kind == "regex":
-            return llguidance.LLMatcher.grammar_from_regex(spec)
-        if constraint.kind == "choice":
-            return llguidance.LLMatcher.grammar_from_lark(
-                "start: " + " | ".join(json.dumps(c) for c in json.loads(spec))
-            )
-        return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec))
-    except Exception as exc:  # a schema that is not JSON, a GBNF grammar that does not parse
-        raise RequestError(
-            f"{constraint.param} cannot be used: {_first_line([str(exc)])}", None, constraint.param
-        ) from None
-
-
-def _first_line(messages: list[str]) -> str:
-    text = next((m for m in messages if m.strip()), "invalid")
-    text = " ".join(text.split())
-    return text if len(text) <= 300 else text[:297] + "..."

@@ -66,11 +66,12 @@ class Updater:
         self.scheduler.finish(req, "abort")
         return self.output(req, num_new=0)
 
-    def fail(self, request_id: str, message: str) -> RequestOutput | None:
-        """Finish a request with `finish_reason="error"` and `message` (written for the client) as its error."""
+    def fail(self, request_id: str, message: str, param: str | None = None) -> RequestOutput | None:
+        """Finish a request with `finish_reason="error"` and `message` (written for the client) as its error;
+        `param`: the request field that failed it (then the client's error, not the engine's)."""
         if (req := self.requests.get(request_id)) is None:
             return None
-        req.error = message
+        req.error, req.error_param = message, param
         self.scheduler.finish(req, "error")
         return self.output(req, num_new=0)
 
@@ -97,8 +98,8 @@ class Updater:
             if req.grammar is not None:
                 try:
                     req.grammar.advance(token)
-                except RequestError as exc:  # a forced token outside the grammar: this request alone fails
-                    return self.fail(req.request_id, str(exc))
+                except RequestError as exc:  # the grammar failed on a token: this request alone fails
+                    return self.fail(req.request_id, str(exc), exc.param or "structured_output")
             if logprobs:
                 req.logprobs.append(logprobs[i])
             if req.metrics.first_token_time is None:

@@ -3,9 +3,12 @@ responses.py), errors for clients (errors.py), Prometheus metrics, the serving l
 
 api.py         the FastAPI app: OpenAI routes, /health, /metrics, the middleware stack, error handlers, engine lifespan
 cli.py         parsers of `kiln serve` and `kiln loadtest` (handlers: launcher.py, kiln.bench.loadtest)
+connection_table.py  the open connections: idle ones closed (oldest first) for room, a per-peer cap, refusals counted
 connections.py per-connection limits uvicorn lacks: a deadline and a size bound on headers, a fixed send buffer
 errors.py      every failure as OpenAI's error body `{"error": {...}}` with its HTTP status
 formats.py     the two OpenAI response shapes over one serving loop: `text_completion` and `chat.completion`
+grammar_compiler.py  constraints compiled off the tokenizer thread: a bounded pool, a deadline, one slot per client
+grammar_limits.py    how large a constraint may be (bytes, choices, schema depth), checked before compiling
 launcher.py    start-up and shutdown of `kiln serve`: load the engine, bind uvicorn, exit 0 on SIGINT/SIGTERM
 limits.py      how much work one HTTP request may ask for, and the checks that refuse more before the work is done
 metrics.py     Prometheus metrics on a per-app registry: HTTP requests by status, latency histograms, engine state

@@ -44,6 +44,8 @@ def raise_if_failed(out: RequestOutput, request_id: str) -> None:
         # NOTE: the engine logged the cause under its own request id; this line ties that to the HTTP request's.
         logger.warning("request %s: engine request %s failed: %s", request_id, out.request_id, out.error)
         what = out.error or "the engine failed this request"
+        if out.error_param is not None:  # the request's own grammar failed it: the client's error
+            raise APIError(400, f"{what} (request {request_id})", out.error_param, "grammar_failed")
         raise APIError(500, f"{what} (request {request_id})", code="engine_error")
     if out.finish_reason == "abort":
         why = out.error or "the server is shutting down"

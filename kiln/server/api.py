@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -13,7 +13,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kiln import __version__
 from kiln.engine.async_engine import AsyncEngine
+from kiln.server.connection_table import ConnectionTable
 from kiln.server.errors import install_error_handlers
+from kiln.server.grammar_limits import GRAMMAR_COMPILE_THREADS, GrammarLimits
 from kiln.server.limits import ServerLimits
 from kiln.server.metrics import HTTPMetricsMiddleware, ServerMetrics
 from kiln.server.middleware import (
@@ -36,10 +38,13 @@ class AppSettings:
     allowed_hosts: frozenset[str] = frozenset()  # Host names answered without a key, beyond IPs and localhost
     parse_special_tokens: bool = True  # /v1/completions text prompts: special-token text becomes control tokens
     tool_call_parser: str | None = None  # None: chosen by the chat template (kiln.server.tool_parsers)
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)  # structured outputs' size and deadline
+    grammar_compile_threads: int = GRAMMAR_COMPILE_THREADS
 
 
-def create_app(engine: AsyncEngine, settings: AppSettings) -> FastAPI:
-    """The app owns the engine loop: the lifespan starts it and, on shutdown, aborts what is left and joins it."""
+def create_app(engine: AsyncEngine, settings: AppSettings, connections: ConnectionTable | None = None) -> FastAPI:
+    """The app owns the engine loop: the lifespan starts it and, on shutdown, aborts what is left and joins it.
+    `connections`: the server's open connections (kiln.server.connection_table), counted in /metrics."""
     is_shutting_down = False
 
     @asynccontextmanager
@@ -55,7 +60,7 @@ def create_app(engine: AsyncEngine, settings: AppSettings) -> FastAPI:
 
     app = FastAPI(title="kiln", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     limits = settings.limits or ServerLimits.for_model(engine.core.max_model_len)
-    metrics = ServerMetrics(engine)
+    metrics = ServerMetrics(engine, connections)
     serving = OpenAIServing(
         engine,
         metrics,
@@ -64,9 +69,11 @@ def create_app(engine: AsyncEngine, settings: AppSettings) -> FastAPI:
         settings.model_aliases,
         settings.parse_special_tokens,
         settings.tool_call_parser,
+        settings.grammar_limits,
+        settings.grammar_compile_threads,
     )
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
-    app.state.settings = settings
+    app.state.settings, app.state.connections = settings, connections
     # NOTE: the last one added runs first; kiln/server/middleware.py explains the order.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
     if settings.api_key is not None:

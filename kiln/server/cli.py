@@ -6,6 +6,13 @@ import argparse
 
 from kiln.engine.arg_types import int_at_least
 from kiln.engine.args import EngineArgs
+from kiln.server.grammar_limits import (
+    GRAMMAR_COMPILE_THREADS,
+    GRAMMAR_COMPILE_TIMEOUT_S,
+    MAX_GRAMMAR_BYTES,
+    MAX_GRAMMAR_CHOICES,
+    MAX_SCHEMA_DEPTH,
+)
 from kiln.server.limits import (
     BODY_TIMEOUT_S,
     HEADER_TIMEOUT_S,
@@ -112,8 +119,17 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         type=int_at_least(1),
         default=MAX_CONNECTIONS,
-        help="open connections served at once; a request on a connection beyond them gets 503 (default: "
+        help="open connections at once; a new connection beyond them first closes the one idle longest (awaiting "
+        "a request), and gets 503 only when every one has a request in flight (default: "
         f"{MAX_CONNECTIONS}; keep it under the process's file-descriptor limit, ulimit -n)",
+    )
+    limits.add_argument(
+        "--max-connections-per-peer",
+        metavar="N",
+        type=int_at_least(1),
+        default=None,
+        help="open connections from one address at once, handled as --max-connections among its own (default: half "
+        "of --max-connections)",
     )
     limits.add_argument(
         "--max-body-bytes",
@@ -168,6 +184,53 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         default=MAX_STREAM_BUFFER,
         help="outputs (one per token per choice) a streaming response may hold that its client has not read; a "
         f"client further behind is cut off and its requests aborted (default: {MAX_STREAM_BUFFER})",
+    )
+
+    _add_grammar_args(p)
+
+
+def _add_grammar_args(p: argparse.ArgumentParser) -> None:
+    grammar = p.add_argument_group(
+        "structured outputs",
+        "Constraints (response_format, guided_*, tools) are checked against these limits before they are compiled, "
+        "then compiled on their own threads, one at a time per client, so no request waits for another's grammar.",
+    )
+    grammar.add_argument(
+        "--max-grammar-bytes",
+        metavar="BYTES",
+        type=int_at_least(1),
+        default=MAX_GRAMMAR_BYTES,
+        help=f"largest constraint (a schema as JSON, a regex, a grammar, a choice list) (default: {MAX_GRAMMAR_BYTES})",
+    )
+    grammar.add_argument(
+        "--max-grammar-choices",
+        metavar="N",
+        type=int_at_least(1),
+        default=MAX_GRAMMAR_CHOICES,
+        help="most strings of a choice list, and most enum values and anyOf/oneOf branches of a schema (default: "
+        f"{MAX_GRAMMAR_CHOICES})",
+    )
+    grammar.add_argument(
+        "--max-schema-depth",
+        metavar="N",
+        type=int_at_least(1),
+        default=MAX_SCHEMA_DEPTH,
+        help=f"deepest nesting of a JSON schema's objects and lists (default: {MAX_SCHEMA_DEPTH})",
+    )
+    grammar.add_argument(
+        "--grammar-compile-timeout",
+        metavar="SECONDS",
+        type=_seconds,
+        default=GRAMMAR_COMPILE_TIMEOUT_S,
+        help="a constraint not compiled within this is answered 400, and refused at once when sent again (default: "
+        f"{GRAMMAR_COMPILE_TIMEOUT_S:g})",
+    )
+    grammar.add_argument(
+        "--grammar-compile-threads",
+        metavar="N",
+        type=int_at_least(1),
+        default=GRAMMAR_COMPILE_THREADS,
+        help=f"threads compiling constraints (default: {GRAMMAR_COMPILE_THREADS})",
     )
 
 

@@ -35,7 +35,9 @@ from kiln.env import read_env
 from kiln.errors import ConfigError
 from kiln.log import setup_logging
 from kiln.server.api import AppSettings, create_app
+from kiln.server.connection_table import ConnectionTable
 from kiln.server.connections import http_config
+from kiln.server.grammar_limits import GrammarLimits
 from kiln.server.limits import ServerLimits
 
 logger = logging.getLogger("kiln")
@@ -109,7 +111,7 @@ def run_server(args: argparse.Namespace) -> int:
         args.port,
         header_timeout=args.header_timeout,
         keep_alive_timeout=args.keep_alive_timeout,
-        max_connections=args.max_connections,
+        connections=app.state.connections,
         log_config=None,
         access_log=args.access_log,
         timeout_graceful_shutdown=args.shutdown_timeout,
@@ -166,11 +168,30 @@ def build_app(core: EngineCore, args: argparse.Namespace, api_key: str | None) -
         max_stop_strings=args.max_stop_strings,
         max_stop_chars=args.max_stop_chars,
     )
+    per_peer = args.max_connections_per_peer or max(1, args.max_connections // 2)
+    app_connections = ConnectionTable(args.max_connections, per_peer)
     allowed = frozenset(h.strip() for h in (args.allowed_hosts or "").split(",") if h.strip())
     parse = args.completion_special_tokens == "parse"
     parser = args.tool_call_parser
-    settings = AppSettings(model_name, aliases, api_key, args.metrics_auth, limits, allowed, parse, parser)
-    return create_app(engine, settings)
+    grammar_limits = GrammarLimits(
+        max_bytes=args.max_grammar_bytes,
+        max_choices=args.max_grammar_choices,
+        max_depth=args.max_schema_depth,
+        compile_timeout_s=args.grammar_compile_timeout,
+    )
+    settings = AppSettings(
+        model_name,
+        aliases,
+        api_key,
+        args.metrics_auth,
+        limits,
+        allowed,
+        parse,
+        parser,
+        grammar_limits=grammar_limits,
+        grammar_compile_threads=args.grammar_compile_threads,
+    )
+    return create_app(engine, settings, app_connections)
 
 
 def resolve_api_key(args: argparse.Namespace, env_api_key: str | None) -> str | None:

@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.request import RequestOutput
+from kiln.server.connection_table import ConnectionTable
 from kiln.server.errors import CLIENT_CLOSED
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
@@ -101,8 +102,31 @@ def _speculative_metrics(stats: dict[str, float | int]) -> Iterator[Metric]:
     )
 
 
+class ConnectionCollector(Collector):
+    """The server's open and idle connections, the new ones it refused (by reason) and the idle ones it closed for
+    room (kiln.server.connection_table): these never reach the app, so kiln_http_requests cannot count them."""
+
+    def __init__(self, connections: ConnectionTable) -> None:
+        self.connections = connections
+
+    def collect(self) -> Iterator[Metric]:
+        c = self.connections
+        yield GaugeMetricFamily("kiln_connections_open", "Open HTTP connections", value=len(c))
+        yield GaugeMetricFamily("kiln_connections_idle", "Open connections awaiting a request", value=c.num_idle)
+        refused = CounterMetricFamily(
+            "kiln_connections_refused",
+            "New connections answered 503 because every connection of the limit had a request in flight",
+            labels=["reason"],
+        )
+        for reason in ("max_connections", "max_connections_per_peer"):
+            refused.add_metric([reason], c.num_refused[reason])
+        yield refused
+        doc = "Idle connections (no request in flight) closed to make room for a new one"
+        yield CounterMetricFamily("kiln_connections_closed_idle", doc, value=c.num_closed_idle)
+
+
 class ServerMetrics:
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, connections: ConnectionTable | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.http_requests = Counter(
@@ -136,6 +160,8 @@ class ServerMetrics:
             "kiln_e2e_request_latency_seconds", "From HTTP arrival to the last token", buckets=E2E_BUCKETS, registry=r
         )
         r.register(EngineCollector(engine))
+        if connections is not None:
+            r.register(ConnectionCollector(connections))
 
     def observe_finished(self, out: RequestOutput, arrival_time: float) -> None:
         """Record a finished request; `arrival_time` is time.monotonic() when its HTTP request arrived."""

@@ -27,11 +27,12 @@ from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.request import RequestOutput
 from kiln.engine.request_stream import RequestStream
 from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.structured_output import StructuredOutput
 from kiln.errors import RequestError
 from kiln.server.answers import EngineStreamingResponse, raise_if_failed, unless_disconnected
 from kiln.server.errors import CLIENT_CLOSED, APIError, error_body, expected_error, internal_error
 from kiln.server.formats import ChatFormat, CompletionFormat, ResponseFormat
+from kiln.server.grammar_compiler import GrammarCompiler
+from kiln.server.grammar_limits import GRAMMAR_COMPILE_THREADS, GrammarLimits
 from kiln.server.limits import MESSAGE_MARKUP_CHARS, ServerLimits
 from kiln.server.metrics import ServerMetrics
 from kiln.server.middleware import request_id_of
@@ -56,6 +57,8 @@ class OpenAIServing:
         aliases: Sequence[str] = (),
         parse_special_tokens: bool = True,
         tool_call_parser: str | None = None,
+        grammar_limits: GrammarLimits | None = None,
+        grammar_compile_threads: int = GRAMMAR_COMPILE_THREADS,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -72,6 +75,9 @@ class OpenAIServing:
         # characters), so the event loop waits for at most one encode at a time instead of one per pool thread;
         # encodes cannot run in parallel under the GIL anyway.
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="kiln-tokenize")
+        self.grammar_compiler = GrammarCompiler(
+            engine.core.grammars, grammar_limits or GrammarLimits(), grammar_compile_threads
+        )
         tok = self.tokenizer
         name, why = choose_tool_parser(tok.chat_template, tok.template_knows_tools, tool_call_parser)
         logger.info("Tool calls: %s parser (%s)", name, why)
@@ -80,8 +86,9 @@ class OpenAIServing:
         self._tool_opener_is_special = opener in tok.special_token_texts
 
     def close(self) -> None:
-        """Let the tokenizer thread exit once its queued work is done (the app's shutdown calls this)."""
+        """Let the tokenizer and grammar threads exit once its queued work is done (the app's shutdown calls this)."""
         self._tokenizer_thread.shutdown(wait=False)
+        self.grammar_compiler.close()
 
     # -- endpoints --------------------------------------------------------------------------------
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
@@ -145,10 +152,14 @@ class OpenAIServing:
     ) -> Response:
         # NOTE: the room is held while the tokenizer works, so a flood is answered 429 before it is tokenized
         constraint = body.structured_output()
+        request_id = request_id_of(request)
+        if constraint is not None:
+            self.grammar_compiler.limits.check(constraint)  # before any work
         with self.engine.reserve(num_prompts * body.n) as reservation:
             prompt_ids = await self._in_tokenizer_thread(tokenize)
-            if constraint is not None:  # compiled here, off the step loop; the engine finds it in its cache
-                await self._in_tokenizer_thread(functools.partial(self._compile_grammar, constraint))
+            if constraint is not None:  # compiled on its own pool, off the step loop; the engine finds it cached
+                client = request.client.host if request.client else "unknown"
+                await self.grammar_compiler.compile(constraint, client, request_id)
             jobs: list[tuple[str, list[int], SamplingParams]] = []
             for p, ids in enumerate(prompt_ids):
                 # NOTE: no max_tokens means "the rest of the context"; with no room left, 1 token makes the engine
@@ -163,7 +174,6 @@ class OpenAIServing:
         index = {rid: i for i, (rid, _, _) in enumerate(jobs)}
         firsts = frozenset(rid for rid, i in index.items() if i % body.n == 0)
         counts = Usage(sum(len(ids) for ids in prompt_ids), firsts)
-        request_id = request_id_of(request)
         if body.stream:
             events = self._stream(stream, fmt, index, counts, body.include_usage_in_stream, arrival, request_id)
             return EngineStreamingResponse(events, on_close=lambda: self._close(stream))
@@ -247,12 +257,6 @@ class OpenAIServing:
                 "model",
                 "model_not_found",
             )
-
-    def _compile_grammar(self, constraint: StructuredOutput) -> None:
-        grammars = self.engine.core.grammars
-        if grammars is None:
-            raise RequestError("structured outputs need the model's tokenizer", None, constraint.param)
-        grammars.compile(constraint)
 
     def _tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
         return [self._encode_text(p) if isinstance(p, str) else list(p) for p in prompts]

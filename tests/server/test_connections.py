@@ -1,7 +1,9 @@
 """Per-connection limits (kiln/server/connections.py) on a real uvicorn socket over a small ASGI app: a connection
 that sends no request, or trickles its headers a few bytes at a time, gets 408 and is closed once --header-timeout
 has passed; a slow response or a kept-alive connection's next request is not cut; headers over MAX_HEADER_BYTES
-are a 400; a request beyond --max-connections is a 503. No model: each test takes a few seconds."""
+are a 400; idle connections are closed to make room, and a connection beyond --max-connections whose others all
+have a request in flight is a 503 (tests/server/test_idle_connections.py). No model: each test takes a few
+seconds."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
+from kiln.server.connection_table import ConnectionTable
 from kiln.server.connections import http_config
 from kiln.server.limits import MAX_HEADER_BYTES
 
@@ -43,8 +46,9 @@ async def app(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-de
 
 @pytest.fixture(scope="module")
 def port() -> Iterator[int]:
+    table = ConnectionTable(MAX_CONNECTIONS, MAX_CONNECTIONS)
     config = http_config(app, "127.0.0.1", 0, header_timeout=HEADER_TIMEOUT, keep_alive_timeout=30,
-                         max_connections=MAX_CONNECTIONS, log_config=None, lifespan="off")  # fmt: skip
+                         connections=table, log_config=None, lifespan="off")  # fmt: skip
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -125,20 +129,17 @@ def test_oversized_headers_are_refused(port: int) -> None:
         assert read_answer(sock).startswith(b"HTTP/1.1 431 ")
 
 
-def test_a_request_beyond_the_connection_limit_gets_503(port: int) -> None:
+def test_a_connection_beyond_the_limit_closes_the_oldest_idle_one(port: int) -> None:
     idle = [connect(port) for _ in range(MAX_CONNECTIONS)]
     try:
         time.sleep(0.2)
-        with connect(port) as sock:
+        with connect(port) as sock:  # before issue 51: a 503, as every request on any connection
             sock.sendall(request())
-            assert sock.recv(65536).startswith(b"HTTP/1.1 503 ")
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        assert read_answer(idle[0]) == b""  # the oldest silent connection was closed, without an answer
     finally:
         for sock in idle:
             sock.close()
-    time.sleep(0.2)
-    with connect(port) as sock:  # once they are gone, requests are served again
-        sock.sendall(request())
-        assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
 
 
 def test_a_client_that_stops_reading_holds_back_the_sender_within_a_fixed_buffer(port: int) -> None:

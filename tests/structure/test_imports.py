@@ -23,8 +23,8 @@ LAZY_IMPORTS = {
     ("kiln/bench/llamacpp_runner.py", "llama_cpp"): "optional dependency (the llamacpp extra), for --compare llama.cpp",
     ("kiln/bench/loadtest_report.py", "matplotlib"): "optional dependency (the dev extra), for --plot",
     ("kiln/bench/loadtest_report.py", "matplotlib.pyplot"): "same",
-    ("kiln/engine/structured_output.py", "llguidance"): "only a constrained request needs it (a GPU box may lack it)",
-    ("kiln/engine/structured_output.py", "llguidance.gbnf_to_lark"): "same",
+    ("kiln/engine/grammar_build.py", "llguidance"): "only a constrained request needs it (a GPU box may lack it)",
+    ("kiln/engine/grammar_build.py", "llguidance.gbnf_to_lark"): "same",
 }
 
 

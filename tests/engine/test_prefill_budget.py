@@ -1,0 +1,77 @@
+"""Prefill chunks budgeted by cost (issue 51): a chunk's attention grows with its context, so with 512-token chunks
+an 8,000-token prompt's last chunks cost ~3.5x its first and every stream's gap grew with them (13 s on a shared
+2-core machine). Now the chunk shrinks as its context grows, and to the measured step time's target. Pure
+bookkeeping: no model runs."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from kiln.config import SchedulerConfig
+from kiln.engine.kv_cache import BlockPool
+from kiln.engine.prefill_budget import MIN_TIMED_COST, PrefillBudget, attention_tokens_of
+from kiln.engine.scheduler import Scheduler
+from kiln.model.loader import open_checkpoint
+from tests.engine.test_long_prefill import request, run_step
+
+SMOLLM2_ATTENTION_TOKENS = 3072.0  # 3,538,944 multiply-adds of products a layer over 2 x 9 heads x 64
+
+
+def test_the_default_models_attention_costs_a_token_at_3072_positions() -> None:
+    assert attention_tokens_of(open_checkpoint("default").config) == SMOLLM2_ATTENTION_TOKENS
+
+
+def long_prompt_beside_a_stream(config: SchedulerConfig) -> tuple[Scheduler, list[dict[str, int]]]:
+    scheduler = Scheduler(config, BlockPool(1024, 16), attention_tokens=SMOLLM2_ATTENTION_TOKENS)
+    scheduler.add(request("stream", 8))
+    run_step(scheduler)
+    scheduler.add(request("long", 8000))
+    steps = []
+    while scheduler.waiting or any(r.num_computed_tokens < r.num_tokens - 1 for r in scheduler.running):
+        steps.append(run_step(scheduler))
+    return scheduler, steps
+
+
+def test_a_chunk_shrinks_as_its_context_grows() -> None:
+    scheduler, steps = long_prompt_beside_a_stream(SchedulerConfig(max_num_batched_tokens=2048))
+    chunks = [s["long"] for s in steps if "long" in s]
+    assert sum(chunks) == 8000 and all(s.get("stream") == 1 for s in steps)  # the stream: a token every step
+    assert chunks[0] == 512 and chunks[-2] < 160  # the last full chunk is under a third of the first
+    assert all(a >= b for a, b in itertools.pairwise(chunks))
+    budget, start = scheduler.prefill, 0
+    for chunk in chunks:  # every chunk costs at most a 512-token chunk at context 0 (before: up to 3.5x)
+        assert budget.cost(chunk, start) <= budget.cost(512, 0) + 1e-9
+        start += chunk
+    assert budget.num_shrunk >= len(chunks) - 2
+
+
+def test_a_measured_step_time_over_the_target_shrinks_the_chunk() -> None:
+    budget = PrefillBudget(max_tokens=512, attention_tokens=SMOLLM2_ATTENTION_TOKENS, step_seconds=0.5)
+    assert budget.chunk(2000, 0) == 512  # nothing measured yet: the token threshold's cost
+    budget.observe(cost=512.0, seconds=1.0)  # a 512-token chunk took a second here
+    chunk = budget.chunk(2000, 0)
+    assert budget.cost(chunk, 0) <= 256 + 1 and chunk > 200  # half a second's worth
+    budget.observe(cost=MIN_TIMED_COST / 2, seconds=10.0)  # a chunk too small to time: its overheads dominate
+    assert budget.chunk(2000, 0) == chunk
+    for _ in range(50):  # decode-only steps of 0.1 s: a step's fixed part, not counted per unit of cost
+        budget.observe(cost=0.0, seconds=0.1)
+    for _ in range(50):  # small chunks whose steps are mostly that fixed part do not shrink the next ones
+        budget.observe(cost=100.0, seconds=0.1 + 100 / 512)
+    assert budget.cost(budget.chunk(2000, 0), 0) == pytest.approx(0.4 * 512, rel=0.05)  # (0.5 - 0.1) s of chunk
+    for _ in range(50):  # a machine where a step's fixed part alone takes 0.45 s: the target cannot be met
+        budget.observe(cost=0.0, seconds=0.45)
+    assert budget.cost(budget.chunk(2000, 0), 0) == pytest.approx(0.45 * 512, rel=0.05)  # a fixed part's worth
+    untimed = PrefillBudget(max_tokens=512, attention_tokens=None, step_seconds=0.0)
+    untimed.observe(cost=512.0, seconds=10.0)
+    assert untimed.chunk(2000, 7000) == 512  # no attention cost, no target: the token threshold alone
+
+
+@pytest.mark.parametrize("seconds", [0.0, 0.5])
+def test_alone_a_prompt_still_takes_the_whole_budget(seconds: float) -> None:
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, long_prefill_step_seconds=seconds)
+    alone = Scheduler(config, BlockPool(512, 16), attention_tokens=SMOLLM2_ATTENTION_TOKENS)
+    alone.prefill.observe(cost=512.0, seconds=5.0)
+    alone.add(request("long", 2040))
+    assert run_step(alone) == {"long": 2040}
