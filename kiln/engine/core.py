@@ -20,7 +20,7 @@ from kiln.engine.admission import Admission
 from kiln.engine.kv_cache import BlockPool
 from kiln.engine.kv_plan import kv_budget, kv_cache_blocks, log_kv_cache
 from kiln.engine.model_runner import ModelRunner, StepObserver
-from kiln.engine.prefix_sharing import prefix_keys_for
+from kiln.engine.prefix_sharing import cache_namespace, prefix_keys_for
 from kiln.engine.rank_role import SINGLE_DEVICE, RankRole
 from kiln.engine.request import Request, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
@@ -98,10 +98,8 @@ class EngineCore:
         window = mc.uniform_sliding_window or mc.hybrid_sliding_window
         # speculative decoding's proposer (kiln.engine.speculation): the scheduler asks it for drafts, the step times it
         self.speculator = Speculator.for_config(config.speculative, self.max_model_len)
-        # NOTE: the KV dtype is part of every prefix-cache key: a block stored as one dtype is never served as another
-        namespace = (
-            f"{checkpoint_path or config.model}|{config.quantization}|{config.activations}|{kv_dtype_name(kv_dtype)}"
-        )
+        model_name, kv_name = checkpoint_path or config.model, kv_dtype_name(kv_dtype)
+        namespace = cache_namespace(model_name, config.quantization, config.activations, kv_name)
         self.scheduler = Scheduler(
             config.scheduler,
             self.pool,
