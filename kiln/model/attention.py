@@ -23,10 +23,10 @@ Decode rows run on the kernel the engine's plan chose (`ForwardContext.decode_ke
 kiln's native paged kernel, which reads the blocks where they lie, or the batched torch form below.
 
 Cache layout per layer: [2 (K, V), num_kv_heads, num_blocks, block_size, row] (row: head_dim, plus the scale's
-bytes for int8 and fp8_e4m3). Heads come first so that
-gathered blocks are already [kv_heads, tokens, head_dim] per sequence: the decode path multiplies them in
-place, grouping the query heads that share a KV head (GQA) as rows of one small matmul, with no copy into
-an attention layout (measured: 2.5x faster than SDPA over strided gathered K/V at batch 32).
+bytes for int8 and fp8_e4m3). Heads come first so that gathered blocks are already [kv_heads, tokens, head_dim] per
+sequence: the decode path multiplies them in place, grouping the query heads that share a KV head (GQA) as rows of
+one small matmul, with no copy into an attention layout (measured: 2.5x faster than SDPA over strided gathered K/V
+at batch 32).
 """
 
 from __future__ import annotations

@@ -66,11 +66,11 @@ def first_divergence(base: LLM, got: list[list[int]], expected: list[list[int]])
     return None
 
 
-# measured on machine Q (docs/benchmarks.md, "KV cache dtypes"): fp8's 3 mantissa bits move the logits by ~0.1
+# measured on machine Q (README, "KV cache dtype"): fp8_e4m3 diverged at a top-2 gap of 0.14
 FP8_DIVERGES = "fp8_e4m3 KV (3 mantissa bits) changes greedy tokens where float32's top-2 gap is ~0.1"
 
 
-@pytest.mark.parametrize("name", ["auto", "bfloat16", "float16", "int8", "fp8_e4m3"])
+@pytest.mark.parametrize("name", ["auto", "float16", "int8", "fp8_e4m3"])  # auto: bfloat16 here
 def test_kv_dtype_against_a_float32_cache(
     reference: tuple[LLM, torch.Tensor, list[list[int]]], name: str, kiln_log: pytest.LogCaptureFixture
 ) -> None:
