@@ -9,17 +9,26 @@ attention (traced whole). The stored values are also held to each format's round
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 import kiln.model.attention  # noqa: F401  (registers torch.ops.kiln.attention)
-from kiln.kernels.attention import NATIVE_PREFIX, decode_kernel
+from kiln.compile.settings import graph_config_from
+from kiln.engine.model_runner import ModelRunner
+from kiln.executor.base import Executor
+from kiln.executor.eager import EagerExecutor
+from kiln.executor.graph import GraphExecutor
+from kiln.kernels.attention import NATIVE_PREFIX, TORCH, decode_kernel
 from kiln.kernels.native.build import native_op, runnable_tiers
 from kiln.model.attention import allocate_kv_caches, kv_cache_shape
 from kiln.model.forward_context import DecodeInputs, ForwardContext, set_forward_context
 from kiln.model.graph_attention import decode_attention
 from kiln.model.kv_format import STORAGE, cache_head_dim, kv_storage_dtype, pack_rows
-from tests.compile.tiny import tiny_config
+from tests.compile.tiny import BLOCK_SIZE as RUNNER_BLOCK
+from tests.compile.tiny import NUM_BLOCKS as NUM_RUNNER_BLOCKS
+from tests.compile.tiny import generate, random_prompts, tiny_config, tiny_model
 from tests.model.test_sliding_window import (
     BLOCK_SIZE,
     HEAD_DIM,
@@ -181,3 +190,25 @@ def test_the_cache_and_its_bytes_follow_the_dtype() -> None:
     assert kv_storage_dtype("auto", torch.float16) == torch.float16
     assert kv_storage_dtype("fp8_e4m3", torch.float32) == torch.uint8
     assert pack_rows(torch.zeros(3, 8), torch.int8).eq(0).view(3, -1)[:, :8].all()  # a zero row stays zero
+
+
+def _runner(model: torch.nn.Module, kv_dtype: torch.dtype, executor: Executor) -> ModelRunner:
+    runner = ModelRunner(model, executor, NUM_RUNNER_BLOCKS, RUNNER_BLOCK, kv_dtype, eos_token_ids=())
+    runner.prepare_executor()
+    return runner
+
+
+def test_full_decode_graphs_compile_the_fp8_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp8_e4m3, the format with the most bit-level reads (uint8 codes viewed as float8, the scale's bytes as
+    float32), through inductor's full decode graphs and pieces: the eager steps' tokens, with the torch form of
+    decode attention inside the graph."""
+    monkeypatch.setattr("kiln.kernels.plan.choose_decode_attention", lambda *a: (TORCH, {"winner": TORCH}))
+    model = tiny_model(num_layers=1)
+    prompts = random_prompts([5, 3, 9])
+    expected = generate(_runner(model, torch.uint8, EagerExecutor(keep_layout=True)), prompts, 8)
+    config = graph_config_from(
+        None, cache_dir=str(tmp_path), mode="full_and_piecewise", capture_sizes=(4,), compile_sizes=()
+    )
+    graph = GraphExecutor(config)
+    assert generate(_runner(model, torch.uint8, graph), prompts, 8) == expected
+    assert graph.counters.full_replays > 0
