@@ -55,8 +55,9 @@ def kv_storage_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def kv_dtype_name(dtype: torch.dtype) -> str:
-    """The KV cache dtype a cache of torch dtype `dtype` holds (its vLLM name)."""
-    return NAMES[dtype]
+    """The KV cache dtype a cache of torch dtype `dtype` holds (its vLLM name; the debugger's float64 reference
+    engine keeps its model's dtype under torch's name)."""
+    return NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
 def is_scaled(dtype: torch.dtype) -> bool:

@@ -25,7 +25,7 @@ from kiln.kernels.native.build import native_op, runnable_tiers
 from kiln.model.attention import allocate_kv_caches, kv_cache_shape
 from kiln.model.forward_context import DecodeInputs, ForwardContext, set_forward_context
 from kiln.model.graph_attention import decode_attention
-from kiln.model.kv_format import STORAGE, cache_head_dim, kv_storage_dtype, pack_rows
+from kiln.model.kv_format import STORAGE, cache_head_dim, kv_dtype_name, kv_storage_dtype, pack_rows
 from tests.compile.tiny import BLOCK_SIZE as RUNNER_BLOCK
 from tests.compile.tiny import NUM_BLOCKS as NUM_RUNNER_BLOCKS
 from tests.compile.tiny import generate, random_prompts, tiny_config, tiny_model
@@ -189,6 +189,8 @@ def test_the_cache_and_its_bytes_follow_the_dtype() -> None:
     assert kv_storage_dtype("auto", torch.float32) == torch.bfloat16
     assert kv_storage_dtype("auto", torch.float16) == torch.float16
     assert kv_storage_dtype("fp8_e4m3", torch.float32) == torch.uint8
+    assert kv_storage_dtype("auto", torch.float64) == torch.float64  # the debugger's reference engine
+    assert kv_dtype_name(torch.float64) == "float64" and kv_dtype_name(torch.uint8) == "fp8_e4m3"
     assert pack_rows(torch.zeros(3, 8), torch.int8).eq(0).view(3, -1)[:, :8].all()  # a zero row stays zero
 
 
