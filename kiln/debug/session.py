@@ -82,7 +82,9 @@ def debug_engine_args(args: EngineArgs, prefix_caching: bool = False) -> EngineA
     until a path asks for more, one sequence at a time, a small KV cache (unless the blocks are given), a fixed
     seed by default, and no prefix caching (unless a run primes a cached prefix: kiln.debug.runs), so every path
     prefills the same tokens and their steps compare. With speculative decoding, its verification steps run with
-    the forced tokens as drafts, whatever the method."""
+    the forced tokens as drafts, whatever the method. The KV cache holds the model's own dtype unless a dtype (or a
+    recipe) names one: `auto`'s bfloat16 rounding would sit far above the float64 noise floor and hide a fault."""
+    kv_cache_dtype = args.dtype if args.kv_cache_dtype == "auto" and args.recipe is None else args.kv_cache_dtype
     return replace(
         args,
         seed=args.seed if args.seed is not None else DEBUG_SEED,
@@ -93,6 +95,7 @@ def debug_engine_args(args: EngineArgs, prefix_caching: bool = False) -> EngineA
         kv_cache_memory_gb=min(args.kv_cache_memory_gb or DEBUG_KV_CACHE_GB, DEBUG_KV_CACHE_GB),
         kv_cache_memory_fraction=None,
         enable_prefix_caching=prefix_caching,
+        kv_cache_dtype=kv_cache_dtype,
         # with speculation every debug run verifies teacher-forced drafts (kiln.debug.runs): no draft model
         speculative_method="ngram" if args.speculative_method else None,
         speculative_model=None,

@@ -22,6 +22,7 @@ from kiln.config import (
     COMPILER_NAMES,
     DEFAULT_ACTIVATIONS,
     DTYPE_NAMES,
+    KV_CACHE_DTYPE_NAMES,
     QUANTIZATION_NAMES,
     CacheConfig,
     EngineConfig,
@@ -96,6 +97,13 @@ class EngineArgs:
     )
     prefix_caching_hash_algo: str = _arg(
         "sha256", "cached blocks' key (builtin: faster, still compared by tokens)", "KV cache", choices=HASH_ALGOS
+    )
+    kv_cache_dtype: str = _arg(
+        "auto",
+        "what the KV cache stores (vLLM's names): auto (bfloat16 for a float32 model, else the model's dtype), "
+        "float32, bfloat16, float16, or int8 / fp8_e4m3 codes with a float32 scale per token and head",
+        "KV cache",
+        choices=KV_CACHE_DTYPE_NAMES,
     )
     max_num_seqs: int = _arg(64, "most sequences in one step", group="scheduler", type=int_at_least(1))
     max_num_batched_tokens: int = _arg(2048, "most tokens in one step", group="scheduler", type=int_at_least(1))
@@ -265,6 +273,7 @@ class EngineArgs:
                 self.block_size,
                 self.num_kv_blocks,
                 self.kv_cache_memory_gb,
+                dtype=self.kv_cache_dtype,
                 kv_cache_memory_fraction=self.kv_cache_memory_fraction,
                 enable_prefix_caching=self.enable_prefix_caching,
                 prefix_caching_hash_algo=self.prefix_caching_hash_algo,

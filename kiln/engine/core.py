@@ -21,7 +21,7 @@ from kiln.engine.kv_cache import BlockPool
 from kiln.engine.kv_plan import kv_budget, kv_cache_blocks, log_kv_cache
 from kiln.engine.model_runner import ModelRunner, StepObserver
 from kiln.engine.prefill_budget import attention_tokens_of
-from kiln.engine.prefix_sharing import prefix_keys_for
+from kiln.engine.prefix_sharing import cache_namespace, prefix_keys_for
 from kiln.engine.rank_role import SINGLE_DEVICE, RankRole
 from kiln.engine.request import Request, RequestOutput
 from kiln.engine.sampling_params import SamplingParams
@@ -34,7 +34,7 @@ from kiln.engine.structured_output import Grammars
 from kiln.engine.updater import Updater
 from kiln.errors import INTERNAL_ERROR, RequestError, WorkerFailure
 from kiln.executor.base import Executor
-from kiln.model.dtypes import parse_dtype
+from kiln.model.kv_format import kv_dtype_name, kv_storage_dtype
 from kiln.model.tokenizer import KilnTokenizer
 from kiln.recipe.guards import RecipeViolation
 
@@ -77,7 +77,7 @@ class EngineCore:
         self.eos_token_ids = tuple(sorted(eos))
         cc = config.cache
         dtype = next(model.parameters()).dtype
-        kv_dtype = dtype if cc.dtype == "auto" else parse_dtype(cc.dtype)
+        kv_dtype = kv_storage_dtype(cc.dtype, dtype)  # kiln.model.kv_format: "auto" resolved for this model
         p = config.parallel
         budget, budget_reason = kv_budget(cc, next(model.parameters()).device, max(1, p.world_size // p.nnodes))
         blocks = kv_cache_blocks(cc, config.scheduler, model, kv_dtype, budget)  # (every layer's, a hybrid's sliding)
@@ -99,7 +99,8 @@ class EngineCore:
         window = mc.uniform_sliding_window or mc.hybrid_sliding_window
         # speculative decoding's proposer (kiln.engine.speculation): the scheduler asks it for drafts, the step times it
         self.speculator = Speculator.for_config(config.speculative, self.max_model_len)
-        namespace = f"{checkpoint_path or config.model}|{config.quantization}|{config.activations}|{kv_dtype}"
+        model_name, kv_name = checkpoint_path or config.model, kv_dtype_name(kv_dtype)
+        namespace = cache_namespace(model_name, config.quantization, config.activations, kv_name)
         self.scheduler = Scheduler(
             config.scheduler,
             self.pool,

@@ -16,6 +16,7 @@ from torch import nn
 from kiln.config import DEFAULT_KV_CACHE_GB, CacheConfig, ModelConfig, SchedulerConfig
 from kiln.distributed.control import agree_min
 from kiln.engine.kv_window import max_decode_blocks, window_pool_blocks
+from kiln.model.kv_format import kv_dtype_name
 from kiln.model.parallel import held_layers, local_kv_heads
 from kiln.platforms import platform_of
 
@@ -78,7 +79,8 @@ def log_kv_cache(
     mc: ModelConfig,
     reason: str = "",
 ) -> None:
-    """The start-up lines of the cache: its size and `reason` (`kv_budget`'s), and how a sliding window uses it."""
+    """The start-up lines of the cache: its size, its dtype (and that `auto` chose it), and `reason`
+    (`kv_budget`'s); and how a sliding window uses it."""
     num_blocks, window_blocks = blocks
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens (%.2f GB %s), max_model_len=%d%s",
@@ -86,7 +88,7 @@ def log_kv_cache(
         cc.block_size,
         num_blocks * cc.block_size,
         nbytes / 1e9,
-        str(kv_dtype).removeprefix("torch."),
+        kv_dtype_name(kv_dtype) + (" (--kv-cache-dtype auto)" if cc.dtype == "auto" else ""),
         max_model_len,
         f" ({reason})" if reason else "",
     )

@@ -143,6 +143,14 @@ def _same_prompt(a: Request, b: Request) -> bool:
     return a is not b and a.prompt_token_ids == b.prompt_token_ids and a.params.cache_salt == b.params.cache_salt
 
 
+def cache_namespace(model: str, quantization: str, activations: str, kv_cache_dtype: str) -> str:
+    """The root every block key of an engine chains from (kiln.engine.prefix_cache.cache_root): a block computed
+    with another checkpoint, weight quantization, activation arithmetic or KV cache dtype is never matched (a
+    bfloat16 block read as int8 codes and scales would be garbage, and a rounder format's K/V are not the same
+    prefix)."""
+    return f"{model}|{quantization}|{activations}|{kv_cache_dtype}"
+
+
 def prefix_keys_for(cc: CacheConfig, mc: ModelConfig, namespace: str) -> PrefixKeys | None:
     """How the engine keys its blocks (None: prefix caching off), logged in one start-up line."""
     if not cc.enable_prefix_caching:

@@ -125,7 +125,7 @@ def _fields(before: EngineConfig, after: EngineConfig) -> list[tuple[str, str | 
         ("second_form_memory_gb", "--second-form-memory-gb", b.second_form_memory_gb, a.second_form_memory_gb),
         ("dtype", "--dtype", b.dtype, a.dtype),
         ("max_model_len", "--max-model-len", b.max_model_len, a.max_model_len),
-        ("kv_cache.dtype", None, b.cache.dtype, a.cache.dtype),
+        ("kv_cache.dtype", "--kv-cache-dtype", b.cache.dtype, a.cache.dtype),
         ("kv_cache.block_size", "--block-size", b.cache.block_size, a.cache.block_size),
         ("kv_cache.num_blocks", "--num-kv-blocks", b.cache.num_blocks, a.cache.num_blocks),
         ("kv_cache.prefix_caching", None, b.cache.enable_prefix_caching, a.cache.enable_prefix_caching),

@@ -21,10 +21,12 @@ import torch
 from kiln.kernels.choices import KernelChoiceCache
 from kiln.kernels.native.build import TIER_NAMES, native_op, runnable_tiers, source_hash, tier_by_name
 from kiln.model.forward_context import DecodeKernel
+from kiln.model.kv_format import cache_head_dim, kv_dtype_name, pack_rows
 
 TORCH = "torch"
 NATIVE_PREFIX = "native-"
-NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16)
+# every KV cache dtype (kiln.model.kv_format): int8 and fp8_e4m3 (held as uint8) with their scales
+NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8)
 # (sequences, tokens each) timed for the choice: one long sequence, a small batch, a large one
 TIMED_SHAPES = ((1, 1024), (8, 256), (32, 256))
 
@@ -50,7 +52,7 @@ class NativeDecode:
     ) -> torch.Tensor:
         if self.op is None:
             raise RuntimeError(f"the native {self.tier} tier is not loaded here, but the kernel plan chose it")
-        head_dim = kv_cache.shape[-1]
+        head_dim = cache_head_dim(kv_cache)
         out = self.op(q.float().view(q.shape[0], -1, head_dim), kv_cache, block_table, seq_lens, window, softcap)
         return out.to(q.dtype)
 
@@ -95,7 +97,8 @@ def native_kernels(kv_dtype: torch.dtype) -> list[str]:
 def _inputs(shape: tuple[int, int], num_heads: int, cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """A batch of `shape` = (sequences, tokens) decode rows over random blocks of `cache`."""
     rows, tokens = shape
-    _, _, blocks, block_size, head_dim = cache.shape
+    _, _, blocks, block_size, _ = cache.shape
+    head_dim = cache_head_dim(cache)
     width = -(-tokens // block_size)
     generator = torch.Generator().manual_seed(0)
     table = torch.randint(0, blocks, (rows, width), generator=generator)
@@ -122,16 +125,23 @@ def choose_decode_attention(
     The key holds the native sources' hash: a changed kernel is timed again. The torch form is timed as the
     paged-attention op runs it (uncompiled); inside a full decode graph inductor fuses it, and there the native
     kernel measured 0.55-1.0x its time here (docs/benchmarks.md), so one choice serves both."""
-    _, kv_heads, _, block_size, head_dim = kv_cache.shape
+    _, kv_heads, _, block_size, _ = kv_cache.shape
+    head_dim = cache_head_dim(kv_cache)
     kernels = native_kernels(kv_cache.dtype)
     if not kernels or kv_cache.device.type != "cpu" or kv_heads == 0:
         return TORCH, {"winner": TORCH, "why": "no native kernel runs here for this cache"}
-    applies_to = {"heads": num_heads, "kv_heads": kv_heads, "head_dim": head_dim, "block_size": block_size,
-                  "kv_dtype": str(kv_cache.dtype).removeprefix("torch."), "native": source_hash()}  # fmt: skip
+    applies_to = {
+        "heads": num_heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "block_size": block_size,
+        "kv_dtype": kv_dtype_name(kv_cache.dtype),
+        "native": source_hash(),
+    }
 
     def measure() -> dict[str, Any]:
         longest = max(-(-t // block_size) * r for r, t in TIMED_SHAPES)
-        sample = torch.randn(2, kv_heads, longest + 1, block_size, head_dim).to(kv_cache.dtype)
+        sample = pack_rows(torch.randn(2, kv_heads, longest + 1, block_size, head_dim), kv_cache.dtype)
         times: dict[str, float] = {}
         for kernel in [TORCH, *kernels]:
             tier = native_tier(kernel)

@@ -13,16 +13,20 @@ Attention-logit soft-capping (Gemma 2): with `softcap` C > 0 the scaled scores s
 mask and the softmax. SDPA cannot do that, so prefill then takes an explicit matmul-softmax path; C = 0 (the
 default) leaves every path as it is.
 
-The cache may hold a narrower dtype than the model computes in (a recipe's `kv_cache.dtype`): new K/V are
-rounded to it when written and widened back when read.
+The cache may hold a narrower dtype than the model computes in (`--kv-cache-dtype`, a recipe's `kv_cache.dtype`;
+kiln.model.kv_format: bfloat16, float16, or int8 and fp8_e4m3 codes with a scale per token and head): new K/V are
+packed to it when written and unpacked when read. Every path attends over the stored values, a whole prompt's
+prefill too (its new K/V read back as stored), so a prompt's outputs do not depend on whether its prefix came from
+the prefix cache, an earlier chunk or this step.
 
 Decode rows run on the kernel the engine's plan chose (`ForwardContext.decode_kernel`, kiln.kernels.attention):
 kiln's native paged kernel, which reads the blocks where they lie, or the batched torch form below.
 
-Cache layout per layer: [2 (K, V), num_kv_heads, num_blocks, block_size, head_dim]. Heads come first so that
-gathered blocks are already [kv_heads, tokens, head_dim] per sequence: the decode path multiplies them in
-place, grouping the query heads that share a KV head (GQA) as rows of one small matmul, with no copy into
-an attention layout (measured: 2.5x faster than SDPA over strided gathered K/V at batch 32).
+Cache layout per layer: [2 (K, V), num_kv_heads, num_blocks, block_size, row] (row: head_dim, plus the scale's
+bytes for int8 and fp8_e4m3). Heads come first so that gathered blocks are already [kv_heads, tokens, head_dim] per
+sequence: the decode path multiplies them in place, grouping the query heads that share a KV head (GQA) as rows of
+one small matmul, with no copy into an attention layout (measured: 2.5x faster than SDPA over strided gathered K/V
+at batch 32).
 """
 
 from __future__ import annotations
@@ -34,14 +38,18 @@ import torch.nn.functional as F
 
 from kiln.config import ModelConfig
 from kiln.model.forward_context import AttentionMetadata, DecodeKernel, get_forward_context
+from kiln.model.kv_format import cache_head_dim, row_width, store, unpack_rows
 
 SPLITTING_OP = "kiln.attention"
 
 
-def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+def kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32
+) -> tuple[int, ...]:
     """`num_blocks` usable blocks plus the null block (the last), which no sequence owns: padding rows of a
-    captured decode graph write and read there (kiln.model.graph_attention)."""
-    return (2, num_kv_heads, num_blocks + 1, block_size, head_dim)
+    captured decode graph write and read there (kiln.model.graph_attention). Rows of a cache of torch dtype
+    `dtype` are kiln.model.kv_format's."""
+    return (2, num_kv_heads, num_blocks + 1, block_size, row_width(head_dim, dtype))
 
 
 def allocate_kv_caches(
@@ -65,7 +73,9 @@ def allocate_kv_caches(
 
     return [
         torch.zeros(
-            kv_cache_shape(blocks(i), block_size, heads if layers is None or i in layers else 0, config.head_dim),
+            kv_cache_shape(
+                blocks(i), block_size, heads if layers is None or i in layers else 0, config.head_dim, dtype
+            ),
             dtype=dtype,
             device=device,
         )
@@ -91,12 +101,13 @@ def kv_cache_block_size(kv_cache: torch.Tensor) -> int:
     return kv_cache.shape[3]
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    _, num_kv_heads, _, _, head_dim = kv_cache.shape
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Write the first `slot_mapping.numel()` rows of k, v at their slots; returns them as stored
+    [2, kv_heads, n, row] (kiln.model.kv_format)."""
+    num_kv_heads, head_dim = kv_cache.shape[1], cache_head_dim(kv_cache)
     n = slot_mapping.numel()
     new = torch.stack((k[:n], v[:n])).view(2, n, num_kv_heads, head_dim).transpose(1, 2)  # [2, Hkv, n, D]
-    new = new.to(kv_cache.dtype)  # the recipe's kv_cache.dtype may be narrower than the model's (no-op if equal)
-    kv_cache.view(2, num_kv_heads, -1, head_dim).index_copy_(2, slot_mapping, new)
+    return store(kv_cache, new, slot_mapping)
 
 
 def causal_mask(q_len: int, seq_len: int, window: int, device: torch.device) -> torch.Tensor:
@@ -130,10 +141,10 @@ def decode_attention(
 ) -> torch.Tensor:
     """q: [num_decodes, heads, head_dim] -> [num_decodes, heads * head_dim]. `meta` is the layer's view
     (`AttentionMetadata.for_layer`): its decode layout masks the keys behind a sliding window."""
-    _, num_kv_heads, _, _, head_dim = kv_cache.shape
+    num_kv_heads, head_dim = kv_cache.shape[1], cache_head_dim(kv_cache)
     nd, num_heads, _ = q.shape
     table, mask = meta.decode_layout
-    kv = kv_cache.index_select(2, table).view(2, num_kv_heads, nd, -1, head_dim).to(q.dtype)  # [2, Hkv, nd, L, D]
+    kv = unpack_rows(kv_cache.index_select(2, table), q.dtype).view(2, num_kv_heads, nd, -1, head_dim)  # [2,Hkv,nd,L,D]
     qg = q.view(nd, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)  # [Hkv, nd, G, D]
     scores = torch.matmul(qg, kv[0].transpose(-1, -2)).float() * head_dim**-0.5  # [Hkv, nd, G, L]
     if softcap:
@@ -168,11 +179,12 @@ def paged_attention(
     softcap: float = 0.0,
     kernel: DecodeKernel | None = None,
 ) -> torch.Tensor:
-    _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    _, num_kv_heads, _, block_size, _ = kv_cache.shape
+    head_dim = cache_head_dim(kv_cache)
     num_heads = q.shape[1] // head_dim
     meta = meta.for_layer(window)
     n = meta.num_actual_tokens
-    write_kv(kv_cache, k, v, meta.slot_mapping)
+    written = write_kv(kv_cache, k, v, meta.slot_mapping)  # [2, Hkv, n, row], as stored
     qh = q[:n].view(n, num_heads, head_dim)
     nd = meta.num_decodes
     if nd == n == q.shape[0]:  # decode-only, unpadded: no output copy
@@ -184,14 +196,14 @@ def paged_attention(
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         q_len, seq_len = end - start, meta.seq_lens[i]
         qi = qh[start:end].transpose(0, 1)  # [H, q_len, D]
-        if q_len == seq_len:  # whole prompt in this step: attend over the new K/V directly
-            ki = k[start:end].view(q_len, -1, head_dim).transpose(0, 1)
-            vi = v[start:end].view(q_len, -1, head_dim).transpose(0, 1)
+        if q_len == seq_len:  # whole prompt in this step: attend over its new K/V as stored, not re-read
+            kv = unpack_rows(written[:, :, start:end], q.dtype)  # [2, Hkv, q_len, D]
             mask = causal_mask(q_len, q_len, window, q.device) if window else None
-            o = sequence_attention(qi, ki, vi, mask, softcap)
+            o = sequence_attention(qi, kv[0], kv[1], mask, softcap)
         else:  # a chunk after cached context: causal mask offset by the context length
             blocks = meta.block_tables[i, : -(-seq_len // block_size)]
-            kv = kv_cache.index_select(2, blocks).view(2, num_kv_heads, -1, head_dim)[:, :, :seq_len].to(q.dtype)
+            kv = kv_cache.index_select(2, blocks).view(2, num_kv_heads, -1, kv_cache.shape[-1])[:, :, :seq_len]
+            kv = unpack_rows(kv, q.dtype)
             o = sequence_attention(qi, kv[0], kv[1], causal_mask(q_len, seq_len, window, q.device), softcap)
         out[start:end] = o.transpose(0, 1).reshape(q_len, num_heads * head_dim)
     return out

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from kiln.model.forward_context import DecodeInputs, DecodeKernel, get_forward_context
+from kiln.model.kv_format import cache_head_dim, store, unpack_rows
 
 
 def decode_positions(seq_lens: torch.Tensor) -> torch.Tensor:
@@ -50,16 +51,16 @@ def decode_attention(
 ) -> torch.Tensor:
     """q: [n, heads*head_dim]; k, v: [n, kv_heads*head_dim] -> [n, heads*head_dim]. Writes k, v to the cache, then
     attends with `kernel` (the plan's, kiln.kernels.attention), or the traced torch form when None."""
-    _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    _, num_kv_heads, _, block_size, _ = kv_cache.shape
+    head_dim = cache_head_dim(kv_cache)
     n = q.shape[0]
     seq_lens = decode.seq_lens
     # a hybrid model's sliding layers read their own blocks (kiln.engine.kv_window)
     table = decode.window_table if window and decode.window_table is not None else decode.block_table
     torch._check(seq_lens.shape[0] == n)
     torch._check(table.shape[0] == n)
-    new = torch.stack((k, v)).view(2, n, num_kv_heads, head_dim).transpose(1, 2).to(kv_cache.dtype)
-    flat = kv_cache.view(2, num_kv_heads, -1, head_dim)
-    flat.index_copy_(2, decode_slots(seq_lens, table, block_size), new)
+    new = torch.stack((k, v)).view(2, n, num_kv_heads, head_dim).transpose(1, 2)
+    store(kv_cache, new, decode_slots(seq_lens, table, block_size))  # packed to the cache's dtype
     if kernel is not None:  # one opaque node of the graph
         return kernel.run(q, kv_cache, table, seq_lens, window, softcap)
     return traced_decode_attention(q, kv_cache, table, seq_lens, window, softcap)
@@ -75,12 +76,13 @@ def traced_decode_attention(
 ) -> torch.Tensor:
     """The torch form of decode attention (the cache already holds the new K/V): q [n, heads*head_dim], row i over
     the first seq_lens[i] keys of `table[i]`'s blocks -> [n, heads*head_dim]."""
-    _, num_kv_heads, _, block_size, head_dim = kv_cache.shape
+    _, num_kv_heads, _, block_size, _ = kv_cache.shape
+    head_dim = cache_head_dim(kv_cache)
     n = q.shape[0]
     num_heads = q.shape[1] // head_dim
     group = num_heads // num_kv_heads
     width = table.shape[1] * block_size
-    kv = kv_cache[:, :, table].view(2, num_kv_heads, n, width, head_dim).to(q.dtype)  # [2, Hkv, n, L, D]
+    kv = unpack_rows(kv_cache[:, :, table], q.dtype).view(2, num_kv_heads, n, width, head_dim)  # [2, Hkv, n, L, D]
     qg = q.view(n, num_kv_heads, group, head_dim).transpose(0, 1)  # [Hkv, n, G, D]
     scores = (qg[:, :, :, None, :] * kv[0][:, :, None]).sum(-1).float() * head_dim**-0.5  # [Hkv, n, G, L]
     if softcap:

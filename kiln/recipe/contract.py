@@ -57,6 +57,12 @@ def check_refused(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
         )
         out.append(doc.diagnostic("error", message, ("quantization", "activations")))
     kv = spec.memory_plan.kv_cache
+    if kv.dtype in ("fp8", "fp8_e5m2"):
+        message = (
+            f"memory_plan.kv_cache.dtype: {kv.dtype} is not supported: kiln stores an fp8 KV cache as e4m3 codes "
+            "with a scale per token and head; set dtype: fp8_e4m3 (or int8, bfloat16, auto)"
+        )
+        out.append(doc.diagnostic("error", message, ("memory_plan", "kv_cache", "dtype")))
     if kv.layout != "paged":
         message = (
             f"memory_plan.kv_cache.layout: {kv.layout} is not supported: kiln's KV cache is paged "

@@ -31,6 +31,7 @@ from kiln.config import ModelConfig
 from kiln.distributed.sharding import even_stage_layers
 from kiln.errors import ConfigError
 from kiln.model.dtypes import parse_dtype
+from kiln.model.kv_format import kv_storage_dtype
 from kiln.recipe.checkpoint import read_header
 from kiln.recipe.recipe import Recipe
 from kiln.recipe.schema import RecipeSpec
@@ -179,7 +180,7 @@ def recipe_placement(recipe: Recipe) -> Placement:
         config,
         stages,
         tensor=recipe.tensor_parallel,
-        kv_dtype=parse_dtype(recipe.kv_cache_dtype),
+        kv_dtype=kv_storage_dtype(recipe.kv_cache_dtype, parse_dtype(recipe.dtype)),
         kv_tokens=recipe.max_pages * recipe.block_size,
     )
 

@@ -23,7 +23,14 @@ from kiln.recipe.guards import RecipeGuards
 from kiln.recipe.machine import this_machine
 from kiln.recipe.schema import FusionGroup, RecipeSpec
 from kiln.recipe.schema_check import validate_schema
-from kiln.recipe.sections import check_fusion_groups, check_graph, check_group_size, check_inputs, check_memory
+from kiln.recipe.sections import (
+    check_fusion_groups,
+    check_graph,
+    check_group_size,
+    check_inputs,
+    check_kv_dtype,
+    check_memory,
+)
 from kiln.recipe.solver import DEFAULT_BUDGET_S, SolverBudget, SolverBudgetExceeded
 from kiln.recipe.source import SourceDoc, parse_source
 from kiln.recipe.stages import StageLayers, check_parallel, pipeline_size, stage_layers_of
@@ -205,6 +212,8 @@ def load_recipe_text(
             diagnostics += check_group_size(doc, spec, header.config)
         if not broken & {"memory_plan", "hardware", "weights", "quantization"}:
             diagnostics += check_memory(doc, spec, header.config)
+        if not broken & {"memory_plan"}:
+            diagnostics += check_kv_dtype(doc, spec, header.config)
     witness: dict[str, int] = {}
     bounds: dict[str, int | None] = {}
     if len(constraints) == len(spec.input_constraints.constraints):  # every constraint parsed

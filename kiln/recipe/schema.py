@@ -14,6 +14,9 @@ from kiln.config import (
 from kiln.speculative_config import SPECULATIVE_METHODS, SPECULATIVE_POLICIES
 
 DType = Literal["float32", "float16", "bfloat16"]
+# kiln's KV cache dtypes (kiln.config.KV_CACHE_DTYPE_NAMES), and vLLM's fp8 spellings kiln refuses with a reason
+# (kiln.recipe.contract.check_refused) rather than a bare "not one of"
+KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8", "fp8_e5m2"]
 PositiveInt = Annotated[int, Field(gt=0)]
 SPLITTING_OPS = ("kiln.attention", "kiln::attention")
 
@@ -93,7 +96,11 @@ class FusionGroup(Section):
 
 
 class KVCache(Section):
-    dtype: DType = "float32"
+    dtype: KVCacheDType = Field(
+        "auto",
+        description="What the cache stores (vLLM's names): auto (bfloat16 for float32 weights, else their dtype), "
+        "float32, bfloat16, float16, or int8 / fp8_e4m3 codes with a float32 scale per token and head.",
+    )
     layout: Literal["paged", "contiguous"] = "paged"
     block_size: PositiveInt = Field(16, description="Tokens per page.")
     max_pages: PositiveInt = Field(1024, description="Pages in the pool; capacity = max_pages * block_size tokens.")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kiln.config import ModelConfig
 from kiln.model.dtypes import parse_dtype
+from kiln.model.kv_format import STORAGE, is_scaled, kv_dtype_name, kv_storage_dtype
 from kiln.recipe.diagnostics import Diagnostic
 from kiln.recipe.expr import MODEL_SYMBOLS, SYMBOLS
 from kiln.recipe.schema import SPLITTING_OPS, RecipeSpec
@@ -177,20 +178,37 @@ def check_group_size(doc: SourceDoc, spec: RecipeSpec, config: ModelConfig) -> l
 def check_memory(doc: SourceDoc, spec: RecipeSpec, config: ModelConfig) -> list[Diagnostic]:
     """KV cache (max_pages * block_size * bytes per token) plus weights must fit hardware.memory_budget_gb."""
     kv = spec.memory_plan.kv_cache
-    per_token = config.kv_bytes_per_token(parse_dtype(kv.dtype))
+    if kv.dtype != "auto" and kv.dtype not in STORAGE:
+        return []  # refused by kiln.recipe.contract.check_refused
+    kv_dtype = kv_storage_dtype(kv.dtype, parse_dtype(spec.weights.dtype))
+    per_token = config.kv_bytes_per_token(kv_dtype)
     kv_bytes = kv.max_pages * kv.block_size * per_token
     weight_bytes = weights_bytes(spec, config)
     budget = spec.hardware.memory_budget_gb
     if kv_bytes + weight_bytes <= budget * GB:
         return []
+    stored = kv_dtype_name(kv_dtype)
     message = (
         f"memory_budget_gb {budget:g} is too small: the KV cache needs {kv_bytes / GB:.2f} GB "
-        f"(max_pages {kv.max_pages} x block_size {kv.block_size} x {per_token} bytes per token as {kv.dtype}) "
+        f"(max_pages {kv.max_pages} x block_size {kv.block_size} x {per_token} bytes per token as {stored}) "
         f"and the weights {weight_bytes / GB:.2f} GB ({spec.weights.dtype}, quantization "
         f"{spec.quantization.weights}): {(kv_bytes + weight_bytes) / GB:.2f} GB in all; "
         "lower max_pages or raise the budget"
     )
     return [doc.diagnostic("error", message, ("hardware", "memory_budget_gb"))]
+
+
+def check_kv_dtype(doc: SourceDoc, spec: RecipeSpec, config: ModelConfig) -> list[Diagnostic]:
+    """int8 and fp8_e4m3 rows end in a float32 scale (kiln.model.kv_format), aligned only for a head dim that is a
+    multiple of 4."""
+    kv = spec.memory_plan.kv_cache
+    if kv.dtype not in STORAGE or not is_scaled(STORAGE[kv.dtype]) or config.head_dim % 4 == 0:
+        return []
+    message = (
+        f"memory_plan.kv_cache.dtype: {kv.dtype} needs a head dim that is a multiple of 4 (each row's float32 scale "
+        f"follows its codes), but the model's is {config.head_dim}; use bfloat16 or float16"
+    )
+    return [doc.diagnostic("error", message, ("memory_plan", "kv_cache", "dtype"))]
 
 
 def weights_bytes(spec: RecipeSpec, config: ModelConfig) -> int:

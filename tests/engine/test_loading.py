@@ -19,7 +19,7 @@ PROMPT = [5, 17, 42, 7, 99, 3, 61, 250, 11]
 
 
 def kiln_prompt_logits(model_path: str, ids: list[int]) -> torch.Tensor:
-    llm = LLM(model_path, num_kv_blocks=16, graph_mode="eager")
+    llm = LLM(model_path, num_kv_blocks=16, graph_mode="eager", kv_cache_dtype="float32")  # HF's logits at 1e-4
     engine = llm.engine
     engine.add_request("r", ids, SamplingParams(max_tokens=1, temperature=0))
     inputs = engine.runner.prepare(engine.scheduler.schedule())

@@ -6,6 +6,7 @@ from __future__ import annotations
 from kiln.config import SchedulerConfig
 from kiln.engine.kv_cache import BlockPool
 from kiln.engine.prefix_cache import PrefixKeys, builtin_key, cache_root, sha256_key
+from kiln.engine.prefix_sharing import cache_namespace
 from kiln.engine.request import Request
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.scheduler import Scheduler
@@ -64,6 +65,21 @@ def test_colliding_keys_never_share_a_block() -> None:
     assert pool.register(second, 0, tuple(b), ROOT) < 0 and pool.num_cached_blocks == 1
     assert sha256_key(ROOT, tuple(a)) != sha256_key(ROOT, tuple(b))
     assert builtin_key(ROOT, tuple(a)) == builtin_key(ROOT, tuple(a))
+
+
+def test_a_block_cached_under_one_kv_dtype_is_never_served_to_another() -> None:
+    """The KV cache dtype is part of the root every key chains from: the same tokens under another dtype have other
+    keys, and even keys forced equal miss, since the first block must follow the asking engine's own root."""
+    pool = BlockPool(4, 4)
+    tokens = (1, 2, 3, 4)
+    roots = {
+        dtype: cache_root(cache_namespace("m.gguf", "packed", "int8x2", dtype), None) for dtype in ("int8", "bf16")
+    }
+    block = pool.allocate(1)
+    pool.register(block[0], sha256_key(roots["int8"], tokens), tokens, roots["int8"])
+    assert pool.match([sha256_key(roots["int8"], tokens)], [tokens], roots["int8"])[0] == block  # its own dtype hits
+    assert pool.match([sha256_key(roots["bf16"], tokens)], [tokens], roots["bf16"]) == ([], [])
+    assert pool.match([sha256_key(roots["int8"], tokens)], [tokens], roots["bf16"]) == ([], [])  # a forced collision
 
 
 def test_eviction_takes_the_least_recently_freed_and_never_a_held_block() -> None:

@@ -91,7 +91,7 @@ def test_prefill_logits_and_decode_logprobs_match_transformers(tmp_path: Path, f
     hf = write_gemma(tmp_path, family)
     got = kiln_batch_logits(str(tmp_path), [LONG, SHORT])
     params = SamplingParams(max_tokens=5, temperature=0, logprobs=20, ignore_eos=True)
-    llm = LLM(str(tmp_path), num_kv_blocks=32, graph_mode="eager")
+    llm = LLM(str(tmp_path), num_kv_blocks=32, graph_mode="eager", kv_cache_dtype="float32")  # logprobs at 1e-4
     # a batch of two decodes and one alone: one-row logits, for which executors may take a fast head of their own
     outs = [*llm.generate([LONG, SHORT], params), *llm.generate([LONG], params)]
     with torch.no_grad():

@@ -1,5 +1,6 @@
 """kiln's native paged decode attention (kiln/kernels/native/paged_attention.cpp) against the traced torch form
-(kiln.model.graph_attention.traced_decode_attention), on every ISA tier this CPU runs: float32 and bf16 caches,
+(kiln.model.graph_attention.traced_decode_attention), on every ISA tier this CPU runs: every KV cache dtype
+(float32, bfloat16, float16, and int8 and fp8_e4m3 codes with their scales: the traced form reads them dequantized),
 GQA groups, head dims with and without a vector path, sliding windows, soft-caps, padding rows on the null block,
 sequences long enough to be split across threads; the engine's three ways to reach it (the paged-attention op of
 eager and piecewise steps, the full decode graph's node) give the torch form's tokens; the plan's timed choice."""
@@ -23,6 +24,7 @@ from kiln.kernels.choices import KernelChoiceCache
 from kiln.kernels.native.build import native_op, runnable_tiers
 from kiln.model.forward_context import AttentionMetadata, ForwardContext, set_forward_context
 from kiln.model.graph_attention import traced_decode_attention
+from kiln.model.kv_format import STORAGE, pack_rows
 from tests.compile.tiny import generate, graph_runner, make_runner, random_prompts, tiny_model
 
 TIERS = [t.name for t in runnable_tiers() if native_op(t.name, "paged_decode_attention") is not None]
@@ -38,13 +40,14 @@ LENGTHS = [1, 16, 17, 130, 1500, 0]
 def test_every_runnable_tier_loads_the_kernel() -> None:
     """The build compiles the attention source into every tier (a tier without it would silently run torch)."""
     assert [t.name for t in runnable_tiers()] == TIERS
-    assert native_kernels(torch.float32) == [NATIVE_PREFIX + TIERS[0]]
-    assert native_kernels(torch.float16) == []  # no native path: the torch form runs
+    for dtype in STORAGE.values():  # every KV cache dtype has a native path
+        assert native_kernels(dtype) == [NATIVE_PREFIX + TIERS[0]]
+    assert native_kernels(torch.float64) == []  # no native path: the torch form runs
 
 
 def _case(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
-    cache = (torch.randn(2, kv_heads, NUM_BLOCKS + 1, BLOCK, head_dim, generator=gen) * 2).to(dtype)
+    cache = pack_rows(torch.randn(2, kv_heads, NUM_BLOCKS + 1, BLOCK, head_dim, generator=gen) * 2, dtype)
     width = -(-max(LENGTHS) // BLOCK)
     table = torch.stack([torch.randperm(NUM_BLOCKS, generator=gen)[:width] for _ in LENGTHS])
     table[LENGTHS.index(0)] = NUM_BLOCKS  # the padding row reads the null block
@@ -54,7 +57,7 @@ def _case(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: in
 
 @pytest.mark.parametrize("tier", TIERS)
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: "x".join(map(str, g)))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", list(STORAGE.values()), ids=list(STORAGE))
 @pytest.mark.parametrize(("window", "softcap"), [(0, 0.0), (40, 0.0), (0, 5.0), (300, 5.0)])
 def test_native_decode_equals_the_traced_form(
     tier: str, geometry: tuple[int, int, int], dtype: torch.dtype, window: int, softcap: float
@@ -84,8 +87,11 @@ def test_splitting_keys_across_threads_changes_nothing(tier: str) -> None:
 def test_bad_operands_are_refused_with_what_was_expected(tier: str) -> None:
     q, cache, table, seq_lens = _case(9, 3, 64, torch.float32)
     op = native_op(tier, "paged_decode_attention")
-    with pytest.raises(RuntimeError, match="head_dim 64 must equal q's 32"):
+    with pytest.raises(RuntimeError, match="rows of 64 must be q's head_dim 32 "):
         op(q.view(len(LENGTHS), -1, 32), cache, table, seq_lens, 0, 0.0)
+    codes = pack_rows(cache.view(2, 3, -1, BLOCK, 32), torch.int8)  # rows of 32 codes and their scale
+    with pytest.raises(RuntimeError, match=r"rows of 36 must be q's head_dim 64 \+ 4 \(the scale\)"):
+        op(q.view(len(LENGTHS), 9, 64), codes, table, seq_lens, 0, 0.0)
     with pytest.raises(RuntimeError, match="reads block 999 of a cache of 201"):
         op(q.view(len(LENGTHS), 9, 64), cache, table.index_fill(1, torch.tensor([0]), 999), seq_lens, 0, 0.0)
     with pytest.raises(RuntimeError, match="has 1500 tokens, its block table 10 blocks"):
@@ -102,8 +108,11 @@ def test_the_choice_is_timed_once_and_names_a_kernel_that_runs(tmp_path: Path) -
     assert kernel == record["winner"] == min(record["times_us"], key=record["times_us"].get)
     again, second = choose_decode_attention(kv, 9, cache, traced_decode_attention)
     assert again == kernel and second["source"] == "process"
-    fp16, why = choose_decode_attention(kv.half(), 9, cache, traced_decode_attention)
-    assert fp16 == TORCH and "no native kernel" in why["why"]
+    wide, why = choose_decode_attention(kv.double(), 9, cache, traced_decode_attention)
+    assert wide == TORCH and "no native kernel" in why["why"]
+    fp8, record = choose_decode_attention(pack_rows(kv, torch.uint8), 9, cache, traced_decode_attention)
+    assert record["source"] == "timed" and set(record["times_us"]) == {TORCH, *native_kernels(torch.uint8)}
+    assert fp8 == record["winner"]  # fp8 codes are timed apart from the float32 cache (another key)
 
 
 @pytest.fixture(scope="module")

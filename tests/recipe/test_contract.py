@@ -4,6 +4,7 @@ against the machine; model.name and model.architecture against the checkpoint; Z
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -11,7 +12,9 @@ from kiln.recipe import load_recipe
 from kiln.recipe.contract import check_hardware
 from kiln.recipe.machine import Machine, this_machine
 from kiln.recipe.schema import RecipeSpec
+from kiln.recipe.sections import check_kv_dtype
 from kiln.recipe.source import parse_source
+from tests.compile.tiny import tiny_config
 
 BOUNDS = "input_constraints: {constraints: [num_tokens <= 2048, seq_len <= 2048]}\n"
 
@@ -28,6 +31,12 @@ BOUNDS = "input_constraints: {constraints: [num_tokens <= 2048, seq_len <= 2048]
         ("quantization: {group_size: 64}", 28, "quantization.group_size has no effect without quantized weights"),
         ("quantization: {activations: float32}", 29, "quantization.activations has no effect without quantized"),
         ("memory_plan: {kv_cache: {layout: contiguous}}", 34, "memory_plan.kv_cache.layout: contiguous is not"),
+        (
+            "memory_plan: {kv_cache: {dtype: fp8_e5m2}}",
+            33,
+            "memory_plan.kv_cache.dtype: fp8_e5m2 is not supported: kiln stores an fp8 KV cache as e4m3 codes",
+        ),
+        ("memory_plan: {kv_cache: {dtype: fp8}}", 33, "memory_plan.kv_cache.dtype: fp8 is not supported"),
         (
             "memory_plan: {activation_reuse: false}",
             33,
@@ -200,3 +209,18 @@ def test_mixture_of_experts_counts_are_checked_against_the_checkpoint(write, onl
     assert (recipe.spec.model.num_experts, recipe.spec.model.top_k) == (4, 2)
     dense = "recipe_version: 1\nmodel: {name: SmolLM2-135M, top_k: 2}\nweights: {source_quantization: q4_1}\n"
     assert only_error(write(dense + BOUNDS)).message.startswith("model.top_k is 2, but the checkpoint has no mixture")
+
+
+def test_scaled_kv_dtypes_need_a_head_dim_that_holds_the_scale_aligned() -> None:
+    """int8 and fp8_e4m3 rows end in a float32 scale (kiln.model.kv_format): a head dim that is not a multiple of 4
+    is refused at the dtype's line; the float dtypes run any head dim."""
+    odd = replace(tiny_config(), head_dim=6)
+    for dtype, refused in [("int8", True), ("fp8_e4m3", True), ("bfloat16", False), ("auto", False)]:
+        head = "recipe_version: 1\nmodel: {name: m}\nhardware: {device: cpu}\n"
+        text = head + f"memory_plan: {{kv_cache: {{dtype: {dtype}}}}}\n"
+        doc = parse_source(text, "r.yaml")
+        found = check_kv_dtype(doc, RecipeSpec.model_validate(doc.data), odd)
+        assert [(d.line, d.message.split(":")[0]) for d in found] == (
+            [(4, "memory_plan.kv_cache.dtype")] if refused else []
+        )
+        assert check_kv_dtype(doc, RecipeSpec.model_validate(doc.data), tiny_config()) == []  # head dim 16

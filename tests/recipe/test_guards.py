@@ -80,7 +80,7 @@ def test_engine_settings_from_the_recipe(write) -> None:
     assert (recipe.max_num_batched_tokens, recipe.max_num_seqs, recipe.max_model_len) == (2048, 64, 2048)
     assert (recipe.dtype, recipe.kv_cache_dtype, recipe.block_size, recipe.max_pages) == (
         "float32",
-        "float32",
+        "auto",
         16,
         1024,
     )

@@ -13,13 +13,18 @@
 // second pass merges the chunks of each row and head. The exponential is a polynomial the compiler vectorizes
 // (relative error below 1e-7 on the range softmax uses).
 //
-// q [n, H, D] float32; kv_cache [2, Hkv, blocks, block_size, D] float32 or bfloat16 (widened as read);
-// block_table [n, >= ceil(L / block_size)] int64; seq_lens [n] int64 -> [n, H * D] float32.
+// q [n, H, D] float32; kv_cache [2, Hkv, blocks, block_size, R] in one of kiln's KV cache dtypes
+// (kiln/model/kv_format.py): float32, bfloat16 or float16 rows of R = D values (widened as read), or int8 codes
+// (int8) or float8_e4m3fn codes (held as uint8) with their float32 scale s after them, R = D + 4 bytes. A row of
+// codes is never widened to values: its keys' scores are (q . codes) * s and its values weigh in with p * s, so the
+// inner loops read raw codes (fp8 codes are widened to their value / 256 by moving their bits into a half's, and
+// 256 joins s). block_table [n, >= ceil(L / block_size)] int64; seq_lens [n] int64 -> [n, H * D] float32.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -45,6 +50,36 @@ constexpr int64_t ITEMS_PER_THREAD = 4;
 constexpr int64_t MAX_HEAD_DIM = 512;
 constexpr int64_t MAX_GROUP = 64;    // query heads per KV head
 
+struct Fp8E4M3 {  // a float8_e4m3fn code (the cache holds them as uint8)
+  uint8_t x;
+};
+
+// A stored row's type: whether a float32 scale follows its D codes, and the factor the scale takes from the
+// widening (fp8: widen gives the value / 256).
+template <typename T>
+struct Stored {
+  static constexpr bool scaled = false;
+  static constexpr float unit = 1.f;
+};
+template <>
+struct Stored<int8_t> {
+  static constexpr bool scaled = true;
+  static constexpr float unit = 1.f;
+};
+template <>
+struct Stored<Fp8E4M3> {
+  static constexpr bool scaled = true;
+  static constexpr float unit = 256.f;
+};
+
+// The scale of the row at `row` (D codes, then 4 bytes of float32), with its type's unit.
+template <typename T>
+inline float row_scale(const T* row, int64_t D) {
+  float s;
+  std::memcpy(&s, reinterpret_cast<const char*>(row + D), sizeof s);
+  return s * Stored<T>::unit;
+}
+
 inline float widen(float v) { return v; }
 inline float widen(c10::BFloat16 v) {
   uint32_t bits = uint32_t(v.x) << 16;
@@ -52,6 +87,12 @@ inline float widen(c10::BFloat16 v) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+inline float widen(c10::Half v) { return static_cast<float>(v); }
+inline float widen(int8_t v) { return static_cast<float>(v); }
+// e4m3 sign, exponent and mantissa moved into a half's (bias 7 -> 15): the code's value / 256, exactly, subnormals
+// included (the cache never holds the NaN code: codes are clamped to +-448)
+inline uint16_t fp8_half_bits(uint8_t b) { return static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7F) << 7)); }
+inline float widen(Fp8E4M3 v) { return c10::detail::fp16_ieee_to_fp32_value(fp8_half_bits(v.x)); }
 
 // exp(x) for x <= 0: 2^(x log2 e) = 2^k * 2^f with k = round(x log2 e), |f| <= 1/2, 2^f by its Taylor series to
 // degree 7 (relative error < 1e-8 there); below -87 the result is 0, as expf's is within float range.
@@ -113,7 +154,7 @@ inline float exponentiate(float* s, int64_t n, float mx) {
 }
 
 struct Layout {
-  int64_t heads, kv_heads, group, head_dim, blocks, block_size, table_width;
+  int64_t heads, kv_heads, group, head_dim, row, blocks, block_size, table_width;  // row: elements of T a row
   int64_t window;
   float scale, softcap;
 };
@@ -129,18 +170,38 @@ inline __m256 load8(const c10::BFloat16* p) {  // 8 bf16 widened: each the high 
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#ifdef __F16C__
+inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 load8(const Fp8E4M3* p) {  // widen's bit move on 8 codes, then the halves' conversion
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                 _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
+  return _mm256_cvtph_ps(h);
+}
+#else
+template <typename T>  // a tier without F16C: the scalar widening, 8 at a time
+inline __m256 load8(const T* p) {
+  alignas(32) float lanes[8];
+  for (int i = 0; i < 8; ++i) lanes[i] = widen(p[i]);
+  return _mm256_load_ps(lanes);
+}
+#endif
 #endif
 
 #ifdef KILN_ATTN_YMM
 // NG query heads against 4 keys k (rows of D values): 4 * NG independent accumulators, so the FMAs' latency is
 // hidden (4 chains, one head at a time, waited on it: 2.5x slower here), each key vector read once for NG heads.
 template <typename T, int NG>
-inline void scores_of_4_keys(const float* q, const T* k, int64_t D, float scale, float* scores, int64_t stride) {
+inline void scores_of_4_keys(const float* q, const T* k, int64_t D, int64_t R, float scale, float* scores,
+                             int64_t stride) {
   __m256 a[NG][4];
   for (int g = 0; g < NG; ++g)
     for (int j = 0; j < 4; ++j) a[g][j] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 8) {
-    const __m256 k0 = load8(k + d), k1 = load8(k + D + d), k2 = load8(k + 2 * D + d), k3 = load8(k + 3 * D + d);
+    const __m256 k0 = load8(k + d), k1 = load8(k + R + d), k2 = load8(k + 2 * R + d), k3 = load8(k + 3 * R + d);
     for (int g = 0; g < NG; ++g) {
       const __m256 x = _mm256_loadu_ps(q + g * D + d);
       a[g][0] = _mm256_fmadd_ps(x, k0, a[g][0]);
@@ -164,6 +225,16 @@ inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+inline __m512 load16(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 load16(const Fp8E4M3* p) {  // widen's bit move on 16 codes, then the halves' conversion
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7));
+  return _mm512_cvtph_ps(h);
+}
 
 inline __m256 fold(__m512 a) {  // the two 256-bit halves added
   return _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
@@ -171,12 +242,13 @@ inline __m256 fold(__m512 a) {  // the two 256-bit halves added
 
 // scores_of_4_keys with zmm accumulators (D a multiple of 16)
 template <typename T, int NG>
-inline void scores_of_4_keys_512(const float* q, const T* k, int64_t D, float scale, float* scores, int64_t stride) {
+inline void scores_of_4_keys_512(const float* q, const T* k, int64_t D, int64_t R, float scale, float* scores,
+                                 int64_t stride) {
   __m512 a[NG][4];
   for (int g = 0; g < NG; ++g)
     for (int j = 0; j < 4; ++j) a[g][j] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 16) {
-    const __m512 k0 = load16(k + d), k1 = load16(k + D + d), k2 = load16(k + 2 * D + d), k3 = load16(k + 3 * D + d);
+    const __m512 k0 = load16(k + d), k1 = load16(k + R + d), k2 = load16(k + 2 * R + d), k3 = load16(k + 3 * R + d);
     for (int g = 0; g < NG; ++g) {
       const __m512 x = _mm512_loadu_ps(q + g * D + d);
       a[g][0] = _mm512_fmadd_ps(x, k0, a[g][0]);
@@ -193,16 +265,16 @@ inline void scores_of_4_keys_512(const float* q, const T* k, int64_t D, float sc
   }
 }
 
-// acc[g * 64 + d] += sum over j of p[g * stride + j] * v[j, d] for NG heads and `run` values v (rows of 64): each
-// value row read once for the NG heads, the accumulators in 4 * NG registers over the run.
+// acc[g * 64 + d] += sum over j of p[g * stride + j] * v[j, d] for NG heads and `run` values v (rows of 64, R apart):
+// each value row read once for the NG heads, the accumulators in 4 * NG registers over the run.
 template <typename T, int NG>
-inline void weigh_values_64(const float* p, int64_t stride, const T* v, int64_t run, float* acc) {
+inline void weigh_values_64(const float* p, int64_t stride, const T* v, int64_t R, int64_t run, float* acc) {
   __m512 a[NG][4];
   for (int g = 0; g < NG; ++g)
     for (int i = 0; i < 4; ++i) a[g][i] = _mm512_loadu_ps(acc + g * 64 + 16 * i);
   for (int64_t j = 0; j < run; ++j) {
-    const __m512 v0 = load16(v + j * 64), v1 = load16(v + j * 64 + 16), v2 = load16(v + j * 64 + 32),
-                 v3 = load16(v + j * 64 + 48);
+    const __m512 v0 = load16(v + j * R), v1 = load16(v + j * R + 16), v2 = load16(v + j * R + 32),
+                 v3 = load16(v + j * R + 48);
     for (int g = 0; g < NG; ++g) {
       const __m512 w = _mm512_set1_ps(p[g * stride + j]);
       a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);
@@ -216,9 +288,10 @@ inline void weigh_values_64(const float* p, int64_t stride, const T* v, int64_t 
 }
 #endif
 
-// scores[g * stride + j] = scale * (q_g . k_j) for `run` keys k (rows of D values) and G query heads q (rows of D).
+// scores[g * stride + j] = scale * (q_g . k_j) for `run` keys k (rows of D values, R apart) and G query heads q
+// (rows of D).
 template <typename T, int64_t DIM>
-void key_scores(const float* q, const T* k, int64_t run, int64_t G, int64_t D, float scale, float* scores,
+void key_scores(const float* q, const T* k, int64_t run, int64_t G, int64_t D, int64_t R, float scale, float* scores,
                 int64_t stride) {
   int64_t j = 0;
 #ifdef __AVX512F__
@@ -228,10 +301,10 @@ void key_scores(const float* q, const T* k, int64_t run, int64_t G, int64_t D, f
         const float* qg = q + g * D;
         float* sg = scores + g * stride + j;
         switch (std::min<int64_t>(4, G - g)) {
-          case 4: scores_of_4_keys_512<T, 4>(qg, k + j * D, D, scale, sg, stride); break;
-          case 3: scores_of_4_keys_512<T, 3>(qg, k + j * D, D, scale, sg, stride); break;
-          case 2: scores_of_4_keys_512<T, 2>(qg, k + j * D, D, scale, sg, stride); break;
-          default: scores_of_4_keys_512<T, 1>(qg, k + j * D, D, scale, sg, stride); break;
+          case 4: scores_of_4_keys_512<T, 4>(qg, k + j * R, D, R, scale, sg, stride); break;
+          case 3: scores_of_4_keys_512<T, 3>(qg, k + j * R, D, R, scale, sg, stride); break;
+          case 2: scores_of_4_keys_512<T, 2>(qg, k + j * R, D, R, scale, sg, stride); break;
+          default: scores_of_4_keys_512<T, 1>(qg, k + j * R, D, R, scale, sg, stride); break;
         }
       }
     }
@@ -244,9 +317,9 @@ void key_scores(const float* q, const T* k, int64_t run, int64_t G, int64_t D, f
         const float* qg = q + g * D;
         float* sg = scores + g * stride + j;
         switch (std::min<int64_t>(3, G - g)) {
-          case 3: scores_of_4_keys<T, 3>(qg, k + j * D, D, scale, sg, stride); break;
-          case 2: scores_of_4_keys<T, 2>(qg, k + j * D, D, scale, sg, stride); break;
-          default: scores_of_4_keys<T, 1>(qg, k + j * D, D, scale, sg, stride); break;
+          case 3: scores_of_4_keys<T, 3>(qg, k + j * R, D, R, scale, sg, stride); break;
+          case 2: scores_of_4_keys<T, 2>(qg, k + j * R, D, R, scale, sg, stride); break;
+          default: scores_of_4_keys<T, 1>(qg, k + j * R, D, R, scale, sg, stride); break;
         }
       }
     }
@@ -255,7 +328,7 @@ void key_scores(const float* q, const T* k, int64_t run, int64_t G, int64_t D, f
   for (; j < run; ++j) {
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
-      const T* kj = k + j * D;
+      const T* kj = k + j * R;
       float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
       for (int64_t d = 0; d < (DIM > 0 ? DIM : D); ++d) dot += qg[d] * widen(kj[d]);
@@ -264,9 +337,9 @@ void key_scores(const float* q, const T* k, int64_t run, int64_t G, int64_t D, f
   }
 }
 
-// acc[d] += sum over j of p[j] * v[j, d] for `run` values v (rows of D).
+// acc[d] += sum over j of p[j] * v[j, d] for `run` values v (rows of D, R apart).
 template <typename T, int64_t DIM>
-void weigh_values(const float* p, const T* v, int64_t run, int64_t D, float* acc) {
+void weigh_values(const float* p, const T* v, int64_t run, int64_t D, int64_t R, float* acc) {
 #ifdef KILN_ATTN_YMM
   if (DIM == 64) {  // the accumulator stays in 8 registers over the run
     const T* vf = v;
@@ -274,7 +347,7 @@ void weigh_values(const float* p, const T* v, int64_t run, int64_t D, float* acc
     for (int i = 0; i < 8; ++i) a[i] = _mm256_loadu_ps(acc + 8 * i);
     for (int64_t j = 0; j < run; ++j) {
       const __m256 w = _mm256_set1_ps(p[j]);
-      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(w, load8(vf + j * 64 + 8 * i), a[i]);
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(w, load8(vf + j * R + 8 * i), a[i]);
     }
     for (int i = 0; i < 8; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
     return;
@@ -282,7 +355,7 @@ void weigh_values(const float* p, const T* v, int64_t run, int64_t D, float* acc
 #endif
   for (int64_t j = 0; j < run; ++j) {
     const float w = p[j];
-    const T* vj = v + j * D;
+    const T* vj = v + j * R;
 #pragma omp simd
     for (int64_t d = 0; d < (DIM > 0 ? DIM : D); ++d) acc[d] += w * widen(vj[d]);
   }
@@ -292,23 +365,23 @@ void weigh_values(const float* p, const T* v, int64_t run, int64_t D, float* acc
 template <typename T, int64_t DIM>
 void attend_chunk(const Layout& s, const float* q, const T* kv, const int64_t* table, const Chunk& c, float* scores,
                   float* m, float* l, float* acc) {
-  const int64_t G = s.group, D = DIM > 0 ? DIM : s.head_dim, BS = s.block_size, len = c.end - c.begin;
+  const int64_t G = s.group, D = DIM > 0 ? DIM : s.head_dim, R = s.row, BS = s.block_size, len = c.end - c.begin;
   const float* qh = q + (c.row * s.heads + c.head * G) * D;
-  const int64_t head_stride = s.blocks * BS * D;
+  const int64_t head_stride = s.blocks * BS * R;
   const T* keys = kv + c.head * head_stride;
   const T* values = kv + (s.kv_heads + c.head) * head_stride;
   const int64_t* blocks = table + c.row * s.table_width;
   // where the run of keys (or values) from token t on lies in its block, and how many tokens it holds
   const auto run_at = [&](const T* base, int64_t t) {
     const int64_t first = t % BS;
-    return std::make_pair(base + (blocks[t / BS] * BS + first) * D, std::min(BS - first, c.end - t));
+    return std::make_pair(base + (blocks[t / BS] * BS + first) * R, std::min(BS - first, c.end - t));
   };
   // A block is a page or so of its own: the hardware prefetchers stop at its end, so the next run's lines are asked
   // for while this one is read (2.7x off the KV-streaming roofline at one row before, on a 2-core EPYC).
   const auto prefetch_run = [&](const T* base, int64_t t) {
     const auto [at, run] = run_at(base, t);
     const char* bytes = reinterpret_cast<const char*>(at);
-    for (int64_t b = 0; b < run * D * int64_t(sizeof(T)); b += 64) __builtin_prefetch(bytes + b, 0, 3);
+    for (int64_t b = 0; b < run * R * int64_t(sizeof(T)); b += 64) __builtin_prefetch(bytes + b, 0, 3);
   };
   for (int64_t t = c.begin; t < c.end;) {  // one block's run of keys at a time
     const auto [at, run] = run_at(keys, t);
@@ -316,7 +389,12 @@ void attend_chunk(const Layout& s, const float* q, const T* kv, const int64_t* t
       prefetch_run(keys, t + run);
     else
       prefetch_run(values, c.begin);  // the values come next
-    key_scores<T, DIM>(qh, at, run, G, D, s.scale, scores + (t - c.begin), len);
+    key_scores<T, DIM>(qh, at, run, G, D, R, s.scale, scores + (t - c.begin), len);
+    if constexpr (Stored<T>::scaled)  // each key's scale
+      for (int64_t j = 0; j < run; ++j) {
+        const float ks = row_scale(at + j * R, D);
+        for (int64_t g = 0; g < G; ++g) scores[g * len + (t - c.begin) + j] *= ks;
+      }
     t += run;
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -333,19 +411,24 @@ void attend_chunk(const Layout& s, const float* q, const T* kv, const int64_t* t
   for (int64_t t = c.begin; t < c.end;) {  // each block's values read once (from L1) for every head
     const auto [at, run] = run_at(values, t);
     if (t + run < c.end) prefetch_run(values, t + run);
-    const float* p = scores + (t - c.begin);
+    float* p = scores + (t - c.begin);
+    if constexpr (Stored<T>::scaled)  // each value's scale joins its weight (the sums l are taken already)
+      for (int64_t j = 0; j < run; ++j) {
+        const float vs = row_scale(at + j * R, D);
+        for (int64_t g = 0; g < G; ++g) p[g * len + j] *= vs;
+      }
     int64_t g = 0;
 #ifdef __AVX512F__
     for (; DIM == 64 && g < G; g += 4) {  // up to 4 heads a pass over the run's values
       switch (std::min<int64_t>(4, G - g)) {
-        case 4: weigh_values_64<T, 4>(p + g * len, len, at, run, acc + g * D); break;
-        case 3: weigh_values_64<T, 3>(p + g * len, len, at, run, acc + g * D); break;
-        case 2: weigh_values_64<T, 2>(p + g * len, len, at, run, acc + g * D); break;
-        default: weigh_values_64<T, 1>(p + g * len, len, at, run, acc + g * D); break;
+        case 4: weigh_values_64<T, 4>(p + g * len, len, at, R, run, acc + g * D); break;
+        case 3: weigh_values_64<T, 3>(p + g * len, len, at, R, run, acc + g * D); break;
+        case 2: weigh_values_64<T, 2>(p + g * len, len, at, R, run, acc + g * D); break;
+        default: weigh_values_64<T, 1>(p + g * len, len, at, R, run, acc + g * D); break;
       }
     }
 #endif
-    for (; g < G; ++g) weigh_values<T, DIM>(p + g * len, at, run, D, acc + g * D);
+    for (; g < G; ++g) weigh_values<T, DIM>(p + g * len, at, run, D, R, acc + g * D);
     t += run;
   }
 }
@@ -415,13 +498,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
                                   const at::Tensor& seq_lens, int64_t window, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "kiln native paged_decode_attention: q must be "
               "[rows, heads, head_dim] float32");
+  const at::ScalarType kv_type = kv_cache.scalar_type();
+  const bool scaled = kv_type == at::kChar || kv_type == at::kByte;  // int8, fp8_e4m3: a float32 scale a row
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 &&
-                  (kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16),
-              "kiln native paged_decode_attention: kv_cache must be [2, kv_heads, blocks, block_size, head_dim] "
-              "float32 or bfloat16");
+                  (scaled || kv_type == at::kFloat || kv_type == at::kBFloat16 || kv_type == at::kHalf),
+              "kiln native paged_decode_attention: kv_cache must be [2, kv_heads, blocks, block_size, row] float32, "
+              "bfloat16, float16, int8 or uint8 (fp8_e4m3 codes)");
   const int64_t n = q.size(0), heads = q.size(1), head_dim = q.size(2), kv_heads = kv_cache.size(1);
-  TORCH_CHECK(kv_cache.size(4) == head_dim && head_dim <= MAX_HEAD_DIM, "kiln native paged_decode_attention: the "
-              "cache's head_dim ", kv_cache.size(4), " must equal q's ", head_dim, " (at most ", MAX_HEAD_DIM, ")");
+  const int64_t row = head_dim + (scaled ? int64_t(sizeof(float)) : 0);
+  TORCH_CHECK(kv_cache.size(4) == row && head_dim <= MAX_HEAD_DIM && head_dim % 4 == 0, "kiln native "
+              "paged_decode_attention: the cache's rows of ", kv_cache.size(4), " must be q's head_dim ", head_dim,
+              scaled ? " + 4 (the scale)" : "", " (a multiple of 4, at most ", MAX_HEAD_DIM, ")");
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= MAX_GROUP, "kiln native "
               "paged_decode_attention: ", heads, " query heads do not group over ", kv_heads, " KV heads");
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == n && block_table.scalar_type() == at::kLong &&
@@ -441,14 +528,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
       TORCH_CHECK(table[i * width + b] >= 0 && table[i * width + b] < blocks, "kiln native paged_decode_attention: "
                   "row ", i, " reads block ", table[i * width + b], " of a cache of ", blocks);
   }
-  const Layout s{heads, kv_heads, heads / kv_heads, head_dim, blocks, block_size, width, window,
+  const Layout s{heads, kv_heads, heads / kv_heads, head_dim, row, blocks, block_size, width, window,
                  static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim))), static_cast<float>(softcap)};
   at::Tensor out = at::empty({n, heads * head_dim}, qc.options());
   if (n == 0) return out;
-  if (kc.scalar_type() == at::kFloat)
-    decode(s, qc.data_ptr<float>(), kc.data_ptr<float>(), table, lens, n, out.data_ptr<float>());
-  else
-    decode(s, qc.data_ptr<float>(), kc.data_ptr<c10::BFloat16>(), table, lens, n, out.data_ptr<float>());
+  const float* qp = qc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  switch (kv_type) {
+    case at::kFloat: decode(s, qp, kc.data_ptr<float>(), table, lens, n, op); break;
+    case at::kBFloat16: decode(s, qp, kc.data_ptr<c10::BFloat16>(), table, lens, n, op); break;
+    case at::kHalf: decode(s, qp, kc.data_ptr<c10::Half>(), table, lens, n, op); break;
+    case at::kChar: decode(s, qp, kc.data_ptr<int8_t>(), table, lens, n, op); break;
+    default: decode(s, qp, reinterpret_cast<const Fp8E4M3*>(kc.data_ptr<uint8_t>()), table, lens, n, op); break;
+  }
   return out;
 }
 
