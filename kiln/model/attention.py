@@ -1,8 +1,9 @@
 """`kiln::attention`: the paged-KV attention custom op and the graph's splitting point.
 
 It writes the new K/V into the layer's paged cache at `slot_mapping`, then attends each query over its
-sequence's blocks. Decodes (one query each) run batched over gathered blocks; prefill and prefill chunks
-run per sequence with a causal mask offset by the cached context. Padding rows (past `num_actual_tokens`)
+sequence's blocks. Decodes (one query each) run batched over gathered blocks; prompts and chunks of prompts run
+together, a few masked SDPA calls a step (kiln.model.prefill_attention), causal from each one's cached context.
+Padding rows (past `num_actual_tokens`)
 produce zeros and never touch the cache.
 
 Sliding-window attention (Mistral, Gemma 2, Qwen2): with `window` W > 0 a query at position i sees key j iff
@@ -34,11 +35,11 @@ from __future__ import annotations
 from collections.abc import Collection
 
 import torch
-import torch.nn.functional as F
 
 from kiln.config import ModelConfig
 from kiln.model.forward_context import AttentionMetadata, DecodeKernel, get_forward_context
 from kiln.model.kv_format import cache_head_dim, row_width, store, unpack_rows
+from kiln.model.prefill_attention import prefill_attention
 
 SPLITTING_OP = "kiln.attention"
 
@@ -110,32 +111,6 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     return store(kv_cache, new, slot_mapping)
 
 
-def causal_mask(q_len: int, seq_len: int, window: int, device: torch.device) -> torch.Tensor:
-    """[q_len, seq_len] bool, True where the query may look: the queries are the last `q_len` of `seq_len`
-    positions, each seeing the keys at or before it and, with `window` > 0, fewer than `window` back."""
-    rows = torch.arange(q_len, device=device)[:, None] + (seq_len - q_len)
-    cols = torch.arange(seq_len, device=device)[None, :]
-    mask = cols <= rows
-    if window:
-        mask &= cols > rows - window
-    return mask
-
-
-def sequence_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, softcap: float
-) -> torch.Tensor:
-    """One sequence: q [H, L, D], k and v [Hkv, S, D], `mask` [L, S] bool (None: plain causal, L == S) -> [H, L, D]."""
-    if not softcap:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-    num_kv_heads, seq_len, head_dim = k.shape
-    if mask is None:
-        mask = causal_mask(q.shape[1], seq_len, 0, q.device)
-    qg = q.unflatten(0, (num_kv_heads, -1))  # [Hkv, G, L, D]: the query heads sharing each KV head
-    scores = torch.matmul(qg, k[:, None].transpose(-1, -2)).float() * head_dim**-0.5  # [Hkv, G, L, S]
-    scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1).to(q.dtype), v[:, None]).flatten(0, 1)
-
-
 def decode_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, softcap: float = 0.0
 ) -> torch.Tensor:
@@ -179,12 +154,11 @@ def paged_attention(
     softcap: float = 0.0,
     kernel: DecodeKernel | None = None,
 ) -> torch.Tensor:
-    _, num_kv_heads, _, block_size, _ = kv_cache.shape
     head_dim = cache_head_dim(kv_cache)
     num_heads = q.shape[1] // head_dim
     meta = meta.for_layer(window)
     n = meta.num_actual_tokens
-    written = write_kv(kv_cache, k, v, meta.slot_mapping)  # [2, Hkv, n, row], as stored
+    write_kv(kv_cache, k, v, meta.slot_mapping)
     qh = q[:n].view(n, num_heads, head_dim)
     nd = meta.num_decodes
     if nd == n == q.shape[0]:  # decode-only, unpadded: no output copy
@@ -192,20 +166,7 @@ def paged_attention(
     out = q.new_zeros(q.shape)
     if nd:
         out[:nd] = decodes(qh[:nd], kv_cache, meta, window, softcap, kernel)
-    for i in range(nd, meta.num_seqs):
-        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        q_len, seq_len = end - start, meta.seq_lens[i]
-        qi = qh[start:end].transpose(0, 1)  # [H, q_len, D]
-        if q_len == seq_len:  # whole prompt in this step: attend over its new K/V as stored, not re-read
-            kv = unpack_rows(written[:, :, start:end], q.dtype)  # [2, Hkv, q_len, D]
-            mask = causal_mask(q_len, q_len, window, q.device) if window else None
-            o = sequence_attention(qi, kv[0], kv[1], mask, softcap)
-        else:  # a chunk after cached context: causal mask offset by the context length
-            blocks = meta.block_tables[i, : -(-seq_len // block_size)]
-            kv = kv_cache.index_select(2, blocks).view(2, num_kv_heads, -1, kv_cache.shape[-1])[:, :, :seq_len]
-            kv = unpack_rows(kv, q.dtype)
-            o = sequence_attention(qi, kv[0], kv[1], causal_mask(q_len, seq_len, window, q.device), softcap)
-        out[start:end] = o.transpose(0, 1).reshape(q_len, num_heads * head_dim)
+    prefill_attention(qh, kv_cache, meta, out, window, softcap)  # every prompt and chunk: a few calls, not one each
     return out
 
 
