@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.server.live import LiveServer, live_server
+from tests.threads import CheckedThread
 
 pytestmark = pytest.mark.alone  # it times token gaps: beside a compiling worker it would fail
 
@@ -44,23 +45,23 @@ def test_an_n_64_request_leaves_room_for_a_short_request_and_a_canary(server: Li
            "ignore_eos": True, "temperature": 1.0}  # fmt: skip
     big_times: list[float] = []
     stop = threading.Event()
-    hog = threading.Thread(target=token_times, args=(server, big, big_times, stop))
+    hog = CheckedThread(token_times, args=(server, big, big_times, stop))
     hog.start()
     deadline = time.monotonic() + 120
     while len(big_times) < 5 * 32 and time.monotonic() < deadline:  # its sequences are decoding
         time.sleep(0.2)
     assert server.metrics()["kiln_num_requests_running"] == 32  # half of --max-num-seqs: the cap per request
     canary: list[float] = []
-    canary_thread = threading.Thread(target=token_times, args=(server, {"model": MODEL, "prompt": "Once upon a time",
+    canary_thread = CheckedThread(token_times, args=(server, {"model": MODEL, "prompt": "Once upon a time",
                                                                          "max_tokens": 24}, canary))  # fmt: skip
     canary_thread.start()
     time.sleep(1.0)
     sent = time.monotonic()
     short: list[float] = []
     token_times(server, {"model": MODEL, "prompt": "Hi", "max_tokens": 5}, short)
-    canary_thread.join(300)
+    canary_thread.join_checked(300)
     stop.set()
-    hog.join(300)
+    hog.join_checked(300)
     ttft = short[0] - sent
     gaps = [b - a for a, b in itertools.pairwise(canary)]
     assert len(canary) >= 24 and ttft < 2.0 and max(gaps) < 1.0, (ttft, max(gaps))

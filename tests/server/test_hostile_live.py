@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.server.live import LiveServer, live_server
+from tests.threads import CheckedThread
 
 pytestmark = pytest.mark.alone  # it times token gaps and a bounded soak: beside a compiling worker it would fail
 
@@ -149,7 +150,7 @@ class Canary:
         self.server = server
         self.texts: list[str] = []
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread = CheckedThread(self._run)
 
     def _run(self) -> None:
         with httpx.Client(timeout=120) as client:
@@ -193,7 +194,7 @@ def test_fuzzed_requests_never_hurt_the_server_or_a_canary(server: LiveServer) -
         fuzz()
     finally:
         canary.stop.set()
-        canary.thread.join(120)
+        canary.thread.join_checked(120)  # a canary that got anything but a 200 fails the test here
         client.close()
     assert canary.texts and all(text == reference for text in canary.texts), canary.texts
     assert 200 in statuses and any(400 <= s < 500 for s in statuses)  # both kinds were exercised
@@ -313,14 +314,14 @@ def test_a_10_mb_prompt_does_not_stall_a_concurrent_stream(server: LiveServer) -
                     arrivals.append(time.monotonic())
                     started.set()
 
-    thread = threading.Thread(target=stream)
+    thread = CheckedThread(stream)
     thread.start()
     assert started.wait(60)
     time.sleep(0.3)
     sent = time.monotonic()
     status, answer = post_raw(server.base_url, "/completions", big_body)
     done = time.monotonic()
-    thread.join(120)
+    thread.join_checked(120)
     assert status == 413 and "--max-body-bytes" in answer["error"]["message"], (status, answer)
     gaps = [b - a for a, b in itertools.pairwise(arrivals)]
     typical = sorted(gaps)[len(gaps) // 2]
