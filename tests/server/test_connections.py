@@ -146,6 +146,27 @@ def test_a_client_that_stops_reading_holds_back_the_sender_within_a_fixed_buffer
     the transport's are full (under 2 MiB on loopback), where Linux's autotuned send buffer would take ~4 MiB."""
     with connect(port) as sock:
         sock.sendall(request("/flood"))
-        time.sleep(1.5)
-        sent = FLOOD_SENT[-1]
-    assert 0 < sent < 2 * 2**20, sent
+        held = settled(FLOOD_SENT)  # the sender is blocked: nothing more handed to the server for a while
+        assert 0 < held < 2 * 2**20, held
+        received = 0
+        tail = b""
+        while not tail.endswith(b"0\r\n\r\n"):  # the chunked body's last chunk: the sender got to its end
+            chunk = sock.recv(1 << 20)
+            assert chunk, "the server closed the connection before the flood ended"
+            received += len(chunk)
+            tail = (tail + chunk)[-16:]
+    assert FLOOD_SENT[-1] == 16 * 2**20 <= received  # held back, not cut off: reading let it go on
+
+
+def settled(sent: list[int], quiet_s: float = 0.5, deadline_s: float = 30.0) -> int:
+    """The last of `sent` once it has not grown for `quiet_s` (polled until `deadline_s`)."""
+    deadline = time.monotonic() + deadline_s
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        now = sent[-1] if sent else 0
+        if now != last:
+            last, since = now, time.monotonic()
+        elif now > 0 and time.monotonic() - since >= quiet_s:
+            return now
+        time.sleep(0.05)
+    raise AssertionError(f"the sender never stopped: {last} bytes after {deadline_s} s")
