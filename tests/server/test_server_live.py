@@ -292,7 +292,8 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(server: LiveServer) -> 
     assert rest[-1] == "data: [DONE]"
     assert json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
     assert server.process.wait(60) == 0
-    time.sleep(0.2)  # let the log reader catch up
-    log = "\n".join(server.log)
+    deadline = time.monotonic() + 10  # the log reader may still be catching up with the exited server
+    while "Server stopped" not in (log := "\n".join(server.log)) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert "SIGTERM: shutting down" in log and "Server stopped" in log
     assert "Traceback" not in log
