@@ -26,6 +26,7 @@ from kiln.errors import RequestError
 from kiln.model.build import load_tokenizer
 from kiln.model.loader import open_checkpoint
 from kiln.model.tokenizer import KilnTokenizer
+from kiln.server.protocol import ChatCompletionRequest
 
 SCHEMA = {
     "type": "object",
@@ -282,3 +283,39 @@ def test_top_k_and_top_p_rows_sample_the_masked_distribution(
     assert int(counts.sum()) == len(tokens)  # every token allowed
     expected = torch.tensor([0.75, 0.25], dtype=torch.float64) * len(tokens)
     assert float(((counts - expected) ** 2 / expected).sum()) < 10.83, counts.tolist()
+
+
+# -- vLLM's request fields, to the engine ------------------------------------------------------------------------
+LARK = 'start: "Answer: " DIGITS " apples"\nDIGITS: /[1-9][0-9]/'
+SMALL_SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer"}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+
+
+def test_vllms_structured_outputs_object_and_a_lark_guided_grammar_reach_the_engine(llm: LLM) -> None:
+    """The README's vLLM fields: `structured_outputs` ({json | regex | choice | grammar | json_object}) and
+    `guided_grammar` in Lark (not only GBNF), from a request body to what the model generates (one batch)."""
+    ask = [{"role": "user", "content": "How many apples?"}]
+    grammar = lambda text: re.fullmatch(r"Answer: [1-9][0-9] apples", text) is not None  # noqa: E731
+    cases = {  # the field's body -> what its output must be
+        "json": ({"json": SMALL_SCHEMA}, lambda text: jsonschema.validate(json.loads(text), SMALL_SCHEMA) is None),
+        "regex": ({"regex": r"[a-z]{4}-\d"}, lambda text: re.fullmatch(r"[a-z]{4}-\d", text) is not None),
+        "choice": ({"choice": ["red", "green"]}, lambda text: text in ("red", "green")),
+        "grammar": ({"grammar": LARK}, grammar),
+        "json_object": ({"json_object": True}, lambda text: isinstance(json.loads(text), dict)),
+    }
+    bodies = {name: {"structured_outputs": fields} for name, (fields, _) in cases.items()}
+    bodies["guided_grammar"] = {"guided_grammar": LARK}
+    checks = {name: check for name, (_, check) in cases.items()} | {"guided_grammar": grammar}
+    params = []
+    for name, fields in bodies.items():
+        constraint = ChatCompletionRequest.model_validate({"messages": ask, **fields}).structured_output()
+        assert constraint is not None, name
+        assert constraint.param == ("guided_grammar" if name == "guided_grammar" else f"structured_outputs.{name}")
+        params.append(SamplingParams(max_tokens=60, temperature=0, structured_output=constraint))
+    outs = llm.chat([ask] * len(params), params)
+    for (name, check), out in zip(checks.items(), outs, strict=True):
+        assert out.finish_reason == "stop" and check(out.text), (name, out.text)
