@@ -5,6 +5,7 @@ are a 400; a request beyond --max-connections is a 503. No model: each test take
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import socket
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
+from kiln.server.cli import add_server_args
 from kiln.server.connections import http_config
 from kiln.server.limits import MAX_HEADER_BYTES
 
@@ -45,6 +47,11 @@ async def app(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-de
 def port() -> Iterator[int]:
     config = http_config(app, "127.0.0.1", 0, header_timeout=HEADER_TIMEOUT, keep_alive_timeout=30,
                          max_connections=MAX_CONNECTIONS, log_config=None, lifespan="off")  # fmt: skip
+    yield from serving(config)
+
+
+def serving(config: uvicorn.Config) -> Iterator[int]:
+    """Run a uvicorn server of `config` on a thread; yield its port; stop it."""
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -177,3 +184,25 @@ def settled(sent: list[int], quiet_s: float = 0.5, deadline_s: float = 30.0) -> 
             return now
         time.sleep(0.05)
     raise AssertionError(f"the sender never stopped: {last} bytes after {deadline_s} s")
+
+
+def test_keep_alive_timeout_closes_an_idle_kept_alive_connection() -> None:
+    """`kiln serve --keep-alive-timeout 0.5`: a connection idle after its answer is closed (no 408: the header
+    timeout is 30 s here) after about that long, and not before."""
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    args = parser.parse_args(["--keep-alive-timeout", "0.5"])
+    config = http_config(
+        app, "127.0.0.1", 0, header_timeout=30, keep_alive_timeout=args.keep_alive_timeout, log_config=None
+    )
+    for port in serving(config):
+        with connect(port) as sock:
+            sock.sendall(request())
+            answered = b""
+            while not answered.endswith(b"ok"):
+                answered += sock.recv(65536)
+            idle_since = time.monotonic()
+            assert answered.startswith(b"HTTP/1.1 200 ")
+            assert read_answer(sock) == b""  # closed without a word
+            idle = time.monotonic() - idle_since
+        assert 0.4 <= idle < 10, idle
