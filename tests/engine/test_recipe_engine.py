@@ -31,16 +31,3 @@ def test_guard_violation_fails_only_that_request(tmp_path: Path) -> None:
     assert "(request " in outs[0].error
     assert outs[1].finish_reason == "length" and len(outs[1].token_ids) == 8
     assert llm.engine.config.graph_mode == "eager" and llm.engine.executor.name == "eager"
-
-
-def test_the_recipes_kv_cache_prefix_caching_false_turns_prefix_caching_off(tmp_path: Path) -> None:
-    path = eager_recipe(tmp_path, 2048)
-    text = path.read_text().replace("max_pages: 1024}", "max_pages: 1024, prefix_caching: false}")
-    assert "prefix_caching: false" in text
-    path.write_text(text)
-    llm = LLM(recipe=str(path))
-    assert llm.engine.scheduler.prefix is None and not llm.engine.config.cache.enable_prefix_caching
-    prompt = "word " * 40  # two full blocks, which caching on would find the second time
-    outs = [llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0))[0] for _ in range(2)]
-    assert [o.num_cached_tokens for o in outs] == [0, 0]
-    assert llm.engine.pool.num_cached_blocks == 0
