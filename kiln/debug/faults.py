@@ -56,8 +56,9 @@ def parse_fault(spec: str) -> Fault:
     return Fault(kind, index, what)
 
 
-def inject(session: DebugSession, fault: Fault) -> str:
-    """Apply `fault` to the session's graph path through the executor's hooks; a one-line description."""
+def inject(session: DebugSession, fault: Fault, scale: float = LAYER_FAULT_SCALE) -> str:
+    """Apply `fault` to the session's graph path through the executor's hooks; a one-line description. A layer
+    fault scales its module's output by (1 + scale): tests hold the debugger to faults far smaller than 1e-2."""
     graph = session.graph
     pieces = graph.pieces
     if fault.kind == "layer":
@@ -72,11 +73,10 @@ def inject(session: DebugSession, fault: Fault) -> str:
         node = session.tap_nodes[boundary.name]
         target = boundary.piece
         graph.rebuild(
-            lambda p: perturbed_graph(p.graph, node, LAYER_FAULT_SCALE) if p.index == target else None,
+            lambda p: perturbed_graph(p.graph, node, scale) if p.index == target else None,
             compiled_only=True,
         )
-        scale = f"x(1+{LAYER_FAULT_SCALE:g})"
-        text = f"{fault}: {boundary.module_path} output {scale} in piece {target}'s compiled code"
+        text = f"{fault}: {boundary.module_path} output x(1+{scale:g}) in piece {target}'s compiled code"
     else:
         if not 0 <= fault.index < len(pieces):
             raise ConfigError(f"--inject-fault {fault}: the graph has pieces 0..{len(pieces) - 1}")

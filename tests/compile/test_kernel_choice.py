@@ -71,15 +71,18 @@ def test_every_engine_of_a_process_reads_the_first_choice(tmp_path: Path) -> Non
 
 
 CHOOSER = """
-import json, sys, time
+import json, os, sys, time
 from pathlib import Path
 from kiln.kernels.choices import KernelChoiceCache
 root, shape = Path(sys.argv[1]), json.loads(sys.argv[2])
 def measure():
     with open(root / "measured.log", "a") as log:
         log.write(f"{shape}\\n")
-    time.sleep(1.0)  # long enough for the others to be waiting
+    deadline = time.monotonic() + 60  # a timing that lasts until every process has asked for its choice
+    while len(list(root.glob("asking-*"))) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
     return {"winner": str(shape)}
+(root / f"asking-{os.getpid()}").touch()
 print(json.dumps(KernelChoiceCache(root).choose("k", {"shape": shape}, measure)))
 """
 

@@ -63,6 +63,19 @@ def test_layer_fault_is_the_first_divergence_and_bisect_finds_its_piece(
     assert len(result.rounds) <= round_budget(1), [str(r) for r in result.rounds]
 
 
+@pytest.mark.parametrize(("scale", "layer", "part"), [(1e-3, 1, "mlp"), (1e-4, 2, "attn"), (1e-5, 0, "mlp")])
+def test_a_small_fault_is_found_in_its_layer_and_piece(
+    scale: float, layer: int, part: str, open_tiny: Callable[..., DebugSession], tiny_reference: Reference
+) -> None:
+    """The debugger's sensitivity: a fault of 1e-5 in one module is above its boundary's threshold (fp32 rounding,
+    ~1e-7, times the noise ratio), and neither an earlier boundary nor another piece is blamed for it."""
+    session = open_tiny()
+    inject(session, parse_fault(f"layer={layer}:{part}"), scale=scale)
+    first = run_diff(session, tiny_reference, "captured").first_divergence
+    assert first is not None, f"a {scale:g} fault in layers.{layer}.{part} went unseen"
+    assert first.name == f"layers.{layer}.{part}" and first.piece == layer + 1
+
+
 @pytest.mark.parametrize("piece", [0, 3])
 def test_stale_input_is_found_as_a_capture_fault(
     piece: int, open_tiny: Callable[..., DebugSession], tiny_reference: Reference

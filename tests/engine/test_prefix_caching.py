@@ -17,6 +17,7 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.engine.core import EngineCore
+from kiln.engine.prefix_cache import KEY_FUNCTIONS
 from tests.engine.tiny_models import write_hf_model
 
 BLOCK = 4
@@ -93,6 +94,23 @@ def test_cached_prefixes_give_the_tokens_of_no_cache_in_every_mode(tiny, mode: s
             assert all(run[3] == 0 for run in runs[False])
     assert_same_runs(runs[True], runs[False])
     for prompt, tokens, *_ in runs[True]:
+        assert_hf_greedy(hf, prompt, tokens)
+
+
+def test_builtin_block_keys_cache_and_compute_as_sha256_keys_do(tiny) -> None:
+    """`--prefix-caching-hash-algo builtin`: the engine names its blocks with Python's hash and finds the same
+    prefixes (the same cached counts), with the tokens and logprobs of the sha256 keys."""
+    path, hf = tiny
+    runs = {}
+    for algo in ("sha256", "builtin"):
+        llm = LLM(str(path), block_size=BLOCK, num_kv_blocks=64, graph_mode="eager", prefix_caching_hash_algo=algo)
+        assert llm.engine.scheduler.prefix.keys.key_function is KEY_FUNCTIONS[algo]
+        runs[algo] = turns(llm)
+        assert_no_block_held(llm.engine)
+    assert [run[3] for run in runs["builtin"]] == [run[3] for run in runs["sha256"]]
+    assert runs["builtin"][1][3] == 9 * BLOCK  # the shared prefix was found
+    assert_same_runs(runs["builtin"], runs["sha256"])
+    for prompt, tokens, *_ in runs["builtin"]:
         assert_hf_greedy(hf, prompt, tokens)
 
 

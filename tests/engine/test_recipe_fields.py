@@ -200,3 +200,15 @@ def test_the_recipe_speculative_section_and_the_flags_over_it(tmp_path: Path, ca
     path.write_text(base.replace("method: ngram", "method: draft, draft_model: default").replace("min: 5", "min: 1"))
     config = EngineArgs(recipe=str(path)).create_engine_config()
     assert config.speculative == SpeculativeConfig("draft", 3, 4, 1, draft_model="default")
+
+
+def test_the_recipes_kv_cache_prefix_caching_false_turns_prefix_caching_off(tmp_path: Path) -> None:
+    """The README's `kv_cache.prefix_caching: false`: the engine config the recipe makes has caching off (the engine
+    then keeps no prefix cache: tests/engine/test_prefix_caching.py); without the field, caching stays on."""
+    on = EngineArgs(recipe=write(tmp_path)).create_engine_config()
+    assert on.cache.enable_prefix_caching
+    path = Path(write(tmp_path))
+    path.write_text(path.read_text().replace("max_pages: 64}", "max_pages: 64, prefix_caching: false}"))
+    assert "prefix_caching: false" in path.read_text()
+    off = EngineArgs(recipe=str(path)).create_engine_config()
+    assert not off.cache.enable_prefix_caching

@@ -31,6 +31,17 @@ def test_top_p_keeps_the_smallest_set_reaching_its_mass() -> None:
     assert kept.tolist() == [True, True, False, False]
 
 
+def test_top_p_drops_the_token_whose_preceding_mass_reaches_it_exactly() -> None:
+    """Four equally likely tokens (a quarter each, exact in float32) and top_p 0.5: two reach it, and the third,
+    with exactly 0.5 before it, is dropped (the mass before it already reaches top_p), for the sort of a
+    nucleus within the candidates and of the whole vocabulary alike."""
+    for vocab in (4, 4096):
+        logits = torch.full((vocab,), -1e9)
+        logits[:4] = 2.0
+        kept = filter_logits(logits, SamplingParams(temperature=1.0, top_p=0.5)).isfinite()
+        assert int(kept.sum()) == 2 and bool(kept[:4].any()), vocab
+
+
 def test_logit_bias_is_added_to_its_rows_only() -> None:
     logits = torch.zeros(2, 10)
     logits[:, 4] = 5.0

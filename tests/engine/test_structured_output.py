@@ -26,6 +26,7 @@ from kiln.errors import RequestError
 from kiln.model.build import load_tokenizer
 from kiln.model.loader import open_checkpoint
 from kiln.model.tokenizer import KilnTokenizer
+from kiln.server.protocol import ChatCompletionRequest
 
 SCHEMA = {
     "type": "object",
@@ -207,6 +208,27 @@ def test_structured_outputs_speculate_and_keep_their_tokens(llm: LLM, method: st
 
 
 # -- sampled first, masked only when refused ---------------------------------------------------------------------
+def sample_choice_rows(
+    grammars: Grammars, tokenizer: KilnTokenizer, params: list[SamplingParams], favourites: list[dict[int, float]]
+) -> list[int]:
+    """One sampling step of rows constrained to "yes" or "no", row i's logits log(prob) at `favourites[i]`'s tokens
+    (every other token far below them)."""
+    choice = StructuredOutput.choice(["yes", "no"])
+    reqs = []
+    for i, p in enumerate(params):
+        req = Request(str(i), None, [1], p, torch.Generator().manual_seed(i))
+        req.grammar = grammars.start(choice)
+        reqs.append(req)
+    logits = torch.full((len(reqs), 49152), -30.0)
+    for i, probs in enumerate(favourites):
+        for token, prob in probs.items():
+            logits[i, token] = math.log(prob)
+    sched = SimpleNamespace(scheduled=[ScheduledRequest(r, 1) for r in reqs])
+    plan = SimpleNamespace(sample_request_ids=[r.request_id for r in reqs])
+    out = sample_step(Sampler(), sched, plan, logits, [tokenizer.eos_token_id])
+    return [out.sampled[r.request_id][0] for r in reqs]
+
+
 def test_rows_sample_before_their_mask_and_keep_the_masked_distribution(
     grammars: Grammars, tokenizer: KilnTokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -214,7 +236,6 @@ def test_rows_sample_before_their_mask_and_keep_the_masked_distribution(
     refuses the token: greedy gives the likeliest allowed token, sampled rows the masked distribution (chi-square
     over 2,000 draws), and rows whose first token is allowed compute no mask."""
     yes, no, maybe, ok = (tokenizer.encode(w, add_special_tokens=False)[0] for w in ("yes", "no", "maybe", "ok"))
-    choice = StructuredOutput.choice(["yes", "no"])
     masked_rows: list[int] = []  # the rows of each mask computation
     bitmasks = Grammars.bitmasks
 
@@ -225,19 +246,7 @@ def test_rows_sample_before_their_mask_and_keep_the_masked_distribution(
     monkeypatch.setattr(Grammars, "bitmasks", counted)
 
     def step(params: list[SamplingParams], favourites: list[dict[int, float]]) -> list[int]:
-        reqs = []
-        for i, p in enumerate(params):
-            req = Request(str(i), None, [1], p, torch.Generator().manual_seed(i))
-            req.grammar = grammars.start(choice)
-            reqs.append(req)
-        logits = torch.full((len(reqs), 49152), -30.0)
-        for i, probs in enumerate(favourites):
-            for token, prob in probs.items():
-                logits[i, token] = math.log(prob)
-        sched = SimpleNamespace(scheduled=[ScheduledRequest(r, 1) for r in reqs])
-        plan = SimpleNamespace(sample_request_ids=[r.request_id for r in reqs])
-        out = sample_step(Sampler(), sched, plan, logits, [tokenizer.eos_token_id])
-        return [out.sampled[r.request_id][0] for r in reqs]
+        return sample_choice_rows(grammars, tokenizer, params, favourites)
 
     greedy = SamplingParams(temperature=0)
     assert step([greedy, greedy], [{maybe: 0.5, no: 0.3, yes: 0.2}, {yes: 0.6, maybe: 0.4}]) == [no, yes]
@@ -253,3 +262,60 @@ def test_rows_sample_before_their_mask_and_keep_the_masked_distribution(
     assert float(((counts - expected) ** 2 / expected).sum()) < 10.83  # chi-square, 1 dof, p = 0.001
     refused = sum(masked_rows) / len(tokens)
     assert 0.5 < refused < 0.7  # masks for the rows whose first draw was refused (0.6 of the mass) only
+
+
+@pytest.mark.parametrize(
+    "params", [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.8)]
+)
+def test_top_k_and_top_p_rows_sample_the_masked_distribution(
+    params: SamplingParams, grammars: Grammars, tokenizer: KilnTokenizer
+) -> None:
+    """Top-k and top-p apply to the *allowed* tokens: the grammar's mask comes first. Sampling such a row unmasked and
+    masking only when the grammar refuses would draw "yes" with probability 6/7 (top-k 2 keeps maybe and yes) or
+    5/6 (top-p 0.8 keeps maybe, yes and ok) instead of the masked 3/4; a chi-square over 2,000 draws tells them
+    apart (it reads ~120 and ~75 for those shortcuts, p = 0.001 at 10.83)."""
+    yes, no, maybe, ok = (tokenizer.encode(w, add_special_tokens=False)[0] for w in ("yes", "no", "maybe", "ok"))
+    mass = {maybe: 0.4, yes: 0.3, ok: 0.2, no: 0.1}  # allowed: yes and no, 3/4 and 1/4 of their mass
+    tokens = []
+    for _ in range(5):
+        tokens += sample_choice_rows(grammars, tokenizer, [params] * 400, [mass] * 400)
+    counts = torch.tensor([tokens.count(yes), tokens.count(no)], dtype=torch.float64)
+    assert int(counts.sum()) == len(tokens)  # every token allowed
+    expected = torch.tensor([0.75, 0.25], dtype=torch.float64) * len(tokens)
+    assert float(((counts - expected) ** 2 / expected).sum()) < 10.83, counts.tolist()
+
+
+# -- vLLM's request fields, to the engine ------------------------------------------------------------------------
+LARK = 'start: "Answer: " DIGITS " apples"\nDIGITS: /[1-9][0-9]/'
+SMALL_SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer"}},
+    "required": ["n"],
+    "additionalProperties": False,
+}
+
+
+def test_vllms_structured_outputs_object_and_a_lark_guided_grammar_reach_the_engine(llm: LLM) -> None:
+    """The README's vLLM fields: `structured_outputs` ({json | regex | choice | grammar | json_object}) and
+    `guided_grammar` in Lark (not only GBNF), from a request body to what the model generates (one batch)."""
+    ask = [{"role": "user", "content": "How many apples?"}]
+    grammar = lambda text: re.fullmatch(r"Answer: [1-9][0-9] apples", text) is not None  # noqa: E731
+    cases = {  # the field's body -> what its output must be
+        "json": ({"json": SMALL_SCHEMA}, lambda text: jsonschema.validate(json.loads(text), SMALL_SCHEMA) is None),
+        "regex": ({"regex": r"[a-z]{4}-\d"}, lambda text: re.fullmatch(r"[a-z]{4}-\d", text) is not None),
+        "choice": ({"choice": ["red", "green"]}, lambda text: text in ("red", "green")),
+        "grammar": ({"grammar": LARK}, grammar),
+        "json_object": ({"json_object": True}, lambda text: isinstance(json.loads(text), dict)),
+    }
+    bodies = {name: {"structured_outputs": fields} for name, (fields, _) in cases.items()}
+    bodies["guided_grammar"] = {"guided_grammar": LARK}
+    checks = {name: check for name, (_, check) in cases.items()} | {"guided_grammar": grammar}
+    params = []
+    for name, fields in bodies.items():
+        constraint = ChatCompletionRequest.model_validate({"messages": ask, **fields}).structured_output()
+        assert constraint is not None, name
+        assert constraint.param == ("guided_grammar" if name == "guided_grammar" else f"structured_outputs.{name}")
+        params.append(SamplingParams(max_tokens=60, temperature=0, structured_output=constraint))
+    outs = llm.chat([ask] * len(params), params)
+    for (name, check), out in zip(checks.items(), outs, strict=True):
+        assert out.finish_reason == "stop" and check(out.text), (name, out.text)

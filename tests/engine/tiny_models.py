@@ -85,8 +85,10 @@ def write_gguf_model(
     vocab_size: int = 256,
     tensor_shapes: dict[str, tuple[int, ...] | None] | None = None,
     metadata: dict[str, Any] | None = None,
+    hidden_size: int = 64,
 ) -> None:
-    """A tiny random llama GGUF with every weight matrix stored as `tensor_type` (norms stay F32).
+    """A tiny random llama GGUF with every weight matrix stored as `tensor_type` (norms stay F32); `hidden_size`
+    256 (and the MLP twice that) for the types in blocks of 256 values (K-quants, IQ4_XS).
 
     `tensor_shapes` changes a tensor's shape, adds a tensor (a new name) or drops one (None); `metadata` changes or
     adds `{arch}.*` keys (int -> uint32, float -> float32, str -> string). Both exist to write malformed files.
@@ -94,7 +96,7 @@ def write_gguf_model(
     from gguf import GGMLQuantizationType, GGUFWriter
 
     rng = np.random.default_rng(0)
-    h, inter, layers, heads, kv = 64, 128, 2, 4, 2
+    h, inter, layers, heads, kv = hidden_size, 2 * hidden_size, 2, 4, 2
     w = GGUFWriter(str(path), arch)
     settings: dict[str, Any] = {
         "block_count": layers,
@@ -135,7 +137,7 @@ def write_gguf_model(
         if shape is None:
             continue
         data = (rng.standard_normal(shape) * 0.05).astype(np.float32)
-        add_gguf_tensor(w, name, data, GGMLQuantizationType.F32 if len(shape) == 1 else qtype)  # norms stay F32
+        add_gguf_tensor(w, name, data, GGMLQuantizationType.F32 if len(shape) == 1 else qtype, rng)  # norms: F32
     write_gguf_file(w)
 
 
@@ -149,15 +151,28 @@ def add_toy_gguf_tokenizer(w: Any, vocab_size: int) -> None:
     w.add_eos_token_id(vocab_size - 1)
 
 
-def add_gguf_tensor(w: Any, name: str, data: np.ndarray, qtype: Any) -> None:
-    """Add float32 `data` to a GGUF writer stored as `qtype` (F32, F16, F64 or a block type it quantizes to)."""
-    from gguf import GGMLQuantizationType
+# byte offsets of the fp16 scales in one block, for the types gguf-py dequantizes but cannot quantize
+RANDOM_BLOCK_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+
+
+def add_gguf_tensor(w: Any, name: str, data: np.ndarray, qtype: Any, rng: np.random.Generator | None = None) -> None:
+    """Add float32 `data` to a GGUF writer stored as `qtype` (F32, F16, F64 or a block type it quantizes to); for
+    the block types of RANDOM_BLOCK_SCALES, random codes of `data`'s shape with small fp16 scales instead."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quantize
 
     if qtype == GGMLQuantizationType.F32:
         w.add_tensor(name, data)
     elif qtype in (GGMLQuantizationType.F16, GGMLQuantizationType.F64):
         w.add_tensor(name, data.astype(np.float16 if qtype == GGMLQuantizationType.F16 else np.float64))
+    elif qtype.name in RANDOM_BLOCK_SCALES:
+        rng = rng or np.random.default_rng(0)
+        per_block, size = GGML_QUANT_SIZES[qtype]
+        blocks = rng.integers(0, 256, (data.size // per_block, size), dtype=np.uint8)
+        for at in RANDOM_BLOCK_SCALES[qtype.name]:
+            scales = rng.uniform(1e-4, 1e-2, (len(blocks), 1)).astype(np.float16)
+            blocks[:, at : at + 2] = scales.view(np.uint8)
+        w.add_tensor(name, blocks.reshape(data.shape[0], -1), raw_dtype=qtype)
     else:
         w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
 

@@ -5,6 +5,7 @@ found by `kiln debug explain`; unknown architectures and broken plugins are clea
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,55 @@ def test_the_recipe_of_a_registered_architecture_validates_and_names_what_runs(
     config = EngineArgs(recipe=str(tmp_path / "parallel_lm.yaml")).create_engine_config()
     assert Path(config.model).resolve() == checkpoint.resolve()
     assert config.recipe is not None and config.recipe.model_values["num_layers"] == SMALL["num_hidden_layers"]
+
+
+PLUGIN = """
+from examples import parallel_lm
+from kiln import models
+
+CALLS = []
+
+
+class EntryPointLM(parallel_lm.ParallelLMForCausalLM):
+    pass
+
+
+def register():
+    CALLS.append("register")
+    models.register("EntryPointLMForCausalLM", EntryPointLM, architecture="entry_point_lm",
+                    read_config=parallel_lm.read_config)
+"""
+
+
+def test_a_kiln_models_entry_point_is_found_when_a_checkpoint_names_its_architecture(
+    checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An installed package's `kiln.models` entry point (here a dist-info on sys.path, as pip writes one) is
+    discovered when a checkpoint names an architecture kiln does not know, its function called once, and the
+    model it registers loads and computes ParallelLM's logits."""
+    site = tmp_path / "site"
+    (site / "kiln_entry_plugin-1.0.dist-info").mkdir(parents=True)
+    (site / "kiln_entry_plugin.py").write_text(PLUGIN)
+    info = site / "kiln_entry_plugin-1.0.dist-info"
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: kiln-entry-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[kiln.models]\nentry_point_lm = kiln_entry_plugin:register\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.delenv(families_module.PLUGIN_ENV, raising=False)
+    monkeypatch.setattr(families_module, "_plugins_loaded", False)
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    config = json.loads((checkpoint / "config.json").read_text()) | {"architectures": ["EntryPointLMForCausalLM"]}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    for name in ("model.safetensors", "tokenizer.json"):
+        (model_dir / name).symlink_to(checkpoint / name)
+    assert "EntryPointLMForCausalLM" not in models.FAMILIES
+    try:
+        engine = LLM(str(model_dir), num_kv_blocks=16, graph_mode="eager").engine
+        plugin = sys.modules["kiln_entry_plugin"]
+        assert plugin.CALLS == ["register"]
+        assert type(engine.model) is plugin.EntryPointLM
+        got = prompt_logits(engine, PROMPT)
+        assert (got - reference_logits(checkpoint, PROMPT)).abs().max().item() < 1e-4
+    finally:
+        models.FAMILIES.pop("EntryPointLMForCausalLM", None)
+        sys.modules.pop("kiln_entry_plugin", None)

@@ -21,8 +21,26 @@ def test_default_recipe_is_valid_without_warnings() -> None:
     assert recipe.max_model_len <= recipe.max_pages * recipe.block_size
 
 
+# The classes of finding, by the validation stage that makes them, and the example that shows each.
+ERROR_CLASSES = {
+    "yaml": {"yaml_syntax", "duplicate_key"},
+    "schema": {"unknown_key", "wrong_type"},
+    "expressions": {"assignment", "code_injection", "unknown_symbol", "division_by_zero"},
+    "solver": {"conflict", "redundant_constraint"},
+    "checkpoint": {"model_symbol", "weights_dtype", "input_shape", "group_size"},
+    "graph": {"splitting_op", "fusion_op", "fusion_split", "capture_size"},
+    "memory": {"kv_capacity", "memory_budget"},
+}
+
+
 def test_there_is_an_example_per_error_class() -> None:
-    assert len(EXAMPLES) >= 18
+    """Each class above has its example and each example is one class, and no two examples show the same
+    diagnostic (an example copied under another name would show nothing new)."""
+    stems = [path.stem for path in EXAMPLES]
+    classes = [stem for members in ERROR_CLASSES.values() for stem in members]
+    assert sorted(stems) == sorted(classes)
+    messages = [EXPECT.search(path.read_text()).group(4) for path in EXAMPLES]
+    assert len(set(messages)) == len(messages), messages
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

@@ -43,9 +43,17 @@ def test_request_violation_names_the_line_and_request(guards) -> None:
 
 
 def test_valid_request_and_step_pass(guards) -> None:
-    guards.check_request("1", seq_len=2048)
-    guards.check_step(num_tokens=2048, batch_size=64, seq_lens=[1024] * 64)
-    guards.check_step(num_tokens=31, batch_size=1)
+    """Values at each constraint's edge pass (no exception) and one past it is refused, so the pass is the guards
+    checking, not the guards doing nothing."""
+    assert guards.check_request("1", seq_len=2048) is None
+    with pytest.raises(RecipeViolation, match="seq_len <= 2048"):
+        guards.check_request("1", seq_len=2049)
+    assert guards.check_step(num_tokens=2048, batch_size=64, seq_lens=[1024] * 64) is None
+    with pytest.raises(RecipeViolation, match="seq_len \\* batch_size <= 65536"):
+        guards.check_step(num_tokens=2048, batch_size=64, seq_lens=[1024] * 63 + [1025])
+    with pytest.raises(RecipeViolation, match="batch_size <= 64"):
+        guards.check_step(num_tokens=2048, batch_size=65)
+    assert guards.check_step(num_tokens=31, batch_size=1) is None
 
 
 def test_step_violation(guards) -> None:

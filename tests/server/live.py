@@ -66,11 +66,15 @@ def free_port() -> int:
 
 @contextmanager
 def live_server(
-    args: list[str], api_key: str | None = None, while_loading: Callable[[], object] | None = None
+    args: list[str],
+    api_key: str | None = None,
+    while_loading: Callable[[], object] | None = None,
+    command: tuple[str, ...] = ("-m", "kiln.launch"),
 ) -> Iterator[LiveServer]:
-    """`python -m kiln.launch --port P ARGS`, yielded once it logs `Ready:`; SIGTERM (then kill) at the end."""
+    """`python -m kiln.launch --port P ARGS` (or `python COMMAND --port P ARGS`), yielded once it logs `Ready:`;
+    SIGTERM (then kill) at the end."""
     port = free_port()
-    cmd = [sys.executable, "-m", "kiln.launch", "--port", str(port), *args]
+    cmd = [sys.executable, *command, "--port", str(port), *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     live = LiveServer(f"http://127.0.0.1:{port}", proc, api_key)
     ready = threading.Event()

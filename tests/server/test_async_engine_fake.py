@@ -20,6 +20,7 @@ from kiln.server.api import AppSettings, create_app
 from tests.server.app_harness import openai_error as assert_openai_error
 from tests.server.app_harness import wait_until
 from tests.server.fake_core import FakeCore
+from tests.threads import CheckedThread
 
 Client = httpx.AsyncClient
 
@@ -84,10 +85,10 @@ def test_loop_on_the_callers_thread() -> None:
 
         asyncio.run(main())
 
-    client = threading.Thread(target=http_side)
+    client = CheckedThread(http_side)
     client.start()
     engine.run_loop()  # returns once the client's stop() ends it
-    client.join(10)
+    client.join_checked(10)
     assert texts == ["x", "xx", "xxx"]
     assert steppers == {threading.get_ident()}
     assert not engine.is_accepting and core.pool.num_used_blocks == 0

@@ -7,6 +7,7 @@ seconds."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import socket
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
+from kiln.server.cli import add_server_args
 from kiln.server.connection_table import ConnectionTable
 from kiln.server.connections import http_config
 from kiln.server.limits import MAX_HEADER_BYTES
@@ -49,6 +51,11 @@ def port() -> Iterator[int]:
     table = ConnectionTable(MAX_CONNECTIONS, MAX_CONNECTIONS)
     config = http_config(app, "127.0.0.1", 0, header_timeout=HEADER_TIMEOUT, keep_alive_timeout=30,
                          connections=table, log_config=None, lifespan="off")  # fmt: skip
+    yield from serving(config)
+
+
+def serving(config: uvicorn.Config) -> Iterator[int]:
+    """Run a uvicorn server of `config` on a thread; yield its port; stop it."""
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -63,6 +70,18 @@ def port() -> Iterator[int]:
 
 def connect(port: int) -> socket.socket:
     return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+
+def answer_within(port: int, status_line: bytes, deadline_s: float = 10.0) -> bool:
+    """Whether a request on a new connection is answered `status_line` within `deadline_s` (asked again and again)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        with connect(port) as sock:
+            sock.sendall(request())
+            if sock.recv(65536).startswith(status_line):
+                return True
+        time.sleep(0.05)
+    return False
 
 
 def read_answer(sock: socket.socket) -> bytes:
@@ -132,10 +151,8 @@ def test_oversized_headers_are_refused(port: int) -> None:
 def test_a_connection_beyond_the_limit_closes_the_oldest_idle_one(port: int) -> None:
     idle = [connect(port) for _ in range(MAX_CONNECTIONS)]
     try:
-        time.sleep(0.2)
-        with connect(port) as sock:  # before issue 51: a 503, as every request on any connection
-            sock.sendall(request())
-            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
+        # the server counts a connection once its loop has accepted it: polled, not waited for
+        assert answer_within(port, b"HTTP/1.1 200 ")  # before issue 51: a 503, as every request on any connection
         assert read_answer(idle[0]) == b""  # the oldest silent connection was closed, without an answer
     finally:
         for sock in idle:
@@ -147,6 +164,49 @@ def test_a_client_that_stops_reading_holds_back_the_sender_within_a_fixed_buffer
     the transport's are full (under 2 MiB on loopback), where Linux's autotuned send buffer would take ~4 MiB."""
     with connect(port) as sock:
         sock.sendall(request("/flood"))
-        time.sleep(1.5)
-        sent = FLOOD_SENT[-1]
-    assert 0 < sent < 2 * 2**20, sent
+        held = settled(FLOOD_SENT)  # the sender is blocked: nothing more handed to the server for a while
+        assert 0 < held < 2 * 2**20, held
+        received = 0
+        tail = b""
+        while not tail.endswith(b"0\r\n\r\n"):  # the chunked body's last chunk: the sender got to its end
+            chunk = sock.recv(1 << 20)
+            assert chunk, "the server closed the connection before the flood ended"
+            received += len(chunk)
+            tail = (tail + chunk)[-16:]
+    assert FLOOD_SENT[-1] == 16 * 2**20 <= received  # held back, not cut off: reading let it go on
+
+
+def settled(sent: list[int], quiet_s: float = 0.5, deadline_s: float = 30.0) -> int:
+    """The last of `sent` once it has not grown for `quiet_s` (polled until `deadline_s`)."""
+    deadline = time.monotonic() + deadline_s
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        now = sent[-1] if sent else 0
+        if now != last:
+            last, since = now, time.monotonic()
+        elif now > 0 and time.monotonic() - since >= quiet_s:
+            return now
+        time.sleep(0.05)
+    raise AssertionError(f"the sender never stopped: {last} bytes after {deadline_s} s")
+
+
+def test_keep_alive_timeout_closes_an_idle_kept_alive_connection() -> None:
+    """`kiln serve --keep-alive-timeout 0.5`: a connection idle after its answer is closed (no 408: the header
+    timeout is 30 s here) after about that long, and not before."""
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    args = parser.parse_args(["--keep-alive-timeout", "0.5"])
+    config = http_config(
+        app, "127.0.0.1", 0, header_timeout=30, keep_alive_timeout=args.keep_alive_timeout, log_config=None
+    )
+    for port in serving(config):
+        with connect(port) as sock:
+            sock.sendall(request())
+            answered = b""
+            while not answered.endswith(b"ok"):
+                answered += sock.recv(65536)
+            idle_since = time.monotonic()
+            assert answered.startswith(b"HTTP/1.1 200 ")
+            assert read_answer(sock) == b""  # closed without a word
+            idle = time.monotonic() - idle_since
+        assert 0.4 <= idle < 10, idle

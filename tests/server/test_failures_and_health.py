@@ -110,11 +110,20 @@ def test_developer_is_openais_name_for_system() -> None:
 
 
 def test_a_surrogate_pair_is_fine() -> None:
+    """A JSON-escaped surrogate pair is one character (U+1F600), and that character is what the tokenizer gets."""
+    core = FakeCore()
+    texts: list[str] = []
+    encode = core.tokenizer.encode
+    core.tokenizer.encode = lambda text, **kw: texts.append(text) or encode(text, **kw)
+
     async def body(s: Served) -> None:
         payload = b'{"prompt": "smile \\ud83d\\ude00", "max_tokens": 1}'
-        assert (await s.client.post("/v1/completions", content=payload, headers=JSON)).status_code == 200
+        response = await s.client.post("/v1/completions", content=payload, headers=JSON)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["prompt_tokens"] == len("smile ") + 1
+        assert texts == ["smile \U0001f600"]
 
-    serve(FakeCore(), body)
+    serve(core, body)
 
 
 def test_internal_error_is_500_with_the_request_id_and_without_the_exception_text(

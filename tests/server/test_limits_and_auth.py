@@ -438,7 +438,8 @@ def test_body_timeout_rejects_nonsense(value: str, capsys: pytest.CaptureFixture
 
 
 def test_many_empty_messages_count_their_markup_against_max_prompt_chars() -> None:
-    """150k empty messages hold no text, but each costs the template's markup: refused before the template runs."""
+    """150k empty messages hold no text, but each costs the template's markup: refused before the template runs.
+    The limit is set above their roles' 600k characters, so only the markup's count can refuse them."""
     core = FakeCore()
 
     async def body(s: Served) -> None:
@@ -449,4 +450,4 @@ def test_many_empty_messages_count_their_markup_against_max_prompt_chars() -> No
         few = await s.client.post("/v1/chat/completions", json={"messages": messages[:3], "max_tokens": 1})
         assert few.status_code == 200
 
-    serve(core, body, ["--max-body-bytes", str(64 << 20)])
+    serve(core, body, ["--max-body-bytes", str(64 << 20), "--max-prompt-chars", "1000000"])

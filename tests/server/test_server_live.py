@@ -33,8 +33,9 @@ CHAT = [{"role": "user", "content": "What is the tallest mountain on Earth?"}]
 
 @pytest.fixture(scope="module")
 def server(request: pytest.FixtureRequest) -> Iterator[LiveServer]:
-    # NOTE: n-gram speculation on: every greedy answer below is also checked against the offline engine without it
-    args = ["--model-path", "default", "--graph-mode", "eager", "--api-key", API_KEY,
+    # NOTE: the default graph mode (full_and_piecewise, as `kiln serve` runs) and n-gram speculation on: every
+    # greedy answer below is also checked against the offline engine (eager, without speculation)
+    args = ["--model-path", "default", "--api-key", API_KEY,
             "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256", "--max-num-seqs", "32",
             "--shutdown-timeout", "60", "--speculative-method", "ngram"]  # fmt: skip
     with live_server(args, API_KEY, lambda: request.getfixturevalue("llm")) as live:
@@ -54,6 +55,7 @@ def test_startup_logs_and_models(server: LiveServer) -> None:
     assert "[INFO] Loading model default" in log
     assert re.search(r"\[INFO\] KV cache: 256 blocks", log)
     assert f"[INFO] Ready: {server.url} (model SmolLM2-135M-Instruct.Q4_1)" in log
+    assert re.search(r"\[INFO\] Graph mode ready in [\d.]+ s \(full_and_piecewise\)", log)
     models = server.client().models.list()
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1"]
     health = httpx.get(f"{server.url}/health").json()
@@ -292,7 +294,8 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(server: LiveServer) -> 
     assert rest[-1] == "data: [DONE]"
     assert json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
     assert server.process.wait(60) == 0
-    time.sleep(0.2)  # let the log reader catch up
-    log = "\n".join(server.log)
+    deadline = time.monotonic() + 10  # the log reader may still be catching up with the exited server
+    while "Server stopped" not in (log := "\n".join(server.log)) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert "SIGTERM: shutting down" in log and "Server stopped" in log
     assert "Traceback" not in log

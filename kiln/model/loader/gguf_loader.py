@@ -38,6 +38,7 @@ from kiln.quant.linear import PackedTensor
 # quantized types outside PACKED_TYPES load dequantized (and the log says so)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED_TYPES += ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 SUPPORTED_ARCHS = tuple(GGUF_FAMILIES)
 
 
@@ -194,7 +195,7 @@ class GGUFCheckpoint:
         """Quantized types this file holds that kiln cannot keep packed (they load dequantized): type -> count."""
         counts: dict[str, int] = {}
         for t in self.reader.tensors:
-            if t.tensor_type.name.startswith("Q") and t.tensor_type not in PACKED_TYPES:
+            if t.tensor_type.name not in FLOAT_TYPES and t.tensor_type not in PACKED_TYPES:  # IQ4_NL too
                 counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
         return counts
 
