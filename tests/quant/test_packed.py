@@ -18,6 +18,7 @@ from kiln.compile.kernels import kernels_in
 from kiln.config import EngineConfig, SchedulerConfig, SpeculativeConfig
 from kiln.errors import ConfigError
 from kiln.kernels.candidates import (
+    BF16,
     CANDIDATES,
     COMPILED_DEQUANT,
     DEQUANT_BLAS,
@@ -30,13 +31,14 @@ from kiln.kernels.candidates import (
     native_packed_linear,
 )
 from kiln.kernels.choices import KernelChoiceCache
+from kiln.kernels.compute_forms import Bf16Form, reference_bf16
 from kiln.kernels.native.reference import q8_linear
 from kiln.kernels.packed import LARGE_ROWS, ROWS, TIMED_ROWS, PackedKernelTable, label
 from kiln.model.build import resident_weight_bytes
 from kiln.model.loader import resolve_model_path
 from kiln.quant.gguf_blocks import PACKED_TYPES, decode_blocks, layout_of
 from kiln.quant.linear import PackedEmbedding, PackedLinear, PackedTensor, unpack_codes
-from kiln.quant.ops import LARGE, row_class, rows_label
+from kiln.quant.ops import LARGE, bound_kernel, row_class, rows_label
 from tests.engine.tiny_models import write_hf_model
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea:", "1, 2, 3, 4,"]
@@ -173,8 +175,9 @@ def test_every_kernel_candidate_matches_its_reference_per_layer(packed_llm: LLM)
     """Every candidate of the packed kernel table, not only the ones that won the race on this machine, at every row
     class where it applies to each of the default model's layouts: the float32 ones (fused reduction, tiled
     dequantization, torch's int4 kernel, ...) within 1e-3 relative of the dequantized weight's fp32 product, the
-    int8 ones within 1e-5 of their arithmetic's reference (kiln.kernels.native.reference). The winners are among
-    them, and what this machine installed is checked through the layer's own call."""
+    int8 ones within 1e-5 of their arithmetic's reference (kiln.kernels.native.reference), the bf16 second form
+    within 1e-5 of bf16 inputs summed in float32 (kiln.kernels.compute_forms). The winners are among them, and what
+    this machine installed is checked through the layer's own call."""
     model = packed_llm.engine.model
     chosen = {name for record in packed_llm.engine.executor.kernel_choices["packed_kernels"].values() for name in
               record["winners"].values()}  # fmt: skip
@@ -184,10 +187,13 @@ def test_every_kernel_candidate_matches_its_reference_per_layer(packed_llm: LLM)
     torch.manual_seed(0)
     with torch.inference_mode():
         for name, layer in [(n, m) for n, m in model.named_modules() if isinstance(m, PackedLinear)][-5:]:
-            for rows in (1, 2, 7, 32, 100):  # one per row class below LARGE
+            for rows in (1, 2, 5, 7, 32, 100):  # one per row class below LARGE
                 x = torch.randn(rows, layer.in_features)
                 ref = x @ layer.dequantized().t()
-                assert_relative(layer(x), ref, 1e-3, (name, rows, "installed"))
+                if isinstance(bound_kernel(layer.codes, rows), Bf16Form):  # the second form won here
+                    assert_relative(layer(x), reference_bf16(x, layer.dequantized()), 1e-5, (name, rows, "installed"))
+                else:
+                    assert_relative(layer(x), ref, 1e-3, (name, rows, "installed"))
                 checked |= check_candidates(layer, x, ref, compiler, where=(name, rows))
     # the float32 forms of any CPU torch runs on: a broken one fails here, on this machine, not where it wins
     assert {DEQUANT_BLAS, COMPILED_DEQUANT, TILED, FUSED} <= checked, checked
@@ -207,6 +213,8 @@ def check_candidates(
         got = candidate.make(layer, len(x), compiler, [weight])(x, *weight)
         if candidate.activations == FLOAT32:
             assert_relative(got, ref, 1e-3, (*where, candidate.name))
+        elif candidate.activations == BF16:
+            assert_relative(got, reference_bf16(x, layer.dequantized()), 1e-5, (*where, candidate.name))
         else:
             if candidate.activations not in int8_refs:
                 part = (t[:REFERENCE_OUTPUTS] for t in weight)
