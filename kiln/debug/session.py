@@ -83,7 +83,7 @@ def debug_engine_args(args: EngineArgs, prefix_caching: bool = False) -> EngineA
     seed by default, and no prefix caching (unless a run primes a cached prefix: kiln.debug.runs), so every path
     prefills the same tokens and their steps compare. With speculative decoding, its verification steps run with
     the forced tokens as drafts, whatever the method. The KV cache holds the model's own dtype unless a dtype (or a
-    recipe) names one: `auto`'s bfloat16 rounding would sit far above the float64 noise floor and hide a fault."""
+    recipe) names one: a narrower cache's rounding would sit far above the float64 noise floor and hide a fault."""
     kv_cache_dtype = args.dtype if args.kv_cache_dtype == "auto" and args.recipe is None else args.kv_cache_dtype
     return replace(
         args,

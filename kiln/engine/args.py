@@ -100,7 +100,7 @@ class EngineArgs:
     )
     kv_cache_dtype: str = _arg(
         "auto",
-        "what the KV cache stores (vLLM's names): auto (bfloat16 for a float32 model, else the model's dtype), "
+        "what the KV cache stores (vLLM's names): auto (the model's dtype; bfloat16 halves the bytes), "
         "float32, bfloat16, float16, or int8 / fp8_e4m3 codes with a float32 scale per token and head",
         "KV cache",
         choices=KV_CACHE_DTYPE_NAMES,

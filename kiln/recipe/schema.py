@@ -98,7 +98,7 @@ class FusionGroup(Section):
 class KVCache(Section):
     dtype: KVCacheDType = Field(
         "auto",
-        description="What the cache stores (vLLM's names): auto (bfloat16 for float32 weights, else their dtype), "
+        description="What the cache stores (vLLM's names): auto (the weights' dtype), "
         "float32, bfloat16, float16, or int8 / fp8_e4m3 codes with a float32 scale per token and head.",
     )
     layout: Literal["paged", "contiguous"] = "paged"
