@@ -186,7 +186,7 @@ def test_the_cache_and_its_bytes_follow_the_dtype() -> None:
         per_token = config.kv_bytes_per_token(dtype)
         assert cache[:, :, :3].numel() * cache.element_size() == 3 * 4 * per_token // config.num_layers, name
     assert config.kv_bytes_per_token(torch.int8) == config.kv_bytes_per_token(torch.bfloat16) // 2 + 2 * 4 * 2 * 2
-    assert kv_storage_dtype("auto", torch.float32) == torch.bfloat16
+    assert kv_storage_dtype("auto", torch.float32) == torch.float32  # kiln.config.AUTO_KV_CACHE_DTYPE's note
     assert kv_storage_dtype("auto", torch.float16) == torch.float16
     assert kv_storage_dtype("fp8_e4m3", torch.float32) == torch.uint8
     assert kv_storage_dtype("auto", torch.float64) == torch.float64  # the debugger's reference engine

@@ -74,7 +74,7 @@ def test_memory_budget(header, write, only_error) -> None:
 
 def test_the_kv_dtype_sets_the_bytes_per_token(header, write, only_error) -> None:
     """int8 codes and their float32 scale per token and head: (64 + 4) bytes a row, 30 layers x 3 KV heads x K and V;
-    the default (auto) stores a float32 model's KV as bfloat16."""
+    the default (auto) stores a float32 model's KV as float32, bfloat16 in half its bytes."""
     memory = "hardware: {device: cpu, memory_budget_gb: 1.5}\n"
     err = only_error(write(header + BOUNDS + "memory_plan: {kv_cache: {dtype: int8, max_pages: 8192}}\n" + memory))
     assert err.message.startswith(
@@ -82,6 +82,8 @@ def test_the_kv_dtype_sets_the_bytes_per_token(header, write, only_error) -> Non
         "bytes per token as int8)"
     )
     err = only_error(write(header + BOUNDS + "memory_plan: {kv_cache: {max_pages: 8192}}\n" + memory))
+    assert "x 46080 bytes per token as float32)" in err.message
+    err = only_error(write(header + BOUNDS + "memory_plan: {kv_cache: {dtype: bfloat16, max_pages: 8192}}\n" + memory))
     assert "x 23040 bytes per token as bfloat16)" in err.message
 
 

@@ -134,7 +134,7 @@ def test_the_load_report_adds_up_to_the_checkpoint(header, write) -> None:
     assert first.weight_bytes - last.weight_bytes == embedding - 4 * math.prod(shapes["output_norm.weight"])
     assert (first.head_copy_bytes, last.head_copy_bytes) == (0, embedding)  # the tied head, held by the last stage
     config = read_header("default").config
-    kv_dtype = torch.bfloat16  # kv_cache.dtype auto, for float32 weights
+    kv_dtype = torch.float32  # kv_cache.dtype auto: the weights' dtype (kiln.config.AUTO_KV_CACHE_DTYPE)
     assert first.kv_bytes == last.kv_bytes == config.kv_bytes_per_token(kv_dtype) // 2 * 1024 * 16
     assert placement.warning is None  # 15/15 holds the same bytes: the head copy weighs what the embedding does
 
