@@ -115,11 +115,13 @@ class EngineArgs:
         "long prompt delays their next token by one chunk (0: no cap)", "scheduler", type=int_at_least(0),
     )  # fmt: skip
     long_prefill_step_seconds: float = _arg(
-        0.5, "with chunked prefill, the longest a step holding a prompt's chunk should take while other requests "
+        0.5,
+        "with chunked prefill, the longest a step holding a prompt's chunk should take while other requests "
         "stream (its measured time): the chunk shrinks as its context grows and as the machine is slower, so a "
         "long prompt delays the others' next token by at most about this (0: the token threshold alone)",
-        "scheduler", type=non_negative,
-    )  # fmt: skip
+        "scheduler",
+        type=non_negative,
+    )
     max_running_per_request: int | None = _arg(
         None, "most sequences of one client request (prompts x n) running at once, so one n=64 request cannot take "
         "every batch slot (default: half of --max-num-seqs)", "scheduler", type=int_at_least(1),
