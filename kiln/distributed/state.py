@@ -57,19 +57,32 @@ class RankState:
 _STATE: RankState | None = None
 
 
-def init_distributed(parallel: ParallelConfig, rank: int, device: str, port: int) -> RankState:
-    """Join the process group of `parallel.world_size` ranks at master_addr:port as `rank`, and make the groups."""
+def _collective_timeout() -> datetime.timedelta:
+    return datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+
+
+def hold_rendezvous(addr: str) -> dist.TCPStore:
+    """The rendezvous store of ranks that all run on this node, served by rank 0 on a port the system picks and
+    holds from now on (a port picked, released and bound again later could be taken in between)."""
+    return dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False, timeout=_collective_timeout())
+
+
+def join_rendezvous(addr: str, port: int) -> dist.TCPStore:
+    """A started rank's client of rank 0's held rendezvous store (`hold_rendezvous`)."""
+    return dist.TCPStore(addr, port, is_master=False, timeout=_collective_timeout())
+
+
+def init_distributed(
+    parallel: ParallelConfig, rank: int, device: str, port: int, store: dist.Store | None = None
+) -> RankState:
+    """Join the process group of `parallel.world_size` ranks as `rank`, and make the groups: through `store` when
+    every rank of this node holds one (`hold_rendezvous`, `join_rendezvous`), else at master_addr:port."""
     global _STATE
     platform = platform_of(device)
     backend = platform.collective_backend
     rank_device = platform.bind_rank(rank)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{parallel.master_addr}:{port}",
-        rank=rank,
-        world_size=parallel.world_size,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
+    where = {"store": store} if store is not None else {"init_method": f"tcp://{parallel.master_addr}:{port}"}
+    dist.init_process_group(backend, rank=rank, world_size=parallel.world_size, timeout=_collective_timeout(), **where)
     # NOTE: the other ranks wait on the control group while rank 0 has no requests, for as long as the server is
     # idle: no timeout there (a dead peer still fails it at once: its sockets close)
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))

@@ -26,11 +26,18 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kiln.config import EngineConfig
 from kiln.distributed.control import StepChannel
-from kiln.distributed.state import RankState, init_distributed, shutdown_distributed
+from kiln.distributed.state import (
+    RankState,
+    hold_rendezvous,
+    init_distributed,
+    join_rendezvous,
+    shutdown_distributed,
+)
 from kiln.errors import ConfigError, WorkerFailure
 from kiln.log import setup_logging
 from kiln.platforms import platform_of
@@ -45,6 +52,9 @@ class Placement:
     first: int
     count: int
     port: int
+    # rank 0's rendezvous store when every rank runs on this node and the port was left to the system: held from
+    # the moment the port is picked, so no other process can take it before the ranks meet
+    store: dist.TCPStore | None = None
 
 
 def placement(config: EngineConfig) -> Placement:
@@ -69,16 +79,15 @@ def placement(config: EngineConfig) -> Placement:
             f"{platform.name} devices"
         )
     per_node = p.world_size // p.nnodes
+    if p.master_port == 0 and p.nnodes == 1:
+        store = hold_rendezvous(p.master_addr)
+        return Placement(0, per_node, store.port, store)
     return Placement(p.node_rank * per_node, per_node, _rendezvous_port(config))
 
 
 def _rendezvous_port(config: EngineConfig) -> int:
-    """--master-port, checked free on rank 0's node; 0 on one node picks a free port."""
+    """--master-port (29500 when 0 on several nodes), checked free on rank 0's node."""
     p = config.parallel
-    if p.master_port == 0 and p.nnodes == 1:
-        with socket.socket() as s:
-            s.bind((p.master_addr, 0))
-            return s.getsockname()[1]
     port = p.master_port or 29500
     if p.node_rank == 0:
         with socket.socket() as s:
@@ -184,7 +193,7 @@ def start_ranks(config: EngineConfig, build: Callable[[EngineConfig], Any]) -> t
     try:
         for rank in range(where.first + 1, where.first + where.count):
             errors[rank], report = ctx.Pipe(duplex=False)
-            args = (config, build, rank, where.port, report)
+            args = (config, build, rank, where.port, where.store is not None, report)
             procs[rank] = ctx.Process(target=_worker_main, args=args, name=f"kiln-rank{rank}")
             procs[rank].start()
     finally:
@@ -197,7 +206,7 @@ def start_ranks(config: EngineConfig, build: Callable[[EngineConfig], Any]) -> t
     workers.threads_before = torch.get_num_threads()  # restored when the ranks stop
     torch.set_num_threads(threads)
     try:
-        state = init_distributed(config.parallel, where.first, config.device, where.port)
+        state = init_distributed(config.parallel, where.first, config.device, where.port, where.store)
     except Exception as exc:  # the rendezvous timed out or a rank died on the way
         reason = workers.blame(exc)
         workers.abort()
@@ -213,13 +222,19 @@ def _terminate(procs: dict[int, mp.Process]) -> None:
 
 
 def _worker_main(
-    config: EngineConfig, build: Callable[[EngineConfig], Any], rank: int, port: int, report: Connection
+    config: EngineConfig,
+    build: Callable[[EngineConfig], Any],
+    rank: int,
+    port: int,
+    held_store: bool,
+    report: Connection,
 ) -> None:
     setup_logging(prefix=f"(rank {rank}) ")
     torch.set_num_threads(config.num_threads or 1)
     _exit_with_parent()
     try:
-        state = init_distributed(config.parallel, rank, config.device, port)
+        store = join_rendezvous(config.parallel.master_addr, port) if held_store else None
+        state = init_distributed(config.parallel, rank, config.device, port, store)
         engine = build(config)
         if engine is not None:  # None: `build` ran a program of its own on this rank (kiln.distributed.spmd)
             follow(engine, StepChannel(state))

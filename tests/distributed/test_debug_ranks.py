@@ -34,15 +34,17 @@ def debug(tiny: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return result
 
 
-def rank_sections(stdout: str) -> list[str]:
-    """The report of each rank, in rank order."""
-    return stdout.split("== rank ")[1:]
+def rank_sections(result: subprocess.CompletedProcess[str]) -> list[str]:
+    """The report of each of the 2 ranks, in rank order (the command's stderr when it printed none)."""
+    sections = result.stdout.split("== rank ")[1:]
+    assert len(sections) == 2, result.stderr[-3000:]
+    return sections
 
 
 def test_tensor_parallel_ranks_both_find_the_fault(tiny: Path) -> None:
     result = debug(tiny, "diff", "--tensor-parallel-size", "2", "--inject-fault", "layer=1:mlp")
     assert result.returncode == 1, result.stderr[-3000:]
-    ranks = rank_sections(result.stdout)
+    ranks = rank_sections(result)
     assert [r.splitlines()[0] for r in ranks] == [
         "0: tensor slice 0 of 2, pipeline stage 0 of 1 ==",
         "1: tensor slice 1 of 2, pipeline stage 0 of 1 ==",
@@ -64,7 +66,7 @@ def test_a_clean_tensor_parallel_diff_passes(tiny: Path) -> None:
 def test_pipeline_stages_name_the_stage_holding_the_fault(tiny: Path) -> None:
     result = debug(tiny, "diff", "--pipeline-parallel-size", "2", "--inject-fault", "layer=1:mlp")
     assert result.returncode == 1, result.stderr[-3000:]
-    stage0, stage1 = rank_sections(result.stdout)
+    stage0, stage1 = rank_sections(result)
     assert "layers.1." not in stage0 and "layers.0.mlp" in stage0  # each stage taps its own layers
     assert "First divergence: logits" in stage0  # its own layers are clean; the logits come from stage 1
     assert "layers.0." not in stage1 and "First divergence: layers.1.mlp" in stage1
@@ -75,7 +77,7 @@ def test_pipeline_stages_name_the_stage_holding_the_fault(tiny: Path) -> None:
 def test_pipeline_bisect_finds_the_piece_on_its_stage(tiny: Path) -> None:
     result = debug(tiny, "bisect", "--pipeline-parallel-size", "2", "--inject-fault", "layer=1:mlp")
     assert result.returncode == 0, result.stderr[-3000:]
-    stage0, stage1 = rank_sections(result.stdout)
+    stage0, stage1 = rank_sections(result)
     assert "Culprit:" not in stage0 and "Clean on this rank: piece" in stage0
     assert "Culprit: piece" in stage1 and "model.layers.1.mlp" in stage1
     assert stage0.count("Bisect done in") == stage1.count("Bisect done in") == 1
