@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -45,6 +46,13 @@ class LiveServer:
                 labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
                 samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
         return samples
+
+    def graph_mode(self) -> str | None:
+        """The graph mode the server logged as ready (`Graph mode ready in 12.3 s (full_and_piecewise)`)."""
+        for line in self.log:
+            if found := re.search(r"Graph mode ready in [\d.]+ s \((\w+)\)", line):
+                return found.group(1)
+        return None
 
     def wait_idle(self, timeout: float = 60.0) -> dict[str, float]:
         """Wait until no request is in flight and no KV block is in use; return the metrics then."""

@@ -36,7 +36,7 @@ JSON = {"Content-Type": "application/json"}
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    args = ["--model-path", "default", "--graph-mode", "eager", "--max-model-len", "256", "--num-kv-blocks", "96",
+    args = ["--model-path", "default", "--max-model-len", "256", "--num-kv-blocks", "96",
             "--max-num-seqs", "8", "--max-queue", "24", "--max-seqs-per-request", "8", "--max-prompt-chars", "2048",
             "--max-body-bytes", "65536", "--max-stream-buffer", "64", "--body-timeout", "3", "--header-timeout", "3",
             "--seed", "0", "--second-form-memory-gb", "0"]  # fmt: skip
@@ -164,6 +164,7 @@ class Canary:
 
 
 def test_fuzzed_requests_never_hurt_the_server_or_a_canary(server: LiveServer) -> None:
+    assert server.graph_mode() == "full_and_piecewise"  # as `kiln serve` runs
     alone = httpx.post(f"{server.base_url}/completions", json={**CANARY, "stream": True}, timeout=120)
     reference = streamed_text(alone)
     assert reference

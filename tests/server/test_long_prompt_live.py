@@ -3,8 +3,8 @@
 long prompt prefills. Chunks of 512 tokens however deep their context gave the stream gaps of 13 s before issue 51's
 grouped prefill attention, and still 0.66 s on machine R (2 Xeon vCPUs), against 0.28 s with a 0.2 s target.
 
-A live eager server over the default model with `--long-prefill-step-seconds 0.2`; it times gaps between tokens,
-so it runs under the `alone` marker."""
+A live server over the default model in the default graph mode, with `--long-prefill-step-seconds 0.2`; it times
+gaps between tokens, so it runs under the `alone` marker."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ LONG_TOKENS = 8_000
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    args = ["--model-path", "default", "--graph-mode", "eager", "--max-model-len", "8192", "--seed", "0"]
+    args = ["--model-path", "default", "--max-model-len", "8192", "--seed", "0"]
     args += ["--long-prefill-step-seconds", str(TARGET_S)]
     with live_server(args) as live:
         yield live

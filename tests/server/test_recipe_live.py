@@ -22,7 +22,7 @@ input_constraints:
     - batch_size % 4 == 0
     - seq_len <= 2048
     - num_tokens <= 16
-graph: {piecewise: false, mode: eager, capture_sizes: [4, 8, 16]}
+graph: {piecewise: true, mode: full_and_piecewise, capture_sizes: [4, 8, 16]}
 memory_plan: {kv_cache: {max_pages: 256}}
 hardware: {device: cpu}
 """
@@ -48,6 +48,7 @@ def complete(server: LiveServer, prompt: str) -> httpx.Response:
 
 
 def test_a_lone_request_runs_padded(server: LiveServer) -> None:
+    assert server.graph_mode() == "full_and_piecewise"  # as `kiln serve` runs
     response = complete(server, "The capital of France is")
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["finish_reason"] == "length"

@@ -4,7 +4,8 @@ pydantic model through `chat.completions.parse`; vLLM's guided_regex / guided_ch
 constraints refused with a 400 naming them; a grammar longer than max_tokens ending with "length"; logit_bias.
 Tool calls: tool_choice required and named hold the output to the tools' schemas; the Hermes parser reads a
 teacher-forced output (the model held to the exact text by a regex), streamed and not; a history with tool results;
-tool fields that do not fit refused with a 400 naming them."""
+tool fields that do not fit refused with a 400 naming them. The server runs the default graph mode
+(full_and_piecewise), as `kiln serve` does."""
 
 from __future__ import annotations
 
@@ -57,13 +58,14 @@ class Character(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    args = ["--model-path", "default", "--graph-mode", "eager", "--max-model-len", "512", "--num-kv-blocks", "512",
+    args = ["--model-path", "default", "--max-model-len", "512", "--num-kv-blocks", "512",
             "--max-num-seqs", "16", "--seed", "0"]  # fmt: skip
     with live_server(args) as live:
         yield live
 
 
 def test_50_requests_with_a_held_schema_all_validate(server: LiveServer) -> None:
+    assert server.graph_mode() == "full_and_piecewise"  # as `kiln serve` runs
     client = openai.AsyncOpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
     response_format = {"type": "json_schema", "json_schema": {"name": "character", "schema": SCHEMA, "strict": True}}
 
