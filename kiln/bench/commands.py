@@ -44,7 +44,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     model_path = ""
     device = "cpu"
     for mode in args.modes:
-        llm = LLM(config=engine_args_for_mode(args, mode).create_engine_config())
+        # NOTE: the graph options act in the graph modes: an eager mode beside them is not refused for them
+        checked = mode != "eager" or all(m == "eager" for m in args.modes)
+        llm = LLM(config=engine_args_for_mode(args, mode).create_engine_config(refuse_inert_options=checked))
         model_path = llm.engine.checkpoint_path
         device = str(next(llm.engine.model.parameters()).device)
         if not prompts:

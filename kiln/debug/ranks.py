@@ -50,7 +50,7 @@ def is_first_rank() -> bool:
 def report_per_rank(args: argparse.Namespace, given: EngineArgs, report: Report) -> int:
     """Run `report` here (one device) or on every rank (a module-level function: the ranks are spawned), print the
     report(s); returns the exit code."""
-    config = debug_engine_args(given).create_engine_config()
+    config = debug_engine_args(given).create_engine_config(refuse_inert_options=False)
     parallel = config.parallel
     if not parallel.is_distributed:
         code, text, _ = report(args)

@@ -151,7 +151,7 @@ class DebugSession:
         """Load the model and build its graph engine (traced once; every piece eager, nothing compiled); with
         `cached_prefix`, every run prefills over that many prompt tokens found in the prefix cache (DebugRuns)."""
         recorder = TapRecorder()
-        config = debug_engine_args(args, cached_prefix > 0).create_engine_config()
+        config = debug_engine_args(args, cached_prefix > 0).create_engine_config(refuse_inert_options=False)
         if config.parallel.is_distributed and rank_state() is None:
             raise ConfigError(
                 "a multi-device debug session runs on every rank (kiln.debug.ranks): kiln debug diff and bisect "

@@ -32,6 +32,7 @@ from kiln.config import (
 )
 from kiln.engine.arg_types import argparse_kwargs, cli_flag, fraction, int_at_least, non_negative, parse_sizes
 from kiln.engine.grammar_cache import GRAMMAR_CACHE_BYTES
+from kiln.engine.inert_options import refuse_inert
 from kiln.engine.prefix_cache import HASH_ALGOS
 from kiln.errors import ConfigError
 from kiln.graph_mode import GRAPH_MODES
@@ -237,8 +238,11 @@ class EngineArgs:
         return cls(**kwargs)
 
     # -- the config --------------------------------------------------------------------------------------------
-    def create_engine_config(self) -> EngineConfig:
-        """The EngineConfig these arguments describe, with the recipe (if any) validated and overlaid once."""
+    def create_engine_config(self, refuse_inert_options: bool = True) -> EngineConfig:
+        """The EngineConfig these arguments describe, with the recipe (if any) validated and overlaid once. An option
+        given that would do nothing there is refused (kiln.engine.inert_options), unless `refuse_inert_options` is
+        false: arguments a command derived from the user's for an engine of its own (the debugger's sessions, a
+        bench's eager mode), whose options the user's own engine uses."""
         recipe = None
         if self.recipe:
             # NOTE: lazy: pydantic and z3 load only when a recipe is used (and never for `kiln --help`).
@@ -313,7 +317,13 @@ class EngineArgs:
             config = overlay_recipe(config, recipe)
         if config.speculative.is_enabled and config.parallel.is_distributed:
             raise ConfigError("speculative decoding runs on one device for now: drop it or the parallel layout")
+        if refuse_inert_options:
+            refuse_inert(self.given(), config)
         return config
+
+    def given(self) -> set[str]:
+        """The options set to something other than their default."""
+        return {f.name for f in fields(self) if getattr(self, f.name) != f.default}
 
     def speculative_config(self) -> SpeculativeConfig:
         """Speculative decoding as the flags set it (off unless --speculative-method)."""

@@ -75,12 +75,13 @@ def check_refused(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
             "between sizes; remove it or set it to true"
         )
         out.append(doc.diagnostic("error", message, ("memory_plan", "activation_reuse")))
-    if spec.debug.debug_mode and not spec.graph.piecewise:
-        message = "debug.debug_mode traces graph-mode pieces, but graph.piecewise is false: there is nothing to trace"
-        out.append(doc.diagnostic("error", message, ("debug", "debug_mode")))
     graph = spec.graph
-    if not graph.piecewise or graph.compiler != "inductor":
-        why = "graph.piecewise is false" if not graph.piecewise else f"graph.compiler is {graph.compiler}"
+    untraced = untraced_because(spec)
+    if spec.debug.debug_mode and untraced:
+        message = f"debug.debug_mode traces graph-mode pieces, but {untraced}: there is nothing to trace"
+        out.append(doc.diagnostic("error", message, ("debug", "debug_mode")))
+    if untraced or graph.compiler != "inductor":
+        why = untraced or f"graph.compiler is {graph.compiler}"
         for g, group in enumerate(spec.fusion_groups):
             severity = "error" if group.required else "warning"
             message = f"fusion group {group.name} cannot be realised: {why}, so no code is generated to fuse it" + (
@@ -92,6 +93,41 @@ def check_refused(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
         if tensor is not None and tensor.dtype == "int32":
             message = f"input_constraints.{name}.dtype: int32 is not supported: kiln feeds {name} as int64"
             out.append(doc.diagnostic("error", message, ("input_constraints", name, "dtype")))
+    return out
+
+
+def untraced_because(spec: RecipeSpec) -> str | None:
+    """Why no graph piece is traced under this recipe (None: pieces are traced)."""
+    if spec.graph.mode == "eager":
+        return "graph.mode is eager"
+    return None if spec.graph.piecewise else "graph.piecewise is false"
+
+
+GRAPH_ONLY_FIELDS = ("capture_sizes", "compile_sizes", "compiler")
+SPECULATION_TUNING = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "policy")
+NGRAM_ONLY = ("prompt_lookup_max", "prompt_lookup_min")
+
+
+def check_inert(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
+    """Fields written in the recipe that would do nothing, as the engine flags of the same names are refused
+    (kiln.engine.inert_options): the graphs' sizes and compiler under graph.mode eager, speculation's tuning with
+    no method (or the ngram method's with another)."""
+    out = []
+    if spec.graph.mode == "eager":
+        for name in GRAPH_ONLY_FIELDS:
+            if ("graph", name) in doc.values:
+                message = f"graph.{name} does nothing under graph.mode eager (no piece is traced): remove it"
+                out.append(doc.diagnostic("error", message, ("graph", name)))
+    method = spec.speculative.method
+    tuned = [name for name in SPECULATION_TUNING if ("speculative", name) in doc.values]
+    for name in tuned:
+        if method is None:
+            message = f"speculative.{name} does nothing without speculative.method (speculation is off): set one"
+        elif method != "ngram" and name in NGRAM_ONLY:
+            message = f"speculative.{name} tunes the ngram method only, not {method}: remove it"
+        else:
+            continue
+        out.append(doc.diagnostic("error", message, ("speculative", name)))
     return out
 
 

@@ -17,7 +17,7 @@ from kiln.recipe.analysis import analyze
 from kiln.recipe.capacity import check_capture_sizes, check_kv_capacity
 from kiln.recipe.checkpoint import check_model_constraints, check_weights, model_ops, model_symbols, open_header
 from kiln.recipe.constraints import CONSTRAINTS_PATH, Constraint, parse_constraints
-from kiln.recipe.contract import check_hardware, check_identity, check_refused, quantization_mode
+from kiln.recipe.contract import check_hardware, check_identity, check_inert, check_refused, quantization_mode
 from kiln.recipe.diagnostics import Diagnostic, RecipeError, has_errors, sort_diagnostics
 from kiln.recipe.guards import RecipeGuards
 from kiln.recipe.machine import this_machine
@@ -201,7 +201,7 @@ def load_recipe_text(
     values = model_symbols(header.config) if header else None
     diagnostics += check_graph(doc, spec) + check_inputs(doc, spec, values)
     diagnostics += check_fusion_groups(doc, spec, model_ops(header) if header else None)
-    diagnostics += check_refused(doc, spec) + check_hardware(doc, spec, this_machine())
+    diagnostics += check_refused(doc, spec) + check_inert(doc, spec) + check_hardware(doc, spec, this_machine())
     broken = _sections_of(doc, schema_diagnostics)
     if not broken & {"parallel", "device_affinity"}:
         diagnostics += check_parallel(doc, spec, header.config.num_layers if header else None)

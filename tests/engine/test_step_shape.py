@@ -23,15 +23,14 @@ input_constraints:
     - num_tokens % 8 == 0
     - seq_len <= 2048
     - num_tokens <= {max_tokens}
-{extra}graph: {{piecewise: false, mode: eager, capture_sizes: {sizes}}}
+{extra}graph: {{piecewise: false, mode: eager}}
 memory_plan: {{kv_cache: {{max_pages: 256}}}}
 hardware: {{device: cpu}}
 """
 
 
 def community(max_tokens: int = 256, extra: str = "") -> str:
-    sizes = [size for size in (8, 16, 32) if size <= max_tokens]
-    return COMMUNITY.format(max_tokens=max_tokens, extra=extra, sizes=sizes)
+    return COMMUNITY.format(max_tokens=max_tokens, extra=extra)
 
 
 def shaper(text: str, pad_to=lambda n: n) -> StepShaper:

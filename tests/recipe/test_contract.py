@@ -224,3 +224,39 @@ def test_scaled_kv_dtypes_need_a_head_dim_that_holds_the_scale_aligned() -> None
             [(4, "memory_plan.kv_cache.dtype")] if refused else []
         )
         assert check_kv_dtype(doc, RecipeSpec.model_validate(doc.data), tiny_config()) == []  # head dim 16
+
+
+@pytest.mark.parametrize(
+    ("line", "key", "start"),
+    [
+        (
+            "debug: {debug_mode: true}\ngraph: {mode: eager}",
+            "debug_mode",
+            "debug.debug_mode traces graph-mode pieces, but graph.mode is eager",
+        ),
+        ("graph: {mode: eager, compiler: eager}", "compiler", "graph.compiler does nothing under graph.mode eager"),
+        ("graph: {mode: eager, capture_sizes: [4, 8]}", "capture_sizes", "graph.capture_sizes does nothing under"),
+        (
+            "speculative: {num_speculative_tokens: 2}",
+            "num_speculative_tokens",
+            "speculative.num_speculative_tokens does nothing without speculative.method",
+        ),
+        ("speculative: {policy: always}", "policy", "speculative.policy does nothing without speculative.method"),
+        (
+            "speculative: {method: draft, draft_model: default, prompt_lookup_min: 1}",
+            "prompt_lookup_min",
+            "speculative.prompt_lookup_min tunes the ngram method only, not draft",
+        ),
+    ],
+)
+def test_a_field_that_would_do_nothing_is_an_error_at_its_line(header, write, only_error, line, key, start) -> None:
+    err = only_error(write(header + BOUNDS + line + "\n"))
+    assert err.message.startswith(start), err.message
+    assert (err.line, err.col) == (5, line.index(key) + len(key) + 3)  # at the field's value
+
+
+def test_the_same_fields_act_where_they_apply(header, write) -> None:
+    recipe = load_recipe(write(header + BOUNDS + "speculative: {method: ngram, num_speculative_tokens: 2}\n"))
+    assert recipe.spec.speculative.num_speculative_tokens == 2
+    recipe = load_recipe(write(header + BOUNDS + "graph: {mode: piecewise, compiler: eager}\n"))
+    assert recipe.spec.graph.compiler == "eager"
