@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from kiln.engine.request import RequestOutput
+from kiln.server.reasoning import ReasoningParser, ReasoningReader, split_reasoning
 from kiln.server.responses import LogprobFormatter
 from kiln.server.tool_fields import ToolUse
 from kiln.server.tool_parsers import ToolParser
@@ -87,8 +88,10 @@ class CompletionFormat(ResponseFormat):
 
 
 class ChatFormat(ResponseFormat):
-    """`chat.completion`; with tools, each choice's text is read for calls (`tool_calls` in the message and in
-    the streamed deltas, finish_reason "tool_calls"). Without parallel calls, only the first call is kept."""
+    """`chat.completion`; with a reasoning parser, each choice's reasoning goes to `reasoning_content` (in the
+    message and in the streamed deltas) and the rest is its answer; with tools, the answer is read for calls
+    (`tool_calls` in the message and in the streamed deltas, finish_reason "tool_calls"). Without parallel calls,
+    only the first call is kept."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
@@ -101,10 +104,12 @@ class ChatFormat(ResponseFormat):
         num_logprobs: int | None,
         tools: ToolUse | None = None,
         parser: ToolParser | None = None,
+        reasoning: ReasoningParser | None = None,
     ) -> None:
         super().__init__(response_id, model, logprobs, num_logprobs)
-        self.tools, self.parser = tools, parser
+        self.tools, self.parser, self.reasoning = tools, parser, reasoning
         self._readers: dict[int, ToolCallReader | None] = {}
+        self._reasoning_readers: dict[int, ReasoningReader] = {}
 
     def opening_choices(self, indices: list[int]) -> list[dict[str, Any]]:
         delta = {"role": "assistant", "content": ""}
@@ -118,9 +123,19 @@ class ChatFormat(ResponseFormat):
             lp = {"content": self.logprobs.chat(new_ids, new_logprobs, self.num_logprobs)}
         reader = self._reader(index)
         delta: dict[str, Any] = {"content": out.delta} if out.delta else {}
-        if reader is not None:
-            reading = reader.read(out.text, out.finished)
-            delta = {"content": reading.content} if reading.content else {}
+        content = out.text
+        if self.reasoning is not None:
+            thinking = self._reasoning_readers.setdefault(index, ReasoningReader(self.reasoning))
+            new_reasoning, new_content = thinking.read(out.text, out.finished)
+            content = thinking.split.content
+            delta = {"content": new_content} if new_content else {}
+            if new_reasoning:
+                delta["reasoning_content"] = new_reasoning
+        if reader is not None:  # the calls are read from the answer, after the reasoning
+            reading = reader.read(content, out.finished)
+            delta = {k: v for k, v in delta.items() if k == "reasoning_content"}
+            if reading.content:
+                delta["content"] = reading.content
             calls = [c for c in reading.tool_calls if self._kept(c["index"])]
             if calls:
                 delta["tool_calls"] = calls
@@ -134,16 +149,18 @@ class ChatFormat(ResponseFormat):
         if out.logprobs is not None and self.num_logprobs is not None:
             lp = {"content": self.logprobs.chat(out.token_ids, out.logprobs, self.num_logprobs)}
         message: dict[str, Any] = {"role": "assistant", "content": out.text}
+        if self.reasoning is not None:  # as vLLM: null for a part the output does not have
+            split = split_reasoning(self.reasoning, out.text, final=True)
+            message = {"role": "assistant", "content": split.content or None, "reasoning_content": split.reasoning}
         reader = self._reader(index)
         if reader is not None:
-            reader.read(out.text, final=True)
+            reader.read(message["content"] or "", final=True)
             calls = reader.calls if reader.named is not None else reader.whole_calls
             if not calls:
                 reader = None  # no whole call: the text is the answer, as written
             else:  # as streamed: the content before the calls, and the calls (a call cut off is left out)
                 kept = [c.message() for c in calls if self._kept(c.index)]
-                message = {"role": "assistant", "content": reader.content if reader.content.strip() else None,
-                           "tool_calls": kept}  # fmt: skip
+                message |= {"content": reader.content if reader.content.strip() else None, "tool_calls": kept}
         return {"index": index, "message": message, "logprobs": lp, "finish_reason": self._finish_reason(reader, out)}
 
     def _reader(self, index: int) -> ToolCallReader | None:
