@@ -183,6 +183,7 @@ class OpenAIServing:
             self.grammar_compiler.limits.check(constraint)  # before any work
         with self.engine.reserve(num_prompts * body.n) as reservation:
             prompt_ids = await self.in_tokenizer_thread(tokenize)
+            fmt.see_prompt(prompt_ids[0], functools.partial(self.tokenizer.decode, skip_special_tokens=False))
             if constraint is not None:  # compiled on its own pool, off the step loop; the engine finds it cached
                 client = request.client.host if request.client else "unknown"
                 await self.grammar_compiler.compile(constraint, client, request_id)
