@@ -6,8 +6,10 @@ finished one, and the envelope (id, created, model) around both.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from kiln.engine.request import RequestOutput
@@ -16,6 +18,8 @@ from kiln.server.responses import LogprobFormatter
 from kiln.server.tool_fields import ToolUse
 from kiln.server.tool_parsers import ToolParser
 from kiln.server.tool_reader import ToolCallReader
+
+PROMPT_TAIL_TOKENS = 16  # a prompt's last tokens, where a template writes its closing </think>
 
 
 class ResponseFormat(ABC):
@@ -50,6 +54,11 @@ class ResponseFormat(ABC):
     def opening_choices(self, indices: list[int]) -> list[dict[str, Any]]:
         """Choices streamed before any token (chat announces the assistant role)."""
         return []
+
+    def see_prompt(self, prompt_ids: list[int], decode: Callable[[list[int]], str]) -> None:
+        """Learn what the answers follow, before any is read (a chat prompt may have closed the thinking); the
+        completion format reads its answers alike after any prompt."""
+        return None
 
     @abstractmethod
     def stream_choice(
@@ -110,6 +119,15 @@ class ChatFormat(ResponseFormat):
         self.tools, self.parser, self.reasoning = tools, parser, reasoning
         self._readers: dict[int, ToolCallReader | None] = {}
         self._reasoning_readers: dict[int, ReasoningReader] = {}
+
+    def see_prompt(self, prompt_ids: list[int], decode: Callable[[list[int]], str]) -> None:
+        """A prompt that ends with `</think>` (a template's empty thinking, `enable_thinking: false`) leaves no
+        thinking open, so even a parser whose outputs start inside it reads this one as answer unless it opens
+        `<think>` itself."""
+        if self.reasoning is not None and self.reasoning.starts_inside:
+            tail = decode(prompt_ids[-PROMPT_TAIL_TOKENS:])
+            if tail.rstrip().endswith(self.reasoning.end):
+                self.reasoning = dataclasses.replace(self.reasoning, starts_inside=False)
 
     def opening_choices(self, indices: list[int]) -> list[dict[str, Any]]:
         delta = {"role": "assistant", "content": ""}
