@@ -14,6 +14,7 @@ Tool calls are read from the content alone (kiln.server.formats).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jinja2
@@ -69,6 +70,16 @@ def split_reasoning(parser: ReasoningParser, text: str, final: bool) -> Reasonin
     if not final:
         reasoning = reasoning[: len(reasoning) - _partial_tag_len(reasoning, parser.end)]
     return ReasoningSplit(reasoning, "")
+
+
+def reasoning_for_request(parser: ReasoningParser | None, is_constrained: bool) -> ReasoningParser | None:
+    """The parser one request's answers are read with. A constrained output (a structured output, or a tool choice
+    that holds it to a schema) is what its grammar allows from its first token, not a thinking the template
+    opened, so it is read as starting outside the thinking (a `<think>` its grammar lets it open is still
+    reasoning). NOTE: the grammar holds the whole output, reasoning included (vLLM starts it after `</think>`)."""
+    if parser is None or not parser.starts_inside or not is_constrained:
+        return parser
+    return dataclasses.replace(parser, starts_inside=False)
 
 
 def _partial_tag_len(text: str, tag: str) -> int:

@@ -37,7 +37,7 @@ from kiln.server.limits import MESSAGE_MARKUP_CHARS, ServerLimits
 from kiln.server.metrics import ServerMetrics
 from kiln.server.middleware import request_id_of
 from kiln.server.protocol import ChatCompletionRequest, ChatPrompt, CompletionRequest, SamplingFields, prompt_param
-from kiln.server.reasoning import REASONING_PARSERS, choose_reasoning_parser
+from kiln.server.reasoning import REASONING_PARSERS, choose_reasoning_parser, reasoning_for_request
 from kiln.server.responses import SSE_DONE, LogprobFormatter, Usage, sse
 from kiln.server.tool_parsers import TOOL_PARSERS, choose_tool_parser
 from kiln.server.tool_prompt import prompt_messages, refuse_control_text
@@ -130,7 +130,7 @@ class OpenAIServing:
             num_logprobs,
             tools,
             self.tool_parser,
-            self.reasoning_parser,
+            reasoning_for_request(self.reasoning_parser, body.structured_output() is not None),
         )
         keep_special = self._reasoning_tags_are_special or (
             tools is not None and tools.mode == "auto" and self._tool_opener_is_special
