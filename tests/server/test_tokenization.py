@@ -148,5 +148,8 @@ def test_the_tokenizer_routes_check_the_key_the_model_and_their_fields(tokenizer
         error = openai_error(await s.client.post("/tokenize", content=b"[1]", headers=key), 400)
         assert "JSON object" in error["message"]
         assert not core.requests  # nothing reached the engine
+        metrics = (await s.client.get("/metrics")).text
+        assert 'kiln_http_requests_total{endpoint="/tokenize",status="400"}' in metrics
+        assert 'kiln_http_requests_total{endpoint="/tokenizer_info",status="200"} 1.0' in metrics
 
     serve(core, body, environ={"KILN_API_KEY": "k3y"})
