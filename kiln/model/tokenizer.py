@@ -44,8 +44,14 @@ def _compiled(template: str) -> Any:
 
 
 @functools.lru_cache(maxsize=16)
-def _reads_tools(template: str) -> bool:
-    return "tools" in meta.find_undeclared_variables(_TEMPLATES.parse(template))
+def _variables(template: str) -> frozenset[str]:
+    return frozenset(meta.find_undeclared_variables(_TEMPLATES.parse(template)))
+
+
+# what kiln itself gives every chat template to render; a request's template variables may not replace them
+TEMPLATE_RESERVED = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", *_TEMPLATES.globals}
+)
 
 
 # token_type values in GGUF (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
@@ -127,11 +133,15 @@ class KilnTokenizer:
         bos_token: str | None,
         eos_token: str | None,
         add_bos: bool | None,
+        pad_token: str | None = None,
+        tokenizer_class: str = "PreTrainedTokenizerFast",
     ) -> None:
-        """`add_bos=None` leaves special tokens to the tokenizer's own post-processor (HF directories)."""
+        """`add_bos=None` leaves special tokens to the tokenizer's own post-processor (HF directories).
+        `tokenizer_class`: the class transformers would load (tokenizer_config.json's; /tokenizer_info shows it)."""
         self.tokenizer = tokenizer
         self.chat_template = chat_template
-        self.bos_token, self.eos_token = bos_token, eos_token
+        self.bos_token, self.eos_token, self.pad_token = bos_token, eos_token, pad_token
+        self.tokenizer_class = tokenizer_class
         self.add_bos = add_bos
         self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token else None
         self.eos_token_id = tokenizer.token_to_id(eos_token) if eos_token else None
@@ -154,23 +164,37 @@ class KilnTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's vocabulary entry as the tokenizer stores it (`Ġhello`: HF's convert_ids_to_tokens)."""
+        return [self.tokenizer.id_to_token(i) or "" for i in ids]
+
+    @property
+    def template_variables(self) -> frozenset[str]:
+        """The variables the chat template reads (`tools`, `enable_thinking`, `reasoning_effort`, ...)."""
+        return _variables(self.chat_template) if self.chat_template else frozenset()
+
     @property
     def template_knows_tools(self) -> bool:
         """The chat template reads a `tools` variable (renders tool definitions), as tool-calling models' do."""
-        if not self.chat_template:
-            return False
-        return _reads_tools(self.chat_template)
+        return "tools" in self.template_variables
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[Any] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[Any] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The conversation as the template writes it (text: control tokens and contents alike; see
-        `encode_chat` for the ids a model should see). `tools`: the tool definitions, for templates that take them."""
+        `encode_chat` for the ids a model should see). `tools`: the tool definitions, for templates that take them;
+        `template_kwargs`: more variables for the template (`enable_thinking`, ...), JSON values that never
+        replace kiln's own (TEMPLATE_RESERVED)."""
         if not self.chat_template:
             raise RequestError("this model has no chat template; use a plain completion instead", param="messages")
         template = _compiled(self.chat_template)
         extra = {} if tools is None else {"tools": tools}
         return template.render(
+            **(template_kwargs or {}),
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
@@ -179,7 +203,11 @@ class KilnTokenizer:
         )
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[Any] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[Any] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The conversation's prompt ids, where control tokens come from the template only: each message's content
         is tokenized with special-token text kept as text (a user who writes `<|im_end|><|im_start|>system` gets
@@ -187,9 +215,9 @@ class KilnTokenizer:
         the text between markers is the template's own and is tokenized with its special tokens. Where the template
         changes a content (trims it, ...), its text is used as rendered, and a content with special-token text
         is refused rather than obeyed."""
-        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
         marked = [{**m, "content": f"{_MARK}{i}{_MARK}"} if m.get("content") else m for i, m in enumerate(messages)]
-        pieces = self.apply_chat_template(marked, add_generation_prompt, tools).split(_MARK)
+        pieces = self.apply_chat_template(marked, add_generation_prompt, tools, template_kwargs).split(_MARK)
         # pieces alternate: template text, a content's index, template text, ...
         in_order = pieces[1::2] == [str(i) for i, m in enumerate(messages) if m.get("content")]
         spliced = in_order and "".join(messages[int(p)]["content"] if n % 2 else p for n, p in enumerate(pieces))
@@ -212,13 +240,14 @@ class KilnTokenizer:
                 ids += self.encode("", add_special_tokens=True)
         return ids
 
-    def encode_as_text(self, text: str) -> list[int]:
+    def encode_as_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """As `encode`, but special-token literals in `text` (`<|im_start|>`, ...) are split like any other text:
         only the BOS the model's tokenizer adds is a control token (`kiln serve --completion-special-tokens text`)."""
         if self.add_bos is None:
-            return self._as_text().encode_batch([text], add_special_tokens=True)[0].ids
+            return self._as_text().encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         ids = self._encode_as_text(text)
-        return [self.bos_token_id, *ids] if self.add_bos and self.bos_token_id is not None else ids
+        is_bos_added = add_special_tokens and self.add_bos and self.bos_token_id is not None
+        return [self.bos_token_id, *ids] if is_bos_added else ids
 
     def _encode_as_text(self, text: str) -> list[int]:
         """`text` tokenized with its special-token literals split like any other text."""
@@ -268,6 +297,7 @@ class KilnTokenizer:
             token("tokenizer.ggml.bos_token_id"),
             token("tokenizer.ggml.eos_token_id"),
             bool(f("tokenizer.ggml.add_bos_token", kind == "llama")),
+            pad_token=token("tokenizer.ggml.padding_token_id"),
         )
 
     @classmethod
@@ -291,4 +321,12 @@ class KilnTokenizer:
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        return cls(tok, template, name(cfg.get("bos_token")), name(cfg.get("eos_token")), None)
+        return cls(
+            tok,
+            template,
+            name(cfg.get("bos_token")),
+            name(cfg.get("eos_token")),
+            None,
+            pad_token=name(cfg.get("pad_token")),
+            tokenizer_class=cfg.get("tokenizer_class") or "PreTrainedTokenizerFast",
+        )

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI routes, /health, /metrics, the middleware stack, error handlers, engine lifespan."""
+"""The FastAPI app: OpenAI routes, vLLM's tokenizer routes, /health, /metrics, the middleware stack, error
+handlers, engine lifespan."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from kiln.server.middleware import (
 )
 from kiln.server.protocol import ChatCompletionRequest, CompletionRequest
 from kiln.server.serving import OpenAIServing
+from kiln.server.tokenization import DetokenizeRequest, TokenizerEndpoints, parse_tokenize_request
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,7 @@ class AppSettings:
     allowed_hosts: frozenset[str] = frozenset()  # Host names answered without a key, beyond IPs and localhost
     parse_special_tokens: bool = True  # /v1/completions text prompts: special-token text becomes control tokens
     tool_call_parser: str | None = None  # None: chosen by the chat template (kiln.server.tool_parsers)
+    reasoning_parser: str | None = None  # None: chosen by the chat template; "none": off (kiln.server.reasoning)
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)  # structured outputs' size and deadline
     grammar_compile_threads: int = GRAMMAR_COMPILE_THREADS
 
@@ -71,6 +74,7 @@ def create_app(engine: AsyncEngine, settings: AppSettings, connections: Connecti
         settings.tool_call_parser,
         settings.grammar_limits,
         settings.grammar_compile_threads,
+        reasoning_parser=settings.reasoning_parser,
     )
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     app.state.settings, app.state.connections = settings, connections
@@ -133,5 +137,19 @@ def create_app(engine: AsyncEngine, settings: AppSettings, connections: Connecti
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         return await serving.chat(request, body)
+
+    tokenization = TokenizerEndpoints(serving)
+
+    @app.post("/tokenize")
+    async def tokenize(body: dict[str, Any]) -> dict[str, Any]:
+        return await tokenization.tokenize(parse_tokenize_request(body))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        return await tokenization.detokenize(body)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return tokenization.tokenizer_info()
 
     return app

@@ -27,6 +27,7 @@ from kiln.server.limits import (
     MIB,
     PROMPT_CHARS_PER_TOKEN,
 )
+from kiln.server.reasoning import REASONING_PARSERS
 from kiln.server.tool_parsers import TOOL_PARSERS
 
 
@@ -66,6 +67,16 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="how chat answers are read for tool calls (default: by the chat template's format; a template "
         "without tools gets kiln's fallback prompt and the hermes parser)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        choices=[*sorted(REASONING_PARSERS), "none"],
+        default=None,
+        help="how chat answers are split into reasoning (message.reasoning_content, delta.reasoning_content) and "
+        "the answer (content): qwen3 reads a <think>...</think> the model opens, deepseek_r1 one the template "
+        "may have opened (everything before </think> is reasoning); none leaves answers whole (default: by the "
+        "chat template: deepseek_r1 when its generation prompt opens <think>, qwen3 when it writes <think> "
+        "elsewhere, none otherwise; the start-up log names it)",
     )
 
     auth = p.add_argument_group(

@@ -145,7 +145,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404:
             message = (
                 f"no route {request.method} {request.url.path}; kiln serves /v1/completions, "
-                "/v1/chat/completions, /v1/models, /health and /metrics"
+                "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /tokenizer_info, /health and /metrics"
             )
         elif exc.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"

@@ -6,15 +6,20 @@ finished one, and the envelope (id, created, model) around both.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from kiln.engine.request import RequestOutput
+from kiln.server.reasoning import ReasoningParser, ReasoningReader, split_reasoning
 from kiln.server.responses import LogprobFormatter
 from kiln.server.tool_fields import ToolUse
 from kiln.server.tool_parsers import ToolParser
 from kiln.server.tool_reader import ToolCallReader
+
+PROMPT_TAIL_TOKENS = 16  # a prompt's last tokens, where a template writes its closing </think>
 
 
 class ResponseFormat(ABC):
@@ -49,6 +54,11 @@ class ResponseFormat(ABC):
     def opening_choices(self, indices: list[int]) -> list[dict[str, Any]]:
         """Choices streamed before any token (chat announces the assistant role)."""
         return []
+
+    def see_prompt(self, prompt_ids: list[int], decode: Callable[[list[int]], str]) -> None:
+        """Learn what the answers follow, before any is read (a chat prompt may have closed the thinking); the
+        completion format reads its answers alike after any prompt."""
+        return None
 
     @abstractmethod
     def stream_choice(
@@ -87,8 +97,10 @@ class CompletionFormat(ResponseFormat):
 
 
 class ChatFormat(ResponseFormat):
-    """`chat.completion`; with tools, each choice's text is read for calls (`tool_calls` in the message and in
-    the streamed deltas, finish_reason "tool_calls"). Without parallel calls, only the first call is kept."""
+    """`chat.completion`; with a reasoning parser, each choice's reasoning goes to `reasoning_content` (in the
+    message and in the streamed deltas) and the rest is its answer; with tools, the answer is read for calls
+    (`tool_calls` in the message and in the streamed deltas, finish_reason "tool_calls"). Without parallel calls,
+    only the first call is kept."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
@@ -101,10 +113,21 @@ class ChatFormat(ResponseFormat):
         num_logprobs: int | None,
         tools: ToolUse | None = None,
         parser: ToolParser | None = None,
+        reasoning: ReasoningParser | None = None,
     ) -> None:
         super().__init__(response_id, model, logprobs, num_logprobs)
-        self.tools, self.parser = tools, parser
+        self.tools, self.parser, self.reasoning = tools, parser, reasoning
         self._readers: dict[int, ToolCallReader | None] = {}
+        self._reasoning_readers: dict[int, ReasoningReader] = {}
+
+    def see_prompt(self, prompt_ids: list[int], decode: Callable[[list[int]], str]) -> None:
+        """A prompt that ends with `</think>` (a template's empty thinking, `enable_thinking: false`) leaves no
+        thinking open, so even a parser whose outputs start inside it reads this one as answer unless it opens
+        `<think>` itself."""
+        if self.reasoning is not None and self.reasoning.starts_inside:
+            tail = decode(prompt_ids[-PROMPT_TAIL_TOKENS:])
+            if tail.rstrip().endswith(self.reasoning.end):
+                self.reasoning = dataclasses.replace(self.reasoning, starts_inside=False)
 
     def opening_choices(self, indices: list[int]) -> list[dict[str, Any]]:
         delta = {"role": "assistant", "content": ""}
@@ -118,9 +141,19 @@ class ChatFormat(ResponseFormat):
             lp = {"content": self.logprobs.chat(new_ids, new_logprobs, self.num_logprobs)}
         reader = self._reader(index)
         delta: dict[str, Any] = {"content": out.delta} if out.delta else {}
-        if reader is not None:
-            reading = reader.read(out.text, out.finished)
-            delta = {"content": reading.content} if reading.content else {}
+        content = out.text
+        if self.reasoning is not None:
+            thinking = self._reasoning_readers.setdefault(index, ReasoningReader(self.reasoning))
+            new_reasoning, new_content = thinking.read(out.text, out.finished)
+            content = thinking.split.content
+            delta = {"content": new_content} if new_content else {}
+            if new_reasoning:
+                delta["reasoning_content"] = new_reasoning
+        if reader is not None:  # the calls are read from the answer, after the reasoning
+            reading = reader.read(content, out.finished)
+            delta = {k: v for k, v in delta.items() if k == "reasoning_content"}
+            if reading.content:
+                delta["content"] = reading.content
             calls = [c for c in reading.tool_calls if self._kept(c["index"])]
             if calls:
                 delta["tool_calls"] = calls
@@ -134,16 +167,18 @@ class ChatFormat(ResponseFormat):
         if out.logprobs is not None and self.num_logprobs is not None:
             lp = {"content": self.logprobs.chat(out.token_ids, out.logprobs, self.num_logprobs)}
         message: dict[str, Any] = {"role": "assistant", "content": out.text}
+        if self.reasoning is not None:  # as vLLM: null for a part the output does not have
+            split = split_reasoning(self.reasoning, out.text, final=True)
+            message = {"role": "assistant", "content": split.content or None, "reasoning_content": split.reasoning}
         reader = self._reader(index)
         if reader is not None:
-            reader.read(out.text, final=True)
+            reader.read(message["content"] or "", final=True)
             calls = reader.calls if reader.named is not None else reader.whole_calls
             if not calls:
                 reader = None  # no whole call: the text is the answer, as written
             else:  # as streamed: the content before the calls, and the calls (a call cut off is left out)
                 kept = [c.message() for c in calls if self._kept(c.index)]
-                message = {"role": "assistant", "content": reader.content if reader.content.strip() else None,
-                           "tool_calls": kept}  # fmt: skip
+                message |= {"content": reader.content if reader.content.strip() else None, "tool_calls": kept}
         return {"index": index, "message": message, "logprobs": lp, "finish_reason": self._finish_reason(reader, out)}
 
     def _reader(self, index: int) -> ToolCallReader | None:

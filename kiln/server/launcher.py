@@ -190,6 +190,7 @@ def build_app(core: EngineCore, args: argparse.Namespace, api_key: str | None) -
         parser,
         grammar_limits=grammar_limits,
         grammar_compile_threads=args.grammar_compile_threads,
+        reasoning_parser=args.reasoning_parser,
     )
     return create_app(engine, settings, app_connections)
 

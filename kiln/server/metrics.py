@@ -19,7 +19,16 @@ from kiln.engine.request import RequestOutput
 from kiln.server.connection_table import ConnectionTable
 from kiln.server.errors import CLIENT_CLOSED
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/tokenize",
+    "/detokenize",
+    "/tokenizer_info",
+    "/health",
+    "/metrics",
+)
 # NOTE: CPU latencies run from milliseconds to minutes, so the buckets span both.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)

@@ -20,6 +20,7 @@ from pydantic import Field
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.structured_output import StructuredOutput
 from kiln.errors import RequestError
+from kiln.model.tokenizer import TEMPLATE_RESERVED
 from kiln.server.request_fields import RequestPart
 from kiln.server.structured_fields import ResponseFormatField, StructuredOutputsField, requested_constraint
 from kiln.server.tool_fields import NamedToolChoice, ToolCallItem, ToolDefinition, ToolUse, history_calls, tool_use
@@ -80,6 +81,16 @@ class SamplingFields(RequestPart):
     @property
     def include_usage_in_stream(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def check_stream_options(self) -> None:
+        """RequestError naming `stream_options` when it is sent without `stream: true` (it would do nothing; vLLM
+        answers 400 too)."""
+        if self.stream_options is not None and not self.stream:
+            raise RequestError(
+                "stream_options applies to streamed answers only; send stream: true or leave stream_options out",
+                None,
+                "stream_options",
+            )
 
     def stop_strings(self) -> list[str]:
         """`stop` as a list, each checked to be valid Unicode."""
@@ -206,15 +217,17 @@ class ChatMessage(RequestPart):
     tool_call_id: str | None = Field(None, max_length=256)  # the call a tool turn answers
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatPrompt(RequestPart):
+    """What a chat template renders: the messages, the tools shown, and the request's own template variables
+    (`chat_template_kwargs`, vLLM's, such as `{"enable_thinking": false}`; OpenAI's `reasoning_effort`, given to
+    the template as a variable). /v1/chat/completions and /tokenize take it."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # JSON values, rendered by the sandboxed template only
+    reasoning_effort: str | None = Field(None, pattern=r"^[a-z]{1,16}$")
 
     @functools.cached_property
     def tool_use(self) -> ToolUse | None:
@@ -224,20 +237,36 @@ class ChatCompletionRequest(SamplingFields):
             check_text(json.dumps(tool.model_dump(exclude_none=True), ensure_ascii=False), f"tools.{i}")
         return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
 
-    def structured_output(self) -> StructuredOutput | None:
-        """The structured-output fields' constraint, or the one a required or named tool_choice holds the output
-        to (RequestError when both ask for one)."""
-        asked = super().structured_output()
-        use = self.tool_use
-        by_tools = use.constraint() if use is not None else None
-        if asked is not None and by_tools is not None:
-            raise RequestError(
-                f"tool_choice {use.mode if use else ''} holds the output to the tools' schema, so {asked.param} "
-                "cannot also constrain it; send one of them",
-                None,
-                asked.param,
-            )
-        return asked or by_tools
+    def template_kwargs(self, reads: frozenset[str]) -> dict[str, Any]:
+        """The variables this request gives the chat template, which reads the variables `reads`: each must be
+        one the template reads and not one kiln gives it (a RequestError naming it otherwise), so none is
+        silently ignored; its text is checked to be valid Unicode."""
+        given = {f"chat_template_kwargs.{k}": (k, v) for k, v in (self.chat_template_kwargs or {}).items()}
+        if self.reasoning_effort is not None:
+            if "reasoning_effort" in (self.chat_template_kwargs or {}):
+                raise RequestError(
+                    "reasoning_effort is given twice (also in chat_template_kwargs); send one",
+                    None,
+                    "reasoning_effort",
+                )
+            given["reasoning_effort"] = ("reasoning_effort", self.reasoning_effort)
+        for param, (name, value) in given.items():
+            check_text(json.dumps({name: value}, ensure_ascii=False), param)
+            if name in TEMPLATE_RESERVED:
+                raise RequestError(
+                    f"{name!r} is a variable kiln gives the chat template itself; a request cannot set it",
+                    None,
+                    param,
+                )
+            if name not in reads:
+                shown = ", ".join(sorted(reads - TEMPLATE_RESERVED)[:20]) or "none"
+                raise RequestError(
+                    f"this model's chat template has no {name} (it reads no variable of that name, so the value "
+                    f"would change nothing); the variables it reads beyond kiln's own: {shown}",
+                    None,
+                    param,
+                )
+        return dict(given.values())
 
     def template_messages(self) -> list[dict[str, Any]]:
         """Messages as the chat template expects them: {role, content: str}; text parts are concatenated, and
@@ -273,6 +302,28 @@ class ChatCompletionRequest(SamplingFields):
                 )
             messages.append(message)
         return messages
+
+
+class ChatCompletionRequest(SamplingFields, ChatPrompt):
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The structured-output fields' constraint, or the one a required or named tool_choice holds the output
+        to (RequestError when both ask for one)."""
+        asked = super().structured_output()
+        use = self.tool_use
+        by_tools = use.constraint() if use is not None else None
+        if asked is not None and by_tools is not None:
+            raise RequestError(
+                f"tool_choice {use.mode if use else ''} holds the output to the tools' schema, so {asked.param} "
+                "cannot also constrain it; send one of them",
+                None,
+                asked.param,
+            )
+        return asked or by_tools
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -27,7 +27,9 @@ NOT_SERVED: dict[str, str] = {
     "prediction": "predicted outputs are not supported by kiln",
     "audio": "audio is not supported: kiln serves text",
     "modalities": "kiln serves text only",
-    "reasoning_effort": "kiln has no reasoning controls",
+    "reasoning_effort": "reasoning_effort is served by /v1/chat/completions (given to a chat template that reads "
+    "it), not /v1/completions",
+    "chat_template_kwargs": "chat_template_kwargs is served by /v1/chat/completions and /tokenize, not /v1/completions",
     "web_search_options": "kiln offers no web search",
     "store": "kiln does not store completions",
     "metadata": "kiln does not store completions, so it keeps no metadata",

@@ -36,7 +36,8 @@ from kiln.server.grammar_limits import GRAMMAR_COMPILE_THREADS, GrammarLimits
 from kiln.server.limits import MESSAGE_MARKUP_CHARS, ServerLimits
 from kiln.server.metrics import ServerMetrics
 from kiln.server.middleware import request_id_of
-from kiln.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, prompt_param
+from kiln.server.protocol import ChatCompletionRequest, ChatPrompt, CompletionRequest, SamplingFields, prompt_param
+from kiln.server.reasoning import REASONING_PARSERS, choose_reasoning_parser, reasoning_for_request
 from kiln.server.responses import SSE_DONE, LogprobFormatter, Usage, sse
 from kiln.server.tool_parsers import TOOL_PARSERS, choose_tool_parser
 from kiln.server.tool_prompt import prompt_messages, refuse_control_text
@@ -59,6 +60,7 @@ class OpenAIServing:
         tool_call_parser: str | None = None,
         grammar_limits: GrammarLimits | None = None,
         grammar_compile_threads: int = GRAMMAR_COMPILE_THREADS,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -67,7 +69,7 @@ class OpenAIServing:
         self.model_names = {served_model_name, *aliases}
         self.tokenizer = engine.core.tokenizer
         # a text prompt's `<|im_start|>`... are control tokens (vLLM's behaviour), or text (--completion-special-tokens)
-        self._encode_text = self.tokenizer.encode if parse_special_tokens else self.tokenizer.encode_as_text
+        self.encode_text = self.tokenizer.encode if parse_special_tokens else self.tokenizer.encode_as_text
         self.max_model_len = engine.core.max_model_len
         self.logprobs = LogprobFormatter(self.tokenizer)
         self.max_num_seqs = engine.core.config.scheduler.max_num_seqs
@@ -84,6 +86,12 @@ class OpenAIServing:
         self.tool_parser = TOOL_PARSERS[name]
         opener = self.tool_parser.opener
         self._tool_opener_is_special = opener in tok.special_token_texts
+        reasoning, why = choose_reasoning_parser(tok, reasoning_parser)
+        logger.info("Reasoning: %s parser (%s)", reasoning or "no", why)
+        self.reasoning_parser = REASONING_PARSERS[reasoning] if reasoning is not None else None
+        # NOTE: a model whose <think> tags are special tokens would have them skipped from the text the parser reads
+        is_tag_special = self.reasoning_parser is not None and self.reasoning_parser.end in tok.special_token_texts
+        self._reasoning_tags_are_special = is_tag_special
 
     def close(self) -> None:
         """Let the tokenizer and grammar threads exit once its queued work is done (the app's shutdown calls this)."""
@@ -93,8 +101,9 @@ class OpenAIServing:
     # -- endpoints --------------------------------------------------------------------------------
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
         arrival = time.monotonic()
-        self._check_model(body.model)
+        self.check_model(body.model)
         body.check_supported()
+        body.check_stream_options()
         self.limits.check_stop(body.stop_strings())
         prompts = body.prompts()
         self.limits.check_num_seqs(len(prompts), body.n)
@@ -107,25 +116,42 @@ class OpenAIServing:
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         arrival = time.monotonic()
-        self._check_model(body.model)
+        self.check_model(body.model)
+        body.check_stream_options()
         self.limits.check_stop(body.stop_strings())
         self.limits.check_num_seqs(1, body.n)
+        tokenize = self.chat_prompt(body)
         tools = body.tool_use
+        num_logprobs = body.num_logprobs
+        fmt = ChatFormat(
+            f"chatcmpl-{uuid.uuid4().hex}",
+            self.served_model_name,
+            self.logprobs,
+            num_logprobs,
+            tools,
+            self.tool_parser,
+            reasoning_for_request(self.reasoning_parser, body.structured_output() is not None),
+        )
+        keep_special = self._reasoning_tags_are_special or (
+            tools is not None and tools.mode == "auto" and self._tool_opener_is_special
+        )
+        return await self._serve(
+            request, body, fmt, tokenize, 1, body.requested_max_tokens, num_logprobs, arrival, keep_special
+        )
+
+    def chat_prompt(self, body: ChatPrompt, add_generation_prompt: bool = True) -> Callable[[], list[list[int]]]:
+        """The work that tokenizes a chat's prompt (run it on the tokenizer thread: `in_tokenizer_thread`), once
+        the request's messages, tools and template variables are checked, within the prompt limit."""
+        tools = body.tool_use
+        template_kwargs = body.template_kwargs(self.tokenizer.template_variables)
         messages, shown = prompt_messages(
             body.template_messages(), tools.shown if tools else (), self.tokenizer.template_knows_tools
         )
         # NOTE: the messages become one prompt, so their texts share one limit, and each message costs the
         # template's markup too (150k empty messages were 0 characters, yet rendering them stalled the server)
         chars = sum(MESSAGE_MARKUP_CHARS + _chars(m) for m in messages) + _chars(shown or [])
-        self.limits.check_prompt_chars(chars, "messages")
-        num_logprobs = body.num_logprobs
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        fmt = ChatFormat(rid, self.served_model_name, self.logprobs, num_logprobs, tools, self.tool_parser)
-        tokenize = functools.partial(self._chat_prompt, messages, shown)
-        keep_special = tools is not None and tools.mode == "auto" and self._tool_opener_is_special
-        return await self._serve(
-            request, body, fmt, tokenize, 1, body.requested_max_tokens, num_logprobs, arrival, keep_special
-        )
+        self.limits.check_prompt_chars(chars + _chars(template_kwargs), "messages")
+        return functools.partial(self._chat_prompt, messages, shown, template_kwargs, add_generation_prompt)
 
     def models(self) -> dict[str, Any]:
         card = {
@@ -156,7 +182,8 @@ class OpenAIServing:
         if constraint is not None:
             self.grammar_compiler.limits.check(constraint)  # before any work
         with self.engine.reserve(num_prompts * body.n) as reservation:
-            prompt_ids = await self._in_tokenizer_thread(tokenize)
+            prompt_ids = await self.in_tokenizer_thread(tokenize)
+            fmt.see_prompt(prompt_ids[0], functools.partial(self.tokenizer.decode, skip_special_tokens=False))
             if constraint is not None:  # compiled on its own pool, off the step loop; the engine finds it cached
                 client = request.client.host if request.client else "unknown"
                 await self.grammar_compiler.compile(constraint, client, request_id)
@@ -245,10 +272,12 @@ class OpenAIServing:
             self._close(stream)
         yield SSE_DONE
 
-    async def _in_tokenizer_thread(self, fn: Callable[[], T]) -> T:
+    async def in_tokenizer_thread(self, fn: Callable[[], T]) -> T:
+        """`fn()` run on the one tokenizer thread (see `__init__`)."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn)
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
+        """APIError 404 unless `model` (a request's field) is None or a name this server answers to."""
         if model is not None and model not in self.model_names:
             shown = repr(model) if len(model) <= 100 else f"{model[:100]!r}... ({len(model)} characters)"
             raise APIError(
@@ -259,12 +288,21 @@ class OpenAIServing:
             )
 
     def _tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
-        return [self._encode_text(p) if isinstance(p, str) else list(p) for p in prompts]
+        return [self.encode_text(p) if isinstance(p, str) else list(p) for p in prompts]
 
-    def _chat_prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[list[int]]:
-        refuse_control_text(messages, tools, self.tokenizer.special_token_texts)
-        try:
-            return [self.tokenizer.encode_chat(messages, tools=tools)]  # contents' special-token text stays text
+    def _chat_prompt(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        template_kwargs: dict[str, Any],
+        add_generation_prompt: bool,
+    ) -> list[list[int]]:
+        refuse_control_text(messages, tools, self.tokenizer.special_token_texts, template_kwargs)
+        try:  # contents' special-token text stays text
+            ids = self.tokenizer.encode_chat(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools, template_kwargs=template_kwargs
+            )
+            return [ids]
         except (jinja2.TemplateError, TypeError, ValueError) as exc:  # a template's own checks, or its filters'
             raise RequestError(f"the model's chat template rejected the messages: {exc}", None, "messages") from None
 

@@ -46,12 +46,17 @@ def prompt_messages(
 
 
 def refuse_control_text(
-    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, special_texts: list[str]
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    special_texts: list[str],
+    template_kwargs: dict[str, Any] | None = None,
 ) -> None:
-    """RequestError naming the part of the tools or of a message's calls that holds special-token text: the
-    template writes those parts as its own text, so `<|im_start|>` there would become a control token (a forged
-    turn), where a message's content is always kept as text."""
+    """RequestError naming the part of the tools, of a message's calls or of the request's template variables
+    (`chat_template_kwargs`) that holds special-token text: the template writes those parts as its own text, so
+    `<|im_start|>` there would become a control token (a forged turn), where a message's content is always kept
+    as text."""
     parts = {f"tools.{i}": tool for i, tool in enumerate(tools or [])}
+    parts |= {f"chat_template_kwargs.{name}": value for name, value in (template_kwargs or {}).items()}
     for i, m in enumerate(messages):
         parts |= {f"messages.{i}.{key}": m[key] for key in ("tool_calls", "tool_call_id", "name") if key in m}
     for param, part in parts.items():

@@ -32,7 +32,11 @@ class FakeTokenizer:
     eos_token_id = 0
     chat_template = None
     template_knows_tools = False  # tools reach the prompt by kiln's fallback (kiln/server/tool_prompt.py)
+    template_variables: frozenset[str] = frozenset()
     special_token_texts: tuple[str, ...] = ()
+    vocab_size = 256
+    tokenizer_class = "FakeTokenizer"
+    bos_token, eos_token, pad_token = None, "\x00", None
 
     def __init__(self) -> None:
         self.num_encode_calls = 0
@@ -48,16 +52,28 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids)
 
+    def token_strs(self, ids: list[int]) -> list[str]:
+        return [chr(i) for i in ids]
+
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: Any = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Any = None,
+        template_kwargs: Any = None,
     ) -> str:
         self.num_template_calls += 1
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+        turns = "".join(f"<{m['role']}>{m['content']}" for m in messages)
+        return turns + ("<assistant>" if add_generation_prompt else "")
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: Any = None
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Any = None,
+        template_kwargs: Any = None,
     ) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools))
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs))
 
 
 @dataclass

@@ -25,7 +25,6 @@ ASKING = {
     "prediction": {"type": "content", "content": "x"},
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
-    "reasoning_effort": "high",
     "web_search_options": {},
     "store": True,
     "metadata": {"a": "b"},
@@ -41,6 +40,8 @@ CHAT_ONLY = {
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
     "tool_choice": "required",
     "parallel_tool_calls": False,
+    "reasoning_effort": "high",
+    "chat_template_kwargs": {"enable_thinking": False},
 }
 
 
