@@ -55,6 +55,7 @@ def request_output(req: Request, detok: IncrementalDetokenizer, num_new: int) ->
         delta=delta,
         num_new_tokens=num_new,
         logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+        prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
         error=req.error,
         error_param=req.error_param,
         num_cached_tokens=req.num_cached_tokens or 0,
