@@ -19,9 +19,8 @@ from torch import nn
 
 from kiln.compile.counters import CompileCounters
 from kiln.distributed.ops import local_collectives
-from kiln.engine.prompt_logprobs import PromptScores, score_prompt_rows
+from kiln.engine.prompt_logprobs import PromptScores, prompt_rows_of, score_prompt_rows
 from kiln.engine.rank_role import SINGLE_DEVICE, RankRole
-from kiln.engine.request import Request
 from kiln.engine.sampler import Sampler
 from kiln.engine.scheduler_output import SchedulerOutput
 from kiln.engine.step_plan import PromptRows, StepPlan, kv_slots, padded_tables, split_plan
@@ -248,6 +247,8 @@ class ModelRunner:
         """A pipeline stage runs the step as `micro_batches` parts, so the stages work on different parts at once.
         The last stage computes each part's logits as soon as its forward ends (its outputs are reused by the next
         part); the others run every forward here and their heads later (`_heads`: rank 0 receives the logits)."""
+        # NOTE: a multi-device engine refuses prompt logprobs (kiln.engine.admission): no part scores prompt rows
+        assert not plan.prompt_rows, "prompt logprobs are scored on a single device"
         done: list[tuple[StepPlan, torch.Tensor | None]] = []
         self.copy_blocks(plan.block_copies)
         split = self.micro_batches > 1 and len(plan.seq_lens) > 1
@@ -297,24 +298,6 @@ class ModelRunner:
         if logits is None:
             return ModelRunnerOutput({}, {})
         return sample_step(self.sampler, sched, plan, logits, self.eos_token_ids)
-
-
-def prompt_rows_of(req: Request, start: int, end: int, first_row: int) -> PromptRows | None:
-    """The rows of `req`'s chunk of positions [start, end) (its first at step row `first_row`) that score prompt
-    positions it has no logprobs for yet: row q scores token q + 1, so the prompt's last row scores nothing (it
-    samples the first output token). None: the chunk scores none."""
-    assert req.prompt_logprobs is not None and req.params.prompt_logprobs is not None
-    first = max(start, len(req.prompt_logprobs) - 1)
-    last = min(end, req.num_prompt_tokens - 1)
-    if first >= last:
-        return None
-    return PromptRows(
-        request_id=req.request_id,
-        first_row=first_row + first - start,
-        position=first + 1,
-        targets=req.prompt_token_ids[first + 1 : last + 1],
-        num_top=req.params.prompt_logprobs,
-    )
 
 
 @dataclass

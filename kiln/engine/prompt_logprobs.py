@@ -15,10 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kiln.engine.step_plan import PromptRows
+
+if TYPE_CHECKING:
+    from kiln.engine.request import Request
 
 SLICE_ROWS = 256  # prompt rows whose logits exist at once
 
@@ -41,6 +45,24 @@ class PromptScores:
 
     position: int
     entries: list[dict[int, Logprob]]
+
+
+def prompt_rows_of(req: Request, start: int, end: int, first_row: int) -> PromptRows | None:
+    """The rows of `req`'s chunk of positions [start, end) (its first at step row `first_row`) that score prompt
+    positions it has no logprobs for yet: row q scores token q + 1, so the prompt's last row scores nothing (it
+    samples the first output token). None: the chunk scores none."""
+    assert req.prompt_logprobs is not None and req.params.prompt_logprobs is not None
+    first = max(start, len(req.prompt_logprobs) - 1)
+    last = min(end, req.num_prompt_tokens - 1)
+    if first >= last:
+        return None
+    return PromptRows(
+        request_id=req.request_id,
+        first_row=first_row + first - start,
+        position=first + 1,
+        targets=req.prompt_token_ids[first + 1 : last + 1],
+        num_top=req.params.prompt_logprobs,
+    )
 
 
 def score_prompt_rows(

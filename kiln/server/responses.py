@@ -67,8 +67,8 @@ class LogprobFormatter:
 
     def echoed_prompt(self, token_ids: list[int], prompt_logprobs: PromptLogprobs | None) -> dict[str, list[Any]]:
         """/v1/completions' logprobs of an echoed prompt (OpenAI's shape): per prompt token its text, logprob and
-        alternatives ({text: logprob}, likeliest first, the token's own included), all None for the first token (or
-        for every token when the prompt was not scored: echo without logprobs never gets here)."""
+        alternatives ({text: logprob}, likeliest first, the token's own included); the first token's are None (and
+        every token's when `prompt_logprobs` is None: the prompt was not scored)."""
         tokens, token_logprobs, top, offsets = [], [], [], []
         offset = 0
         for q, token_id in enumerate(token_ids):

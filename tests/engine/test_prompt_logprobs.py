@@ -108,3 +108,19 @@ def test_prompt_logprobs_out_of_range_are_refused_naming_the_field(value: int) -
     with pytest.raises(RequestError, match="prompt_logprobs") as exc:
         SamplingParams(prompt_logprobs=value)
     assert exc.value.param == "prompt_logprobs"
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_preempted_requests_keep_exact_prompt_logprobs(tiny, caching: bool) -> None:
+    """Six prompts sharing a prefix at once, in 8-token chunks, in a pool too small for all of them: requests are
+    preempted and recomputed (each position is kept once, from whichever pass scored it first) and every prompt's
+    logprobs are still HF's."""
+    path, hf = tiny
+    prompts = [PREFIX + [40 + i] * (i + 1) for i in range(6)]
+    small = dict(num_kv_blocks=14, max_num_seqs=6, max_num_batched_tokens=8, enable_chunked_prefill=True)
+    llm = LLM(str(path), graph_mode="eager", enable_prefix_caching=caching, **{**FP32, **small})
+    outs = llm.generate(prompts, asking(max_tokens=12))
+    assert llm.engine.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert len(out.token_ids) == 12
+        assert_hf_prompt_logprobs(hf, prompt, out.prompt_logprobs)
