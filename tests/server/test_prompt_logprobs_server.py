@@ -70,9 +70,9 @@ def post(core: EngineCore, route: str, payload: dict[str, Any]) -> httpx.Respons
     return served(core, body)
 
 
-def streamed(core: EngineCore, payload: dict[str, Any]) -> list[dict[str, Any]]:
+def streamed(core: EngineCore, payload: dict[str, Any], route: str = "completions") -> list[dict[str, Any]]:
     async def body(client: httpx.AsyncClient) -> list[dict[str, Any]]:
-        response = await client.post("/v1/completions", json={**payload, "stream": True})
+        response = await client.post(f"/v1/{route}", json={**payload, "stream": True})
         assert response.status_code == 200, response.text
         events = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
@@ -197,9 +197,14 @@ def test_vllm_prompt_logprobs_on_chat(tiny) -> None:
     core, hf = tiny
     messages = [{"role": "user", "content": "Say hi"}]
     ids = core.tokenizer.encode_chat(messages)
-    answer = post(core, "chat/completions", {"messages": messages, "max_tokens": 2, "prompt_logprobs": 1}).json()
+    payload = {"messages": messages, "max_tokens": 2, "prompt_logprobs": 1, "n": 2}
+    answer = post(core, "chat/completions", payload).json()
     assert_vllm_prompt_logprobs(answer["prompt_logprobs"], ids, hf, 1)
-    assert "prompt_logprobs" not in answer["choices"][0]
+    assert all("prompt_logprobs" not in choice for choice in answer["choices"])
+    chunks = streamed(core, payload, "chat/completions")
+    first = [c for chunk in chunks for c in chunk["choices"] if "prompt_logprobs" in c]
+    assert sorted(c["index"] for c in first) == [0, 1]
+    assert all(c["prompt_logprobs"] == answer["prompt_logprobs"] for c in first)
 
 
 def test_max_tokens_zero_without_echo_is_a_400_naming_it(tiny) -> None:
