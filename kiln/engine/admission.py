@@ -33,9 +33,11 @@ class Admission:
         blocks_short: Callable[[int], tuple[int, int] | None],
         seed: int | None,
         grammars: Grammars | None = None,
+        multi_device: bool = False,
     ) -> None:
         """`blocks_short(total)`: (blocks needed, blocks the cache holds) when `total` tokens cannot fit at once;
-        `grammars`: the engine's compiled structured outputs (None: the model has no tokenizer, so none)."""
+        `grammars`: the engine's compiled structured outputs (None: the model has no tokenizer, so none);
+        `multi_device`: a tensor- or pipeline-parallel engine, which does not compute prompt logprobs."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -45,6 +47,7 @@ class Admission:
         self.blocks_short = blocks_short
         self._seed_rng = torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(63))
         self.grammars = grammars
+        self.multi_device = multi_device
 
     def make_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, forced_output: list[int] | None = None
@@ -60,6 +63,13 @@ class Admission:
         if bad_bias:
             raise RequestError(
                 f"logit_bias token id {bad_bias[0]} is outside the vocabulary [0, {vocab})", request_id, "logit_bias"
+            )
+        if params.prompt_logprobs is not None and self.multi_device:
+            raise RequestError(
+                "prompt logprobs (prompt_logprobs, or echo with logprobs) are computed on a single device only; "
+                "this engine is tensor or pipeline parallel: serve the model on one device to score prompts",
+                request_id,
+                "prompt_logprobs",
             )
         total = len(ids) + params.max_tokens
         if self.recipe is not None:

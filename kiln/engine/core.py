@@ -131,6 +131,7 @@ class EngineCore:
             blocks_short=self.scheduler.blocks_short,
             seed=config.seed,
             grammars=self.grammars,
+            multi_device=role.head is not None,
         )
         self.num_steps = 0
 

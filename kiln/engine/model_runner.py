@@ -11,7 +11,7 @@ An optional `StepObserver` sees every executed step's batch and logits (the debu
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -19,10 +19,11 @@ from torch import nn
 
 from kiln.compile.counters import CompileCounters
 from kiln.distributed.ops import local_collectives
+from kiln.engine.prompt_logprobs import PromptScores, prompt_rows_of, score_prompt_rows
 from kiln.engine.rank_role import SINGLE_DEVICE, RankRole
 from kiln.engine.sampler import Sampler
 from kiln.engine.scheduler_output import SchedulerOutput
-from kiln.engine.step_plan import StepPlan, kv_slots, padded_tables, split_plan
+from kiln.engine.step_plan import PromptRows, StepPlan, kv_slots, padded_tables, split_plan
 from kiln.engine.step_sample import ModelRunnerOutput, sample_step
 from kiln.engine.step_shape import StepShaper
 from kiln.executor.base import Executor
@@ -120,9 +121,12 @@ class ModelRunner:
         bs = self.block_size
         num_decodes = 0
         requests = []  # per sequence of the step: a verification's rows are one each
+        prompt_rows: list[PromptRows] = []
         for s in sched.scheduled:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
+            if req.needs_prompt_logprobs and (scored := prompt_rows_of(req, start, end, len(input_ids))) is not None:
+                prompt_rows.append(scored)
             input_ids += req.all_token_ids[start:end] + s.spec_token_ids
             positions += range(start, end)
             slots += kv_slots(req.block_ids, start, end, bs)
@@ -143,10 +147,23 @@ class ModelRunner:
         window_tables = padded_tables([r.block_tables[1] for r in requests]) if self.window_blocks else []
         padded, batch_size = self.shaper.check(len(input_ids), len(requests), seq_lens)
         return StepPlan(
-            input_ids, positions, slots, query_start_loc, seq_lens, tables, num_decodes, padded, batch_size,
-            sample_indices, sample_ids, window_slots, window_tables, sched.block_copies,
-            sum(len(s.spec_token_ids) for s in sched.scheduled),
-        )  # fmt: skip
+            input_ids=input_ids,
+            positions=positions,
+            slots=slots,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            num_decodes=num_decodes,
+            padded=padded,
+            batch_size=batch_size,
+            sample_indices=sample_indices,
+            sample_request_ids=sample_ids,
+            window_slots=window_slots,
+            window_tables=window_tables,
+            block_copies=sched.block_copies,
+            num_draft_tokens=sum(len(s.spec_token_ids) for s in sched.scheduled),
+            prompt_rows=prompt_rows,
+        )
 
     def prepare(self, sched: SchedulerOutput) -> ModelInputs:
         return self.inputs(self.plan(sched))
@@ -207,11 +224,12 @@ class ModelRunner:
             return self.executor.forward(inputs)
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> torch.Tensor | None:
+    def run(self, plan: StepPlan) -> StepLogits:
         """Run one step's forward and its logits head: the sampled rows' fp32 logits on the host (None on a rank
-        that does not sample, or when no row samples). Every rank of a multi-device engine runs each plan."""
+        that does not sample, or when no row samples), and the scores of the prompt rows the plan lists. Every rank
+        of a multi-device engine runs each plan."""
         if self.micro_batches > 1 and len(plan.seq_lens) > 1:
-            return self._heads(self._forwards(plan))
+            return StepLogits(self._heads(self._forwards(plan)))
         self.copy_blocks(plan.block_copies)
         inputs = self.inputs(plan)
         if self.observer is not None:
@@ -222,12 +240,15 @@ class ModelRunner:
         logits = logits.cpu() if logits is not None else None
         if self.observer is not None:
             self.observer.end_step(logits)
-        return logits
+        prompt = score_prompt_rows(self.logits, hidden, plan.prompt_rows) if plan.prompt_rows else {}
+        return StepLogits(logits, prompt)
 
     def _forwards(self, plan: StepPlan) -> list[tuple[StepPlan, torch.Tensor | None]]:
         """A pipeline stage runs the step as `micro_batches` parts, so the stages work on different parts at once.
         The last stage computes each part's logits as soon as its forward ends (its outputs are reused by the next
         part); the others run every forward here and their heads later (`_heads`: rank 0 receives the logits)."""
+        # NOTE: a multi-device engine refuses prompt logprobs (kiln.engine.admission): no part scores prompt rows
+        assert not plan.prompt_rows, "prompt logprobs are scored on a single device"
         done: list[tuple[StepPlan, torch.Tensor | None]] = []
         self.copy_blocks(plan.block_copies)
         split = self.micro_batches > 1 and len(plan.seq_lens) > 1
@@ -259,13 +280,16 @@ class ModelRunner:
             self.peers.send(plan)  # the other ranks run the same step
         if self.defer_heads:
             return Launched(sched, plan, self._forwards(plan))
-        return Launched(sched, plan, logits=self.run(plan))
+        return Launched(sched, plan, computed=self.run(plan))
 
     @torch.inference_mode()
     def complete(self, step: Launched) -> ModelRunnerOutput:
         """Finish a launched step: its logits (received now, when deferred) sampled."""
-        logits = self._heads(step.parts) if step.parts is not None else step.logits
-        return self.sample(step.sched, step.plan, logits)
+        computed = StepLogits(self._heads(step.parts)) if step.parts is not None else step.computed
+        assert computed is not None, "a launched step has its parts or its logits"
+        out = self.sample(step.sched, step.plan, computed.logits)
+        out.prompt_logprobs = computed.prompt
+        return out
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.complete(self.launch(sched))
@@ -277,10 +301,19 @@ class ModelRunner:
 
 
 @dataclass
+class StepLogits:
+    """What a step's heads computed on this rank: the sampled rows' fp32 logits on the host (None: none sampled,
+    or not this rank's), and the prompt positions its prefill chunks scored, by request id."""
+
+    logits: torch.Tensor | None
+    prompt: dict[str, PromptScores] = field(default_factory=dict)
+
+
+@dataclass
 class Launched:
     """A step whose forward has run on this rank (`ModelRunner.launch`) and whose output is still to come."""
 
     sched: SchedulerOutput
     plan: StepPlan
     parts: list[tuple[StepPlan, torch.Tensor | None]] | None = None  # deferred heads: the parts' hidden states
-    logits: torch.Tensor | None = None  # computed already: the sampled rows' logits (None: none sampled)
+    computed: StepLogits | None = None  # computed already: the sampled rows' logits and the prompt scores

@@ -55,6 +55,9 @@ def request_output(req: Request, detok: IncrementalDetokenizer, num_new: int) ->
         delta=delta,
         num_new_tokens=num_new,
         logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+        # NOTE: shared, not copied (a long prompt's list each step would cost): an output exists once a token is
+        # sampled, when every prompt position is scored, and the list never changes after that
+        prompt_logprobs=req.prompt_logprobs,
         error=req.error,
         error_param=req.error_param,
         num_cached_tokens=req.num_cached_tokens or 0,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.engine.prompt_logprobs import PromptLogprobs
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.structured_output import GrammarState
 
@@ -53,6 +54,8 @@ class Request:
         self.generator = generator
         self.output_token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] = []
+        # each prompt position's logprobs so far (kiln.engine.prompt_logprobs: None for the first token), when asked
+        self.prompt_logprobs: PromptLogprobs | None = [None] if params.prompt_logprobs is not None else None
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         # per block pool (kiln.engine.scheduler.BlockGroup): every layer's blocks, then a hybrid model's sliding
@@ -107,6 +110,11 @@ class Request:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asks for prompt logprobs and some positions are not scored yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
@@ -126,6 +134,8 @@ class RequestOutput:
     delta: str = ""
     num_new_tokens: int = 0
     logprobs: list[dict[int, float]] | None = None
+    # asked for (SamplingParams.prompt_logprobs): per prompt position, None first (vLLM's RequestOutput field)
+    prompt_logprobs: PromptLogprobs | None = None
     error: str | None = None
     error_param: str | None = None  # set: the request's own field made it fail (a grammar), a client error
     num_cached_tokens: int = 0  # prompt tokens it found in the prefix cache (usage.prompt_tokens_details)

@@ -34,6 +34,9 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # number of top alternatives to return per token (0 = only the chosen token)
+    # the prompt tokens' logprobs (kiln.engine.prompt_logprobs), with this many top alternatives per position (vLLM's
+    # prompt_logprobs); such a request computes its whole prompt (it reads nothing from the prefix cache)
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_output: StructuredOutput | None = None  # the output held to a schema, regex, choice or grammar
@@ -65,6 +68,11 @@ class SamplingParams:
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
             ("min_tokens", 0 <= self.min_tokens <= self.max_tokens, "must be in [0, max_tokens]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be in [0, 20]"),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                "must be in [0, 20]",
+            ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "must be token ids"),
             ("seed", self.seed is None or INT64[0] <= self.seed <= INT64[1], "must fit in a signed 64-bit integer"),

@@ -16,6 +16,18 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class PromptRows:
+    """A prefill chunk's rows that score its prompt's next tokens (kiln.engine.prompt_logprobs): row
+    `first_row + i` scores prompt position `position + i`, whose token is `targets[i]`."""
+
+    request_id: str
+    first_row: int
+    position: int
+    targets: list[int]
+    num_top: int
+
+
+@dataclass
 class StepPlan:
     """One step's inputs as plain lists (built from the scheduler's output by `ModelRunner.plan`)."""
 
@@ -38,6 +50,9 @@ class StepPlan:
     # draft tokens the step verifies, each a decode row of its own (speculative decoding runs on one device, so a
     # micro-batch split never sees any)
     num_draft_tokens: int = 0
+    # prefill chunks whose prompt logprobs are asked for (a single device's steps only: multi-device engines refuse
+    # them, kiln.engine.admission)
+    prompt_rows: list[PromptRows] = field(default_factory=list)
 
 
 def split_plan(plan: StepPlan, parts: int, pad_to: Callable[[int], int]) -> list[StepPlan]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from kiln.engine.prompt_logprobs import PromptScores
 from kiln.engine.request import Request
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kiln.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -25,6 +26,8 @@ class ModelRunnerOutput:
     sampled: dict[str, list[int]]  # request id -> the tokens it emits this step (one; a verification: 1 to k+1)
     logprobs: dict[str, list[dict[int, float]]]  # per emitted token, for the requests asking for logprobs
     errors: dict[str, str] = field(default_factory=dict)  # request id -> why its row could not be sampled
+    # request id -> the prompt positions its prefill chunk scored (kiln.engine.prompt_logprobs)
+    prompt_logprobs: dict[str, PromptScores] = field(default_factory=dict)
 
 
 def sampling_row(

@@ -14,6 +14,7 @@ import time
 
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.outputs import request_output, stop_after
+from kiln.engine.prompt_logprobs import record_prompt_scores
 from kiln.engine.request import Request, RequestOutput
 from kiln.engine.scheduler import Scheduler
 from kiln.engine.scheduler_output import SchedulerOutput
@@ -51,6 +52,8 @@ class Updater:
             if req.request_id in result.errors:
                 outputs.append(self.fail(req.request_id, result.errors[req.request_id]))
                 continue
+            if (scores := result.prompt_logprobs.get(req.request_id)) is not None and req.prompt_logprobs is not None:
+                record_prompt_scores(req.prompt_logprobs, scores)
             tokens = result.sampled.get(req.request_id)
             if tokens is None:
                 continue  # a prefill chunk that does not reach the end of the sequence yet

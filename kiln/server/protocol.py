@@ -4,7 +4,7 @@ No field is silently ignored: a field the models do not declare is a 400 naming 
 asks for nothing (OpenAI's default value, or a no-op by design such as `user`: kiln/server/request_fields.py).
 Types are strict, as OpenAI's are: a string or a boolean where a number belongs is a 400 (`"max_tokens": "10"`,
 `"prompt": [true]`, which would otherwise be token id 1), never converted.
-Fields kiln cannot honour (`echo`, `best_of` != n, non-text message parts) are rejected with a 400 naming them,
+Fields kiln cannot honour (`best_of` != n, non-text message parts) are rejected with a 400 naming them,
 and so is text the tokenizer cannot take (a lone UTF-16 surrogate, which JSON's "\\ud800" escape can carry).
 """
 
@@ -70,6 +70,8 @@ class SamplingFields(RequestPart):
     logit_bias: dict[str, float] | None = None  # token id (as text, OpenAI's JSON) -> bias in [-100, 100]
     # prefix caching: only requests with the same salt share cached KV blocks (vLLM's field)
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+    # vLLM's: each prompt token's logprob and this many likeliest alternatives (the response's `prompt_logprobs`)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* (at most one)
     response_format: ResponseFormatField | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -98,6 +100,11 @@ class SamplingFields(RequestPart):
         for i, text in enumerate(stop):
             check_text(text, f"stop.{i}")
         return stop
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs: the alternatives per prompt position (None: the prompt is not scored)."""
+        return self.prompt_logprobs
 
     def structured_output(self) -> StructuredOutput | None:
         """The one constraint the structured-output fields ask for (RequestError when several do)."""
@@ -145,6 +152,7 @@ class SamplingFields(RequestPart):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=self.num_prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_output=constraint,
@@ -180,9 +188,31 @@ class CompletionRequest(SamplingFields):
                 check_text(prompt, prompt_param(p, i))
         return prompts
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """vLLM's rule: `prompt_logprobs` when sent, else with `echo` the `logprobs` count (OpenAI's echo scores
+        the prompt as it scores the output)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: the answer is the prompt alone (the engine samples one token, not shown)."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def engine_max_tokens(self) -> int | None:
+        return 1 if self.echo_only else self.max_tokens
+
     def check_supported(self) -> None:
-        if self.echo:
-            raise RequestError("echo=true is not supported by kiln; send echo=false", None, "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestError(
+                "max_tokens=0 asks for no output: it is served with echo=true (the prompt and its logprobs alone); "
+                "send max_tokens >= 1 or echo=true",
+                None,
+                "max_tokens",
+            )
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError(
                 f"best_of={self.best_of} is not supported: kiln returns all n={self.n} choices", None, "best_of"

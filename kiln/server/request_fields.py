@@ -36,8 +36,7 @@ NOT_SERVED: dict[str, str] = {
     "service_tier": "kiln has one service tier",
     "use_beam_search": "beam search is not implemented in kiln",
     "length_penalty": "beam search (length_penalty) is not implemented in kiln",
-    "prompt_logprobs": "prompt_logprobs is not implemented in kiln",
-    "echo": "echo is not supported by kiln",
+    "echo": "echo is served by /v1/completions; a chat answer does not repeat its messages in kiln",
     "continuous_usage_stats": "usage in every chunk is not implemented; include_usage gives it in the last chunk",
     # in a chat message
     "refusal": "a refusal is not text kiln can put in a prompt; send it as the message's content",

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from kiln.engine.prompt_logprobs import PromptLogprobs
 from kiln.engine.request import RequestOutput
 from kiln.model.tokenizer import KilnTokenizer
 
@@ -63,6 +64,36 @@ class LogprobFormatter:
             offsets.append(text_offset)
             text_offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def echoed_prompt(self, token_ids: list[int], prompt_logprobs: PromptLogprobs | None) -> dict[str, list[Any]]:
+        """/v1/completions' logprobs of an echoed prompt (OpenAI's shape): per prompt token its text, logprob and
+        alternatives ({text: logprob}, likeliest first, the token's own included); the first token's are None (and
+        every token's when `prompt_logprobs` is None: the prompt was not scored)."""
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        offset = 0
+        for q, token_id in enumerate(token_ids):
+            text = self.token_text(token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            entry = prompt_logprobs[q] if prompt_logprobs is not None else None
+            token_logprobs.append(entry[token_id].logprob if entry is not None else None)
+            ranked = sorted(entry.items(), key=lambda kv: kv[1].rank) if entry is not None else None
+            top.append({self.token_text(t): lp.logprob for t, lp in ranked} if ranked is not None else None)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def vllm_prompt(self, prompt_logprobs: PromptLogprobs) -> list[dict[str, dict[str, Any]] | None]:
+        """vLLM's `prompt_logprobs`: None for the first token, then per position {token id: {logprob, rank,
+        decoded_token}} (the actual token's and its likeliest alternatives)."""
+        return [
+            None
+            if entry is None
+            else {
+                str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self.token_text(t)}
+                for t, lp in entry.items()
+            }
+            for entry in prompt_logprobs
+        ]
 
     def chat(self, token_ids: list[int], logprobs: list[dict[int, float]], num_top: int) -> list[dict[str, Any]]:
         """/v1/chat/completions `logprobs.content`: per token its text, logprob, bytes and `num_top` alternatives."""

@@ -30,7 +30,7 @@ from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import RequestError
 from kiln.server.answers import EngineStreamingResponse, raise_if_failed, unless_disconnected
 from kiln.server.errors import CLIENT_CLOSED, APIError, error_body, expected_error, internal_error
-from kiln.server.formats import ChatFormat, CompletionFormat, ResponseFormat
+from kiln.server.formats import ChatFormat, CompletionFormat, Echo, ResponseFormat
 from kiln.server.grammar_compiler import GrammarCompiler
 from kiln.server.grammar_limits import GRAMMAR_COMPILE_THREADS, GrammarLimits
 from kiln.server.limits import MESSAGE_MARKUP_CHARS, ServerLimits
@@ -110,9 +110,19 @@ class OpenAIServing:
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
                 self.limits.check_prompt_chars(len(prompt), prompt_param(body.prompt, i))
-        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.served_model_name, self.logprobs, body.logprobs)
+        echo = Echo(prompts, body.n, body.echo_only) if body.echo else None
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        fmt = CompletionFormat(
+            rid,
+            self.served_model_name,
+            self.logprobs,
+            body.logprobs,
+            with_prompt_logprobs=body.prompt_logprobs is not None,
+            echo=echo,
+        )
         tokenize = functools.partial(self._tokenize, prompts)
-        return await self._serve(request, body, fmt, tokenize, len(prompts), body.max_tokens, body.logprobs, arrival)
+        max_tokens = body.engine_max_tokens
+        return await self._serve(request, body, fmt, tokenize, len(prompts), max_tokens, body.logprobs, arrival)
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         arrival = time.monotonic()
@@ -128,9 +138,10 @@ class OpenAIServing:
             self.served_model_name,
             self.logprobs,
             num_logprobs,
-            tools,
-            self.tool_parser,
-            reasoning_for_request(self.reasoning_parser, body.structured_output() is not None),
+            tools=tools,
+            parser=self.tool_parser,
+            reasoning=reasoning_for_request(self.reasoning_parser, body.structured_output() is not None),
+            with_prompt_logprobs=body.prompt_logprobs is not None,
         )
         keep_special = self._reasoning_tags_are_special or (
             tools is not None and tools.mode == "auto" and self._tool_opener_is_special
@@ -211,7 +222,7 @@ class OpenAIServing:
         if finals is None:
             logger.info("client went away; aborted %s", fmt.response_id)
             return Response(status_code=CLIENT_CLOSED)
-        outputs = [finals[rid] for rid in index]
+        outputs = [fmt.shown(finals[rid]) for rid in index]
         for out in outputs:
             raise_if_failed(out, request_id)
             counts.add(out)
@@ -249,7 +260,8 @@ class OpenAIServing:
         try:
             if opening:
                 yield sse(fmt.chunk(opening))
-            async for out in stream:
+            async for engine_out in stream:
+                out = fmt.shown(engine_out)
                 if out.finished:
                     self.metrics.observe_finished(out, arrival)
                     counts.add(out)

@@ -31,7 +31,6 @@ ASKING = {
     "service_tier": "flex",
     "use_beam_search": True,
     "length_penalty": 0.5,
-    "prompt_logprobs": 1,
     "echo": True,
 }
 MESSAGE_FIELDS = {"refusal", "annotations"}
@@ -59,7 +58,7 @@ def test_fields_kiln_does_not_serve_are_400s_naming_them(route: str) -> None:
     async def body(s: Served) -> None:
         for field, value in ASKING.items():
             if route == "completions" and field == "echo":
-                continue  # a field of /v1/completions, refused by its own check (test_server_live)
+                continue  # a field of /v1/completions (tests/server/test_prompt_logprobs_server.py)
             error = openai_error(await s.client.post(f"/v1/{route}", json={**base, field: value}), 400)
             assert error["param"] == field, (field, error)
             assert f"{field}: {NOT_SERVED[field]}; remove the field" in error["message"]
