@@ -35,6 +35,7 @@ DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16"
 # the KV cache's dtypes, vLLM's names (kiln.model.kv_format: how each is stored). auto: AUTO_KV_CACHE_DTYPE for a
 # float32 model, else the model's own dtype
 KV_CACHE_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 # NOTE: float32, the model's own dtype. bfloat16 passes the accuracy bar on the default model (mean KL 3.9e-5 against
 # float32 KV over 1,200 tokens, tests/engine/test_kv_dtype_accuracy.py) at half the bytes, but moves a fp32 model's
 # logits by up to 4e-3 from HF's (a 600-token prompt) and from one process's under tensor or pipeline parallelism,
@@ -168,6 +169,9 @@ class SchedulerConfig:
     # chunk shrinks as its context grows and as steps take longer (kiln.engine.prefill_budget). 0: the threshold's
     # cost alone.
     long_prefill_step_seconds: float = 0.5
+    # which waiting request is admitted first, and which running one is preempted when blocks run out (vLLM's
+    # --scheduling-policy): fcfs, by arrival; priority, by each request's priority (lower first), then arrival
+    policy: str = "fcfs"
 
     @property
     def running_per_request(self) -> int:

@@ -50,7 +50,12 @@ class Admission:
         self.multi_device = multi_device
 
     def make_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, forced_output: list[int] | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        forced_output: list[int] | None = None,
+        priority: int = 0,
     ) -> Request:
         ids, text = self._prompt_ids(request_id, prompt)
         vocab = self.vocab_size
@@ -93,7 +98,7 @@ class Admission:
         # engine was given --seed (then a run of the same requests repeats).
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
         generator = None if params.is_greedy else torch.Generator().manual_seed(seed)
-        request = Request(request_id, text, ids, params, generator, forced_output)
+        request = Request(request_id, text, ids, params, generator, forced_output, priority)
         if (constraint := params.structured_output) is not None:
             if self.grammars is None:
                 raise RequestError("structured outputs need the model's tokenizer", request_id, constraint.param)

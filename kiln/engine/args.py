@@ -24,6 +24,7 @@ from kiln.config import (
     DTYPE_NAMES,
     KV_CACHE_DTYPE_NAMES,
     QUANTIZATION_NAMES,
+    SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
     ParallelConfig,
@@ -122,6 +123,13 @@ class EngineArgs:
         "long prompt delays the others' next token by at most about this (0: the token threshold alone)",
         "scheduler",
         type=non_negative,
+    )
+    scheduling_policy: str = _arg(
+        "fcfs",
+        "which waiting request runs first and which running one is preempted when KV blocks run out: fcfs (by "
+        "arrival) or priority (by each request's `priority`, lower first, then arrival; vLLM's semantics)",
+        "scheduler",
+        choices=SCHEDULING_POLICIES,
     )
     max_running_per_request: int | None = _arg(
         None, "most sequences of one client request (prompts x n) running at once, so one n=64 request cannot take "
@@ -291,6 +299,7 @@ class EngineArgs:
                 self.long_prefill_token_threshold,
                 self.max_running_per_request,
                 long_prefill_step_seconds=self.long_prefill_step_seconds,
+                policy=self.scheduling_policy,
             ),
             graph=graph,
             parallel=ParallelConfig(

@@ -157,10 +157,13 @@ class AsyncEngine:
             reservation.held = 0
 
     async def add_requests(
-        self, requests: Sequence[tuple[str, Prompt, SamplingParams]], reservation: Reservation | None = None
+        self,
+        requests: Sequence[tuple[str, Prompt, SamplingParams]],
+        reservation: Reservation | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Add requests (id, prompt, params) all-or-nothing; return the stream of their outputs. With a
-        `reservation` (see `reserve`) they take its room.
+        `reservation` (see `reserve`) they take its room; `priority` is every one's (the scheduling policy's).
 
         Raises RequestError for a request the engine rejects (nothing is added then), QueueFullError when the
         server is full, EngineStoppedError while shutting down.
@@ -179,7 +182,7 @@ class AsyncEngine:
         assert self._loop is not None
         added: asyncio.Future[None] = self._loop.create_future()
         self._adding.add(added)
-        self._submit(lambda: self._add_all(requests, added))
+        self._submit(lambda: self._add_all(requests, added, priority))
         try:
             await added
         except BaseException:
@@ -241,13 +244,15 @@ class AsyncEngine:
             except Exception:  # NOTE: commands are bookkeeping (add, abort): a failure is a kiln bug, logged
                 logger.exception("engine command failed")
 
-    def _add_all(self, requests: Sequence[tuple[str, Prompt, SamplingParams]], added: asyncio.Future[None]) -> None:
+    def _add_all(
+        self, requests: Sequence[tuple[str, Prompt, SamplingParams]], added: asyncio.Future[None], priority: int
+    ) -> None:
         done: list[str] = []
         error: BaseException | None = None
         group = requests[0][0] if len(requests) > 1 else None  # siblings (prompts x n) share a running cap
         for rid, prompt, params in requests:
             try:
-                self.core.add_request(rid, prompt, params).group = group
+                self.core.add_request(rid, prompt, params, priority=priority).group = group
             except Exception as exc:  # RequestError for bad input; anything else reaches the client as a 500
                 error = exc
                 break

@@ -159,18 +159,36 @@ class EngineCore:
 
     # -- requests ---------------------------------------------------------------------------------
     def make_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, forced_output: list[int] | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        forced_output: list[int] | None = None,
+        priority: int = 0,
     ) -> Request:
         """Tokenize and validate; raises RequestError (naming the request) without touching engine state."""
         if request_id in self.requests:
             raise RequestError(f"duplicate request id {request_id!r}", request_id)
-        return self.admission.make_request(request_id, prompt, params, forced_output)
+        if priority != 0 and self.config.scheduler.policy != "priority":
+            raise RequestError(
+                f"priority {priority} needs the priority scheduling policy; this engine schedules fcfs (start it "
+                "with --scheduling-policy priority, or send priority 0)",
+                request_id,
+                "priority",
+            )
+        return self.admission.make_request(request_id, prompt, params, forced_output, priority)
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, forced_output: list[int] | None = None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        forced_output: list[int] | None = None,
+        priority: int = 0,
     ) -> Request:
-        """Queue a request; `forced_output` teacher-forces its output tokens (see `Request.forced_output`)."""
-        req = self.make_request(request_id, prompt, params, forced_output)
+        """Queue a request; `forced_output` teacher-forces its output tokens (see `Request.forced_output`);
+        `priority` orders it under the priority scheduling policy (lower first)."""
+        req = self.make_request(request_id, prompt, params, forced_output, priority)
         self.updater.track(req)
         self.scheduler.add(req)
         return req

@@ -59,18 +59,23 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`. A list of ints is one tokenized prompt."""
+        """Outputs in the order of `prompts`. A list of ints is one tokenized prompt. `priority`: one per prompt,
+        under the priority scheduling policy (lower runs first; vLLM's)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params_list = _broadcast(params, len(prompts))
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts: give one per prompt")
         order: list[str] = []
         results: dict[str, RequestOutput] = {}
-        for prompt, p in zip(prompts, params_list, strict=True):
+        for prompt, p, rank in zip(prompts, params_list, priorities, strict=True):
             rid = str(next(self._ids))
             order.append(rid)
             try:
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, priority=rank)
             except RequestError as exc:
                 results[rid] = _error_output(rid, prompt, str(exc))
         bar = tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm)

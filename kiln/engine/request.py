@@ -39,8 +39,11 @@ class Request:
         params: SamplingParams,
         generator: torch.Generator | None,
         forced_output: list[int] | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        # the scheduling policy `priority` admits lower values first and preempts higher ones first (vLLM's)
+        self.priority = priority
         # teacher forcing (the debugger): these tokens are fed back instead of the sampled ones, so two execution
         # paths see the same inputs; the sampled tokens are still what the step computed
         self.forced_output = forced_output

@@ -5,9 +5,10 @@ the token budget, the sequence limit and free KV blocks allow. While more than o
 request prefills a chunk of at most `long_prefill_token_threshold` tokens' cost a step, and of at most
 `long_prefill_step_seconds` once timed (the chunk shrinks as its context grows, kiln.engine.prefill_budget), and
 one client request (prompts x n) runs at most `running_per_request` sequences, so the others keep getting tokens
-and batch slots. When
-blocks run out, the most recently admitted running request is preempted: its blocks are freed and it rejoins the
-front of the waiting queue to be recomputed from its prompt and the tokens it has already produced. Under a
+and batch slots. When blocks run out, the most recently admitted running request is preempted: its blocks are
+freed and it rejoins the front of the waiting queue to be recomputed from its prompt and the tokens it has already
+produced. Under the priority policy (vLLM's) both queues are kept in `priority_order` instead: the waiting are
+admitted lowest priority value first and the running are preempted from the other end. Under a
 recipe's step constraints a request joins a step only with as many tokens as keep the step paddable to an
 allowed shape (kiln.engine.step_shape). The scheduler never touches tensors. With a speculator, a decoding request
 brings its draft tokens (kiln.engine.speculation), each one decode row; `verified` frees the rejected ones' blocks.
@@ -26,6 +27,7 @@ blocks than the pool holds, so a long generation, or a recompute after preemptio
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import Counter, deque
 
@@ -41,6 +43,11 @@ from kiln.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kiln.engine.speculation import Speculator
 from kiln.engine.step_shape import StepShaper
 from kiln.errors import KilnError
+
+
+def priority_order(req: Request) -> tuple[int, float]:
+    """The priority policy's order: lower priority values first, then earlier arrivals (vLLM's)."""
+    return req.priority, req.metrics.arrival_time
 
 
 class Scheduler:
@@ -64,6 +71,7 @@ class Scheduler:
         `attention_tokens`: the context at which a token's attention costs as much as its weight products, so a
         prefill chunk shrinks as its context grows (kiln.engine.prefill_budget; None: chunks counted in tokens)."""
         self.config = config
+        self.by_priority = config.policy == "priority"
         self.pool = block_pool
         self.shaper = shaper
         self.window = window
@@ -91,7 +99,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        if self.by_priority:
+            bisect.insort(self.waiting, request, key=priority_order)
+        else:
+            self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -147,7 +158,10 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = time.monotonic()
-            self.running.append(req)
+            if self.by_priority:  # the running stay in priority order: the back is preempted first
+                bisect.insort(self.running, req, key=priority_order)
+            else:
+                self.running.append(req)
             scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
         scheduled.sort(key=lambda s: s.num_rows != s.num_new_tokens)  # stable: decodes (and verifications) first
@@ -262,7 +276,10 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.by_priority:
+            bisect.insort(self.waiting, req, key=priority_order)
+        else:
+            self.waiting.appendleft(req)
         out.preempted.append(req.request_id)
 
     def _release(self, req: Request) -> None:

@@ -72,6 +72,8 @@ class SamplingFields(RequestPart):
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     # vLLM's: each prompt token's logprob and this many likeliest alternatives (the response's `prompt_logprobs`)
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    # vLLM's: under --scheduling-policy priority, lower values are admitted first and preempted last (else only 0)
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and guided_* (at most one)
     response_format: ResponseFormatField | None = None
     structured_outputs: StructuredOutputsField | None = None

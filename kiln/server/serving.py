@@ -208,7 +208,7 @@ class OpenAIServing:
                     if keep_special_tokens:  # the tool parser reads an opener that is a special token
                         params.skip_special_tokens = False
                     jobs.append((f"{fmt.response_id}-{p * body.n + c}", ids, params))
-            stream = await self.engine.add_requests(jobs, reservation)
+            stream = await self.engine.add_requests(jobs, reservation, body.priority)
         index = {rid: i for i, (rid, _, _) in enumerate(jobs)}
         firsts = frozenset(rid for rid, i in index.items() if i % body.n == 0)
         counts = Usage(sum(len(ids) for ids in prompt_ids), firsts)

@@ -55,6 +55,7 @@ ACTS: dict[str, tuple[Any, dict[str, Any]]] = {
     "long_prefill_token_threshold": (256, {}),
     "long_prefill_step_seconds": (0.2, {}),
     "max_running_per_request": (4, {}),
+    "scheduling_policy": ("priority", {}),
     "graph_mode": ("piecewise", {}),
     "enforce_eager": (True, {}),
     "full_graph": (True, {}),

@@ -129,8 +129,12 @@ class FakeCore:
         self.worker_failure: str | None = None  # set: check_alive raises, as when another rank died
         self.token_id = TOKEN_X
         self.step_delay = 0.002  # seconds per step, like a (very) small model
+        self.priorities: dict[str, int] = {}  # each request's, as the server passed it
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> FakeRequest:
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+    ) -> FakeRequest:
+        self.priorities[request_id] = priority
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         text = self.tokenizer.decode(ids)
         if "CRASH" in text:

@@ -128,10 +128,11 @@ class ScriptedCore(FakeCore):
         self.prompts: list[str] = []
         self.step_delay = 0.0
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: Any) -> Any:
+    def add_request(self, request_id: str, prompt: str | list[int], params: Any, priority: int = 0) -> Any:
         assert isinstance(prompt, list)
         self.prompts.append(self.tokenizer.decode(prompt, skip_special_tokens=False))
-        return super().add_request(request_id, prompt, dataclasses.replace(params, max_tokens=len(self.script_ids)))
+        scripted = dataclasses.replace(params, max_tokens=len(self.script_ids))
+        return super().add_request(request_id, prompt, scripted, priority)
 
     def step(self) -> list[RequestOutput]:
         return [self._scripted(out) for out in super().step()]
