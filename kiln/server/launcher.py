@@ -226,6 +226,10 @@ def check_server_args(args: argparse.Namespace, api_key: str | None) -> None:
     """ConfigError for serve flags that contradict each other."""
     if args.metrics_auth and api_key is None:
         raise ConfigError(f"--metrics-auth needs an API key to check; give --api-key-file, --api-key or {API_KEY_ENV}")
+    if args.allowed_hosts is not None and api_key is not None:
+        raise ConfigError(
+            "--allowed-hosts does nothing beside an API key: the key is checked instead of the Host header; drop it"
+        )
     capacity = args.max_num_seqs + args.max_queue
     if args.max_seqs_per_request > capacity:
         raise ConfigError(

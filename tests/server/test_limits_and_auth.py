@@ -317,6 +317,8 @@ def test_bad_api_key_sources_are_clear_startup_errors(tmp_path: Path, capsys: py
         build_served_app(FakeCore(), ["--api-key", "k", "--api-key-file", str(empty)])
     with pytest.raises(ConfigError, match="--metrics-auth needs an API key"):
         build_served_app(FakeCore(), ["--metrics-auth"])
+    with pytest.raises(ConfigError, match="--allowed-hosts does nothing beside an API key"):
+        build_served_app(FakeCore(), ["--api-key", "k", "--allowed-hosts", "box"])
     with pytest.raises(ConfigError, match="--max-seqs-per-request=64 is more than the server ever admits"):
         build_served_app(FakeCore(), ["--max-num-seqs", "8", "--max-queue", "0"])
 
