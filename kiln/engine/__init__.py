@@ -13,6 +13,7 @@ core.py             EngineCore: the step (schedule -> execute -> update), failur
 detokenizer.py      incremental detokenization with stop strings
 grammar_build.py    a constraint's llguidance grammar, compiled and tried on its first tokens (short errors, no panics)
 grammar_cache.py    compiled grammars bounded in bytes, and failed constraints remembered by key
+inert_options.py    options given that would do nothing in the resolved config, refused with the flag named and why
 kv_cache.py         paged KV cache bookkeeping: a pool of fixed-size blocks with a free list and reference counts
 kv_plan.py          how many KV blocks an engine allocates, and the start-up lines that say so
 kv_window.py        sliding-window KV blocks: which leading blocks of a sequence no future query reads

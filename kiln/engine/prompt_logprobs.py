@@ -15,28 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from kiln.engine.request import Logprob, PromptLogprobs, Request
 from kiln.engine.step_plan import PromptRows
 
-if TYPE_CHECKING:
-    from kiln.engine.request import Request
-
 SLICE_ROWS = 256  # prompt rows whose logits exist at once
-
-
-@dataclass(frozen=True)
-class Logprob:
-    """One token's logprob at a prompt position and its rank there (1: the likeliest), as vLLM's `Logprob`."""
-
-    logprob: float
-    rank: int
-
-
-# per prompt position: {token id: Logprob}, the actual token first, then the likeliest; None at position 0
-PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass

@@ -8,9 +8,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.engine.prompt_logprobs import PromptLogprobs
 from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.structured_output import GrammarState
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One token's logprob at a prompt position and its rank there (1: the likeliest), as vLLM's `Logprob`."""
+
+    logprob: float
+    rank: int
+
+
+# per prompt position: {token id: Logprob}, the actual token first, then the likeliest; None at position 0
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 class RequestStatus(enum.Enum):

@@ -14,10 +14,12 @@ limits.py      how much work one HTTP request may ask for, and the checks that r
 metrics.py     Prometheus metrics on a per-app registry: HTTP requests by status, latency histograms, engine state
 middleware.py  what runs on every HTTP request before a route sees it: a request id, the API key, the body-size limit
 protocol.py    OpenAI request bodies (the fields kiln serves) and their mapping onto SamplingParams
+reasoning.py   a thinking model's `<think>...</think>` split into reasoning_content, whole or as it streams
 request_fields.py  the fields kiln does not serve, why (each a 400 naming it), and those that ask for nothing
 responses.py   OpenAI response bodies built from RequestOutputs: usage, logprobs in both API shapes, SSE framing
 structured_fields.py  response_format, structured_outputs and guided_*: the one constraint a request asks for
 answers.py     the streaming response that aborts its engine requests, waits that end on disconnect
+tokenization.py  vLLM's /tokenize, /detokenize and /tokenizer_info
 tool_fields.py   tools, tool_choice and history calls: what they ask of the prompt, the output's schema, its reading
 tool_parsers.py  the formats models write tool calls in (hermes, llama3_json, mistral, json_array), chosen by template
 tool_reader.py   one choice's output read for tool calls as it streams: content, call names, arguments as written

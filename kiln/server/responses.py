@@ -6,8 +6,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.engine.prompt_logprobs import PromptLogprobs
-from kiln.engine.request import RequestOutput
+from kiln.engine.request import PromptLogprobs, RequestOutput
 from kiln.model.tokenizer import KilnTokenizer
 
 SSE_DONE = "data: [DONE]\n\n"

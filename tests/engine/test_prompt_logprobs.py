@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.engine.prompt_logprobs import Logprob
+from kiln.engine.request import Logprob
 from tests.engine.tiny_models import write_hf_model
 
 BLOCK = 4

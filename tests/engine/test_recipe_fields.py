@@ -133,7 +133,10 @@ def test_all_ops_quantized_is_checked_against_the_loaded_weights(
 def test_the_recipe_alone_names_the_graph_mode(tmp_path: Path, graph: str, mode: str) -> None:
     """No graph flag at all: the recipe's mode is what the engine builds (its executor included)."""
     path = Path(write(tmp_path))
-    path.write_text(path.read_text().replace("piecewise: false", graph))
+    text = path.read_text().replace("piecewise: false", graph)
+    if mode == "eager":  # the sizes and the compiler would do nothing: refused (kiln.recipe.contract.check_inert)
+        text = text.replace(", capture_sizes: [1, 2, 8], compile_sizes: [1], compiler: inductor", "")
+    path.write_text(text)
     config = EngineArgs(recipe=str(path)).create_engine_config()
     assert config.graph_mode == mode and config.executor == ("eager" if mode == "eager" else "graph")
 
@@ -197,9 +200,13 @@ def test_the_recipe_speculative_section_and_the_flags_over_it(tmp_path: Path, ca
         path.write_text(base.replace("method: ngram", section).replace("prompt_lookup_min: 5", "prompt_lookup_min: 1"))
         with pytest.raises(RecipeError, match=rf"{path}:{line}:\d+: .*{problem}"):
             EngineArgs(recipe=str(path)).create_engine_config()
-    path.write_text(base.replace("method: ngram", "method: draft, draft_model: default").replace("min: 5", "min: 1"))
+    drafted = base.replace("method: ngram", "method: draft, draft_model: default")
+    path.write_text(drafted.replace(", prompt_lookup_min: 5", ""))
     config = EngineArgs(recipe=str(path)).create_engine_config()
-    assert config.speculative == SpeculativeConfig("draft", 3, 4, 1, draft_model="default")
+    assert config.speculative == SpeculativeConfig("draft", 3, 4, 2, draft_model="default")
+    path.write_text(drafted.replace("min: 5", "min: 1"))  # the lookup tunes the ngram method only
+    with pytest.raises(RecipeError, match=rf"{path}:{line}:\d+: .*prompt_lookup_min tunes the ngram method only"):
+        EngineArgs(recipe=str(path)).create_engine_config()
 
 
 def test_the_recipes_kv_cache_prefix_caching_false_turns_prefix_caching_off(tmp_path: Path) -> None:

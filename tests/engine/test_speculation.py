@@ -28,6 +28,13 @@ PASSAGE = [(5 * i) % 97 + 3 for i in range(12)]
 PROMPTS = [PASSAGE * 3, [7, 8, 9] + PASSAGE * 2, [40 + i for i in range(9)], PASSAGE[:5] * 4]
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 ALWAYS = dict(speculative_policy="always")  # every proposal verified (the measured policy has a test of its own)
+
+
+def speculating(method: str | None) -> dict[str, str | None]:
+    """The engine options of `method` verifying every proposal (no method: speculation off, no policy)."""
+    return dict(speculative_method=method, **ALWAYS) if method else {}
+
+
 CHI2_5_DOF_999 = 20.515  # the chi-square distribution's 99.9th percentile with 5 degrees of freedom
 
 
@@ -195,9 +202,7 @@ def test_greedy_tokens_are_the_same_with_speculation_in_every_mode(tiny: Path, m
     graph = {} if mode == "eager" else dict(compiler="eager")
     outs, engines = {}, {}
     for spec in (None, "ngram"):
-        llm = LLM(
-            str(tiny), block_size=BLOCK, num_kv_blocks=96, graph_mode=mode, speculative_method=spec, **ALWAYS, **graph
-        )
+        llm = LLM(str(tiny), block_size=BLOCK, num_kv_blocks=96, graph_mode=mode, **speculating(spec), **graph)
         outs[spec] = [run(llm, [p], GREEDY)[0] for p in PROMPTS[:2]]  # batch 1
         outs[spec] += run(llm, PROMPTS, GREEDY)  # mixed batches: prefills beside verifications
         engines[spec] = llm.engine
@@ -215,7 +220,7 @@ def test_speculation_under_chunked_prefill_preemption_and_prefix_caching(tiny: P
     small = dict(block_size=BLOCK, num_kv_blocks=28, max_num_seqs=4, max_num_batched_tokens=12, graph_mode="eager")
     outs, engines = {}, {}
     for spec in (None, "ngram"):
-        llm = LLM(str(tiny), speculative_method=spec, **ALWAYS, **small)
+        llm = LLM(str(tiny), **speculating(spec), **small)
         outs[spec] = run(llm, PROMPTS, GREEDY)
         outs[spec] += run(llm, PROMPTS[:2], GREEDY)  # their prompts' blocks are cached now
         engines[spec] = llm.engine
@@ -266,7 +271,7 @@ def test_default_model_repeating_a_passage_accepts_most_drafts_with_the_same_tok
     )
     outs, engines = {}, {}
     for spec in (None, "ngram"):
-        llm = LLM("default", quantization="none", speculative_method=spec, num_kv_blocks=64, **ALWAYS)
+        llm = LLM("default", quantization="none", num_kv_blocks=64, **speculating(spec))
         chat = llm.tokenizer.encode_chat
         prompts = [chat([{"role": "user", "content": f"Repeat this text exactly:\n\n{passage}"}])]
         prompts.append(chat([{"role": "user", "content": "Write a poem about the sea."}]))
