@@ -1,8 +1,9 @@
 """lm-evaluation-harness end to end: its `local-completions` model scores a small multiple-choice task (written here,
 read from a local JSON file, nothing fetched from a hub) against a live `kiln serve` of a tiny float32 Llama. Every
-choice's loglikelihood (and whether it was greedy) equals HF transformers' on the same weights within 1e-4, and the
-task's accuracy is the one HF's loglikelihoods give. With `tokenizer_backend=auto` the harness detects and uses
-kiln's `/tokenizer_info` and `/tokenize`; with `huggingface` it tokenizes locally and only sends token ids."""
+choice's loglikelihood and whether it was greedy (one doc's first choice is the model's greedy next word) equal HF
+transformers' on the same weights within 1e-4, and the task's accuracy is the one HF's loglikelihoods give. With
+`tokenizer_backend=auto` the harness detects and uses kiln's `/tokenizer_info` and `/tokenize`; with `huggingface`
+it tokenizes locally and only sends token ids."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ DOCS = [
     {"question": "Ice is made of frozen", "choices": ["sand", "water"], "answer": 1},
     {"question": "A week has seven", "choices": ["days", "years", "metres"], "answer": 0},
 ]
+GREEDY_CONTEXTS = ["Once upon a", "The capital of France is", "My favourite colour is", "In the morning I", "Hello"]
 TASK_YAML = """\
 task: {task}
 dataset_path: json
@@ -46,25 +48,42 @@ metric_list:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module, Any]:
+    import transformers
+
     path = tmp_path_factory.mktemp("lm_eval_llama")
     hf = write_hf_model(path, "llama", vocab_size=49152, perturb=0.05)  # the default model's tokenizer
-    return path, hf
+    return path, hf, transformers.AutoTokenizer.from_pretrained(path)
 
 
 @pytest.fixture(scope="module")
-def server(model: tuple[Path, torch.nn.Module]) -> Iterator[LiveServer]:
-    path, _ = model
+def docs(model: tuple[Path, torch.nn.Module, Any]) -> list[dict[str, Any]]:
+    """DOCS and one doc whose first choice is the model's greedy next word, so one answer is greedy."""
+    _, hf, tokenizer = model
+    for context in GREEDY_CONTEXTS:
+        context_ids = tokenizer(context, add_special_tokens=False).input_ids
+        with torch.no_grad():
+            greedy = int(hf(torch.tensor([context_ids])).logits[0, -1].argmax())
+        word = tokenizer.decode([greedy])
+        is_word = word.startswith(" ") and word[1:].strip() == word[1:] != ""
+        if is_word and encode_pair(tokenizer, context, word) == (context_ids, [greedy]):
+            return [*DOCS, {"question": context, "choices": [word[1:], "zebra"], "answer": 0}]
+    raise AssertionError(f"no context of {GREEDY_CONTEXTS} has a greedy next token that is a whole word")
+
+
+@pytest.fixture(scope="module")
+def server(model: tuple[Path, torch.nn.Module, Any]) -> Iterator[LiveServer]:
+    path, _, _ = model
     args = ["--model-path", str(path), "--served-model-name", SERVED_NAME, "--graph-mode", "eager"]
     args += ["--dtype", "float32", "--max-model-len", "128", "--num-kv-blocks", "64"]
     with live_server(args) as live:
         yield live
 
 
-def write_task(directory: Path) -> None:
+def write_task(directory: Path, docs: list[dict[str, Any]]) -> None:
     """The task's YAML and its JSON-lines data, in the directory the harness is told to include."""
     data = directory / "docs.jsonl"
-    data.write_text("".join(json.dumps(doc) + "\n" for doc in DOCS))
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in docs))
     task = TASK_YAML.format(task=TASK, data=data, cache=directory / "datasets_cache")
     (directory / f"{TASK}.yaml").write_text(task)
 
@@ -121,22 +140,20 @@ def http_counts(server: LiveServer) -> dict[tuple[str, str], float]:
 )
 def test_lm_eval_multiple_choice_scores_equal_hf_loglikelihoods(
     server: LiveServer,
-    model: tuple[Path, torch.nn.Module],
+    model: tuple[Path, torch.nn.Module, Any],
+    docs: list[dict[str, Any]],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     tokenizer_args: str,
     remote: bool,
 ) -> None:
-    import transformers
-
     # NOTE: `datasets` reads these when first imported (by the harness, or here); they make any hub access an error
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     import datasets.config
 
-    path, hf = model
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-    write_task(tmp_path)
+    path, hf, tokenizer = model
+    write_task(tmp_path, docs)
     before = http_counts(server)
     served = f"base_url={server.url}/v1/completions,model={SERVED_NAME},num_concurrent=1,max_retries=1"
     samples, results = run_lm_eval(tmp_path, f"{served},{tokenizer_args.format(model=path)}")
@@ -147,12 +164,12 @@ def test_lm_eval_multiple_choice_scores_equal_hf_loglikelihoods(
         ("/tokenize", "200"),
     }, calls  # nothing refused, nothing else asked for
     # one request a choice (the harness's batch size 1)
-    assert calls[("/v1/completions", "200")] == sum(len(doc["choices"]) for doc in DOCS)
+    assert calls[("/v1/completions", "200")] == sum(len(doc["choices"]) for doc in docs)
     assert (calls.get(("/tokenizer_info", "200"), 0) > 0) == remote
     assert (calls.get(("/tokenize", "200"), 0) > 0) == remote
 
     assert datasets.config.HF_HUB_OFFLINE  # nothing could have been fetched
-    assert [s["doc"] for s in samples] == DOCS
+    assert [s["doc"] for s in samples] == docs
     correct = []
     for sample in samples:
         assert [continuation for _, continuation in sample["arguments"]] == [f" {c}" for c in sample["doc"]["choices"]]
@@ -164,3 +181,4 @@ def test_lm_eval_multiple_choice_scores_equal_hf_loglikelihoods(
         correct.append(float(hf_choice == sample["doc"]["answer"]))
         assert sample["acc"] == correct[-1]
     assert results["acc,none"] == pytest.approx(sum(correct) / len(correct))
+    assert samples[-1]["filtered_resps"][0][1] is True  # the greedy doc's greedy word
