@@ -95,6 +95,7 @@ class EngineCore:
             shaper=self.shaper,
             window_blocks=blocks[1],
             role=role,
+            head_rows=config.sampled_rows,
         )
         window = mc.uniform_sliding_window or mc.hybrid_sliding_window
         # speculative decoding's proposer (kiln.engine.speculation): the scheduler asks it for drafts, the step times it

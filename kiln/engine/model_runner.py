@@ -19,7 +19,7 @@ from torch import nn
 
 from kiln.compile.counters import CompileCounters
 from kiln.distributed.ops import local_collectives
-from kiln.engine.prompt_logprobs import PromptScores, prompt_rows_of, score_prompt_rows
+from kiln.engine.prompt_logprobs import SLICE_ROWS, PromptScores, prompt_rows_of, score_prompt_rows
 from kiln.engine.rank_role import SINGLE_DEVICE, RankRole
 from kiln.engine.sampler import Sampler
 from kiln.engine.scheduler_output import SchedulerOutput
@@ -58,10 +58,13 @@ class ModelRunner:
         shaper: StepShaper | None = None,
         window_blocks: int = 0,
         role: RankRole = SINGLE_DEVICE,
+        head_rows: int = SLICE_ROWS,
     ) -> None:
         """`window_blocks` > 0: a hybrid model's sliding layers keep that many blocks of their own (their block table
-        is each request's second, kiln.engine.kv_window)."""
+        is each request's second, kiln.engine.kv_window). `head_rows`: the most rows the logits head's kernels were
+        timed for (EngineConfig.sampled_rows), the size of the slices prompt rows are scored in."""
         self.model = model
+        self.head_rows = head_rows
         self.num_blocks, self.window_blocks = num_blocks, window_blocks
         self.executor = executor
         self.shaper = shaper or StepShaper(None, executor.pad_to, 0, 0)
@@ -240,7 +243,7 @@ class ModelRunner:
         logits = logits.cpu() if logits is not None else None
         if self.observer is not None:
             self.observer.end_step(logits)
-        prompt = score_prompt_rows(self.logits, hidden, plan.prompt_rows) if plan.prompt_rows else {}
+        prompt = score_prompt_rows(self.logits, hidden, plan.prompt_rows, self.head_rows) if plan.prompt_rows else {}
         return StepLogits(logits, prompt)
 
     def _forwards(self, plan: StepPlan) -> list[tuple[StepPlan, torch.Tensor | None]]:

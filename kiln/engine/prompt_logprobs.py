@@ -7,8 +7,11 @@ its `num_top` likeliest tokens (ranks 1..num_top). The first prompt token has no
 as OpenAI and vLLM answer. Every prefill row's hidden state exists in each graph mode (the full decode graph runs
 only steps of decodes), so this is exact in all of them.
 
-The rows are scored in slices of `SLICE_ROWS` on the model's device (a 1,024-token prompt's logits over a 150k
-vocabulary would be 600 MB at once); only the few numbers each row keeps come to the host.
+The rows are scored in slices of at most the rows the logits head's kernels were timed for (the engine's sampled
+rows: above them its packed head would run the untimed reference, 3x slower), and never more than `SLICE_ROWS` (a
+1,024-token prompt's logits over a 150k vocabulary would be 600 MB at once), on the model's device; no log-softmax
+tensor is made (a row's logsumexp is subtracted from the few logits it keeps), and only those few numbers come to
+the host.
 """
 
 from __future__ import annotations
@@ -51,7 +54,10 @@ def prompt_rows_of(req: Request, start: int, end: int, first_row: int) -> Prompt
 
 
 def score_prompt_rows(
-    head: Callable[[torch.Tensor, list[int]], torch.Tensor | None], hidden: torch.Tensor, chunks: list[PromptRows]
+    head: Callable[[torch.Tensor, list[int]], torch.Tensor | None],
+    hidden: torch.Tensor,
+    chunks: list[PromptRows],
+    slice_rows: int = SLICE_ROWS,
 ) -> dict[str, PromptScores]:
     """Each chunk's prompt positions scored from `hidden` (the step's hidden states) by `head` (fp32 logits of the
     rows asked), by request id."""
@@ -59,16 +65,18 @@ def score_prompt_rows(
     targets = [t for c in chunks for t in c.targets]
     num_top = max(c.num_top for c in chunks)
     picked, ranks, top_lp, top_ids = [], [], [], []
-    for at in range(0, len(rows), SLICE_ROWS):
-        logits = head(hidden, rows[at : at + SLICE_ROWS])
+    step = max(1, min(slice_rows, SLICE_ROWS))
+    for at in range(0, len(rows), step):
+        logits = head(hidden, rows[at : at + step])
         assert logits is not None, "prompt logprobs are computed on a single device"
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        target = torch.tensor(targets[at : at + SLICE_ROWS], device=logprobs.device).unsqueeze(1)
-        chosen = logprobs.gather(1, target)
-        picked.append(chosen.squeeze(1).cpu())
-        ranks.append(((logprobs > chosen).sum(dim=1) + 1).cpu())
-        top = logprobs.topk(num_top, dim=1) if num_top else None
-        top_lp.append(top.values.cpu() if top is not None else None)
+        logits = logits.float()
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        target = torch.tensor(targets[at : at + step], device=logits.device).unsqueeze(1)
+        chosen = logits.gather(1, target)
+        picked.append((chosen - lse).squeeze(1).cpu())
+        ranks.append(((logits > chosen).sum(dim=1) + 1).cpu())
+        top = _likeliest(logits, num_top)
+        top_lp.append((top.values - lse).cpu() if top is not None else None)
         top_ids.append(top.indices.cpu() if top is not None else None)
     return _entries(
         chunks,
@@ -77,6 +85,15 @@ def score_prompt_rows(
         top_lp=torch.cat(top_lp).tolist() if num_top else [],
         top_ids=torch.cat(top_ids).tolist() if num_top else [],
     )
+
+
+def _likeliest(logits: torch.Tensor, num_top: int) -> torch.return_types.topk | torch.return_types.max | None:
+    """Each row's `num_top` largest logits and their ids (one: a max, a single pass; none: None)."""
+    if num_top == 0:
+        return None
+    if num_top == 1:
+        return logits.max(dim=1, keepdim=True)
+    return logits.topk(num_top, dim=1)
 
 
 def _entries(

@@ -1,0 +1,51 @@
+"""What scoring a prompt costs: prefills of the same prompts with and without prompt logprobs, side by side.
+
+  .venv/bin/python scripts/prompt_logprobs_bench.py [--prompts 4] [--prompt-len 1024] [--repeats 3]
+
+Each pass prefills `prompts` random prompts of `prompt_len` tokens (one output token each, prefix caching off so
+every pass computes every prompt); the passes alternate (plain, scored, plain, ...) and the median of each is
+reported with their ratio (issue 53's bar: <= 1.1x). The extra work is the head over every prompt row (the
+vocabulary's logits, a log-softmax and a top-k), which a plain prefill runs for the last row only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from kiln import LLM, SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--graph-mode", default="full_and_piecewise")
+    args = ap.parse_args()
+    llm = LLM(graph_mode=args.graph_mode, enable_prefix_caching=False, max_model_len=args.prompt_len + 16)
+    vocab = llm.engine.model_config.vocab_size
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, vocab) for _ in range(args.prompt_len)] for _ in range(args.prompts)]
+    plain = SamplingParams(max_tokens=1, temperature=0)
+    scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    llm.generate(prompts[:1], plain)  # warm-up: captures, kernel choices
+    llm.generate(prompts[:1], scored)
+    times: dict[str, list[float]] = {"plain": [], "prompt_logprobs=1": []}
+    for _ in range(args.repeats):
+        for name, params in (("plain", plain), ("prompt_logprobs=1", scored)):
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            times[name].append(time.perf_counter() - start)
+            assert all(o.finish_reason == "length" for o in outs)
+    tokens = args.prompts * args.prompt_len
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    for name, seconds in medians.items():
+        print(f"{name:>18}: {seconds:.3f} s for {tokens} prompt tokens ({tokens / seconds:,.0f} tok/s)")
+    print(f"ratio: {medians['prompt_logprobs=1'] / medians['plain']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
