@@ -95,6 +95,7 @@ class EngineCore:
             shaper=self.shaper,
             window_blocks=blocks[1],
             role=role,
+            pooling=config.pooling,
         )
         window = mc.uniform_sliding_window or mc.hybrid_sliding_window
         # speculative decoding's proposer (kiln.engine.speculation): the scheduler asks it for drafts, the step times it
@@ -113,7 +114,9 @@ class EngineCore:
             attention_tokens=attention_tokens_of(mc),
         )
         log_kv_cache(cc, blocks, self.runner.kv_cache_bytes, kv_dtype, self.max_model_len, mc, budget_reason)
-        self.updater = Updater(self.scheduler, tokenizer, self.eos_token_ids, self.max_model_len)
+        self.updater = Updater(
+            self.scheduler, tokenizer, self.eos_token_ids, self.max_model_len, pooling=config.pooling
+        )
         self.workers: Workers | None = role.workers  # the other ranks, when this is rank 0 of a multi-device engine
         self.pipeline = step_loop
         self.grammars = (
