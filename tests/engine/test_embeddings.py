@@ -142,3 +142,21 @@ def test_pooling_flags_reach_the_config_and_a_bad_mode_is_refused() -> None:
     assert (args.pooling, args.normalize_embeddings) == ("mean", False)
     with pytest.raises(SystemExit):
         parser.parse_args(["--pooling", "max"])
+
+
+def test_an_embedding_verifies_no_drafts_under_speculative_decoding(tiny) -> None:
+    """With n-gram speculation on, an embedding's last prompt chunk (one token, after a chunk of 8) is not offered
+    drafts as a decoding sequence's would be: its rows are its prompt's alone."""
+    path, hf = tiny
+    prompt = [5, 6, 7, 8] * 2 + [5]  # the last token's n-gram recurs, so a proposer would offer drafts
+    spec = dict(speculative_method="ngram", speculative_policy="always", num_speculative_tokens=2)
+    chunks = dict(max_num_batched_tokens=8, enable_chunked_prefill=True, long_prefill_token_threshold=8)
+    llm = LLM(str(path), graph_mode="eager", pooling="mean", enable_prefix_caching=False, **FP32, **spec, **chunks)
+    planned = []
+    plan = llm.engine.runner.plan
+    llm.engine.runner.plan = lambda sched: planned.append(p := plan(sched)) or p  # type: ignore[method-assign]
+    (out,) = llm.embed([prompt])
+    assert len(planned) == 2 and all(p.num_draft_tokens == 0 for p in planned)
+    assert_hf_embedding(hf, prompt, out.outputs.embedding, "mean")
+    llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert any(p.num_draft_tokens for p in planned[2:])  # the same prompt generating verifies drafts
