@@ -81,6 +81,12 @@ def test_embeddings_match_hf_in_every_mode(tiny, mode: str, chunked: bool, pooli
     assert again.num_cached_tokens == 0 and again.token_ids == [] and again.finish_reason == "stop"
     assert_hf_embedding(hf, cached_prompt, again.embedding, pooling)
     assert llm.engine.pool.num_used_blocks == 0  # every request finished: none holds a block
+    if mode == "full_and_piecewise":  # one-token prompts alone are a step of decode rows: the full graph's
+        replays = llm.engine.executor.counters.full_replays
+        singles = llm.embed([[42], [7]])
+        assert llm.engine.executor.counters.full_replays == replays + 1
+        for prompt, out in zip([[42], [7]], singles, strict=True):
+            assert_hf_embedding(hf, prompt, out.outputs.embedding, pooling)
 
 
 def test_embeddings_beside_generation_in_one_step_and_unnormalized(tiny) -> None:
