@@ -88,7 +88,7 @@ class Admission:
                 request_id,
                 "prompt",
             )
-        if total > self.max_model_len:
+        if total > self.max_model_len:  # a generation: its prompt and the room for its output
             raise RequestError(
                 f"prompt ({len(ids)} token{'s' if len(ids) != 1 else ''}) + max_tokens ({params.max_tokens}) = "
                 f"{total} tokens exceeds max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens",

@@ -33,7 +33,7 @@ from kiln.server.serving import OpenAIServing
 class EmbeddingRequest(RequestPart):
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Literal["float", "base64"] | None = "float"  # null: float
     dimensions: int | None = None  # declared to be refused with its reason (`check_supported`)
 
     def check_supported(self) -> None:
@@ -71,7 +71,7 @@ class EmbeddingRequest(RequestPart):
         return "input" if one else f"input.{index}"
 
 
-def encode_vector(vector: list[float], encoding_format: str) -> list[float] | str:
+def encode_vector(vector: list[float], encoding_format: str | None) -> list[float] | str:
     """A vector as the answer carries it: floats, or base64 of its little-endian float32 bytes."""
     if encoding_format == "base64":
         return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")

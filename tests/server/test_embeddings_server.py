@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import struct
 import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import torch
 
@@ -92,7 +94,7 @@ def test_every_input_form_and_base64_decodes_to_the_floats(tiny) -> None:
     core, hf = tiny
     ids = core.tokenizer.encode(TEXTS[0])
     one_string = embed(core, {"input": TEXTS[0]}).json()
-    one_list = embed(core, {"input": ids}).json()
+    one_list = embed(core, {"input": ids, "encoding_format": None}).json()  # null asks for nothing: floats
     lists = embed(core, {"input": [ids, [5, 6, 7]]}).json()
     packed = embed(core, {"input": [ids, [5, 6, 7]], "encoding_format": "base64"}).json()
     assert one_string["data"][0]["embedding"] == one_list["data"][0]["embedding"] == lists["data"][0]["embedding"]
@@ -128,6 +130,33 @@ def test_bad_requests_are_400s_naming_the_field(tiny, payload: dict[str, Any], p
     error = openai_error(embed(core, payload), 400)
     assert error["param"] == param, error
     assert words in error["message"]
+
+
+def test_the_openai_client_embeds_as_floats_and_as_base64(tiny) -> None:
+    """The `openai` client asks for base64 unless told otherwise and decodes it itself: both give the same vectors."""
+    core, hf = tiny
+
+    sent: list[Any] = []
+
+    async def record(request: httpx.Request) -> None:
+        if request.url.path == "/v1/embeddings":
+            sent.append(json.loads(request.content).get("encoding_format"))
+
+    async def body(client: httpx.AsyncClient) -> tuple[Any, Any]:
+        client.event_hooks["request"].append(record)
+        sdk = openai.AsyncOpenAI(api_key="none", base_url="http://localhost/v1", http_client=client, max_retries=0)
+        name = (await sdk.models.list()).data[0].id
+        packed = await sdk.embeddings.create(model=name, input=TEXTS[:2])
+        plain = await sdk.embeddings.create(model=name, input=TEXTS[:2], encoding_format="float")
+        return packed, plain
+
+    packed, plain = served(core, body)
+    assert sent == ["base64", "float"]
+    for a, b, text in zip(packed.data, plain.data, TEXTS, strict=False):
+        assert a.embedding == pytest.approx(b.embedding, abs=1e-7)
+        expected = hf_last(hf, core.tokenizer.encode(text))
+        assert torch.allclose(torch.tensor(b.embedding), expected, atol=1e-4, rtol=0)
+    assert packed.usage.prompt_tokens == plain.usage.total_tokens
 
 
 def test_an_input_as_long_as_the_context_is_served_and_an_unknown_model_is_a_404(tiny) -> None:
