@@ -36,6 +36,9 @@ DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16"
 # float32 model, else the model's own dtype
 KV_CACHE_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
+# how an embedding request's final hidden states become one vector (kiln.engine.pooling): the last prompt token's
+# (vLLM's default for decoder models), the mean over the prompt's tokens, or the first token's
+POOLING_NAMES = ("last", "mean", "cls")
 # NOTE: float32, the model's own dtype. bfloat16 passes the accuracy bar on the default model (mean KL 3.9e-5 against
 # float32 KV over 1,200 tokens, tests/engine/test_kv_dtype_accuracy.py) at half the bytes, but moves a fp32 model's
 # logits by up to 4e-3 from HF's (a 600-token prompt) and from one process's under tensor or pipeline parallelism,
@@ -180,6 +183,15 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class PoolingConfig:
+    """Embedding requests (`SamplingParams.embed`, /v1/embeddings): which of the prompt's final hidden states (after
+    the model's final norm) make its vector, and whether it is L2-normalized (vLLM's defaults: last, normalized)."""
+
+    mode: str = "last"  # one of POOLING_NAMES
+    normalize: bool = True
+
+
+@dataclass(frozen=True)
 class FusionGroupConfig:
     """Ops a recipe expects in one kernel: module names (`gate_proj`) and functional ops (`silu`, `mul`)."""
 
@@ -269,6 +281,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     grammar_cache_bytes: int = 256 << 20  # structured outputs' compiled grammars (kiln.engine.grammar_cache)
+    pooling: PoolingConfig = field(default_factory=PoolingConfig)  # embedding requests' vectors
 
     @property
     def graph_mode(self) -> GraphMode:

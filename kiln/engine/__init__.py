@@ -25,6 +25,7 @@ prefill_budget.py   prefill chunks budgeted by cost (attention grows with the co
 prefix_cache.py     the keys of cached KV blocks (chained hashes over tokens and a root), and the cache's stats
 prefix_sharing.py   automatic prefix caching: a waiting request's longest cached prefix, sibling copies, registering
 prompt_logprobs.py  prompt logprobs scored from a prefill chunk's rows (fp32 log-softmax, rank, top-k), per position
+pooling.py          embeddings: a prefill chunk's rows pooled (last, mean, cls), the vector normalized
 rank_role.py        `RankRole`: a rank's part in each step of a multi-device engine, fixed at construction
 recipe_config.py    the recipe's overlay on the engine config: where recipe values override flags, each logged
 request.py          a request's life in the engine, and the plain output objects handed to callers

@@ -76,11 +76,24 @@ class Admission:
                 request_id,
                 "prompt_logprobs",
             )
-        total = len(ids) + params.max_tokens
+        if params.embed and self.multi_device:
+            raise RequestError(
+                "embeddings are pooled on a single device only; this engine is tensor or pipeline parallel: serve "
+                "the model on one device for embeddings",
+                request_id,
+                "embed",
+            )
+        total = len(ids) + (0 if params.embed else params.max_tokens)  # an embedding computes its prompt alone
         if self.recipe is not None:
             self.recipe.guards.check_request(request_id, seq_len=total, first=len(ids), span=self.max_model_len)
             self.shaper.check_admission(request_id, len(ids), self.chunked_prefill)
-        if total > self.max_model_len:
+        if total > self.max_model_len and params.embed:
+            raise RequestError(
+                f"the input ({len(ids)} tokens) exceeds max_model_len={self.max_model_len}; shorten it",
+                request_id,
+                "prompt",
+            )
+        if total > self.max_model_len:  # a generation: its prompt and the room for its output
             raise RequestError(
                 f"prompt ({len(ids)} token{'s' if len(ids) != 1 else ''}) + max_tokens ({params.max_tokens}) = "
                 f"{total} tokens exceeds max_model_len={self.max_model_len}; shorten the prompt or lower max_tokens",

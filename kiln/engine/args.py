@@ -23,11 +23,13 @@ from kiln.config import (
     DEFAULT_ACTIVATIONS,
     DTYPE_NAMES,
     KV_CACHE_DTYPE_NAMES,
+    POOLING_NAMES,
     QUANTIZATION_NAMES,
     SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
     ParallelConfig,
+    PoolingConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -177,6 +179,17 @@ class EngineArgs:
         type=int_at_least(1),
     )
 
+    pooling: str = _arg(
+        "last",
+        "an embedding's vector (/v1/embeddings, LLM.embed) from the prompt's final hidden states: last (the last "
+        "token's, vLLM's default for decoder models), mean (over the prompt's tokens) or cls (the first token's)",
+        "embeddings",
+        choices=POOLING_NAMES,
+    )
+    normalize_embeddings: bool = _arg(
+        True, "L2-normalize embeddings (vLLM's default)", "embeddings", action=argparse.BooleanOptionalAction
+    )
+
     speculative_method: str | None = _arg(
         None,
         "ngram: propose the tokens that followed the latest earlier occurrence of the sequence's last n tokens in its "
@@ -314,6 +327,7 @@ class EngineArgs:
             ),
             speculative=speculative,
             grammar_cache_bytes=self.grammar_cache_mb << 20,
+            pooling=PoolingConfig(self.pooling, self.normalize_embeddings),
         )
         if self.enable_piecewise_graph and not graph.mode.is_graph:
             raise ConfigError(

@@ -96,6 +96,7 @@ class EngineCore:
             window_blocks=blocks[1],
             role=role,
             head_rows=config.sampled_rows,
+            pooling=config.pooling,
         )
         window = mc.uniform_sliding_window or mc.hybrid_sliding_window
         # speculative decoding's proposer (kiln.engine.speculation): the scheduler asks it for drafts, the step times it
@@ -114,7 +115,9 @@ class EngineCore:
             attention_tokens=attention_tokens_of(mc),
         )
         log_kv_cache(cc, blocks, self.runner.kv_cache_bytes, kv_dtype, self.max_model_len, mc, budget_reason)
-        self.updater = Updater(self.scheduler, tokenizer, self.eos_token_ids, self.max_model_len)
+        self.updater = Updater(
+            self.scheduler, tokenizer, self.eos_token_ids, self.max_model_len, pooling=config.pooling
+        )
         self.workers: Workers | None = role.workers  # the other ranks, when this is rank 0 of a multi-device engine
         self.pipeline = step_loop
         self.grammars = (

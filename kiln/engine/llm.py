@@ -1,10 +1,10 @@
-"""The offline API: `LLM(model=...).generate(prompts, params)` and `.chat(messages, params)`."""
+"""The offline API: `LLM(model=...).generate(prompts, params)`, `.chat(messages, params)` and `.embed(prompts)`."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tqdm import tqdm
@@ -101,6 +101,23 @@ class LLM:
         finally:
             self.engine.abort(rid)
 
+    def embed(self, prompts: Prompt | Sequence[Prompt], use_tqdm: bool = False) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding, in the order of `prompts` (vLLM's `LLM.embed`: `.outputs.embedding`), pooled as
+        the engine's `pooling` option says (kiln.engine.pooling). A list of ints is one tokenized prompt. A prompt
+        that cannot be served (too long, invalid) raises RequestError naming it; the batch runs in the engine's
+        steps as any other."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        outputs = self.generate(prompts, SamplingParams(embed=True), use_tqdm=use_tqdm)
+        embedded = []
+        for i, out in enumerate(outputs):
+            if out.embedding is None:
+                raise RequestError(f"prompt {i} could not be embedded: {out.error}", out.request_id, "prompt")
+            embedded.append(
+                EmbeddingRequestOutput(out.request_id, out.prompt_token_ids, EmbeddingOutput(out.embedding))
+            )
+        return embedded
+
     def chat(
         self,
         messages: Messages | Sequence[Messages],
@@ -115,6 +132,20 @@ class LLM:
         outputs = self.generate(prompts, params, use_tqdm=use_tqdm)
         texts = [self.tokenizer.apply_chat_template(c) for c in conversations]
         return [replace(out, prompt=text) for out, text in zip(outputs, texts, strict=True)]
+
+
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    embedding: list[float]  # the pooled final hidden state (L2-normalized unless the engine was told not to)
+
+
+@dataclass(frozen=True)
+class EmbeddingRequestOutput:
+    """One prompt's embedding, shaped as vLLM's `EmbeddingRequestOutput` (`.outputs.embedding`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
 
 
 def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -18,12 +18,15 @@ import torch
 from torch import nn
 
 from kiln.compile.counters import CompileCounters
+from kiln.config import PoolingConfig
 from kiln.distributed.ops import local_collectives
+from kiln.engine.pooling import pool_rows_of, pool_step_rows
 from kiln.engine.prompt_logprobs import SLICE_ROWS, PromptScores, prompt_rows_of, score_prompt_rows
 from kiln.engine.rank_role import SINGLE_DEVICE, RankRole
+from kiln.engine.request import PooledSum
 from kiln.engine.sampler import Sampler
 from kiln.engine.scheduler_output import SchedulerOutput
-from kiln.engine.step_plan import PromptRows, StepPlan, kv_slots, padded_tables, split_plan
+from kiln.engine.step_plan import PoolRows, PromptRows, StepPlan, kv_slots, padded_tables, split_plan
 from kiln.engine.step_sample import ModelRunnerOutput, sample_step
 from kiln.engine.step_shape import StepShaper
 from kiln.executor.base import Executor
@@ -59,10 +62,12 @@ class ModelRunner:
         window_blocks: int = 0,
         role: RankRole = SINGLE_DEVICE,
         head_rows: int = SLICE_ROWS,
+        pooling: PoolingConfig | None = None,
     ) -> None:
         """`window_blocks` > 0: a hybrid model's sliding layers keep that many blocks of their own (their block table
         is each request's second, kiln.engine.kv_window). `head_rows`: the most rows the logits head's kernels were
-        timed for (EngineConfig.sampled_rows), the size of the slices prompt rows are scored in."""
+        timed for (EngineConfig.sampled_rows), the size of the slices prompt rows are scored in; `pooling`: which
+        rows embedding requests pool."""
         self.model = model
         self.head_rows = head_rows
         self.num_blocks, self.window_blocks = num_blocks, window_blocks
@@ -85,6 +90,7 @@ class ModelRunner:
         self.micro_batches, self.head_each_part = role.micro_batches, role.head_each_part
         # rank 0 of a pipeline with steps in flight: heads run when a step completes
         self.defer_heads = role.defers_heads
+        self.pooling_mode = (pooling or PoolingConfig()).mode
         self.is_prepared = False
 
     def prepare_executor(self) -> None:
@@ -125,11 +131,14 @@ class ModelRunner:
         num_decodes = 0
         requests = []  # per sequence of the step: a verification's rows are one each
         prompt_rows: list[PromptRows] = []
+        pool_rows: list[PoolRows] = []
         for s in sched.scheduled:
             req = s.request
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
             if req.needs_prompt_logprobs and (scored := prompt_rows_of(req, start, end, len(input_ids))) is not None:
                 prompt_rows.append(scored)
+            if req.params.embed and (pooled := pool_rows_of(req, start, end, len(input_ids), self.pooling_mode)):
+                pool_rows.append(pooled)
             input_ids += req.all_token_ids[start:end] + s.spec_token_ids
             positions += range(start, end)
             slots += kv_slots(req.block_ids, start, end, bs)
@@ -142,7 +151,7 @@ class ModelRunner:
                 query_start_loc.append(query_start_loc[-1] + s.num_new_tokens // rows)
                 seq_lens.append(row_end)
                 requests.append(req)
-                if s.completes_sequence:
+                if s.completes_sequence and not req.params.embed:  # an embedding samples nothing
                     sample_indices.append(query_start_loc[-1] - 1)
                     sample_ids.append(req.request_id)
             num_decodes += rows if s.spec_token_ids else s.num_new_tokens == 1
@@ -166,6 +175,7 @@ class ModelRunner:
             block_copies=sched.block_copies,
             num_draft_tokens=sum(len(s.spec_token_ids) for s in sched.scheduled),
             prompt_rows=prompt_rows,
+            pool_rows=pool_rows,
         )
 
     def prepare(self, sched: SchedulerOutput) -> ModelInputs:
@@ -244,7 +254,8 @@ class ModelRunner:
         if self.observer is not None:
             self.observer.end_step(logits)
         prompt = score_prompt_rows(self.logits, hidden, plan.prompt_rows, self.head_rows) if plan.prompt_rows else {}
-        return StepLogits(logits, prompt)
+        pooled = pool_step_rows(hidden, plan.pool_rows) if plan.pool_rows else {}
+        return StepLogits(logits, prompt, pooled)
 
     def _forwards(self, plan: StepPlan) -> list[tuple[StepPlan, torch.Tensor | None]]:
         """A pipeline stage runs the step as `micro_batches` parts, so the stages work on different parts at once.
@@ -252,6 +263,7 @@ class ModelRunner:
         part); the others run every forward here and their heads later (`_heads`: rank 0 receives the logits)."""
         # NOTE: a multi-device engine refuses prompt logprobs (kiln.engine.admission): no part scores prompt rows
         assert not plan.prompt_rows, "prompt logprobs are scored on a single device"
+        assert not plan.pool_rows, "embeddings are pooled on a single device"
         done: list[tuple[StepPlan, torch.Tensor | None]] = []
         self.copy_blocks(plan.block_copies)
         split = self.micro_batches > 1 and len(plan.seq_lens) > 1
@@ -291,7 +303,7 @@ class ModelRunner:
         computed = StepLogits(self._heads(step.parts)) if step.parts is not None else step.computed
         assert computed is not None, "a launched step has its parts or its logits"
         out = self.sample(step.sched, step.plan, computed.logits)
-        out.prompt_logprobs = computed.prompt
+        out.prompt_logprobs, out.pooled = computed.prompt, computed.pooled
         return out
 
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -306,10 +318,12 @@ class ModelRunner:
 @dataclass
 class StepLogits:
     """What a step's heads computed on this rank: the sampled rows' fp32 logits on the host (None: none sampled,
-    or not this rank's), and the prompt positions its prefill chunks scored, by request id."""
+    or not this rank's), the prompt positions its prefill chunks scored and the rows its embedding requests' chunks
+    pooled, by request id."""
 
     logits: torch.Tensor | None
     prompt: dict[str, PromptScores] = field(default_factory=dict)
+    pooled: dict[str, PooledSum] = field(default_factory=dict)
 
 
 @dataclass

@@ -58,6 +58,7 @@ def request_output(req: Request, detok: IncrementalDetokenizer, num_new: int) ->
         # NOTE: shared, not copied (a long prompt's list each step would cost): an output exists once a token is
         # sampled, when every prompt position is scored, and the list never changes after that
         prompt_logprobs=req.prompt_logprobs,
+        embedding=req.embedding,
         error=req.error,
         error_param=req.error_param,
         num_cached_tokens=req.num_cached_tokens or 0,

@@ -10,8 +10,8 @@ takes the prompt's full blocks from the cache and a copy of the first choice's p
 the copy is made in the step's KV caches before its forward, kiln.engine.model_runner), and recomputes only the
 prompt's last token with its own sampling. `n = 4` prefills the prompt once.
 
-A request asking for prompt logprobs reads nothing from the cache (each prompt row's logits come from its own
-forward), but registers the blocks it computes as any other does.
+A request asking for prompt logprobs, or an embedding, reads nothing from the cache (each prompt row's logits or
+hidden state come from its own forward), but registers the blocks it computes as any other does.
 
 Full blocks are registered after the step that computed them (`register`, from `Scheduler.advance`), never before,
 so a failed step leaves nothing cached.
@@ -60,7 +60,7 @@ class PrefixSharing:
         """`req` would compute a block that a running request is computing now (its next uncached one), or is a
         choice whose sibling still prefills the same prompt: it waits to share them rather than computing them
         alongside (32 prompts with one system prompt compute it once)."""
-        if req.block_ids or req.needs_prompt_logprobs:
+        if req.block_ids or req.needs_prompt_logprobs or req.params.embed:
             return False
         if req.group is not None and not req.output_token_ids:
             last = req.num_prompt_tokens - 1
@@ -74,9 +74,9 @@ class PrefixSharing:
 
     def lookup(self, req: Request, running: Iterable[Request]) -> CachedPrefix:
         """`req`'s cached prefix (it holds no blocks yet): never its last token, which is recomputed. A request that
-        still needs prompt logprobs takes none: every prompt row is scored from its own forward (vLLM's rule too;
-        the blocks it computes still fill the cache)."""
-        if req.block_ids or req.needs_prompt_logprobs:
+        still needs prompt logprobs, or an embedding, takes none: every prompt row is scored or pooled from its own
+        forward (vLLM's rule too; the blocks it computes still fill the cache)."""
+        if req.block_ids or req.needs_prompt_logprobs or req.params.embed:
             return NOTHING_CACHED
         bs = self.pool.block_size
         n = (req.num_tokens - 1) // bs

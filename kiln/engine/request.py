@@ -24,6 +24,15 @@ class Logprob:
 PromptLogprobs = list[dict[int, Logprob] | None]
 
 
+@dataclass
+class PooledSum:
+    """The fp32 sum (on the host) of a request's pooled rows so far, over positions [position, position + count)."""
+
+    position: int
+    total: torch.Tensor
+    count: int
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -70,6 +79,9 @@ class Request:
         self.logprobs: list[dict[int, float]] = []
         # each prompt position's logprobs so far (kiln.engine.prompt_logprobs: None for the first token), when asked
         self.prompt_logprobs: PromptLogprobs | None = [None] if params.prompt_logprobs is not None else None
+        # an embedding request's pooled rows so far (kiln.engine.pooling), and its vector once its prompt is computed
+        self.pooled: PooledSum | None = None
+        self.embedding: list[float] | None = None
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         # per block pool (kiln.engine.scheduler.BlockGroup): every layer's blocks, then a hybrid model's sliding
@@ -150,6 +162,8 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     # asked for (SamplingParams.prompt_logprobs): per prompt position, None first (vLLM's RequestOutput field)
     prompt_logprobs: PromptLogprobs | None = None
+    # an embedding request's vector (SamplingParams.embed), set in its final output
+    embedding: list[float] | None = None
     error: str | None = None
     error_param: str | None = None  # set: the request's own field made it fail (a grammar), a client error
     num_cached_tokens: int = 0  # prompt tokens it found in the prefix cache (usage.prompt_tokens_details)

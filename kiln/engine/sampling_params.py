@@ -44,6 +44,10 @@ class SamplingParams:
     # prefix caching: only requests with the same salt share cached KV blocks (vLLM's cache_salt), so one tenant
     # cannot time another's cache hits; None: the shared cache
     cache_salt: str | None = None
+    # an embedding (kiln.engine.pooling): prefill only, the answer is the prompt's pooled final hidden state
+    # (RequestOutput.embedding); it samples nothing, so max_tokens and the sampling fields do not apply, and it reads
+    # nothing from the prefix cache
+    embed: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -89,6 +93,12 @@ class SamplingParams:
                 "must be a kiln.StructuredOutput",
             ),
             ("cache_salt", self.cache_salt is None or isinstance(self.cache_salt, str), "must be a string"),
+            (
+                "embed",
+                not self.embed
+                or (self.logprobs is None and self.prompt_logprobs is None and self.structured_output is None),
+                "an embedding samples nothing: it takes no logprobs, prompt_logprobs or structured_output",
+            ),
         ]
         for name, ok, rule in checks:
             if not ok:

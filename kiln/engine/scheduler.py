@@ -203,11 +203,14 @@ class Scheduler:
         return self.shaper.largest_fit(before, sum(s.num_rows for s in scheduled) + 1, wanted)
 
     def _proposals(self) -> dict[str, list[int]]:
-        """The draft tokens the speculator chose for this step's decoding requests (kiln.engine.speculation)."""
+        """The draft tokens the speculator chose for this step's decoding requests (kiln.engine.speculation); an
+        embedding's last prompt token decodes nothing, so it verifies none."""
         if self.speculator is None:
             return {}
         decoding = [
-            r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and r.request_id not in self.in_flight
+            r
+            for r in self.running
+            if r.num_tokens - r.num_computed_tokens == 1 and r.request_id not in self.in_flight and not r.params.embed
         ]
         return self.speculator.step_drafts(decoding)
 

@@ -28,6 +28,17 @@ class PromptRows:
 
 
 @dataclass
+class PoolRows:
+    """A prefill chunk's rows that an embedding request pools (kiln.engine.pooling): rows `first_row` to
+    `first_row + num_rows` hold its prompt positions from `position` on."""
+
+    request_id: str
+    first_row: int
+    position: int
+    num_rows: int
+
+
+@dataclass
 class StepPlan:
     """One step's inputs as plain lists (built from the scheduler's output by `ModelRunner.plan`)."""
 
@@ -53,6 +64,8 @@ class StepPlan:
     # prefill chunks whose prompt logprobs are asked for (a single device's steps only: multi-device engines refuse
     # them, kiln.engine.admission)
     prompt_rows: list[PromptRows] = field(default_factory=list)
+    # embedding requests' prefill chunks, the rows each pools (a single device's steps only, as prompt_rows)
+    pool_rows: list[PoolRows] = field(default_factory=list)
 
 
 def split_plan(plan: StepPlan, parts: int, pad_to: Callable[[int], int]) -> list[StepPlan]:

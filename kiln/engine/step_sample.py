@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kiln.engine.prompt_logprobs import PromptScores
-from kiln.engine.request import Request
+from kiln.engine.request import PooledSum, Request
 from kiln.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from kiln.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kiln.engine.spec_verify import verify
@@ -28,6 +28,8 @@ class ModelRunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)  # request id -> why its row could not be sampled
     # request id -> the prompt positions its prefill chunk scored (kiln.engine.prompt_logprobs)
     prompt_logprobs: dict[str, PromptScores] = field(default_factory=dict)
+    # request id -> the rows its embedding's prefill chunk pooled (kiln.engine.pooling)
+    pooled: dict[str, PooledSum] = field(default_factory=dict)
 
 
 def sampling_row(

@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import time
 
+from kiln.config import PoolingConfig
 from kiln.engine.detokenizer import IncrementalDetokenizer
 from kiln.engine.outputs import request_output, stop_after
+from kiln.engine.pooling import embedding_of, record_pooled
 from kiln.engine.prompt_logprobs import record_prompt_scores
 from kiln.engine.request import Request, RequestOutput
 from kiln.engine.scheduler import Scheduler
@@ -27,12 +29,19 @@ logger = logging.getLogger("kiln")
 
 class Updater:
     def __init__(
-        self, scheduler: Scheduler, tokenizer: KilnTokenizer | None, eos_token_ids: tuple[int, ...], max_model_len: int
+        self,
+        scheduler: Scheduler,
+        tokenizer: KilnTokenizer | None,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        pooling: PoolingConfig | None = None,
     ) -> None:
+        """`pooling`: whether embedding requests' vectors are normalized (kiln.engine.pooling)."""
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.normalize_embeddings = (pooling or PoolingConfig()).normalize
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
 
@@ -54,6 +63,10 @@ class Updater:
                 continue
             if (scores := result.prompt_logprobs.get(req.request_id)) is not None and req.prompt_logprobs is not None:
                 record_prompt_scores(req.prompt_logprobs, scores)
+            if req.params.embed:
+                if (out := self._pool(req, result)) is not None:
+                    outputs.append(out)
+                continue
             tokens = result.sampled.get(req.request_id)
             if tokens is None:
                 continue  # a prefill chunk that does not reach the end of the sequence yet
@@ -85,6 +98,18 @@ class Updater:
             self.requests.pop(req.request_id, None)
             self.detokenizers.pop(req.request_id, None)
         return out
+
+    def _pool(self, req: Request, result: ModelRunnerOutput) -> RequestOutput | None:
+        """Add the rows `req`'s chunk pooled to its sum; once its whole prompt is computed, its embedding is its
+        final output and it finishes (its blocks freed)."""
+        if (chunk := result.pooled.get(req.request_id)) is not None:
+            req.pooled = record_pooled(req.pooled, chunk)
+        if req.num_computed_tokens < req.num_prompt_tokens:
+            return None
+        assert req.pooled is not None, "a computed prompt has pooled its rows"
+        req.embedding = embedding_of(req.pooled, self.normalize_embeddings)
+        self.scheduler.finish(req, "stop", None)
+        return self.output(req, num_new=0)
 
     def _emit(
         self, req: Request, tokens: list[int], logprobs: list[dict[int, float]] | None, now: float

@@ -5,6 +5,7 @@ api.py         the FastAPI app: OpenAI routes, /health, /metrics, the middleware
 cli.py         parsers of `kiln serve` and `kiln loadtest` (handlers: launcher.py, kiln.bench.loadtest)
 connection_table.py  the open connections: idle ones closed (oldest first) for room, a per-peer cap, refusals counted
 connections.py per-connection limits uvicorn lacks: a deadline and a size bound on headers, a fixed send buffer
+embeddings.py  /v1/embeddings: OpenAI's request and answer (float or base64) over the engine's embedding requests
 errors.py      every failure as OpenAI's error body `{"error": {...}}` with its HTTP status
 formats.py     the two OpenAI response shapes over one serving loop: `text_completion` and `chat.completion`
 grammar_compiler.py  constraints compiled off the tokenizer thread: a bounded pool, a deadline, one slot per client

@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI routes, vLLM's tokenizer routes, /health, /metrics, the middleware stack, error
-handlers, engine lifespan."""
+"""The FastAPI app: OpenAI routes (completions, chat, embeddings), vLLM's tokenizer routes, /health, /metrics, the
+middleware stack, error handlers, engine lifespan."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kiln import __version__
 from kiln.engine.async_engine import AsyncEngine
 from kiln.server.connection_table import ConnectionTable
+from kiln.server.embeddings import EmbeddingEndpoint, EmbeddingRequest
 from kiln.server.errors import install_error_handlers
 from kiln.server.grammar_limits import GRAMMAR_COMPILE_THREADS, GrammarLimits
 from kiln.server.limits import ServerLimits
@@ -137,6 +138,12 @@ def create_app(engine: AsyncEngine, settings: AppSettings, connections: Connecti
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
         return await serving.chat(request, body)
+
+    embedding = EmbeddingEndpoint(serving)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request, body: EmbeddingRequest) -> Response:
+        return await embedding.embeddings(request, body)
 
     tokenization = TokenizerEndpoints(serving)
 

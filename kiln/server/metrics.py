@@ -23,6 +23,7 @@ ENDPOINTS = (
     "/v1/completions",
     "/v1/chat/completions",
     "/v1/models",
+    "/v1/embeddings",
     "/tokenize",
     "/detokenize",
     "/tokenizer_info",

@@ -215,10 +215,7 @@ class OpenAIServing:
         if body.stream:
             events = self._stream(stream, fmt, index, counts, body.include_usage_in_stream, arrival, request_id)
             return EngineStreamingResponse(events, on_close=lambda: self._close(stream))
-        try:
-            finals = await unless_disconnected(request, self._collect(stream, arrival))
-        finally:
-            self._close(stream)
+        finals = await self.collect_finals(request, stream, arrival)
         if finals is None:
             logger.info("client went away; aborted %s", fmt.response_id)
             return Response(status_code=CLIENT_CLOSED)
@@ -229,6 +226,16 @@ class OpenAIServing:
         choices = [fmt.final_choice(index[out.request_id], out) for out in outputs]
         body_json = fmt.response(choices, counts.to_dict())
         return JSONResponse(body_json)
+
+    async def collect_finals(
+        self, request: Request, stream: RequestStream, arrival: float
+    ) -> dict[str, RequestOutput] | None:
+        """The final outputs of `stream`'s requests, by id (None: the client went away first, and they are
+        aborted); the stream is closed either way."""
+        try:
+            return await unless_disconnected(request, self._collect(stream, arrival))
+        finally:
+            self._close(stream)
 
     async def _collect(self, stream: RequestStream, arrival: float) -> dict[str, RequestOutput]:
         finals: dict[str, RequestOutput] = {}

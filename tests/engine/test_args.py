@@ -54,6 +54,7 @@ def test_every_engine_subcommand_accepts_exactly_the_engine_args_flags() -> None
     assert set(want) == {cli_flag(f) for f in fields(EngineArgs)} | {
         "--no-enable-chunked-prefill",
         "--no-enable-prefix-caching",
+        "--no-normalize-embeddings",
     }
     names = {f.name for f in fields(EngineArgs)}
     leaves = _leaf_parsers(cli.build_parser())

@@ -68,6 +68,8 @@ ACTS: dict[str, tuple[Any, dict[str, Any]]] = {
     "dump_dir": ("/tmp/kiln-walk-dump", {}),
     "default_piece_mode": ("eager", {}),
     "grammar_cache_mb": (64, {}),
+    "pooling": ("mean", {}),
+    "normalize_embeddings": (False, {}),
     "speculative_method": ("ngram", {}),
     "speculative_model": ("default", {"speculative_method": "draft"}),
     "num_speculative_tokens": (2, NGRAM),
