@@ -20,13 +20,12 @@ import pytest
 import torch
 
 from kiln import LLM
-from kiln.engine.admission import Admission
 from kiln.engine.core import EngineCore
 from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.step_shape import StepShaper
 from kiln.errors import RequestError
 from tests.engine.tiny_models import write_hf_model
 from tests.server.app_harness import build_served_app, openai_error
+from tests.server.test_prompt_logprobs_server import multi_device_admission
 
 MAX_MODEL_LEN = 32
 TEXTS = ["The kiln fires the clay.", "hi", "A third, somewhat longer sentence about pottery and glazes."]
@@ -184,17 +183,7 @@ def test_the_api_key_guards_the_route_and_metrics_count_it(tiny) -> None:
 
 def test_multi_device_engines_refuse_embeddings_naming_the_field() -> None:
     """Embeddings are pooled on one device: a tensor- or pipeline-parallel engine refuses them (a 400)."""
-    admission = Admission(
-        tokenizer=None,
-        vocab_size=256,
-        max_model_len=64,
-        recipe=None,
-        shaper=StepShaper(None, lambda n: n, 0, 0),
-        chunked_prefill=True,
-        blocks_short=lambda total: None,
-        seed=0,
-        multi_device=True,
-    )
+    admission = multi_device_admission()
     with pytest.raises(RequestError, match="single device") as exc:
         admission.make_request("r", [1, 2, 3], SamplingParams(embed=True))
     assert exc.value.param == "embed"

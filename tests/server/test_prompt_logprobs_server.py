@@ -215,9 +215,9 @@ def test_max_tokens_zero_without_echo_is_a_400_naming_it(tiny) -> None:
     assert error["param"] == "prompt_logprobs"
 
 
-def test_multi_device_engines_refuse_prompt_logprobs_naming_the_field() -> None:
-    """Prompt rows are scored on one device: a tensor- or pipeline-parallel engine refuses them (a 400)."""
-    admission = Admission(
+def multi_device_admission() -> Admission:
+    """The admission of a tensor- or pipeline-parallel engine (a tiny vocabulary, no tokenizer: ids only)."""
+    return Admission(
         tokenizer=None,
         vocab_size=256,
         max_model_len=64,
@@ -228,6 +228,11 @@ def test_multi_device_engines_refuse_prompt_logprobs_naming_the_field() -> None:
         seed=0,
         multi_device=True,
     )
+
+
+def test_multi_device_engines_refuse_prompt_logprobs_naming_the_field() -> None:
+    """Prompt rows are scored on one device: a tensor- or pipeline-parallel engine refuses them (a 400)."""
+    admission = multi_device_admission()
     with pytest.raises(RequestError, match="single device") as exc:
         admission.make_request("r", [1, 2, 3], SamplingParams(max_tokens=2, prompt_logprobs=1))
     assert exc.value.param == "prompt_logprobs"
