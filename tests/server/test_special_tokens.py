@@ -25,7 +25,7 @@ def prompt_ids(tokenizer: KilnTokenizer, argv: list[str]) -> list[int]:
     core = FakeCore(max_model_len=256, tokenizer=tokenizer)
     added = []
     add_request = core.add_request
-    core.add_request = lambda rid, prompt, params: added.append(prompt) or add_request(rid, prompt, params)
+    core.add_request = lambda rid, prompt, params, **kw: added.append(prompt) or add_request(rid, prompt, params, **kw)
 
     async def body(served: Served) -> list[int]:
         response = await served.client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1})
