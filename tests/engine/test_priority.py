@@ -16,6 +16,7 @@ from kiln.engine.request import Request
 from kiln.engine.scheduler import Scheduler
 from kiln.errors import RequestError
 from tests.engine.test_long_prefill import run_step
+from tests.engine.tiny_models import write_hf_model
 from tests.server.app_harness import Served, serve
 from tests.server.fake_core import FakeCore
 
@@ -58,22 +59,29 @@ def test_blocks_running_out_preempt_the_lowest_priority_first(policy: str, victi
     assert [r.request_id for r in scheduler.waiting] == [victim]
 
 
-def test_fcfs_refuses_a_priority_it_would_ignore() -> None:
-    llm = LLM(num_kv_blocks=32, graph_mode="eager")
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    path = tmp_path_factory.mktemp("tiny_llama_priority")
+    write_hf_model(path, "llama", perturb=0.05)
+    return str(path)
+
+
+def test_fcfs_refuses_a_priority_it_would_ignore(tiny: str) -> None:
+    llm = LLM(tiny, num_kv_blocks=32, graph_mode="eager")
     with pytest.raises(RequestError, match="--scheduling-policy priority") as refused:
-        llm.engine.add_request("r", "Hello", SamplingParams(max_tokens=2), priority=3)
+        llm.engine.add_request("r", [5, 6], SamplingParams(max_tokens=2), priority=3)
     assert refused.value.param == "priority"
-    assert llm.engine.add_request("r0", "Hello", SamplingParams(max_tokens=2), priority=0).priority == 0
+    assert llm.engine.add_request("r0", [5, 6], SamplingParams(max_tokens=2), priority=0).priority == 0
 
 
-def test_a_saturated_engine_serves_the_urgent_prompt_first() -> None:
-    llm = LLM(num_kv_blocks=64, graph_mode="eager", max_num_seqs=1, scheduling_policy="priority")
-    params = SamplingParams(max_tokens=3, temperature=0)
-    outs = llm.generate(["first", "second", "third"], params, priority=[2, 0, 1])
+def test_a_saturated_engine_serves_the_urgent_prompt_first(tiny: str) -> None:
+    llm = LLM(tiny, num_kv_blocks=64, graph_mode="eager", max_num_seqs=1, scheduling_policy="priority")
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    outs = llm.generate([[5, 6, 7], [8, 9], [10, 11, 12]], params, priority=[2, 0, 1])
     started = [out.metrics.first_token_time for out in outs]
     assert started[1] < started[2] < started[0]  # priority 0, then 1, then 2: not the order they were given
     with pytest.raises(ValueError, match="one per prompt"):
-        llm.generate(["a", "b"], params, priority=[1])
+        llm.generate([[5], [6]], params, priority=[1])
 
 
 def test_the_server_passes_a_requests_priority_to_each_sequence() -> None:
