@@ -91,3 +91,20 @@ def openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
     return error
+
+
+def serve_engine(core: Any, body: Callable[[httpx.AsyncClient], Awaitable[Any]], argv: Sequence[str] = ()) -> Any:
+    """Run `body(client)` against the app of `kiln serve ARGV` over a real EngineCore `core`, its loop on a thread."""
+    app = build_served_app(core, argv)  # type: ignore[arg-type]
+
+    async def main() -> Any:
+        thread = threading.Thread(target=app.state.engine.run_loop, name="engine-loop")
+        async with app.router.lifespan_context(app):
+            thread.start()
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as client:
+                result = await body(client)
+        thread.join(10)
+        return result
+
+    return asyncio.run(main())

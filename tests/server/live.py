@@ -18,6 +18,11 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 
+def cli_flags(**options: object) -> list[str]:
+    """`kiln serve` flags from keyword options: `max_model_len=256` -> ["--max-model-len", "256"]."""
+    return [item for name, value in options.items() for item in ("--" + name.replace("_", "-"), str(value))]
+
+
 @dataclass
 class LiveServer:
     url: str

@@ -49,8 +49,16 @@ async def app(scope: dict, receive, send) -> None:  # type: ignore[no-untyped-de
 @pytest.fixture(scope="module")
 def port() -> Iterator[int]:
     table = ConnectionTable(MAX_CONNECTIONS, MAX_CONNECTIONS)
-    config = http_config(app, "127.0.0.1", 0, header_timeout=HEADER_TIMEOUT, keep_alive_timeout=30,
-                         connections=table, log_config=None, lifespan="off")  # fmt: skip
+    config = http_config(
+        app,
+        "127.0.0.1",
+        0,
+        header_timeout=HEADER_TIMEOUT,
+        keep_alive_timeout=30,
+        connections=table,
+        log_config=None,
+        lifespan="off",
+    )
     yield from serving(config)
 
 
@@ -63,9 +71,11 @@ def serving(config: uvicorn.Config) -> Iterator[int]:
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)
     assert server.started
-    yield server.servers[0].sockets[0].getsockname()[1]
-    server.should_exit = True
-    thread.join(10)
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 def connect(port: int) -> socket.socket:

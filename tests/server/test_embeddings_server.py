@@ -6,12 +6,9 @@ encoding), the API key and the metrics label; a multi-device engine refuses embe
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import struct
-import threading
-from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import httpx
@@ -24,7 +21,7 @@ from kiln.engine.core import EngineCore
 from kiln.engine.sampling_params import SamplingParams
 from kiln.errors import RequestError
 from tests.engine.tiny_models import write_hf_model
-from tests.server.app_harness import build_served_app, openai_error
+from tests.server.app_harness import openai_error, serve_engine
 from tests.server.test_prompt_logprobs_server import multi_device_admission
 
 MAX_MODEL_LEN = 32
@@ -40,28 +37,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[EngineCore, torch.nn
     return llm.engine, hf
 
 
-def served(core: EngineCore, body: Callable[[httpx.AsyncClient], Awaitable[Any]], argv: Sequence[str] = ()) -> Any:
-    """Run `body(client)` against the app of `kiln serve ARGV` over the real `core`, its loop on a thread."""
-    app = build_served_app(core, argv)  # type: ignore[arg-type]
-
-    async def main() -> Any:
-        thread = threading.Thread(target=app.state.engine.run_loop, name="engine-loop")
-        async with app.router.lifespan_context(app):
-            thread.start()
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as client:
-                result = await body(client)
-        thread.join(10)
-        return result
-
-    return asyncio.run(main())
-
-
 def embed(core: EngineCore, payload: dict[str, Any]) -> httpx.Response:
     async def body(client: httpx.AsyncClient) -> httpx.Response:
         return await client.post("/v1/embeddings", json=payload)
 
-    return served(core, body)
+    return serve_engine(core, body)
 
 
 def hf_last(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
@@ -77,7 +57,7 @@ def test_a_list_of_strings_gets_openais_answer_with_hfs_vectors(tiny) -> None:
         name = (await client.get("/v1/models")).json()["data"][0]["id"]
         return await client.post("/v1/embeddings", json={"model": name, "input": TEXTS, "user": "someone"}), name
 
-    response, name = served(core, body)
+    response, name = serve_engine(core, body)
     assert response.status_code == 200, response.text
     answer = response.json()
     assert answer["object"] == "list" and answer["model"] == name
@@ -149,7 +129,7 @@ def test_the_openai_client_embeds_as_floats_and_as_base64(tiny) -> None:
         plain = await sdk.embeddings.create(model=name, input=TEXTS[:2], encoding_format="float")
         return packed, plain
 
-    packed, plain = served(core, body)
+    packed, plain = serve_engine(core, body)
     assert sent == ["base64", "float"]
     for a, b, text in zip(packed.data, plain.data, TEXTS, strict=False):
         assert a.embedding == pytest.approx(b.embedding, abs=1e-7)
@@ -175,7 +155,7 @@ def test_the_api_key_guards_the_route_and_metrics_count_it(tiny) -> None:
         metrics = await client.get("/metrics", headers=key)
         return refused.status_code, served_.status_code, metrics.text
 
-    refused, ok, metrics = served(core, body, ["--api-key", "k"])
+    refused, ok, metrics = serve_engine(core, body, ["--api-key", "k"])
     assert (refused, ok) == (401, 200)
     assert 'kiln_http_requests_total{endpoint="/v1/embeddings",status="200"} 1.0' in metrics
     assert 'kiln_http_requests_total{endpoint="/v1/embeddings",status="401"} 1.0' in metrics

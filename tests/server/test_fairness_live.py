@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.server.live import LiveServer, live_server
+from tests.server.live import LiveServer, cli_flags, live_server
 from tests.threads import CheckedThread
 
 pytestmark = pytest.mark.alone  # it times token gaps: beside a compiling worker it would fail
@@ -24,8 +24,7 @@ MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    args = ["--model-path", "default", "--max-model-len", "2048", "--max-num-seqs", "64",
-            "--max-seqs-per-request", "64", "--seed", "0"]  # fmt: skip
+    args = cli_flags(model_path="default", max_model_len=2048, max_num_seqs=64, max_seqs_per_request=64, seed=0)
     with live_server(args) as live:
         yield live
 

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server.live import LiveServer, live_server
+from tests.server.live import LiveServer, cli_flags, live_server
 
 CHAT = [{"role": "user", "content": "Pick one."}]
 SELF_REF = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
@@ -45,9 +45,17 @@ BOMB_CHOICES = 100_000
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    args = ["--model-path", "default", "--graph-mode", "eager", "--max-model-len", "512", "--num-kv-blocks", "256",
-            "--max-num-seqs", "8", "--seed", "0", "--max-grammar-choices", str(BOMB_CHOICES),
-            "--max-grammar-bytes", str(4 << 20), "--max-body-bytes", str(8 << 20)]  # fmt: skip
+    args = cli_flags(
+        model_path="default",
+        graph_mode="eager",
+        max_model_len=512,
+        num_kv_blocks=256,
+        max_num_seqs=8,
+        seed=0,
+        max_grammar_choices=BOMB_CHOICES,
+        max_grammar_bytes=4 << 20,
+        max_body_bytes=8 << 20,
+    )
     with live_server(args) as live:
         yield live
 

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.live import LiveServer, live_server
+from tests.server.live import LiveServer, cli_flags, live_server
 from tests.threads import CheckedThread
 
 pytestmark = pytest.mark.alone  # it times token gaps and a bounded soak: beside a compiling worker it would fail
@@ -36,10 +36,21 @@ JSON = {"Content-Type": "application/json"}
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    args = ["--model-path", "default", "--max-model-len", "256", "--num-kv-blocks", "96",
-            "--max-num-seqs", "8", "--max-queue", "24", "--max-seqs-per-request", "8", "--max-prompt-chars", "2048",
-            "--max-body-bytes", "65536", "--max-stream-buffer", "64", "--body-timeout", "3", "--header-timeout", "3",
-            "--seed", "0", "--second-form-memory-gb", "0"]  # fmt: skip
+    args = cli_flags(
+        model_path="default",
+        max_model_len=256,
+        num_kv_blocks=96,
+        max_num_seqs=8,
+        max_queue=24,
+        max_seqs_per_request=8,
+        max_prompt_chars=2048,
+        max_body_bytes=65536,
+        max_stream_buffer=64,
+        body_timeout=3,
+        header_timeout=3,
+        seed=0,
+        second_form_memory_gb=0,
+    )
     # NOTE: no second forms: the canary's greedy text is this test's detector of harm, and it must not depend on how
     # many rows the hostile traffic put beside it; bf16 second forms win some row classes and not others, which
     # moves logits by ~1e-3 with the batch (tests/quant/test_compute_forms.py measures the form itself)

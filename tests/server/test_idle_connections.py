@@ -14,13 +14,13 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
 import pytest
-import uvicorn
 
 from kiln.server.connection_table import ConnectionTable
 from kiln.server.connections import http_config
 from kiln.server.limits import MAX_CONNECTIONS
 from tests.server.app_harness import Served, serve
 from tests.server.fake_core import FakeCore
+from tests.server.test_connections import serving
 
 SLOW_S = 1.5
 
@@ -70,18 +70,7 @@ def running(table: ConnectionTable) -> Iterator[int]:
     config = http_config(
         app, "127.0.0.1", 0, header_timeout=10, keep_alive_timeout=5, connections=table, log_config=None, lifespan="off"
     )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started
-    try:
-        yield server.servers[0].sockets[0].getsockname()[1]
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    yield from serving(config)
 
 
 def connect(port: int, source: str = "127.0.0.1") -> socket.socket:

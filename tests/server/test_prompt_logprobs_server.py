@@ -6,10 +6,7 @@ does; vLLM's `prompt_logprobs` has vLLM's shape on both endpoints, for every `n`
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
-from collections.abc import Awaitable, Callable
 from operator import itemgetter
 from typing import Any
 
@@ -24,7 +21,7 @@ from kiln.engine.sampling_params import SamplingParams
 from kiln.engine.step_shape import StepShaper
 from kiln.errors import RequestError
 from tests.engine.tiny_models import write_hf_model
-from tests.server.app_harness import build_served_app, openai_error
+from tests.server.app_harness import openai_error, serve_engine
 
 CONTEXTS = [[5, 17, 300, 42, 9, 1000], [77, 12, 12, 5000, 3]]
 CONTINUATIONS = [[8, 2000], [31]]
@@ -46,28 +43,11 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[EngineCore, torch.nn
     return core, hf
 
 
-def served(core: EngineCore, body: Callable[[httpx.AsyncClient], Awaitable[Any]]) -> Any:
-    """Run `body(client)` against the app `kiln serve` builds over the real `core`, its loop on a thread."""
-    app = build_served_app(core)  # type: ignore[arg-type]
-
-    async def main() -> Any:
-        thread = threading.Thread(target=app.state.engine.run_loop, name="engine-loop")
-        async with app.router.lifespan_context(app):
-            thread.start()
-            transport = httpx.ASGITransport(app=app)
-            async with httpx.AsyncClient(transport=transport, base_url="http://localhost", timeout=60) as client:
-                result = await body(client)
-        thread.join(10)
-        return result
-
-    return asyncio.run(main())
-
-
 def post(core: EngineCore, route: str, payload: dict[str, Any]) -> httpx.Response:
     async def body(client: httpx.AsyncClient) -> httpx.Response:
         return await client.post(f"/v1/{route}", json=payload)
 
-    return served(core, body)
+    return serve_engine(core, body)
 
 
 def streamed(core: EngineCore, payload: dict[str, Any], route: str = "completions") -> list[dict[str, Any]]:
@@ -78,7 +58,7 @@ def streamed(core: EngineCore, payload: dict[str, Any], route: str = "completion
         assert events[-1] == "[DONE]"
         return [json.loads(e) for e in events[:-1]]
 
-    return served(core, body)
+    return serve_engine(core, body)
 
 
 def hf_logprobs(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:

@@ -22,7 +22,7 @@ import pytest
 
 from kiln import LLM, SamplingParams
 from kiln.bench.commands import run_loadtest_command
-from tests.server.live import LiveServer, live_server
+from tests.server.live import LiveServer, cli_flags, live_server
 
 API_KEY = "test-key"
 MAX_MODEL_LEN = 512
@@ -35,9 +35,15 @@ CHAT = [{"role": "user", "content": "What is the tallest mountain on Earth?"}]
 def server(request: pytest.FixtureRequest) -> Iterator[LiveServer]:
     # NOTE: the default graph mode (full_and_piecewise, as `kiln serve` runs) and n-gram speculation on: every
     # greedy answer below is also checked against the offline engine (eager, without speculation)
-    args = ["--model-path", "default", "--api-key", API_KEY,
-            "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "256", "--max-num-seqs", "32",
-            "--shutdown-timeout", "60", "--speculative-method", "ngram"]  # fmt: skip
+    args = cli_flags(
+        model_path="default",
+        api_key=API_KEY,
+        max_model_len=MAX_MODEL_LEN,
+        num_kv_blocks=256,
+        max_num_seqs=32,
+        shutdown_timeout=60,
+        speculative_method="ngram",
+    )
     with live_server(args, API_KEY, lambda: request.getfixturevalue("llm")) as live:
         yield live
 

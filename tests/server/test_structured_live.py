@@ -23,7 +23,7 @@ import pytest
 
 from kiln.model.build import load_tokenizer
 from kiln.model.loader import open_checkpoint
-from tests.server.live import LiveServer, live_server
+from tests.server.live import LiveServer, cli_flags, live_server
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 SCHEMA: dict[str, Any] = {
@@ -58,8 +58,7 @@ class Character(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    args = ["--model-path", "default", "--max-model-len", "512", "--num-kv-blocks", "512",
-            "--max-num-seqs", "16", "--seed", "0"]  # fmt: skip
+    args = cli_flags(model_path="default", max_model_len=512, num_kv_blocks=512, max_num_seqs=16, seed=0)
     with live_server(args) as live:
         yield live
 
