@@ -24,8 +24,12 @@ def add_recipe_subcommand(subparsers: argparse._SubParsersAction) -> None:
     init.add_argument("--model", default="default", help='a .gguf file, an HF directory or "default"')
     init.add_argument("--out", help="write here instead of stdout")
     init.set_defaults(handler="kiln.recipe.commands:init_command")
-    migrate = commands.add_parser("migrate", help="convert a community-shaped recipe to kiln's schema")
-    migrate.add_argument("recipe", help="the community recipe YAML file")
+    migrate = commands.add_parser(
+        "migrate",
+        help="convert a community-shaped recipe to kiln's schema, or rewrite a kiln recipe's retired keys "
+        "(graph.piecewise becomes graph.mode)",
+    )
+    migrate.add_argument("recipe", help="the recipe YAML file (community-shaped, or kiln's with retired keys)")
     migrate.add_argument("--out", help="write here instead of stdout")
     migrate.set_defaults(handler="kiln.recipe.commands:migrate_command")
     schema = commands.add_parser("schema", help="print the recipe JSON Schema (for editors)")

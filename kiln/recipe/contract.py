@@ -10,6 +10,7 @@ import os
 import re
 
 from kiln.config import ModelConfig
+from kiln.graph_mode import GraphMode
 from kiln.model.loader import CheckpointHeader
 from kiln.quant.gguf_blocks import GROUP
 from kiln.recipe.diagnostics import Diagnostic
@@ -85,7 +86,7 @@ def check_refused(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
         for g, group in enumerate(spec.fusion_groups):
             severity = "error" if group.required else "warning"
             message = f"fusion group {group.name} cannot be realised: {why}, so no code is generated to fuse it" + (
-                "; use piecewise inductor graph mode or set required: false" if group.required else ""
+                "; use a graph mode with the inductor compiler or set required: false" if group.required else ""
             )
             out.append(doc.diagnostic(severity, message, ("fusion_groups", g)))
     for name in ("input_ids", "positions"):
@@ -98,9 +99,7 @@ def check_refused(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
 
 def untraced_because(spec: RecipeSpec) -> str | None:
     """Why no graph piece is traced under this recipe (None: pieces are traced)."""
-    if spec.graph.mode == "eager":
-        return "graph.mode is eager"
-    return None if spec.graph.piecewise else "graph.piecewise is false"
+    return None if GraphMode(spec.graph.mode).is_graph else "graph.mode is eager"
 
 
 GRAPH_ONLY_FIELDS = ("capture_sizes", "compile_sizes", "compiler")

@@ -1,4 +1,5 @@
-"""`kiln recipe migrate`: a recipe in the community shape (`model_name`, `hardware_preference`, per-tensor
+"""`kiln recipe migrate`: a recipe in kiln's schema with its retired keys rewritten (kiln.recipe.migrate_retired),
+or a recipe in the community shape (`model_name`, `hardware_preference`, per-tensor
 `constraints`, ...) rewritten in kiln's schema. Values and their comments are carried by the table in
 kiln.recipe.community (kiln.recipe.migrate_carry); what the community shape does not say and kiln needs (the
 device, the checkpoint's storage type, graph settings) is filled in here, each with a comment saying so."""
@@ -19,6 +20,7 @@ from kiln.recipe.checkpoint import QUANTIZED, layer_storage_type, read_header
 from kiln.recipe.evaluate import evaluate
 from kiln.recipe.expr import ExprError, parse_constraint
 from kiln.recipe.migrate_carry import Carrier, Note, Where, like
+from kiln.recipe.migrate_retired import is_kiln_recipe, retire_keys
 from kiln.recipe.schema import Graph
 from kiln.recipe.schema_check import fields_at
 from kiln.recipe.source import KeyPath, load_mapping, source_doc
@@ -26,6 +28,7 @@ from kiln.recipe.source import KeyPath, load_mapping, source_doc
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 MAX_CAPTURE_SIZE = 4096
 FILLED = "kiln recipe migrate"
+KEEP_LINES = 1 << 16  # a line width no recipe reaches
 
 
 @dataclass(frozen=True)
@@ -37,10 +40,14 @@ class Migration:
 
 
 def migrate_text(text: str, file: str = "<string>", out: str | None = None) -> Migration:
-    """Convert community-shaped recipe text; `file` is where it was read and `out` where it will be written (for
+    """Rewrite a kiln recipe's retired keys, or convert community-shaped recipe text; `file` is where it was read and `out` where it will be written (for
     relative model paths). RecipeError when the text is not a YAML mapping with names as keys."""
     root = load_mapping(text, file)
     source_doc(root, text, file)  # NOTE: the refusals validate makes too: keys that are not names, alias bombs
+    if is_kiln_recipe(root):
+        notes = retire_keys(root)
+        # NOTE: lines are kept as long as written: a rewrite must not reflow the rest of the file
+        return Migration(_dump(root, width=KEEP_LINES) if notes else text, notes)
     carrier = Carrier()
     carrier.carry_section((), root)
     _fill(carrier, file, out)
@@ -221,9 +228,9 @@ def _ordered(node: CommentedMap, path: KeyPath) -> CommentedMap:
     return out
 
 
-def _dump(tree: CommentedMap) -> str:
+def _dump(tree: CommentedMap, width: int = 120) -> str:
     yaml = YAML(typ="rt")
-    yaml.width = 120
+    yaml.width = width
     yaml.indent(mapping=2, sequence=4, offset=2)
     stream = io.StringIO()
     yaml.dump(tree, stream)

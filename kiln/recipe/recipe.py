@@ -12,6 +12,7 @@ from functools import cached_property
 from pathlib import Path
 
 from kiln.config import SpeculativeConfig
+from kiln.graph_mode import GraphMode
 from kiln.model.loader import CheckpointHeader
 from kiln.recipe.analysis import analyze
 from kiln.recipe.capacity import check_capture_sizes, check_kv_capacity
@@ -116,14 +117,9 @@ class Recipe:
         return self.bounds.get("seq_len")
 
     @property
-    def piecewise(self) -> bool:
-        return self.spec.graph.piecewise
-
-    @property
-    def graph_mode(self) -> str:
-        """graph.mode, or what graph.piecewise implies when it is not set."""
-        graph = self.spec.graph
-        return graph.mode or ("full_and_piecewise" if graph.piecewise else "full")
+    def graph_mode(self) -> GraphMode:
+        """graph.mode: which graphs run (kiln.graph_mode)."""
+        return GraphMode(self.spec.graph.mode)
 
     @property
     def splitting_ops(self) -> list[str]:

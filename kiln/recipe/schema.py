@@ -11,6 +11,7 @@ from kiln.config import (
     DEFAULT_ACTIVATIONS,
     SpeculativeConfig,
 )
+from kiln.graph_mode import DEFAULT_GRAPH_MODE, GRAPH_MODES
 from kiln.speculative_config import SPECULATIVE_METHODS, SPECULATIVE_POLICIES
 
 DType = Literal["float32", "float16", "bfloat16"]
@@ -19,6 +20,12 @@ DType = Literal["float32", "float16", "bfloat16"]
 KVCacheDType = Literal["auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8", "fp8_e5m2"]
 PositiveInt = Annotated[int, Field(gt=0)]
 SPLITTING_OPS = ("kiln.attention", "kiln::attention")
+GraphModeName = Literal[GRAPH_MODES]  # type: ignore[valid-type]  # NOTE: the names come from kiln.graph_mode alone
+# keys kiln's schema had and no longer reads: each refused with what to do instead (kiln.recipe.schema_check)
+RETIRED_KEYS = {
+    ("graph", "piecewise"): "graph.piecewise was replaced by graph.mode: run `kiln recipe migrate {file} --out "
+    "{file}` to rewrite it (true: full_and_piecewise, false: full; a graph.mode given is kept)",
+}
 
 
 class Section(BaseModel):
@@ -122,15 +129,13 @@ class MemoryPlan(Section):
 
 
 class Graph(Section):
-    piecewise: bool = True
-    mode: Literal["full_and_piecewise", "piecewise", "full", "full_decode_only", "eager"] | None = Field(
-        None,
+    mode: GraphModeName = Field(
+        DEFAULT_GRAPH_MODE.value,
         description=(
             "Which graphs run (vLLM's cudagraph modes): full_and_piecewise replays a full graph, attention "
             "included, for decode-only steps and the pieces for mixed ones; piecewise only the pieces; "
             "full_decode_only the full graph for decode-only steps, the pieces uncaptured otherwise; full the "
-            "whole forward as one graph; eager no graph at all. null: full_and_piecewise, or full when piecewise "
-            "is false."
+            "whole forward as one graph; eager no graph at all."
         ),
     )
     splitting_ops: list[str] = Field(default_factory=lambda: ["kiln.attention"])

@@ -13,7 +13,7 @@ from pydantic.fields import FieldInfo
 
 from kiln.recipe.community import community_hint, community_shape_hint
 from kiln.recipe.diagnostics import Diagnostic, sort_diagnostics
-from kiln.recipe.schema import RecipeSpec
+from kiln.recipe.schema import RETIRED_KEYS, RecipeSpec
 from kiln.recipe.source import KeyPath, SourceDoc
 
 MAX_PRUNING_ROUNDS = 8
@@ -130,6 +130,9 @@ def _diagnostic(doc: SourceDoc, errors: list[dict]) -> Diagnostic:
         key = str(path[-1])
         allowed = sorted(fields_at(path[:-1]))
         section = f"in {dotted(path[:-1])}" if path[:-1] else "at the top level"
+        retired = RETIRED_KEYS.get(tuple(str(p) for p in path))
+        if retired is not None:
+            return doc.diagnostic("error", retired.format(file=doc.file), path, key=True)
         hint = community_hint(path[:-1], key)
         if hint is not None:
             return doc.diagnostic("error", f"unknown key {key!r} {section}; {hint}", path, key=True)

@@ -4,6 +4,7 @@ group size and the memory budget. Each finding is reported; nothing is ever fixe
 from __future__ import annotations
 
 from kiln.config import ModelConfig
+from kiln.graph_mode import GraphMode
 from kiln.model.dtypes import parse_dtype
 from kiln.model.kv_format import STORAGE, is_scaled, kv_dtype_name, kv_storage_dtype
 from kiln.recipe.diagnostics import Diagnostic
@@ -38,14 +39,13 @@ def check_graph(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
                 f"(kiln splits at {' or '.join(SPLITTING_OPS)})"
             )
             out.append(doc.diagnostic("error", message, ("graph", "splitting_ops", i)))
-    if not graph.piecewise and graph.mode not in (None, "full", "eager"):
-        message = f"graph.mode {graph.mode} runs pieces, but graph.piecewise is false; drop one of them"
-        out.append(doc.diagnostic("error", message, ("graph", "mode")))
-    if graph.piecewise and not graph.splitting_ops:
-        message = "graph.piecewise is true but graph.splitting_ops is empty; add kiln.attention"
+    mode = GraphMode(graph.mode)
+    splits = mode.is_graph and mode.splits_forward
+    if splits and not graph.splitting_ops:
+        message = f"graph.mode {mode} splits the forward into pieces but graph.splitting_ops is empty; add kiln.attention"
         out.append(doc.diagnostic("error", message, ("graph", "splitting_ops")))
-    if not graph.piecewise and graph.splitting_ops and ("graph", "splitting_ops") in doc.values:
-        message = "graph.splitting_ops is ignored because graph.piecewise is false"
+    if not splits and graph.splitting_ops and ("graph", "splitting_ops") in doc.values:
+        message = f"graph.splitting_ops is ignored because graph.mode {mode} runs no pieces"
         out.append(doc.diagnostic("warning", message, ("graph", "splitting_ops"), key=True))
     seen: dict[int, int] = {}
     for i, size in enumerate(graph.capture_sizes):

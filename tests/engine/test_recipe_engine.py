@@ -12,7 +12,7 @@ RECIPE = Path(__file__).parents[2] / "recipes" / "smollm2-135m.yaml"
 def eager_recipe(tmp_path: Path, seq_len_bound: int) -> Path:
     text = RECIPE.read_text()
     text = text.replace("seq_len <= 2048", f"seq_len <= {seq_len_bound}")
-    text = text.replace("piecewise: true", "piecewise: true, mode: eager")
+    text = text.replace("mode: full_and_piecewise", "mode: eager")
     # nothing is captured or compiled under eager: the sizes and the compiler would do nothing (refused)
     text = text.replace(", capture_sizes: [1, 2, 4, 8, 16, 32], compiler: inductor", "")
     text = text.replace("silu, mul]}", "silu, mul], required: false}")  # eager runs generate no code to fuse

@@ -22,22 +22,22 @@ model: {name: smollm2-135m-instruct}
 weights: {dtype: bfloat16, source_quantization: q4_1}
 input_constraints: {constraints: [num_tokens <= 512, seq_len <= 256, batch_size <= 8]}
 memory_plan: {kv_cache: {dtype: bfloat16, block_size: 8, max_pages: 64}}
-graph: {piecewise: %s, capture_sizes: [1, 2, 8], compile_sizes: [1], compiler: inductor}
+graph: {mode: %s, capture_sizes: [1, 2, 8], compile_sizes: [1], compiler: inductor}
 hardware: {device: cpu, arch: %s}
 debug: {debug_mode: %s}
 """
 
 
-def write(tmp_path: Path, piecewise: str = "false", debug: str = "false") -> str:
+def write(tmp_path: Path, mode: str = "full", debug: str = "false") -> str:
     arch = "x86_64" if torch.backends.cpu.get_cpu_capability() != "DEFAULT" else "null"
     path = tmp_path / "recipe.yaml"
-    path.write_text(FIELDS % (piecewise, arch, debug))
+    path.write_text(FIELDS % (mode, arch, debug))
     return str(path)
 
 
 def test_graph_fields_and_device_reach_the_engine_config(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="kiln"):
-        config = EngineArgs(recipe=write(tmp_path, "true", debug="true")).create_engine_config()
+        config = EngineArgs(recipe=write(tmp_path, "full_and_piecewise", debug="true")).create_engine_config()
     assert config.device == "cpu" and config.dtype == "bfloat16"  # the recipe's, and each change is logged
     assert "sets dtype=bfloat16 (was float32)" in caplog.text
     graph = config.graph
@@ -70,7 +70,7 @@ def test_the_recipe_quantization_runs(tmp_path: Path, weights: str, group: int, 
     """int4 over the Q4_1 file keeps its blocks; int8 quantizes the dequantized weights at load, in the recipe's
     group size."""
     path = tmp_path / "recipe.yaml"
-    text = (FIELDS % ("false", "null", "false")).replace("dtype: bfloat16, source", "dtype: float32, source")
+    text = (FIELDS % ("full", "null", "false")).replace("dtype: bfloat16, source", "dtype: float32, source")
     quant = f"quantization: {{weights: {weights}, group_size: {group}}}"
     path.write_text(text.replace("memory_plan:", f"{quant}\nmemory_plan:"))
     llm = LLM(recipe=str(path), graph_mode="eager")  # (packed layers in graph mode: tests/quant/test_packed.py)
@@ -120,20 +120,18 @@ def test_all_ops_quantized_is_checked_against_the_loaded_weights(
 @pytest.mark.parametrize(
     "graph,mode",
     [
-        ("piecewise: false, mode: full", "full"),  # once validated and then run eagerly
-        ("piecewise: false", "full"),  # no split: the whole forward is one graph
-        ("piecewise: true", "full_and_piecewise"),
-        ("piecewise: true, mode: piecewise", "piecewise"),
-        ("piecewise: true, mode: full_decode_only", "full_decode_only"),
-        ("piecewise: true, mode: full_and_piecewise", "full_and_piecewise"),
+        ("mode: full", "full"),  # no split: the whole forward is one graph
+        ("splitting_ops: [kiln.attention]", "full_and_piecewise"),  # no mode: the default
+        ("mode: piecewise", "piecewise"),
+        ("mode: full_decode_only", "full_decode_only"),
+        ("mode: full_and_piecewise", "full_and_piecewise"),
         ("mode: eager", "eager"),
-        ("piecewise: false, mode: eager", "eager"),
     ],
 )
 def test_the_recipe_alone_names_the_graph_mode(tmp_path: Path, graph: str, mode: str) -> None:
     """No graph flag at all: the recipe's mode is what the engine builds (its executor included)."""
     path = Path(write(tmp_path))
-    text = path.read_text().replace("piecewise: false", graph)
+    text = path.read_text().replace("mode: full", graph)
     if mode == "eager":  # the sizes and the compiler would do nothing: refused (kiln.recipe.contract.check_inert)
         text = text.replace(", capture_sizes: [1, 2, 8], compile_sizes: [1], compiler: inductor", "")
     path.write_text(text)
@@ -141,12 +139,14 @@ def test_the_recipe_alone_names_the_graph_mode(tmp_path: Path, graph: str, mode:
     assert config.graph_mode == mode and config.executor == ("eager" if mode == "eager" else "graph")
 
 
-def test_a_recipe_mode_that_runs_pieces_without_piecewise_is_refused_at_its_line(tmp_path: Path) -> None:
+def test_a_recipe_with_piecewise_is_refused_with_the_migrate_hint(tmp_path: Path) -> None:
+    """graph.piecewise is retired: the engine refuses it at its line and names the command that rewrites it."""
     path = Path(write(tmp_path))
-    path.write_text(path.read_text().replace("piecewise: false", "piecewise: false, mode: piecewise"))
+    path.write_text(path.read_text().replace("mode: full", "piecewise: false"))
     line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if t.startswith("graph:"))
-    with pytest.raises(RecipeError, match=rf"{path}:{line}:\d+: error: graph.mode piecewise runs pieces"):
+    with pytest.raises(RecipeError, match=rf"{path}:{line}:\d+: error: graph.piecewise was replaced by graph.mode") as err:
         EngineArgs(recipe=str(path)).create_engine_config()
+    assert f"run `kiln recipe migrate {path} --out {path}`" in str(err.value)
 
 
 def test_one_precedence_for_every_field(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -23,7 +23,7 @@ input_constraints:
     - num_tokens % 8 == 0
     - seq_len <= 2048
     - num_tokens <= {max_tokens}
-{extra}graph: {{piecewise: false, mode: eager}}
+{extra}graph: {{mode: eager}}
 memory_plan: {{kv_cache: {{max_pages: 256}}}}
 hardware: {{device: cpu}}
 """

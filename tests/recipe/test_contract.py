@@ -43,9 +43,9 @@ BOUNDS = "input_constraints: {constraints: [num_tokens <= 2048, seq_len <= 2048]
             "memory_plan.activation_reuse: false is not supported: captured pieces always share static buffers",
         ),
         (
-            "debug: {debug_mode: true}\ngraph: {piecewise: false}",
+            "debug: {debug_mode: true}\ngraph: {mode: eager}",
             21,
-            "debug.debug_mode traces graph-mode pieces, but graph.piecewise is false",
+            "debug.debug_mode traces graph-mode pieces, but graph.mode is eager",
         ),
         (
             "input_constraints: {input_ids: {shape: [num_tokens], dtype: int32}, constraints: [num_tokens <= 2048, "

@@ -133,14 +133,16 @@ def test_unknown_splitting_op(header, write, only_error) -> None:
 
 
 def test_piecewise_needs_a_splitting_op(header, write, only_error) -> None:
-    err = only_error(write(header + BOUNDS + "graph: {piecewise: true, splitting_ops: []}\n"))
+    err = only_error(write(header + BOUNDS + "graph: {mode: piecewise, splitting_ops: []}\n"))
     assert (err.line, err.col) == (8, 41)
-    assert err.message == "graph.piecewise is true but graph.splitting_ops is empty; add kiln.attention"
+    assert err.message == (
+        "graph.mode piecewise splits the forward into pieces but graph.splitting_ops is empty; add kiln.attention"
+    )
 
 
 def test_splitting_ops_ignored_without_piecewise(header, write) -> None:
-    recipe = load_recipe(write(header + BOUNDS + "graph: {piecewise: false, splitting_ops: ['kiln::attention']}\n"))
+    recipe = load_recipe(write(header + BOUNDS + "graph: {mode: full, splitting_ops: ['kiln::attention']}\n"))
     assert [d.message for d in recipe.diagnostics] == [
-        "graph.splitting_ops is ignored because graph.piecewise is false"
+        "graph.splitting_ops is ignored because graph.mode full runs no pieces"
     ]
-    assert recipe.spec.graph.piecewise is False and recipe.graph_mode == "full"  # no split: the whole forward
+    assert recipe.graph_mode == "full"  # no split: the whole forward

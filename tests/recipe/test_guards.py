@@ -92,8 +92,8 @@ def test_engine_settings_from_the_recipe(write) -> None:
         16,
         1024,
     )
-    assert (recipe.piecewise, recipe.splitting_ops, recipe.compiler, recipe.debug_mode) == (
-        True,
+    assert (recipe.graph_mode, recipe.splitting_ops, recipe.compiler, recipe.debug_mode) == (
+        "full_and_piecewise",
         ["kiln.attention"],
         "inductor",
         False,

@@ -12,7 +12,7 @@ model: {name: smollm2, path: default}
 weights: {dtype: float32, source_quantization: q4_1}
 input_constraints:
   constraints: [num_tokens <= 2048, seq_len <= 2048]
-graph: {piecewise: true, capture_sizes: [1, 2, 4]}
+graph: {mode: full_and_piecewise, capture_sizes: [1, 2, 4]}
 hardware: {device: cpu}
 """
 
@@ -23,7 +23,7 @@ graph:
     - 1
     - 2
     - 4          # comments do not matter
-  piecewise: true
+  mode: full_and_piecewise
 input_constraints:
   constraints:
     - "num_tokens<=2048"
@@ -52,7 +52,7 @@ def test_hash_ignores_formatting_comments_and_key_order() -> None:
         ("name: smollm2", "name: smollm2-b"),
         ("seq_len <= 2048", "seq_len <= 2047"),
         ("capture_sizes: [1, 2, 4]", "capture_sizes: [1, 2, 8]"),
-        ("piecewise: true", "piecewise: false"),
+        ("mode: full_and_piecewise", "mode: full"),
         ("dtype: float32,", "dtype: bfloat16,"),
     ],
 )

@@ -4,6 +4,7 @@ field left behind is a note with its line and the reason."""
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 from pathlib import Path
 
@@ -176,3 +177,42 @@ def test_input_that_is_no_mapping_fails_with_exit_1(tmp_path, capsys, text: str,
     assert main(["migrate", str(path)]) == 1
     assert f"bad.yaml:1:1: error: {message}" in capsys.readouterr().err
     assert main(["migrate", str(tmp_path / "absent.yaml")]) == 2
+
+
+PIECEWISE_RECIPE = """\
+# a recipe written before graph.mode  (the header stays)
+recipe_version: 1
+model: {{name: smollm2}}
+weights: {{dtype: float32, source_quantization: q4_1}}
+input_constraints:
+  constraints: [num_tokens <= 2048, seq_len <= 2048]
+graph:
+  piecewise: {piecewise}  # the old switch
+  capture_sizes: [1, 2, 4]   # sizes captured
+hardware: {{device: cpu}}
+"""
+
+
+@pytest.mark.parametrize(("piecewise", "mode"), [("true", "full_and_piecewise"), ("false", "full")])
+def test_migrate_rewrites_piecewise_as_the_mode_it_meant(tmp_path, piecewise: str, mode: str) -> None:
+    """The retired key is refused with the migrate hint; migrate rewrites it in place (comments, order and the
+    other keys as written), and the result validates with the mode the old schema read from it."""
+    path = tmp_path / "old.yaml"
+    path.write_text(PIECEWISE_RECIPE.format(piecewise=piecewise))
+    with pytest.raises(RecipeError, match=f"run `kiln recipe migrate {path} --out {path}`"):
+        load_recipe(str(path))
+    assert main(["migrate", str(path), "--out", str(path)]) == 0
+    text = path.read_text()
+    expected = PIECEWISE_RECIPE.format(piecewise=piecewise).replace(f"piecewise: {piecewise}", f"mode: {mode}")
+    assert re.sub(" +#", " #", text) == re.sub(" +#", " #", expected)  # NOTE: a comment keeps its column
+    assert "# the old switch" in text and text.startswith("# a recipe written before graph.mode")
+    assert load_recipe(str(path)).graph_mode == mode
+    assert migrate_text(text, str(path)).notes == []  # and again: nothing left to rewrite
+
+
+def test_migrate_keeps_a_mode_given_beside_piecewise() -> None:
+    text = PIECEWISE_RECIPE.format(piecewise="false").replace("  capture_sizes", "  mode: piecewise\n  capture_sizes")
+    migration = migrate_text(text, "r.yaml")
+    assert notes_of(migration) == [(8, 3, "graph.piecewise dropped: graph.mode piecewise says which graphs run")]
+    assert "piecewise: false" not in migration.text and "  mode: piecewise\n" in migration.text
+    assert load_recipe_text(migration.text, "r.yaml").graph_mode == "piecewise"

@@ -14,11 +14,11 @@ BOUNDS = "input_constraints: {constraints: [num_tokens <= 2048, seq_len <= 2048]
 
 
 def test_unknown_key_suggests_the_near_miss(header, write, only_error) -> None:
-    path = write(header + "graph: {piecewise: true, compilr: eager}\n" + BOUNDS)
+    path = write(header + "graph: {mode: full, compilr: eager}\n" + BOUNDS)
     err = only_error(path)
-    assert (err.line, err.col) == (4, 26)
+    assert (err.line, err.col) == (4, 21)
     assert err.message.startswith("unknown key 'compilr' in graph; did you mean 'compiler'?")
-    assert "expected one of: capture_sizes, compile_sizes, compiler, mode, piecewise, splitting_ops" in err.message
+    assert "expected one of: capture_sizes, compile_sizes, compiler, mode, splitting_ops" in err.message
 
 
 def test_unknown_top_level_section(header, write, only_error) -> None:
@@ -79,10 +79,11 @@ def test_checked_in_schema_is_current() -> None:
     )
 
 
-def test_graph_mode_is_read_and_checked_against_piecewise(header, write, only_error) -> None:
-    recipe = load_recipe(write(header + "graph: {piecewise: true, mode: full_decode_only}\n" + BOUNDS))
+def test_graph_mode_is_read_and_piecewise_refused(header, write, only_error) -> None:
+    recipe = load_recipe(write(header + "graph: {mode: full_decode_only}\n" + BOUNDS))
     assert recipe.graph_mode == "full_decode_only"
-    assert load_recipe(write(header + "graph: {piecewise: false}\n" + BOUNDS)).graph_mode == "full"
     assert load_recipe(write(header + BOUNDS)).graph_mode == "full_and_piecewise"
-    err = only_error(write(header + "graph: {piecewise: false, mode: piecewise}\n" + BOUNDS))
-    assert err.line == 4 and "graph.mode piecewise runs pieces, but graph.piecewise is false" in err.message
+    path = write(header + "graph: {piecewise: false, mode: piecewise}\n" + BOUNDS)
+    err = only_error(path)
+    assert (err.line, err.col) == (4, 9)
+    assert err.message.startswith(f"graph.piecewise was replaced by graph.mode: run `kiln recipe migrate {path}")

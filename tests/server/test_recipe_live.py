@@ -22,7 +22,7 @@ input_constraints:
     - batch_size % 4 == 0
     - seq_len <= 2048
     - num_tokens <= 16
-graph: {piecewise: true, mode: full_and_piecewise, capture_sizes: [4, 8, 16]}
+graph: {mode: full_and_piecewise, capture_sizes: [4, 8, 16]}
 memory_plan: {kv_cache: {max_pages: 256}}
 hardware: {device: cpu}
 """
