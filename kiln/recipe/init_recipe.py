@@ -36,7 +36,11 @@ memory_plan:
   kv_cache: {{dtype: float32, layout: paged, block_size: {block_size}, max_pages: {max_pages}}}  # {kv_gb:.2f} GB
   activation_reuse: true
 
-graph: {{mode: full_and_piecewise, splitting_ops: [kiln.attention], capture_sizes: [1, 2, 4, 8, 16, 32], compiler: inductor}}
+graph:
+  mode: full_and_piecewise
+  splitting_ops: [kiln.attention]
+  capture_sizes: [1, 2, 4, 8, 16, 32]
+  compiler: inductor
 hardware: {{device: cpu, arch: null, memory_budget_gb: {budget}}}  # weights {weights_gb:.2f} GB + KV cache
 debug: {{debug_mode: false}}
 """

@@ -42,7 +42,9 @@ def check_graph(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
     mode = GraphMode(graph.mode)
     splits = mode.is_graph and mode.splits_forward
     if splits and not graph.splitting_ops:
-        message = f"graph.mode {mode} splits the forward into pieces but graph.splitting_ops is empty; add kiln.attention"
+        message = (
+            f"graph.mode {mode} splits the forward into pieces but graph.splitting_ops is empty; add kiln.attention"
+        )
         out.append(doc.diagnostic("error", message, ("graph", "splitting_ops")))
     if not splits and graph.splitting_ops and ("graph", "splitting_ops") in doc.values:
         message = f"graph.splitting_ops is ignored because graph.mode {mode} runs no pieces"

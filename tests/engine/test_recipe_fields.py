@@ -144,7 +144,8 @@ def test_a_recipe_with_piecewise_is_refused_with_the_migrate_hint(tmp_path: Path
     path = Path(write(tmp_path))
     path.write_text(path.read_text().replace("mode: full", "piecewise: false"))
     line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if t.startswith("graph:"))
-    with pytest.raises(RecipeError, match=rf"{path}:{line}:\d+: error: graph.piecewise was replaced by graph.mode") as err:
+    refused = rf"{path}:{line}:\d+: error: graph.piecewise was replaced by graph.mode"
+    with pytest.raises(RecipeError, match=refused) as err:
         EngineArgs(recipe=str(path)).create_engine_config()
     assert f"run `kiln recipe migrate {path} --out {path}`" in str(err.value)
 
