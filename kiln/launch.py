@@ -10,14 +10,14 @@ import sys
 
 from kiln.command import run_command
 from kiln.engine.setup.args import EngineArgs
-from kiln.server.cli import add_server_args
+from kiln.server.server_args import ServerArgs
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kiln.launch", description=__doc__)
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--model-path", dest="model", default=argparse.SUPPRESS, help="same as --model")
-    add_server_args(parser)
+    ServerArgs.add_cli_args(parser)
     parser.set_defaults(handler="kiln.server.launcher:run_server")
     return parser
 

@@ -20,6 +20,7 @@ guards.py         run-time enforcement of the constraints: a violation fails onl
 init_recipe.py    `kiln recipe init`: a valid, commented recipe for a checkpoint, derived from its header
 machine.py        what the machine running kiln offers: CPU ISA features and the CUDA device's compute capability
 migrate.py        `kiln recipe migrate`: a recipe in the community shape rewritten in kiln's schema
+migrate_retired.py  `kiln recipe migrate` on a kiln recipe: retired keys (graph.piecewise) rewritten in place
 migrate_carry.py  the carrying half of `kiln recipe migrate`: each value written where community.py says kiln keeps it
 placement.py      the load report of a placement: what each pipeline stage (and device) holds, from tensor shapes
 recipe.py         `load_recipe`: parse, check the schema, prove the constraints consistent, check checkpoint and

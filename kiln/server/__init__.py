@@ -18,6 +18,7 @@ protocol.py    OpenAI request bodies (the fields kiln serves) and their mapping 
 reasoning.py   a thinking model's `<think>...</think>` split into reasoning_content, whole or as it streams
 request_fields.py  the fields kiln does not serve, why (each a 400 naming it), and those that ask for nothing
 responses.py   OpenAI response bodies built from RequestOutputs: usage, logprobs in both API shapes, SSE framing
+server_args.py `ServerArgs`: every serving option of `kiln serve` in one dataclass, which generates its flags
 structured_fields.py  response_format, structured_outputs and guided_*: the one constraint a request asks for
 answers.py     the streaming response that aborts its engine requests, waits that end on disconnect
 tokenization.py  vLLM's /tokenize, /detokenize and /tokenizer_info

@@ -18,10 +18,10 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
-from kiln.server.cli import add_server_args
 from kiln.server.connection_table import ConnectionTable
 from kiln.server.connections import http_config
 from kiln.server.limits import MAX_HEADER_BYTES
+from kiln.server.server_args import ServerArgs
 
 HEADER_TIMEOUT = 1.0
 MAX_CONNECTIONS = 6
@@ -204,7 +204,7 @@ def test_keep_alive_timeout_closes_an_idle_kept_alive_connection() -> None:
     """`kiln serve --keep-alive-timeout 0.5`: a connection idle after its answer is closed (no 408: the header
     timeout is 30 s here) after about that long, and not before."""
     parser = argparse.ArgumentParser()
-    add_server_args(parser)
+    ServerArgs.add_cli_args(parser)
     args = parser.parse_args(["--keep-alive-timeout", "0.5"])
     config = http_config(
         app, "127.0.0.1", 0, header_timeout=30, keep_alive_timeout=args.keep_alive_timeout, log_config=None

@@ -4,8 +4,8 @@ expected (light: no torch, as `kiln --help` builds every parser)."""
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
-from dataclasses import MISSING, Field
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, Field, field, fields
 from typing import Any
 
 
@@ -46,6 +46,17 @@ def non_negative(text: str) -> float:
     return value
 
 
+def seconds(text: str) -> float:
+    """A positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
 def parse_sizes(text: str) -> tuple[int, ...]:
     """`1,2,4` -> (1, 2, 4); `none` -> ()."""
     if text.strip().lower() == "none":
@@ -56,13 +67,31 @@ def parse_sizes(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, or none") from None
 
 
+def option(default: Any, help: str, group: str | None = None, **argparse_kwargs: Any) -> Any:
+    """A field of an options dataclass (`EngineArgs`, `ServerArgs`) and its flag: `help`, the flags' `group` (None:
+    the parser's own options) and any `add_argument` keyword (choices, type, action, metavar)."""
+    return field(default=default, metadata={"help": help, "group": group, "argparse": argparse_kwargs})
+
+
+def add_flags(parser: argparse.ArgumentParser, options: type, descriptions: Mapping[str, str] | None = None) -> None:
+    """One flag per field of the dataclass `options` (`--max-model-len` for `max_model_len`), in field order, each
+    in its group (made on first use, with its description from `descriptions`), with help and default."""
+    descriptions = descriptions or {}
+    groups: dict[str | None, Any] = {None: parser}
+    for f in fields(options):
+        group = f.metadata["group"]
+        if group not in groups:
+            groups[group] = parser.add_argument_group(group, descriptions.get(group))
+        groups[group].add_argument(cli_flag(f), dest=f.name, **argparse_kwargs(f))
+
+
 def cli_flag(f: Field) -> str:
-    """The flag of an EngineArgs field: `--max-model-len` for `max_model_len`."""
+    """The flag of an options field: `--max-model-len` for `max_model_len`."""
     return "--" + f.name.replace("_", "-")
 
 
 def argparse_kwargs(f: Field) -> dict[str, Any]:
-    """`add_argument` keywords of an EngineArgs field: its help, default, and action or type."""
+    """`add_argument` keywords of an options field: its help, default, and action or type."""
     kwargs = dict(f.metadata["argparse"])
     default = f.default if f.default is not MISSING else None
     kwargs.setdefault("help", f.metadata["help"])
