@@ -1,5 +1,5 @@
 """Frozen, layered configuration objects: the model's architecture, the KV cache, the scheduler, graph mode and
-the engine that holds them all (built by `kiln.engine.setup.args.EngineArgs.create_engine_config`).
+the engine that holds them all (resolved by `kiln.engine.setup.resolve` from flags, recipe and environment).
 
 Only plain dataclasses cross module boundaries. Derived values are properties, never stored twice. This module
 does not import torch (so `kiln --help` stays fast); `kiln.model.dtypes` maps dtype names to torch dtypes.
@@ -7,9 +7,11 @@ does not import torch (so `kiln --help` stays fast); `kiln.model.dtypes` maps dt
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from kiln.env import read_env
 from kiln.graph_mode import DEFAULT_GRAPH_MODE, GraphMode
 from kiln.speculative_config import SpeculativeConfig
 
@@ -203,6 +205,29 @@ class FusionGroupConfig:
     all_ops_quantized: str | None = None  # "int4" | "int8": the group's weight ops must run packed at most this wide
 
 
+def default_cache_dir() -> str:
+    """The compile and kernel-choice cache when no flag names one: KILN_CACHE_DIR, else ~/.cache/kiln (kiln.env)."""
+    return str(read_env().cache_dir)
+
+
+class RecipeContract(Protocol):
+    """What an engine reads of its validated recipe (a kiln.recipe.Recipe; named here so the config layer imports
+    nothing above it): where it was read, its hash, its bounds by symbol (batch_size, num_tokens, seq_len) and the
+    guards that check every request and step (kiln.recipe.guards.RecipeGuards)."""
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def hash(self) -> str: ...
+
+    @property
+    def bounds(self) -> Mapping[str, int | None]: ...
+
+    @property
+    def guards(self) -> Any: ...
+
+
 @dataclass(frozen=True)
 class GraphConfig:
     """Graph-mode settings: from the recipe, else flags (built and validated by `kiln.compile.settings`)."""
@@ -214,17 +239,21 @@ class GraphConfig:
     # whose weight products become GEMV reductions, see kiln.compile.passes.DecodeGemv)
     compile_sizes: tuple[int, ...] | None = None
     compiler: str = "inductor"  # "inductor" | "eager" (run the traced graph, no codegen)
-    cache_dir: str | None = None  # None: KILN_CACHE_DIR (~/.cache/kiln)
+    # the compile and kernel-choice cache: resolved (kiln.engine.setup.resolve: --cache-dir, else KILN_CACHE_DIR,
+    # else ~/.cache/kiln); a GraphConfig made without one takes the environment's at construction
+    cache_dir: str = field(default_factory=lambda: default_cache_dir())
     dump_dir: str | None = None  # write the compile artifacts here when set
     piece_modes: tuple[tuple[int, str], ...] = ()  # (piece index, eager|compiled|captured); unset: the default
     default_piece_mode: str = "captured"  # pieces piece_modes does not name (the debugger starts them eager)
     recipe_hash: str = ""
-    debug: int = 0  # trace level from the recipe's debug_mode; KILN_DEBUG raises it, never lowers it
+    debug: int = 0  # trace level: the recipe's debug_mode raised by KILN_DEBUG, never lowered (resolved)
     fusion_groups: tuple[FusionGroupConfig, ...] = (
         # no recipe, no promise: the default group is reported (and warned about), never a failed compile
         FusionGroupConfig("mlp_fusion", ("gate_proj", "up_proj", "silu", "mul"), required=False),
     )
-    max_model_len: int | None = None  # set by the engine build: the table width of a CUDA full decode graph
+    # the engine's max_model_len, resolved once the checkpoint is open (kiln.engine.setup.resolve.resolve_for_model):
+    # the table width of a CUDA full decode graph; None only in a GraphConfig no engine resolved (tests, tools)
+    max_model_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -259,8 +288,10 @@ class ParallelConfig:
 class EngineConfig:
     """Everything an engine is built from (`kiln.engine.setup.build.build_engine`), after the recipe's overlay.
 
-    Made by `EngineArgs.create_engine_config`, the one place flags and a recipe meet; `recipe` is the validated
-    contract itself (its guards check every request), not a path to read again.
+    Made by `kiln.engine.setup.resolve.resolve_engine_config`, the one place flags, a recipe and the environment
+    meet (one precedence, written there), and resolved for its checkpoint by `resolve_for_model` before an engine is
+    built: the engine's config holds max_model_len and quantization as decided, never None or "auto". `recipe` is the
+    validated contract itself (its guards check every request), not a path to read again.
     """
 
     model: str = "default"
@@ -272,12 +303,12 @@ class EngineConfig:
     # the memory second forms of packed weights may take (kiln.kernels.compute_forms); None: half the memory free
     # after the weights and the KV cache; 0: none
     second_form_memory_gb: float | None = None
-    max_model_len: int | None = None  # None: min(model context, DEFAULT_MAX_MODEL_LEN)
+    max_model_len: int | None = None  # None until resolved: min(model context, DEFAULT_MAX_MODEL_LEN)
     seed: int | None = None  # None: unseeded requests get fresh OS randomness
-    num_threads: int | None = None
+    num_threads: int | None = None  # --num-threads, else KILN_NUM_THREADS; None: torch's own (all cores)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    recipe: Any = field(default=None, compare=False)  # a validated kiln.recipe.Recipe, or None
+    recipe: RecipeContract | None = field(default=None, compare=False)  # a validated kiln.recipe.Recipe
     graph: GraphConfig = field(default_factory=GraphConfig)  # graph.mode says which graphs run (eager: none)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

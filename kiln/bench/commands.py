@@ -28,6 +28,7 @@ from kiln.bench.modes import engine_args_for_mode
 from kiln.bench.report import print_report
 from kiln.bench.roofline import Roofline, read_bandwidth_gbs
 from kiln.engine.serving.llm import LLM
+from kiln.engine.setup.resolve import resolve_engine_config
 from kiln.errors import ConfigError, KilnError
 
 logger = logging.getLogger("kiln")
@@ -46,7 +47,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for mode in args.modes:
         # NOTE: the graph options act in the graph modes: an eager mode beside them is not refused for them
         checked = mode != "eager" or all(m == "eager" for m in args.modes)
-        llm = LLM(config=engine_args_for_mode(args, mode).create_engine_config(refuse_inert_options=checked))
+        llm = LLM(config=resolve_engine_config(engine_args_for_mode(args, mode), refuse_inert_options=checked))
         model_path = llm.engine.checkpoint_path
         device = str(next(llm.engine.model.parameters()).device)
         if not prompts:

@@ -1,12 +1,13 @@
 """Graph settings: the recipe is the source of truth; flags fill in or override, and every override is logged
-(the graph-settings part of the one precedence every field follows, kiln/engine/setup/recipe_config.py).
+(the graph-settings part of the one precedence every field follows, kiln/engine/setup/resolve.py).
 
 The graph mode is one value (kiln.graph_mode.GraphMode): the recipe's `graph.mode`, else the default
-full_and_piecewise; `--graph-mode` (or one of
-its aliases, resolved by `kiln.engine.setup.args`) overrides it like any other graph flag.
+full_and_piecewise; `--graph-mode` (or one of its aliases, named by `kiln.engine.setup.resolve`) overrides it like
+any other graph flag.
 
-`graph_config_from` is the one place a GraphConfig is built and validated (called once, by
-`EngineArgs.create_engine_config`).
+`graph_config_from` is the one place a GraphConfig is built and validated, from values already resolved (called
+once, by `kiln.engine.setup.resolve`, which also fills the environment's cache dir and trace level): nothing in
+kiln.compile reads the environment.
 """
 
 from __future__ import annotations
@@ -127,25 +128,3 @@ def _validate(config: GraphConfig) -> None:
             )
     if config.mode.is_graph and config.mode.splits_forward and not config.splitting_ops:
         raise ConfigError(f"graph mode {config.mode} needs at least one splitting op (default: kiln.attention)")
-
-
-def graph_mode_from_flags(
-    graph_mode: str | None, enforce_eager: bool, full_graph: bool, enable_piecewise_graph: bool
-) -> str | None:
-    """The graph mode the flags name (None: none does), from --graph-mode or one of its aliases (each use of an
-    alias logged); flags naming two modes are refused."""
-    named = {
-        "--graph-mode": graph_mode,
-        "--enforce-eager": "eager" if enforce_eager else None,
-        "--full-graph": "full" if full_graph else None,
-    }
-    given = {flag: mode for flag, mode in named.items() if mode is not None}
-    if len(set(given.values())) > 1:
-        listed = ", ".join(f"{flag} ({mode})" for flag, mode in given.items())
-        raise ConfigError(f"the graph-mode flags disagree: {listed}; give one --graph-mode")
-    for flag, mode in given.items():
-        if flag != "--graph-mode":
-            logger.info("%s is an alias of --graph-mode %s", flag, mode)
-    if enable_piecewise_graph:
-        logger.info("--enable-piecewise-graph: graph mode is on by default (kept as an alias)")
-    return next(iter(given.values()), None)

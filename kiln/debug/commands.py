@@ -22,6 +22,7 @@ from kiln.debug.ranks import RankReport, check_same_pieces, is_first_rank, repor
 from kiln.debug.session import DebugSession, is_factory_spec, load_factory
 from kiln.distributed.spmd import agree_any
 from kiln.engine.setup.args import EngineArgs
+from kiln.engine.setup.resolve import resolve_engine_config
 from kiln.errors import ConfigError
 from kiln.log import setup_logging
 from kiln.model.attention import allocate_kv_caches
@@ -189,7 +190,7 @@ def cmd_check_case(args: argparse.Namespace) -> int:
 def cmd_explain(args: argparse.Namespace) -> int:
     setup_logging()
     # NOTE: the config (not the flags) decides: a recipe's dtype and splitting ops, as the engine would use them
-    config = EngineArgs.from_cli_args(args).create_engine_config()
+    config = resolve_engine_config(EngineArgs.from_cli_args(args))
     dtype = parse_dtype(config.dtype)
     if is_factory_spec(config.model):
         model = load_factory(config.model).to(device=config.device, dtype=dtype)

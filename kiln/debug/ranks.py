@@ -24,6 +24,7 @@ from kiln.distributed.control import agree_min
 from kiln.distributed.spmd import on_every_rank
 from kiln.distributed.state import rank_state
 from kiln.engine.setup.args import EngineArgs
+from kiln.engine.setup.resolve import resolve_engine_config
 from kiln.errors import ConfigError
 from kiln.log import setup_logging
 from kiln.model.loader import open_checkpoint
@@ -50,7 +51,7 @@ def is_first_rank() -> bool:
 def report_per_rank(args: argparse.Namespace, given: EngineArgs, report: Report) -> int:
     """Run `report` here (one device) or on every rank (a module-level function: the ranks are spawned), print the
     report(s); returns the exit code."""
-    config = debug_engine_args(given).create_engine_config(refuse_inert_options=False)
+    config = resolve_engine_config(debug_engine_args(given), refuse_inert_options=False)
     parallel = config.parallel
     if not parallel.is_distributed:
         code, text, _ = report(args)

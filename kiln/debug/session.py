@@ -46,7 +46,8 @@ from kiln.debug.trace import trace_level
 from kiln.distributed.state import rank_state
 from kiln.engine.core import EngineCore
 from kiln.engine.setup.args import EngineArgs
-from kiln.engine.setup.build import apply_device_settings, build_engine, engine_role
+from kiln.engine.setup.build import apply_device_settings, build_core, build_engine
+from kiln.engine.setup.resolve import resolve_engine_config
 from kiln.errors import ConfigError
 from kiln.executor.eager import EagerExecutor
 from kiln.executor.graph import GraphExecutor
@@ -151,7 +152,7 @@ class DebugSession:
         """Load the model and build its graph engine (traced once; every piece eager, nothing compiled); with
         `cached_prefix`, every run prefills over that many prompt tokens found in the prefix cache (DebugRuns)."""
         recorder = TapRecorder()
-        config = debug_engine_args(args, cached_prefix > 0).create_engine_config(refuse_inert_options=False)
+        config = resolve_engine_config(debug_engine_args(args, cached_prefix > 0), refuse_inert_options=False)
         if config.parallel.is_distributed and rank_state() is None:
             raise ConfigError(
                 "a multi-device debug session runs on every rank (kiln.debug.ranks): kiln debug diff and bisect "
@@ -165,10 +166,7 @@ class DebugSession:
         torch.manual_seed(config.seed)
         model = load_factory(args.model).to(device=args.device, dtype=parse_dtype(args.dtype))
         model.eval().requires_grad_(False)
-        executor = GraphExecutor(
-            config.graph, activations=config.activations, second_form_gb=config.second_form_memory_gb
-        )
-        engine = EngineCore(config, model, None, executor, args.model, recorder).prepare()
+        engine = build_core(config, model, checkpoint_path=args.model, observer=recorder)
         return cls(engine, args, recorder, cached_prefix)
 
     # -- piece modes -------------------------------------------------------------------------------------------
@@ -210,11 +208,15 @@ class DebugSession:
             if path == EAGER_FP64:
                 model = copy.deepcopy(self.model).to(torch.float64)
                 config = replace(config, cache=replace(config.cache, dtype="auto"))
-            executor = EagerExecutor(keep_layout=True)
-            # this rank's shard, in a debug command every rank runs
-            role = engine_role(config, model, executor, rank_state())
-            checkpoint = self.engine.checkpoint_path
-            engine = EngineCore(config, model, self.tokenizer, executor, checkpoint, self.recorder, role).prepare()
+            engine = build_core(
+                config,
+                model,
+                tokenizer=self.tokenizer,
+                executor=EagerExecutor(config.graph.cache_dir, keep_layout=True),
+                checkpoint_path=self.engine.checkpoint_path,
+                observer=self.recorder,
+                state=rank_state(),  # this rank's shard, in a debug command every rank runs
+            )
             self._eager_engines[path] = engine
         return self._eager_engines[path]
 

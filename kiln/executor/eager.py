@@ -17,8 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kiln.config import DEFAULT_ACTIVATIONS
-from kiln.env import read_env
+from kiln.config import DEFAULT_ACTIVATIONS, default_cache_dir
 from kiln.executor.base import Executor
 from kiln.kernels.head import LogitsHead
 from kiln.kernels.plan import KernelPlan, plan_kernels
@@ -43,7 +42,7 @@ class EagerExecutor(Executor):
         self.second_form_gb = second_form_gb  # the memory second forms of packed weights may take (kiln.kernels.plan)
         self.keep_layout = keep_layout
         self.activations = activations
-        self.cache_root = Path(cache_dir) if cache_dir else read_env().cache_dir
+        self.cache_root = Path(cache_dir or default_cache_dir())
         self.plan = KernelPlan()
         self._model: nn.Module | None = None
         self._head: LogitsHead | None = None

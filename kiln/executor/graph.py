@@ -36,7 +36,6 @@ from kiln.compile.piece import AfterHook, BeforeHook, Piece
 from kiln.compile.store import CompiledPieceStore
 from kiln.config import DEFAULT_ACTIVATIONS, GraphConfig
 from kiln.distributed.ops import local_collectives
-from kiln.env import read_env
 from kiln.errors import ConfigError
 from kiln.executor.base import Executor
 from kiln.graph_mode import GraphMode
@@ -81,7 +80,7 @@ class GraphExecutor(Executor):
         start = time.perf_counter()
         self.model = model
         self.device = next(model.parameters()).device
-        cache_root = Path(self.config.cache_dir) if self.config.cache_dir else read_env().cache_dir
+        cache_root = Path(self.config.cache_dir)
         # NOTE: attention reads Python-side metadata, so it cannot live inside a recorded graph.
         self.can_capture = self.mode.splits_forward or not platform_of(self.device).records_graphs
         self.plan = plan_kernels(
@@ -105,7 +104,7 @@ class GraphExecutor(Executor):
         self.graph: PiecewiseForward = build_graph(
             model, kv_caches, self.device, self.config.splitting_ops, self.mode.splits_forward, self.counters, sample
         )
-        self.set_trace_level(max(read_env().debug, self.config.debug))
+        self.set_trace_level(self.config.debug)  # NOTE: KILN_DEBUG is in it already (kiln.engine.setup.resolve)
         self.capturer = Capturer(self.graph, kv_caches, self.device, self.counters)
         default = PieceMode(self.config.default_piece_mode)
         if self.mode.has_full_decode_graph and self.capture_sizes:

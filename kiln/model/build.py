@@ -44,9 +44,8 @@ def build_model(
     config = checkpoint.config
     start = time.perf_counter()
     model = family_of(config.architecture).model_class()(config, max_positions, checkpoint.rope_freq_factors())
-    if quantization == "auto":
-        quantization = "packed" if _has_blocks(checkpoint) else "none"
-        logger.info("Quantization auto: %s", "the file's blocks stay packed" if quantization == "packed" else "none")
+    if quantization == "auto":  # NOTE: resolved with the engine's config (kiln.engine.setup.resolve), not here
+        raise ConfigError("quantization auto reached the model build unresolved: resolve_for_model decides it")
     packed = quantization == "packed"
     if packed:
         if not isinstance(checkpoint, GGUFCheckpoint):
@@ -98,8 +97,8 @@ def build_model(
     return model
 
 
-def _has_blocks(checkpoint: Checkpoint) -> bool:
-    """A GGUF holding weights kiln keeps packed."""
+def has_packed_blocks(checkpoint: Checkpoint) -> bool:
+    """A GGUF holding weights kiln keeps packed (what quantization `auto` resolves to packed for)."""
     if not isinstance(checkpoint, GGUFCheckpoint):
         return False
     return any(checkpoint.packed_layout(name) is not None for name in checkpoint.weight_shapes())

@@ -41,7 +41,8 @@ class Migration:
 
 def migrate_text(text: str, file: str = "<string>", out: str | None = None) -> Migration:
     """Rewrite a kiln recipe's retired keys, or convert community-shaped recipe text; `file` is where it was read
-    and `out` where it will be written (for relative model paths). RecipeError when the text is not a YAML mapping with names as keys."""
+    and `out` where it will be written (for relative model paths). RecipeError when the text is not a YAML mapping
+    with names as keys."""
     root = load_mapping(text, file)
     source_doc(root, text, file)  # NOTE: the refusals validate makes too: keys that are not names, alias bombs
     if is_kiln_recipe(root):

@@ -49,16 +49,14 @@ class AppSettings:
 def create_app(engine: AsyncEngine, settings: AppSettings, connections: ConnectionTable | None = None) -> FastAPI:
     """The app owns the engine loop: the lifespan starts it and, on shutdown, aborts what is left and joins it.
     `connections`: the server's open connections (kiln.server.connection_table), counted in /metrics."""
-    is_shutting_down = False
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        nonlocal is_shutting_down
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
         try:
             yield
         finally:
-            is_shutting_down = True
+            app.state.is_shutting_down = True
             await engine.stop()
             serving.close()
 
@@ -70,15 +68,25 @@ def create_app(engine: AsyncEngine, settings: AppSettings, connections: Connecti
         metrics,
         limits,
         settings.served_model_name,
-        settings.model_aliases,
-        settings.parse_special_tokens,
-        settings.tool_call_parser,
-        settings.grammar_limits,
-        settings.grammar_compile_threads,
+        aliases=settings.model_aliases,
+        parse_special_tokens=settings.parse_special_tokens,
+        tool_call_parser=settings.tool_call_parser,
+        grammar_limits=settings.grammar_limits,
+        grammar_compile_threads=settings.grammar_compile_threads,
         reasoning_parser=settings.reasoning_parser,
     )
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, serving
     app.state.settings, app.state.connections = settings, connections
+    app.state.is_shutting_down = False
+    _add_middleware(app, settings, limits, metrics)
+    install_error_handlers(app)
+    _add_server_routes(app, engine, settings, metrics)
+    _add_openai_routes(app, serving)
+    _add_tokenizer_routes(app, serving)
+    return app
+
+
+def _add_middleware(app: FastAPI, settings: AppSettings, limits: ServerLimits, metrics: ServerMetrics) -> None:
     # NOTE: the last one added runs first; kiln/server/middleware.py explains the order.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
     if settings.api_key is not None:
@@ -87,19 +95,24 @@ def create_app(engine: AsyncEngine, settings: AppSettings, connections: Connecti
         app.add_middleware(HostCheckMiddleware, allowed=settings.allowed_hosts)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
     app.add_middleware(RequestIdMiddleware)
-    install_error_handlers(app)
 
-    def unavailable_reason() -> str | None:
-        if engine.is_healthy:
-            return None
-        if is_shutting_down:
-            return "the server is shutting down and accepts no new requests"
-        return "the engine loop has stopped, so no request can be served (the server log says why); restart the server"
+
+def _unavailable_reason(app: FastAPI, engine: AsyncEngine) -> str | None:
+    """Why the server answers no request now (None: it does)."""
+    if engine.is_healthy:
+        return None
+    if app.state.is_shutting_down:
+        return "the server is shutting down and accepts no new requests"
+    return "the engine loop has stopped, so no request can be served (the server log says why); restart the server"
+
+
+def _add_server_routes(app: FastAPI, engine: AsyncEngine, settings: AppSettings, metrics: ServerMetrics) -> None:
+    """/health, /metrics and /reset_prefix_cache: the server's own routes."""
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         stats = engine.stats()
-        reason = unavailable_reason()
+        reason = _unavailable_reason(app, engine)
         body: dict[str, Any] = {
             "status": "ok" if reason is None else "unavailable",
             "model": settings.served_model_name,
@@ -127,6 +140,10 @@ def create_app(engine: AsyncEngine, settings: AppSettings, connections: Connecti
             return {"prefix_caching": False, "dropped_blocks": 0}
         return {"prefix_caching": True, "dropped_blocks": await engine.reset_prefix_cache()}
 
+
+def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    """OpenAI's routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/embeddings."""
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return serving.models()
@@ -145,6 +162,9 @@ def create_app(engine: AsyncEngine, settings: AppSettings, connections: Connecti
     async def embeddings(request: Request, body: EmbeddingRequest) -> Response:
         return await embedding.embeddings(request, body)
 
+
+def _add_tokenizer_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    """vLLM's tokenizer routes: /tokenize, /detokenize, /tokenizer_info."""
     tokenization = TokenizerEndpoints(serving)
 
     @app.post("/tokenize")
@@ -158,5 +178,3 @@ def create_app(engine: AsyncEngine, settings: AppSettings, connections: Connecti
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:
         return tokenization.tokenizer_info()
-
-    return app

@@ -31,6 +31,7 @@ from kiln.engine.core import EngineCore
 from kiln.engine.serving.async_engine import AsyncEngine
 from kiln.engine.setup.args import EngineArgs
 from kiln.engine.setup.build import build_engine
+from kiln.engine.setup.resolve import resolve_engine_config
 from kiln.env import read_env
 from kiln.errors import ConfigError
 from kiln.log import setup_logging
@@ -101,7 +102,7 @@ def run_server(args: argparse.Namespace) -> int:
         logger.warning("Binding %s without an API key: anyone who can reach this port can use the model", args.host)
     logger.info("Loading model %s", args.model)
     # NOTE: built exactly as `kiln generate` builds its engine, so every engine flag means the same in both.
-    core = build_engine(EngineArgs.from_cli_args(args).create_engine_config())
+    core = build_engine(resolve_engine_config(EngineArgs.from_cli_args(args)))
     app = build_app(core, args, api_key)
     engine: AsyncEngine = app.state.engine
     model_name = app.state.settings.served_model_name

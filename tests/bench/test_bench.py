@@ -16,6 +16,7 @@ from kiln.bench.metrics import RunResult, compute_ratios, random_prompts
 from kiln.bench.modes import engine_args_for_mode
 from kiln.bench.report import print_report
 from kiln.engine.setup.args import EngineArgs
+from kiln.engine.setup.resolve import resolve_engine_config
 from kiln.errors import ConfigError
 
 SMALL = ["--num-requests", "2", "--num-requests-bs1", "1", "--input-len", "8", "--output-len", "4"]
@@ -56,29 +57,29 @@ def test_each_mode_sets_its_graph_flags_over_the_users() -> None:
     args = kiln_cli.build_parser().parse_args(["bench", "--enable-piecewise-graph", "--compiler", "eager"])
     eager = engine_args_for_mode(args, "eager")
     # eager stays eager beside the flags, which act in the bench's other modes (the bench does not refuse them there)
-    assert not eager.create_engine_config(refuse_inert_options=False).graph_mode.is_graph
+    assert not resolve_engine_config(eager, refuse_inert_options=False).graph_mode.is_graph
     with pytest.raises(ConfigError, match="--compiler does nothing under graph mode eager"):
-        eager.create_engine_config()  # an eager engine alone: the flag would do nothing
+        resolve_engine_config(eager)  # an eager engine alone: the flag would do nothing
     for mode in ("piecewise", "full", "full_and_piecewise", "full_decode_only"):
         engine = engine_args_for_mode(args, mode)
-        config = engine.create_engine_config()
+        config = resolve_engine_config(engine)
         assert config.graph_mode.is_graph and config.graph.mode == mode
         assert engine.compiler == "eager"  # the other flags are kept
-    assert not engine_args_for_mode(args, "full").create_engine_config().graph.mode.splits_forward
+    assert not resolve_engine_config(engine_args_for_mode(args, "full")).graph.mode.splits_forward
 
 
 def test_graph_mode_flags() -> None:
     parser = kiln_cli.build_parser()
     default = EngineArgs.from_cli_args(parser.parse_args(["serve", "--enable-piecewise-graph"]))
-    assert default.create_engine_config().graph.mode == "full_and_piecewise"
-    alias = EngineArgs.from_cli_args(parser.parse_args(["serve", "--full-graph"])).create_engine_config()
+    assert resolve_engine_config(default).graph.mode == "full_and_piecewise"
+    alias = resolve_engine_config(EngineArgs.from_cli_args(parser.parse_args(["serve", "--full-graph"])))
     assert alias.graph_mode.is_graph and alias.graph.mode == "full"
-    named = EngineArgs.from_cli_args(parser.parse_args(["serve", "--graph-mode", "piecewise"])).create_engine_config()
+    named = resolve_engine_config(EngineArgs.from_cli_args(parser.parse_args(["serve", "--graph-mode", "piecewise"])))
     assert named.graph_mode.is_graph and named.graph.mode == "piecewise" and not named.graph.mode.has_full_decode_graph
-    plain = EngineArgs.from_cli_args(parser.parse_args(["serve"])).create_engine_config()
+    plain = resolve_engine_config(EngineArgs.from_cli_args(parser.parse_args(["serve"])))
     assert plain.graph.mode == "full_and_piecewise" and plain.executor == "graph"  # graph mode by default
     for argv in (["--graph-mode", "eager"], ["--enforce-eager"]):
-        eager = EngineArgs.from_cli_args(parser.parse_args(["serve", *argv])).create_engine_config()
+        eager = resolve_engine_config(EngineArgs.from_cli_args(parser.parse_args(["serve", *argv])))
         assert eager.graph.mode == "eager" and eager.executor == "eager"
     for argv, message in [
         (["--enforce-eager", "--graph-mode", "piecewise"], "the graph-mode flags disagree"),
@@ -86,7 +87,7 @@ def test_graph_mode_flags() -> None:
         (["--enable-piecewise-graph", "--enforce-eager"], "--enable-piecewise-graph asks for graph mode"),
     ]:
         with pytest.raises(ConfigError, match=message):
-            EngineArgs.from_cli_args(parser.parse_args(["serve", *argv])).create_engine_config()
+            resolve_engine_config(EngineArgs.from_cli_args(parser.parse_args(["serve", *argv])))
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--graph-mode", "full_cudagraph"])
 

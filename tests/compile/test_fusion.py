@@ -20,6 +20,7 @@ from kiln.compile.kernels import kernels_in
 from kiln.compile.settings import graph_config_from
 from kiln.config import FusionGroupConfig
 from kiln.engine.setup.args import EngineArgs
+from kiln.engine.setup.resolve import resolve_engine_config
 from kiln.executor.graph import GraphExecutor
 from kiln.model.forward_context import ForwardContext, ModelInputs, set_forward_context
 from kiln.recipe import load_recipe
@@ -53,7 +54,7 @@ def test_default_model_realises_mlp_fusion_and_matches_eager(
     args = EngineArgs(
         recipe=str(RECIPE), graph_mode="piecewise", capture_sizes=[1, 4], compile_sizes=[], cache_dir=str(tmp_path)
     )
-    config = args.create_engine_config()
+    config = resolve_engine_config(args)
     assert [(g.name, g.required) for g in config.graph.fusion_groups] == [("mlp_fusion", True)]
     groups = (*config.graph.fusion_groups, FusionGroupConfig("norm", ("add", "rms_norm"), required=False))
     llm = LLM(config=replace(config, graph=replace(config.graph, fusion_groups=groups)))

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,7 +14,10 @@ import kiln.recipe.recipe as recipe_module
 from kiln import cli, launch
 from kiln.config import EngineConfig
 from kiln.engine.serving.llm import LLM
-from kiln.engine.setup.args import EngineArgs, cli_flag
+from kiln.engine.setup.arg_types import cli_flag
+from kiln.engine.setup.args import EngineArgs
+from kiln.engine.setup.resolve import resolve_engine_config, resolve_for_model
+from kiln.env import read_env
 from kiln.errors import ConfigError
 from kiln.recipe import RecipeError
 
@@ -82,15 +86,16 @@ def test_every_engine_subcommand_accepts_exactly_the_engine_args_flags() -> None
 def test_flags_parse_into_the_config() -> None:
     argv = ["generate", "--prompt", "x", "--capture-sizes", "1,4", "--compile-sizes", "none", "--compiler", "eager"]
     argv += ["--max-num-seqs", "3", "--no-enable-chunked-prefill", "--enable-piecewise-graph", "--seed", "7"]
-    config = EngineArgs.from_cli_args(cli.build_parser().parse_args(argv)).create_engine_config()
+    config = resolve_engine_config(EngineArgs.from_cli_args(cli.build_parser().parse_args(argv)))
     assert config.graph_mode.is_graph and config.executor == "graph" and config.seed == 7
     assert (
         config.graph.capture_sizes == (1, 4) and config.graph.compile_sizes == () and config.graph.compiler == "eager"
     )
     assert config.scheduler.max_num_seqs == 3 and not config.scheduler.enable_chunked_prefill
-    assert EngineArgs().create_engine_config() == EngineConfig()  # the defaults agree
-    assert EngineArgs().create_engine_config().executor == "graph"  # graph mode is the default
-    assert EngineArgs(graph_mode="eager").create_engine_config().executor == "eager"
+    quiet = replace(read_env(), num_threads=None, debug=0)  # an environment that sets nothing of the engine's
+    assert resolve_engine_config(EngineArgs(), env=quiet) == EngineConfig()  # the defaults agree
+    assert resolve_engine_config(EngineArgs()).executor == "graph"  # graph mode is the default
+    assert resolve_engine_config(EngineArgs(graph_mode="eager")).executor == "eager"
 
 
 def test_bad_flag_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
@@ -99,7 +104,7 @@ def test_bad_flag_values_are_usage_errors(capsys: pytest.CaptureFixture[str]) ->
     assert exc.value.code == 2
     assert "--capture-sizes: '1,two': expected comma-separated integers, or none" in capsys.readouterr().err
     with pytest.raises(ConfigError, match=r"compile sizes \[3\] are not capture sizes"):
-        EngineArgs(capture_sizes=(1, 2), compile_sizes=(3,)).create_engine_config()
+        resolve_engine_config(EngineArgs(capture_sizes=(1, 2), compile_sizes=(3,)))
 
 
 def test_llm_rejects_an_unknown_option_by_name() -> None:
@@ -114,7 +119,7 @@ def test_the_recipe_is_loaded_and_overlaid_once(
     real = recipe_module.load_recipe
     monkeypatch.setattr(recipe_module, "load_recipe", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
     with caplog.at_level(logging.INFO, logger="kiln"):
-        config = EngineArgs(recipe=RECIPE, compiler="eager", max_num_seqs=4).create_engine_config()
+        config = resolve_engine_config(EngineArgs(recipe=RECIPE, compiler="eager", max_num_seqs=4))
     assert calls == [RECIPE]
     assert config.recipe is not None and config.recipe.path.endswith("smollm2-135m.yaml")
     assert config.graph.compiler == "eager"  # an explicit flag wins over the recipe, and says so
@@ -127,4 +132,37 @@ def test_a_broken_recipe_is_reported_before_anything_loads(tmp_path: Path) -> No
     bad = tmp_path / "bad.yaml"
     bad.write_text("recipe_version: 1\nmodel: {name: m, path: default}\ngraph: {compiler: tvm}\n")
     with pytest.raises(RecipeError, match=r"bad\.yaml:3"):
-        EngineArgs(recipe=str(bad)).create_engine_config()
+        resolve_engine_config(EngineArgs(recipe=str(bad)))
+
+
+def test_a_flag_wins_over_the_environment_which_wins_over_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment's part of the one precedence (kiln.engine.setup.resolve): read once, into the config, so
+    nothing below (compile, executors) reads it."""
+    monkeypatch.setenv("KILN_CACHE_DIR", "/tmp/kiln-env-cache")
+    monkeypatch.setenv("KILN_NUM_THREADS", "3")
+    monkeypatch.setenv("KILN_DEBUG", "1")
+    config = resolve_engine_config(EngineArgs())
+    assert (config.graph.cache_dir, config.num_threads, config.graph.debug) == ("/tmp/kiln-env-cache", 3, 1)
+    config = resolve_engine_config(EngineArgs(cache_dir="/tmp/kiln-flag-cache", num_threads=2))
+    assert (config.graph.cache_dir, config.num_threads) == ("/tmp/kiln-flag-cache", 2)
+    for var in ("KILN_CACHE_DIR", "KILN_NUM_THREADS", "KILN_DEBUG"):
+        monkeypatch.delenv(var)
+    config = resolve_engine_config(EngineArgs())
+    assert config.graph.cache_dir == str(Path.home() / ".cache" / "kiln")
+    assert (config.num_threads, config.graph.debug) == (None, 0)
+
+
+def test_what_the_checkpoint_decides_is_resolved_once_before_the_engine_is_built() -> None:
+    """max_model_len (the graph settings' too) and quantization auto are decided with the checkpoint open
+    (`resolve_for_model`, called by build_core); a flag's value is kept, and a resolved config stays as it is."""
+    given = resolve_engine_config(EngineArgs())
+    assert (given.max_model_len, given.quantization) == (None, "auto")
+    long_context = SimpleNamespace(max_position_embeddings=32768)
+    packed = resolve_for_model(given, long_context, has_packed_blocks=True)
+    assert (packed.max_model_len, packed.graph.max_model_len, packed.quantization) == (8192, 8192, "packed")
+    assert resolve_for_model(packed, long_context, has_packed_blocks=False) == packed
+    short = resolve_for_model(given, SimpleNamespace(max_position_embeddings=2048), has_packed_blocks=False)
+    assert (short.max_model_len, short.graph.max_model_len, short.quantization) == (2048, 2048, "none")
+    flags = resolve_engine_config(EngineArgs(max_model_len=512, quantization="int8"))
+    narrow = resolve_for_model(flags, long_context, has_packed_blocks=True)
+    assert (narrow.max_model_len, narrow.graph.max_model_len, narrow.quantization) == (512, 512, "int8")

@@ -13,6 +13,7 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.engine.setup.args import EngineArgs
+from kiln.engine.setup.resolve import resolve_engine_config
 from kiln.errors import RequestError
 from tests.engine.tiny_models import write_hf_model
 
@@ -138,7 +139,7 @@ def test_an_embedding_takes_no_sampling_outputs() -> None:
 
 
 def test_pooling_flags_reach_the_config_and_a_bad_mode_is_refused() -> None:
-    config = EngineArgs(pooling="cls", normalize_embeddings=False).create_engine_config()
+    config = resolve_engine_config(EngineArgs(pooling="cls", normalize_embeddings=False))
     assert (config.pooling.mode, config.pooling.normalize) == ("cls", False)
     import argparse
 

@@ -14,6 +14,7 @@ import pytest
 
 from kiln.config import EngineConfig
 from kiln.engine.setup.args import EngineArgs
+from kiln.engine.setup.resolve import resolve_engine_config
 from kiln.errors import ConfigError
 
 RECIPE = """\
@@ -88,7 +89,7 @@ ACTS: dict[str, tuple[Any, dict[str, Any]]] = {
 
 
 def config(**options: Any) -> EngineConfig:
-    return EngineArgs(**options).create_engine_config()
+    return resolve_engine_config(EngineArgs(**options))
 
 
 @pytest.fixture(scope="module")
@@ -188,5 +189,5 @@ def test_a_recipes_eager_mode_makes_the_graph_flags_inert(tmp_path: Path) -> Non
 
 
 def test_commands_deriving_an_engine_of_their_own_may_skip_the_check() -> None:
-    derived = EngineArgs(graph_mode="eager", capture_sizes=(1, 2)).create_engine_config(refuse_inert_options=False)
+    derived = resolve_engine_config(EngineArgs(graph_mode="eager", capture_sizes=(1, 2)), refuse_inert_options=False)
     assert not derived.graph.mode.is_graph

@@ -12,6 +12,7 @@ from kiln import LLM, SamplingParams
 from kiln.compile.fusion_check import FusionGroupError
 from kiln.config import SpeculativeConfig
 from kiln.engine.setup.args import EngineArgs
+from kiln.engine.setup.resolve import resolve_engine_config
 from kiln.errors import ConfigError
 from kiln.quant.linear import PackedLinear
 from kiln.recipe.diagnostics import RecipeError
@@ -37,7 +38,7 @@ def write(tmp_path: Path, mode: str = "full", debug: str = "false") -> str:
 
 def test_graph_fields_and_device_reach_the_engine_config(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="kiln"):
-        config = EngineArgs(recipe=write(tmp_path, "full_and_piecewise", debug="true")).create_engine_config()
+        config = resolve_engine_config(EngineArgs(recipe=write(tmp_path, "full_and_piecewise", debug="true")))
     assert config.device == "cpu" and config.dtype == "bfloat16"  # the recipe's, and each change is logged
     assert "sets dtype=bfloat16 (was float32)" in caplog.text
     graph = config.graph
@@ -135,7 +136,7 @@ def test_the_recipe_alone_names_the_graph_mode(tmp_path: Path, graph: str, mode:
     if mode == "eager":  # the sizes and the compiler would do nothing: refused (kiln.recipe.contract.check_inert)
         text = text.replace(", capture_sizes: [1, 2, 8], compile_sizes: [1], compiler: inductor", "")
     path.write_text(text)
-    config = EngineArgs(recipe=str(path)).create_engine_config()
+    config = resolve_engine_config(EngineArgs(recipe=str(path)))
     assert config.graph_mode == mode and config.executor == ("eager" if mode == "eager" else "graph")
 
 
@@ -146,7 +147,7 @@ def test_a_recipe_with_piecewise_is_refused_with_the_migrate_hint(tmp_path: Path
     line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if t.startswith("graph:"))
     refused = rf"{path}:{line}:\d+: error: graph.piecewise was replaced by graph.mode"
     with pytest.raises(RecipeError, match=refused) as err:
-        EngineArgs(recipe=str(path)).create_engine_config()
+        resolve_engine_config(EngineArgs(recipe=str(path)))
     assert f"run `kiln recipe migrate {path} --out {path}`" in str(err.value)
 
 
@@ -156,19 +157,42 @@ def test_one_precedence_for_every_field(tmp_path: Path, caplog: pytest.LogCaptur
     a bound past it, is refused with the flag and both values named. A flag that agrees is no contradiction."""
     recipe = write(tmp_path)
     with pytest.raises(ConfigError) as refused:
-        EngineArgs(recipe=recipe, device="cuda", max_num_seqs=16, dtype="bfloat16").create_engine_config()
+        resolve_engine_config(EngineArgs(recipe=recipe, device="cuda", max_num_seqs=16, dtype="bfloat16"))
     message = str(refused.value)
     assert "--device cuda (the recipe's device is cpu)" in message
     assert "--max-num-seqs 16 (the recipe's max_num_seqs is 8)" in message and "--dtype" not in message
     assert "recipe.yaml" in message
     with caplog.at_level(logging.INFO, logger="kiln"):
-        config = EngineArgs(
-            recipe=recipe, max_num_seqs=4, capture_sizes=(1, 4), max_model_len=128
-        ).create_engine_config()
+        config = resolve_engine_config(
+            EngineArgs(recipe=recipe, max_num_seqs=4, capture_sizes=(1, 4), max_model_len=128)
+        )
     assert (config.scheduler.max_num_seqs, config.max_model_len, config.graph.capture_sizes) == (4, 128, (1, 4))
     assert "Graph setting capture_sizes=(1, 4) overrides the recipe's (1, 2, 8)" in caplog.text
     with pytest.raises(ConfigError, match=r"--block-size 32 \(the recipe's kv_cache.block_size is 8\)"):
-        EngineArgs(recipe=recipe, block_size=32).create_engine_config()
+        resolve_engine_config(EngineArgs(recipe=recipe, block_size=32))
+
+
+def test_flag_over_recipe_over_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The one precedence (kiln.engine.setup.resolve), end to end: a graph flag wins over the recipe (logged), the
+    recipe over the environment's default, the environment fills what neither sets, and KILN_DEBUG raises the
+    recipe's trace level, never lowers it."""
+    monkeypatch.setenv("KILN_DEBUG", "0")
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path / "env-cache"))
+    recipe = write(tmp_path, "full", debug="false")
+    config = resolve_engine_config(EngineArgs(recipe=recipe))
+    assert (config.graph_mode, config.graph.debug, config.graph.cache_dir) == ("full", 0, str(tmp_path / "env-cache"))
+    with caplog.at_level(logging.INFO, logger="kiln"):
+        flags = EngineArgs(recipe=recipe, graph_mode="piecewise", cache_dir=str(tmp_path / "flag-cache"))
+        config = resolve_engine_config(flags)
+    assert (config.graph_mode, config.graph.cache_dir) == ("piecewise", str(tmp_path / "flag-cache"))
+    assert "Graph setting mode=piecewise overrides the recipe's full" in caplog.text
+    monkeypatch.setenv("KILN_DEBUG", "1")
+    assert resolve_engine_config(EngineArgs(recipe=recipe)).graph.debug == 1  # the environment raises it
+    monkeypatch.setenv("KILN_DEBUG", "0")
+    traced = write(tmp_path, "full", debug="true")
+    assert resolve_engine_config(EngineArgs(recipe=traced)).graph.debug == 1  # and never lowers the recipe's
 
 
 def test_the_recipe_speculative_section_and_the_flags_over_it(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -177,22 +201,22 @@ def test_the_recipe_speculative_section_and_the_flags_over_it(tmp_path: Path, ca
         path.read_text() + "speculative: {method: ngram, num_speculative_tokens: 3, prompt_lookup_min: 1}\n"
     )
     with caplog.at_level(logging.INFO, logger="kiln"):
-        config = EngineArgs(recipe=str(path)).create_engine_config()
+        config = resolve_engine_config(EngineArgs(recipe=str(path)))
     assert config.speculative == SpeculativeConfig("ngram", 3, 4, 1)
     assert "sets speculative=ngram, lookup 1-4, 3 tokens, measured (was off)" in caplog.text
     assert config.graph.capture_sizes == (1, 2, 8)  # the recipe's sizes are kept as given, never extended
     with caplog.at_level(logging.INFO, logger="kiln"):
         flags = EngineArgs(recipe=str(path), speculative_method="ngram", num_speculative_tokens=6)
-        assert flags.create_engine_config().speculative.num_speculative_tokens == 6
+        assert resolve_engine_config(flags).speculative.num_speculative_tokens == 6
     assert (
         "Speculative decoding flags (ngram, lookup 2-4, 6 tokens, measured) override the recipe's (ngram, lookup 1-4, 3"
         in caplog.text
     )
-    assert EngineArgs().create_engine_config().speculative == SpeculativeConfig()  # off without either
+    assert resolve_engine_config(EngineArgs()).speculative == SpeculativeConfig()  # off without either
     path.write_text(path.read_text().replace("prompt_lookup_min: 1", "prompt_lookup_min: 5"))
     line = next(i for i, t in enumerate(path.read_text().splitlines(), 1) if t.startswith("speculative:"))
     with pytest.raises(RecipeError, match=rf"{path}:{line}:\d+: .*prompt_lookup_min 5 is above prompt_lookup_max 4"):
-        EngineArgs(recipe=str(path)).create_engine_config()
+        resolve_engine_config(EngineArgs(recipe=str(path)))
     base = path.read_text()
     for section, problem in [
         ("method: ngram, draft_model: x", "only used by the draft method, not by ngram"),
@@ -200,23 +224,23 @@ def test_the_recipe_speculative_section_and_the_flags_over_it(tmp_path: Path, ca
     ]:
         path.write_text(base.replace("method: ngram", section).replace("prompt_lookup_min: 5", "prompt_lookup_min: 1"))
         with pytest.raises(RecipeError, match=rf"{path}:{line}:\d+: .*{problem}"):
-            EngineArgs(recipe=str(path)).create_engine_config()
+            resolve_engine_config(EngineArgs(recipe=str(path)))
     drafted = base.replace("method: ngram", "method: draft, draft_model: default")
     path.write_text(drafted.replace(", prompt_lookup_min: 5", ""))
-    config = EngineArgs(recipe=str(path)).create_engine_config()
+    config = resolve_engine_config(EngineArgs(recipe=str(path)))
     assert config.speculative == SpeculativeConfig("draft", 3, 4, 2, draft_model="default")
     path.write_text(drafted.replace("min: 5", "min: 1"))  # the lookup tunes the ngram method only
     with pytest.raises(RecipeError, match=rf"{path}:{line}:\d+: .*prompt_lookup_min tunes the ngram method only"):
-        EngineArgs(recipe=str(path)).create_engine_config()
+        resolve_engine_config(EngineArgs(recipe=str(path)))
 
 
 def test_the_recipes_kv_cache_prefix_caching_false_turns_prefix_caching_off(tmp_path: Path) -> None:
     """The README's `kv_cache.prefix_caching: false`: the engine config the recipe makes has caching off (the engine
     then keeps no prefix cache: tests/engine/test_prefix_caching.py); without the field, caching stays on."""
-    on = EngineArgs(recipe=write(tmp_path)).create_engine_config()
+    on = resolve_engine_config(EngineArgs(recipe=write(tmp_path)))
     assert on.cache.enable_prefix_caching
     path = Path(write(tmp_path))
     path.write_text(path.read_text().replace("max_pages: 64}", "max_pages: 64, prefix_caching: false}"))
     assert "prefix_caching: false" in path.read_text()
-    off = EngineArgs(recipe=str(path)).create_engine_config()
+    off = resolve_engine_config(EngineArgs(recipe=str(path)))
     assert not off.cache.enable_prefix_caching

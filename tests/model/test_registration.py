@@ -154,11 +154,12 @@ def test_the_recipe_of_a_registered_architecture_validates_and_names_what_runs(
 ) -> None:
     """The example's recipe, checked against the registered family's header; its model.path is what runs."""
     from kiln.engine.setup.args import EngineArgs
+    from kiln.engine.setup.resolve import resolve_engine_config
 
     recipe = Path(parallel_lm.__file__).with_suffix(".yaml").read_text()
     (tmp_path / "parallel_lm.yaml").write_text(recipe)
     (tmp_path / "parallel-lm").symlink_to(checkpoint)
-    config = EngineArgs(recipe=str(tmp_path / "parallel_lm.yaml")).create_engine_config()
+    config = resolve_engine_config(EngineArgs(recipe=str(tmp_path / "parallel_lm.yaml")))
     assert Path(config.model).resolve() == checkpoint.resolve()
     assert config.recipe is not None and config.recipe.model_values["num_layers"] == SMALL["num_hidden_layers"]
 

@@ -15,10 +15,10 @@ LAZY_IMPORTS = {
     ("kiln/bench/vllm_runner.py", "transformers"): "optional ([hf] extra): only to dequantize a GGUF for vLLM",
     ("kiln/__init__.py", "importlib"): "public API loads on first use: `import kiln` stays light",
     (
-        "kiln/engine/setup/args.py",
+        "kiln/engine/setup/resolve.py",
         "kiln.recipe",
     ): "pydantic + z3 only when --recipe is given (kiln --help builds EngineArgs)",
-    ("kiln/engine/setup/args.py", "kiln.engine.setup.recipe_config"): "same: the recipe overlay imports kiln.recipe",
+    ("kiln/engine/setup/resolve.py", "kiln.engine.setup.recipe_config"): "same: the recipe overlay imports kiln.recipe",
     ("kiln/compile/compiler.py", "torch._inductor"): "importing inductor takes ~1 s; eager engines never need it",
     ("kiln/compile/compiler.py", "torch._inductor.codecache"): "same",
     ("kiln/kernels/native/build.py", "torch.utils"): "cpp_extension imports setuptools; only a first build needs it",

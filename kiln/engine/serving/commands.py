@@ -14,6 +14,7 @@ from kiln.engine.sampling.sampling_params import SamplingParams
 from kiln.engine.serving.llm import LLM
 from kiln.engine.setup.args import EngineArgs
 from kiln.engine.setup.build import build_engine
+from kiln.engine.setup.resolve import resolve_engine_config
 from kiln.errors import KilnError
 from kiln.executor.graph import GraphExecutor
 from kiln.log import setup_logging
@@ -33,7 +34,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def make_llm(args: argparse.Namespace) -> LLM:
-    return LLM(config=EngineArgs.from_cli_args(args).create_engine_config())
+    return LLM(config=resolve_engine_config(EngineArgs.from_cli_args(args)))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -105,7 +106,7 @@ def _chat(llm: LLM, args: argparse.Namespace) -> int:
 def cmd_compile(args: argparse.Namespace) -> int:
     setup_logging()
     out = Path(args.out)
-    config = EngineArgs.from_cli_args(args, dump_dir=str(out)).create_engine_config()
+    config = resolve_engine_config(EngineArgs.from_cli_args(args, dump_dir=str(out)))
     if not config.graph_mode.is_graph:
         raise KilnError("kiln compile builds graph mode: give a graph mode other than eager (or none: the default)")
     try:

@@ -14,6 +14,7 @@ from kiln.engine.request import RequestOutput
 from kiln.engine.sampling.sampling_params import SamplingParams
 from kiln.engine.setup.args import EngineArgs
 from kiln.engine.setup.build import build_engine
+from kiln.engine.setup.resolve import resolve_engine_config
 from kiln.errors import RequestError
 from kiln.log import setup_logging
 
@@ -39,7 +40,7 @@ class LLM:
     def __init__(self, model: str = "default", *, config: EngineConfig | None = None, **options: Any) -> None:
         setup_logging()
         if config is None:
-            config = EngineArgs.from_kwargs(model=model, **options).create_engine_config()
+            config = resolve_engine_config(EngineArgs.from_kwargs(model=model, **options))
         self.engine = build_engine(config)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()

@@ -1,9 +1,10 @@
 """`EngineArgs`: every engine option in one dataclass, which generates the CLI flags and the `EngineConfig`.
 
 Every entry point builds its engine the same way: flags (or `LLM(**kwargs)`) -> `EngineArgs` ->
-`create_engine_config()` (the recipe, when given, is validated and overlaid here, once, each change logged) ->
-`kiln.engine.setup.build.build_engine(config)`. A subcommand that loads a model calls `EngineArgs.add_cli_args`, so
-every such subcommand accepts exactly these flags with the same meaning.
+`kiln.engine.setup.resolve.resolve_engine_config(args)` (the recipe, when given, is validated and overlaid there,
+once, each change logged; the environment fills what neither sets) -> `kiln.engine.setup.build.build_engine(config)`.
+A subcommand that loads a model calls `EngineArgs.add_cli_args`, so every such subcommand accepts exactly these
+flags with the same meaning.
 
 This module must stay light (no torch): `kiln --help` builds every subcommand's parser from it.
 """
@@ -12,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 from kiln.compile.modes import PieceMode
-from kiln.compile.settings import graph_config_from, graph_mode_from_flags
 from kiln.config import (
     ACTIVATION_NAMES,
     COMPILER_NAMES,
@@ -26,16 +26,10 @@ from kiln.config import (
     POOLING_NAMES,
     QUANTIZATION_NAMES,
     SCHEDULING_POLICIES,
-    CacheConfig,
-    EngineConfig,
-    ParallelConfig,
-    PoolingConfig,
-    SchedulerConfig,
     SpeculativeConfig,
 )
 from kiln.engine.scheduling.prefix_cache import HASH_ALGOS
 from kiln.engine.setup.arg_types import add_flags, fraction, int_at_least, non_negative, option, parse_sizes
-from kiln.engine.setup.inert_options import refuse_inert
 from kiln.engine.structured.grammar_cache import GRAMMAR_CACHE_BYTES
 from kiln.errors import ConfigError
 from kiln.graph_mode import GRAPH_MODES
@@ -264,92 +258,7 @@ class EngineArgs:
             raise ConfigError(f"unknown engine options {unknown}: expected some of {sorted(names)}")
         return cls(**kwargs)
 
-    # -- the config --------------------------------------------------------------------------------------------
-    def create_engine_config(self, refuse_inert_options: bool = True) -> EngineConfig:
-        """The EngineConfig these arguments describe, with the recipe (if any) validated and overlaid once. An option
-        given that would do nothing there is refused (kiln.engine.setup.inert_options), unless `refuse_inert_options` is
-        false: arguments a command derived from the user's for an engine of its own (the debugger's sessions, a
-        bench's eager mode), whose options the user's own engine uses."""
-        recipe = None
-        if self.recipe:
-            # NOTE: lazy: pydantic and z3 load only when a recipe is used (and never for `kiln --help`).
-            from kiln.recipe import load_recipe
-
-            # NOTE: --model left at "default" runs the checkpoint the recipe names (model.path)
-            recipe = load_recipe(self.recipe, model=None if self.model == "default" else self.model)
-        graph = graph_config_from(
-            recipe,
-            mode=self.graph_mode_flag(),
-            compiler=self.compiler,
-            capture_sizes=self.capture_sizes,
-            compile_sizes=self.compile_sizes,
-            piece_modes=self.piece_modes,
-            cache_dir=self.cache_dir,
-            dump_dir=self.dump_dir,
-            default_piece_mode=self.default_piece_mode,
-        )
-        speculative = self.speculative_config()
-        if recipe is None and self.capture_sizes is None:  # NOTE: a recipe's or the flag's sizes are kept as given
-            graph = replace(graph, capture_sizes=speculative.capture_sizes(graph.capture_sizes))
-        config = EngineConfig(
-            model=self.model,
-            dtype=self.dtype,
-            device=self.device,
-            quantization=self.quantization,
-            quantization_group_size=self.quantization_group_size,
-            activations=self.activations,
-            second_form_memory_gb=self.second_form_memory_gb,
-            max_model_len=self.max_model_len,
-            seed=self.seed,
-            num_threads=self.num_threads,
-            cache=CacheConfig(
-                self.block_size,
-                self.num_kv_blocks,
-                self.kv_cache_memory_gb,
-                dtype=self.kv_cache_dtype,
-                kv_cache_memory_fraction=self.kv_cache_memory_fraction,
-                enable_prefix_caching=self.enable_prefix_caching,
-                prefix_caching_hash_algo=self.prefix_caching_hash_algo,
-            ),
-            scheduler=SchedulerConfig(
-                self.max_num_seqs,
-                self.max_num_batched_tokens,
-                self.enable_chunked_prefill,
-                self.long_prefill_token_threshold,
-                self.max_running_per_request,
-                long_prefill_step_seconds=self.long_prefill_step_seconds,
-                policy=self.scheduling_policy,
-            ),
-            graph=graph,
-            parallel=ParallelConfig(
-                tensor=self.tensor_parallel_size,
-                pipeline=self.pipeline_parallel_size,
-                micro_batches=self.pipeline_micro_batches,
-                steps_in_flight=self.pipeline_steps_in_flight,
-                nnodes=self.nnodes,
-                node_rank=self.node_rank,
-                master_addr=self.master_addr,
-                master_port=self.master_port,
-            ),
-            speculative=speculative,
-            grammar_cache_bytes=self.grammar_cache_mb << 20,
-            pooling=PoolingConfig(self.pooling, self.normalize_embeddings),
-        )
-        if self.enable_piecewise_graph and not graph.mode.is_graph:
-            raise ConfigError(
-                f"--enable-piecewise-graph asks for graph mode but {recipe.path if recipe else 'the flags'} "
-                "set graph mode eager; drop one of them"
-            )
-        if recipe is not None:
-            from kiln.engine.setup.recipe_config import overlay_recipe
-
-            config = overlay_recipe(config, recipe)
-        if config.speculative.is_enabled and config.parallel.is_distributed:
-            raise ConfigError("speculative decoding runs on one device for now: drop it or the parallel layout")
-        if refuse_inert_options:
-            refuse_inert(self.given(), config)
-        return config
-
+    # -- what resolution reads (kiln.engine.setup.resolve) ----------------------------------------------------
     def given(self) -> set[str]:
         """The options set to something other than their default."""
         return {f.name for f in fields(self) if getattr(self, f.name) != f.default}
@@ -360,17 +269,13 @@ class EngineArgs:
         if low > high:
             raise ConfigError(f"--prompt-lookup-min {low} is above --prompt-lookup-max {high}")
         config = SpeculativeConfig(
-            self.speculative_method,
-            self.num_speculative_tokens,
-            high,
-            low,
-            self.speculative_policy,
-            self.speculative_model,
+            method=self.speculative_method,
+            num_speculative_tokens=self.num_speculative_tokens,
+            prompt_lookup_max=high,
+            prompt_lookup_min=low,
+            policy=self.speculative_policy,
+            draft_model=self.speculative_model,
         )
         if problem := config.problem():
             raise ConfigError(problem)
         return config
-
-    def graph_mode_flag(self) -> str | None:
-        """The graph mode --graph-mode or one of its aliases names (kiln.compile.settings.graph_mode_from_flags)."""
-        return graph_mode_from_flags(self.graph_mode, self.enforce_eager, self.full_graph, self.enable_piecewise_graph)

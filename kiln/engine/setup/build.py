@@ -1,6 +1,7 @@
 """`build_engine(config)`: the one way an engine is made, for the CLI, `LLM`, the server, `kiln compile`, the
-debugger and the bench alike. It loads the checkpoint, the model and the tokenizer, picks the executor from the
-registry below and hands everything to `EngineCore`.
+debugger and the bench alike. It loads the checkpoint, the model and the tokenizer, and hands them to `build_core`,
+which picks the executor from the registry below and makes the `EngineCore` (the debugger calls `build_core` itself
+for its engines over a model it already holds).
 
 `EXECUTORS` is the executor registry: a new way to run the forward is a subclass of `kiln.executor.base.Executor`
 and one entry here, chosen by `EngineConfig.executor`.
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 from torch import nn
@@ -22,17 +22,18 @@ from kiln.distributed.workers import Workers, follow, start_ranks
 from kiln.engine.core import EngineCore, MakeSpeculator
 from kiln.engine.running.model_runner import StepObserver
 from kiln.engine.running.rank_role import RankRole, rank_role
+from kiln.engine.setup.resolve import resolve_for_model
 from kiln.engine.speculation.draft import DraftModel, draft_engine_config
 from kiln.engine.speculation.speculation import Speculator
-from kiln.env import read_env
 from kiln.errors import ConfigError
 from kiln.executor.base import Executor
 from kiln.executor.eager import EagerExecutor
 from kiln.executor.graph import GraphExecutor
-from kiln.model.build import build_model, load_tokenizer
+from kiln.model.build import build_model, has_packed_blocks, load_tokenizer
 from kiln.model.dtypes import parse_dtype
 from kiln.model.loader import Checkpoint, open_checkpoint
 from kiln.model.parallel import check_parallel
+from kiln.model.tokenizer import KilnTokenizer
 from kiln.platforms import platform_of
 
 logger = logging.getLogger("kiln")
@@ -58,12 +59,12 @@ def make_executor(config: EngineConfig) -> Executor:
 
 
 def apply_device_settings(config: EngineConfig) -> None:
-    """Check the device exists and set torch's thread count (--num-threads, else KILN_NUM_THREADS)."""
+    """Check the device exists and set torch's thread count (resolved: --num-threads, else KILN_NUM_THREADS; None:
+    torch's own, all cores)."""
     if not platform_of(config.device).is_available():
         raise ConfigError(f"device {config.device!r} was asked for but torch sees no such device; use --device cpu")
-    threads = config.num_threads or read_env().num_threads
-    if threads:
-        torch.set_num_threads(threads)
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
 
 
 def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> EngineCore:
@@ -76,7 +77,7 @@ def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> 
     checkpoint = open_checkpoint(config.model)
     state, workers = rank_state(), None
     if state is not None and state.spmd:  # every rank runs the debugger's program, which builds its own engines
-        return _build_core(config, checkpoint, observer, state)
+        return load_core(config, checkpoint, observer, state)
     if state is not None and state.is_driver:
         raise ConfigError(
             "a multi-device engine is already running in this process: close() it before building another"
@@ -85,7 +86,7 @@ def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> 
         check_parallel(checkpoint.config, config.parallel)  # before any rank starts
         state, workers = start_ranks(config, build_engine)
     try:
-        core = _build_core(config, checkpoint, observer, state, workers)
+        core = load_core(config, checkpoint, observer, state=state, workers=workers)
     except BaseException:
         if workers is not None:  # this rank failed: the ranks it started must not wait for it
             workers.abort()
@@ -117,14 +118,14 @@ def speculator_maker(config: EngineConfig) -> MakeSpeculator:
 def build_draft(config: EngineConfig, target: ModelConfig, max_model_len: int, num_blocks: int) -> DraftModel:
     """The draft method's model (kiln.engine.speculation.draft), in an engine of its own, sized as the target's."""
     draft = open_checkpoint(config.speculative.draft_model)
-    draft_config = draft_engine_config(config, target, max_model_len, num_blocks, draft)
+    draft_config = draft_engine_config(config, target, max_model_len=max_model_len, num_blocks=num_blocks, draft=draft)
     logger.info(
         "Speculative decoding: draft model %s (%d layers) proposes up to %d tokens per step; building its engine",
         draft.path,
         draft.config.num_layers,
         config.speculative.num_speculative_tokens,
     )
-    return DraftModel(_build_core(draft_config, draft, None, detokenize=False))
+    return DraftModel(load_core(draft_config, draft, None, detokenize=False))
 
 
 def engine_role(
@@ -134,10 +135,17 @@ def engine_role(
     `RankRole()`."""
     if state is None:
         return RankRole()
-    return rank_role(state, config.parallel, model, executor.compute_logits, model.config.vocab_size, workers)
+    return rank_role(
+        state,
+        config.parallel,
+        model,
+        compute_logits=executor.compute_logits,
+        vocab_size=model.config.vocab_size,
+        workers=workers,
+    )
 
 
-def _build_core(
+def load_core(
     config: EngineConfig,
     checkpoint: Checkpoint,
     observer: StepObserver | None,
@@ -145,29 +153,57 @@ def _build_core(
     workers: Workers | None = None,
     detokenize: bool = True,
 ) -> EngineCore:
-    """`detokenize` False: the engine serves token ids only (a draft model's)."""
-    max_model_len = config.max_model_len or EngineCore.default_max_model_len(checkpoint.config)
+    """Load `checkpoint`'s model (and, with `detokenize`, its tokenizer: False serves token ids only, a draft
+    model's) under `config` resolved for it (kiln.engine.setup.resolve.resolve_for_model), then `build_core`."""
+    resolved = resolve_for_model(config, checkpoint.config, has_packed_blocks(checkpoint))
     model = build_model(
         checkpoint,
-        parse_dtype(config.dtype),
-        max_model_len,
-        config.device,
-        config.quantization,
-        config.quantization_group_size,
+        parse_dtype(resolved.dtype),
+        max_positions=resolved.max_model_len,
+        device=resolved.device,
+        quantization=resolved.quantization,
+        group_size=resolved.quantization_group_size,
     )
+    return build_core(
+        resolved,
+        model,
+        tokenizer=load_tokenizer(checkpoint) if detokenize else None,
+        checkpoint_path=checkpoint.path,
+        observer=observer,
+        state=state,
+        workers=workers,
+        # NOTE: the config as given: a draft model resolves what its own checkpoint decides (quantization auto)
+        make_speculator=speculator_maker(config),
+    )
+
+
+def build_core(
+    config: EngineConfig,
+    model: nn.Module,
+    *,
+    tokenizer: KilnTokenizer | None = None,
+    executor: Executor | None = None,
+    checkpoint_path: str = "",
+    observer: StepObserver | None = None,
+    state: RankState | None = None,
+    workers: Workers | None = None,
+    make_speculator: MakeSpeculator | None = None,
+) -> EngineCore:
+    """An engine over a loaded `model`, prepared: the one place an `EngineCore` is made, for `build_engine` and the
+    debugger's engines alike. `config` is resolved for the model here (a no-op when it already is);
+    `executor` None: the registry's for `config` (EXECUTORS); `state`/`workers`: this rank's part in a multi-device
+    engine (None: a single device); `make_speculator` None: `speculator_maker(config)`."""
+    config = resolve_for_model(config, model.config, has_packed_blocks=False)
     check_quantized(model, config.graph.fusion_groups)
-    tokenizer = load_tokenizer(checkpoint) if detokenize else None
-    graph = replace(config.graph, max_model_len=max_model_len)
-    executor = make_executor(replace(config, graph=graph))
-    role = engine_role(config, model, executor, state, workers)
+    executor = executor or make_executor(config)
     core = EngineCore(
         config,
         model,
         tokenizer,
         executor,
-        checkpoint_path=checkpoint.path,
+        checkpoint_path=checkpoint_path,
         observer=observer,
-        role=role,
-        make_speculator=speculator_maker(config),
+        role=engine_role(config, model, executor, state, workers),
+        make_speculator=make_speculator or speculator_maker(config),
     )
     return core.prepare()

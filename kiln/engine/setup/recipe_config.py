@@ -1,5 +1,5 @@
-"""The recipe's overlay on the engine config, with one precedence for every field (graph settings are overlaid
-by kiln.compile.settings under the same rule).
+"""The recipe's overlay on the engine config: the recipe's part of the one precedence (kiln.engine.setup.resolve,
+which calls `overlay_recipe`; graph settings are overlaid by kiln.compile.settings under the same rule).
 
 The recipe is the contract; a flag left at its default never changes it. A flag given (a value other than its
 default) that disagrees with the recipe:
