@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import jinja2
 
-from kiln.engine.structured.structured_output import ReasoningGate
+from kiln.engine.structured.reasoning_gate import ReasoningGate
 from kiln.errors import RequestError
 from kiln.model.tokenizer import KilnTokenizer
 

@@ -114,11 +114,11 @@ class ScriptedCore(FakeCore):
         self.prompts: list[str] = []
         self.step_delay = 0.0
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: Any, priority: int = 0) -> Any:
+    def add_request(self, request_id: str, prompt: str | list[int], params: Any, **options: Any) -> Any:
         assert isinstance(prompt, list)
         self.prompts.append(self.tokenizer.decode(prompt, skip_special_tokens=False))
         scripted = dataclasses.replace(params, max_tokens=len(self.script_ids))
-        return super().add_request(request_id, prompt, scripted, priority)
+        return super().add_request(request_id, prompt, scripted, **options)
 
     def step(self) -> list[RequestOutput]:
         return [self._scripted(out) for out in super().step()]

@@ -49,6 +49,7 @@ from kiln.engine.structured.grammar_build import (
     new_matcher,
 )
 from kiln.engine.structured.grammar_cache import GRAMMAR_CACHE_BYTES, GrammarCache, estimated_bytes, grammar_key
+from kiln.engine.structured.reasoning_gate import ReasoningGate
 from kiln.errors import RequestError
 
 logger = logging.getLogger("kiln")
@@ -56,21 +57,6 @@ logger = logging.getLogger("kiln")
 Kind = Literal["json", "regex", "choice", "grammar"]
 KINDS: tuple[str, ...] = ("json", "regex", "choice", "grammar")
 ANY_JSON_OBJECT = '{"type": "object"}'  # OpenAI's json_object mode
-
-
-@dataclass(frozen=True)
-class ReasoningGate:
-    """Where a reasoning model's answer starts: the grammar holds the output only after the token ids `end` (the
-    reasoning's closing tag). `inside`: the output starts inside the reasoning (the prompt opened it); else `start`
-    (the opening tag, when it is one token) may open a reasoning as the output's first token."""
-
-    end: tuple[int, ...]
-    start: int | None = None
-    inside: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.end:
-            raise ValueError("a reasoning gate needs the token ids of the reasoning's closing tag")
 
 
 @dataclass(frozen=True)
