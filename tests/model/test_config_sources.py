@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kiln import models
 from kiln.config import ModelConfig, MoEConfig
 from kiln.errors import ConfigError, ModelLoadError
 from kiln.model.loader import open_checkpoint
@@ -158,3 +159,13 @@ def test_a_missing_required_field_is_named_as_the_file_names_it(
     del config["sliding_window"]
     with pytest.raises(ModelLoadError, match=r"field sliding_window is missing"):
         parse_config(tmp_path / "config.json", config)
+
+
+def test_a_reader_that_returns_no_config_is_one_clear_error(tmp_path: Path) -> None:
+    """A plugin written for the old reader shape (a dict of fields) is told what a reader returns."""
+    models.register("DictReaderLM", "kiln.model.llama:LlamaForCausalLM", read_config=lambda view, config: {})
+    try:
+        with pytest.raises(ConfigError, match=r"returned dict: a reader returns the ModelConfig it was given"):
+            parse_config(tmp_path / "config.json", HF_BASE | {"architectures": ["DictReaderLM"]})
+    finally:
+        FAMILIES.pop("DictReaderLM")

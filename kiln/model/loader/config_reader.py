@@ -5,6 +5,7 @@ family's own reader (kiln.model.loader.families), which fills the typed parts on
 from __future__ import annotations
 
 from kiln.config import ModelConfig
+from kiln.errors import ConfigError
 from kiln.model.loader.config_view import ConfigView
 from kiln.model.loader.families import Family
 
@@ -36,4 +37,13 @@ def read_model_config(view: ConfigView, family: Family) -> ModelConfig:
         hidden_act=view.activation("hidden_act", "silu"),
     )
     reader = family.reader()
-    return shared if reader is None else reader(view, shared)
+    if reader is None:
+        return shared
+    config = reader(view, shared)
+    if not isinstance(config, ModelConfig):
+        raise ConfigError(
+            f"the config reader of {family.architecture} ({family.read_config!r}) returned {type(config).__name__}: "
+            "a reader returns the ModelConfig it was given with its family's fields set, "
+            "dataclasses.replace(config, ...) (kiln.models)"
+        )
+    return config

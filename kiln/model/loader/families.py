@@ -44,6 +44,8 @@ ConfigReader = Callable[[ConfigView, ModelConfig], ModelConfig]
 
 @dataclass(frozen=True)
 class Family:
+    """One architecture kiln runs, under its HF name (its key in FAMILIES) and its GGUF name (`gguf`)."""
+
     architecture: str  # kiln's key for it (ModelConfig.architecture)
     model: str | type  # the model class, or "module:Class"
     read_config: str | ConfigReader | None = None  # the family's own settings, or "module:function"
