@@ -8,7 +8,8 @@ Ops are matched inside one decoder layer (`model.layers.N`, together with the mo
   module (the MLP for `gate_proj`, the decoder layer for `rms_norm`); in a group of such ops only, in the module
   that computes the group's first op other than `mul` and `add` (the MLP for `[silu, mul]`).
 The instance is the (layer, piece) that matches most ops, preferring pieces with generated code, then the earliest;
-an op that only another piece of that layer holds is reported with that piece.
+an op that only another piece of that layer holds is reported with that piece. A "piece" here is any `CheckedCode`:
+a graph piece, or a layer unit of the full decode graph (kiln.compile.full_graph).
 """
 
 from __future__ import annotations
@@ -16,14 +17,10 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from torch.fx import Node
+from torch.fx import GraphModule, Node
 
 from kiln.compile.split import node_module_path, op_name
-
-if TYPE_CHECKING:
-    from kiln.compile.piece import Piece
 
 _LAYER = re.compile(r"^(.*?\blayers\.\d+)(?:\.|$)")
 _COMMON = ("mul", "add")  # kinds found in every module; they cannot place a group alone
@@ -34,9 +31,22 @@ _MODULE_KINDS: dict[str, Callable[[str, str], bool]] = {
 }
 
 
+@dataclass(frozen=True, eq=False)
+class CheckedCode:
+    """One graph and the code compiled from it, as the fusion check reads them: a piece, or a layer unit of the full
+    decode graph."""
+
+    index: int
+    label: str  # how reports name it: `piece 3`, `full decode graph, layer unit 2/30`
+    graph: GraphModule  # what the code was compiled from
+    source: str | None  # the generated code for any num_tokens; None: none (the eager compiler, an eager mode)
+    mode: str
+    static_sources: dict[int, str] = field(default_factory=dict)  # num_tokens -> the code compiled for it alone
+
+
 @dataclass
 class GroupInstance:
-    piece: Piece | None  # None: no op of the group is in the graph
+    piece: CheckedCode | None  # None: no op of the group is in the graph
     scope: str = ""  # the module holding the instance (`model.layers.0.mlp`)
     nodes: dict[str, list[Node]] = field(default_factory=dict)  # op -> its nodes in `piece`
     modules: set[str] = field(default_factory=set)  # ops matched as modules (every node of theirs counts)
@@ -51,13 +61,13 @@ class _Entry:
     node: Node
 
 
-def locate(pieces: list[Piece], ops: tuple[str, ...], has_code: Callable[[Piece], bool]) -> GroupInstance:
+def locate(pieces: list[CheckedCode], ops: tuple[str, ...], has_code: Callable[[CheckedCode], bool]) -> GroupInstance:
     """The instance of the group `ops` (the rules above); `has_code(piece)` prefers pieces with generated code."""
     entries = {p.index: _entries(p) for p in pieces}
     leaves = {e.path.rsplit(".", 1)[-1] for es in entries.values() for e in es}
     modules = {op for op in ops if op in _MODULE_KINDS or any(module_matches(op, leaf) for leaf in leaves)}
 
-    def match(piece: Piece, layer: str) -> tuple[dict[str, list[Node]], list[str]]:
+    def match(piece: CheckedCode, layer: str) -> tuple[dict[str, list[Node]], list[str]]:
         return _match([e for e in entries[piece.index] if e.layer in (layer, "")], ops, modules)
 
     candidates = [(p, layer) for p in pieces for layer in dict.fromkeys(e.layer for e in entries[p.index])]
@@ -119,9 +129,9 @@ def _in_module(op: str, entry: _Entry) -> bool:
     return module_matches(op, entry.path.rsplit(".", 1)[-1])
 
 
-def _entries(piece: Piece) -> list[_Entry]:
+def _entries(piece: CheckedCode) -> list[_Entry]:
     out = []
-    for node in piece.compile_source.graph.nodes:
+    for node in piece.graph.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
         path = node_module_path(node)
