@@ -3,7 +3,8 @@
 Ops are matched inside one decoder layer (`model.layers.N`, together with the model's top-level modules):
 - a module op names the nodes of the modules with that name; kiln's merged modules count for their parts
   (`gate_proj` and `up_proj` match `gate_up_proj`, `q_proj` matches `qkv_proj`);
-- `rms_norm` and `rotary_emb` name the nodes of an RMSNorm or a rotary-embedding module;
+- `rms_norm` and `rotary_emb` name the nodes of an RMSNorm or a rotary-embedding module (where a layer's graph holds
+  several, the one that reads or feeds the group's other ops);
 - any other op (`silu`, `mul`, `add`) names the nodes of that kind computed directly in the parent of a matched
   module (the MLP for `gate_proj`, the decoder layer for `rms_norm`); in a group of such ops only, in the module
   that computes the group's first op other than `mul` and `add` (the MLP for `[silu, mul]`).
@@ -120,7 +121,23 @@ def _match(entries: list[_Entry], ops: tuple[str, ...], modules: set[str]) -> tu
         hits = [e.node for e in entries if node_kind(e.node) == op and e.path in homes]
         if hits:
             found[op] = hits
+    for op in (op for op in found if op in _MODULE_KINDS):
+        others = {n for other, nodes in found.items() if other != op for n in nodes}
+        found[op] = _one_module(found[op], others)
     return {op: found[op] for op in ops if op in found}, list(dict.fromkeys(homes))
+
+
+def _one_module(nodes: list[Node], others: set[Node]) -> list[Node]:
+    """The nodes of one module of a kind (`rms_norm`): a graph holding a whole decoder layer (the full decode graph's
+    layer units) has two RMSNorms, or three beside the final norm; the group means the one that reads or feeds a
+    node of its other ops (the first such, else the first)."""
+    modules: dict[str, list[Node]] = {}
+    for node in nodes:
+        modules.setdefault(node_module_path(node), []).append(node)
+    if len(modules) < 2:
+        return nodes
+    touching = [ns for ns in modules.values() if any(m in others for n in ns for m in (*n.all_input_nodes, *n.users))]
+    return (touching or list(modules.values()))[0]
 
 
 def _in_module(op: str, entry: _Entry) -> bool:
