@@ -59,7 +59,9 @@ class Capturer:
             def hook(piece: Piece, args: tuple[Any, ...], n: int = n, adopt: set[int] = adopt, bar: tqdm = bar) -> Any:
                 compiled = piece.static_compiled.get(n, piece.compiled)
                 assert compiled is not None, f"piece {piece.index} is captured before it was compiled"
-                capture = make_capture(self.device, compiled.fn, args, piece.dynamic_args, adopt, self.pool)
+                capture = make_capture(
+                    self.device, compiled.fn, args, dynamic_args=piece.dynamic_args, adopt=adopt, pool=self.pool
+                )
                 piece.add_capture(n, capture)
                 adopt.update(id(o) for o in capture.outputs)
                 self.counters.pieces_captured += 1

@@ -74,18 +74,18 @@ class Dispatcher:
             else:
                 self.counters.full_replays += 1
                 self.counters.full_verify_replays += bool(batch.num_draft_tokens)
-                self._log(FULL, n, meta.num_actual_tokens, reason, batch.num_draft_tokens)
+                self._log(FULL, n, meta.num_actual_tokens, reason=reason, num_drafts=batch.num_draft_tokens)
                 return self.full.run(batch, n)
         static = self.static_inputs.get(n)
         if static is not None and self.mode.splits_forward:
             self.counters.replays += 1
-            self._log(PIECEWISE, n, meta.num_actual_tokens, reason, batch.num_draft_tokens)
+            self._log(PIECEWISE, n, meta.num_actual_tokens, reason=reason, num_drafts=batch.num_draft_tokens)
             ids, pos = static
             ids.copy_(input_ids)
             pos.copy_(batch.positions)
             return self.graph.run(ids, pos)
         self.counters.dynamic_fallbacks += 1
-        self._log(DYNAMIC, n, meta.num_actual_tokens, reason, batch.num_draft_tokens)
+        self._log(DYNAMIC, n, meta.num_actual_tokens, reason=reason, num_drafts=batch.num_draft_tokens)
         return self.graph.run_dynamic(input_ids, batch.positions)
 
     def _log(self, kind: str, padded: int, real: int, reason: str, num_drafts: int = 0) -> None:

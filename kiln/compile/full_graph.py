@@ -86,7 +86,13 @@ class DecodeVariant:
         gm = traced.gm
         table = traced.slots.index(BLOCK_TABLE)
         self.piece = Piece(
-            SplitPiece(0, "full_decode", gm, structure_key(gm), module_paths(gm)),
+            SplitPiece(
+                index=0,
+                submod_name="full_decode",
+                graph=gm,
+                structure_key=structure_key(gm),
+                module_paths=module_paths(gm),
+            ),
             counters,
             label=FULL_LABEL + ("" if static_size is None else f" (num_tokens={static_size})"),
             size_slot=traced.slots.index(NUM_TOKENS) if static_size is None else None,
@@ -135,7 +141,9 @@ class FullDecodeGraph:
         self.device = device
         self.counters = counters
         self.sizes = sorted(sizes)
-        trace = partial(trace_model, model, kv_caches, device, sample_size, decode=True, decode_kernel=decode_kernel)
+        trace = partial(
+            trace_model, model, kv_caches, device, sample_size=sample_size, decode=True, decode_kernel=decode_kernel
+        )
         self.variants: dict[int | None, DecodeVariant] = {None: DecodeVariant(trace(), counters, None)}
         counters.graphs_traced += 1
         for size in static_sizes(model, self.sizes, gemv_sizes):
