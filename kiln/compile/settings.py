@@ -94,7 +94,15 @@ def _fusion_groups(groups: Iterable[Any], path: str = "", lines: tuple[int, ...]
         ops = tuple(str(op) for op in _field(g, "ops"))
         quantized = _field(g, "all_ops_quantized")
         name, required = str(_field(g, "name")), bool(_field(g, "required", True))
-        out.append(FusionGroupConfig(name, ops, required, where, None if quantized is None else str(quantized)))
+        out.append(
+            FusionGroupConfig(
+                name,
+                ops,
+                required=required,
+                where=where,
+                all_ops_quantized=None if quantized is None else str(quantized),
+            )
+        )
     return tuple(out)
 
 

@@ -41,7 +41,7 @@ def analyze(
         first = next((f.constraint for f in sorted(outcome.core, key=_line) if f.constraint), None)
         message = describe_core(outcome.core, system.model_values)
         at = (
-            doc.at("error", message, first.line, first.col, len(first.text))
+            doc.at("error", message, line=first.line, col=first.col, length=len(first.text))
             if first
             else doc.diagnostic("error", message, CONSTRAINTS_PATH)
         )
@@ -54,7 +54,7 @@ def analyze(
         return Analysis(system, False, diagnostics=[*diagnostics, doc.diagnostic("error", message, CONSTRAINTS_PATH)])
     diagnostics += _redundant(doc, system)
     bounds = {name: system.maximum(name, outcome.witness[name]) for name in RUNTIME_SYMBOLS}
-    return Analysis(system, True, outcome.witness, bounds, diagnostics)
+    return Analysis(system, True, witness=outcome.witness, bounds=bounds, diagnostics=diagnostics)
 
 
 def _line(fact: Fact) -> int:
@@ -76,7 +76,9 @@ def _redundant(doc: SourceDoc, system: ConstraintSystem) -> list[Diagnostic]:
         active.remove(fact)
         by = [f.label for f in reasons if f.constraint is not None]
         why = f"it is implied by {' and '.join(by)}" if by else "it is always true"
-        diagnostics.append(doc.at("warning", f"redundant constraint {c.text}: {why}", c.line, c.col, len(c.text)))
+        diagnostics.append(
+            doc.at("warning", f"redundant constraint {c.text}: {why}", line=c.line, col=c.col, length=len(c.text))
+        )
     return diagnostics
 
 
@@ -99,5 +101,5 @@ def _zero_divisors(doc: SourceDoc, constraints: list[Constraint], values: Mappin
                 given = ", ".join(f"{n}={values[n]}" for n in sorted(names))
                 line, col = c.position_of(node.right)
                 message = f"division by zero in {c.text}: `{shown}` is 0" + (f" ({given})" if given else "")
-                diagnostics.setdefault(c.index, doc.at("error", message, line, col, len(shown)))
+                diagnostics.setdefault(c.index, doc.at("error", message, line=line, col=col, length=len(shown)))
     return diagnostics

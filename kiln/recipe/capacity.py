@@ -30,7 +30,7 @@ def check_capture_sizes(doc: SourceDoc, spec: RecipeSpec, analysis: Analysis) ->
             else:  # NOTE: default sizes are written nowhere; point at the constraint they break instead.
                 c = broken[0].constraint
                 message = f"default {message} (graph.capture_sizes is not set: {spec.graph.capture_sizes})"
-                out.append(doc.at("error", message, c.line, c.col, len(c.text)))
+                out.append(doc.at("error", message, line=c.line, col=c.col, length=len(c.text)))
         elif outcome.status == "unknown":
             out.append(doc.diagnostic("warning", f"could not check capture size {size} ({outcome.reason})", path))
     return out
@@ -57,20 +57,20 @@ def check_kv_capacity(
             f"seq_len can reach {seq_len} ({_bounded_by(analysis, 'seq_len')}) but the KV cache "
             f"holds {capacity} tokens ({where})"
         )
-        out.append(_at_bound(doc, analysis, "seq_len", "error", message))
+        out.append(_at_bound(doc, analysis, name="seq_len", severity="error", message=message))
     elif config is not None and seq_len > config.max_position_embeddings:
         message = (
             f"seq_len can reach {seq_len} but the model was trained for {config.max_position_embeddings} "
             "positions; quality degrades beyond that"
         )
-        out.append(_at_bound(doc, analysis, "seq_len", "warning", message))
+        out.append(_at_bound(doc, analysis, name="seq_len", severity="warning", message=message))
     batch = analysis.bounds.get("batch_size")
     if batch is not None and batch > kv.max_pages:
         message = (
             f"batch_size can reach {batch} but only {kv.max_pages} sequences fit in the KV cache at once "
             f"(each needs at least one page; {where})"
         )
-        out.append(_at_bound(doc, analysis, "batch_size", "warning", message))
+        out.append(_at_bound(doc, analysis, name="batch_size", severity="warning", message=message))
     if analysis.bounds.get("num_tokens") is None:
         message = (
             "num_tokens has no provable upper bound; add a constraint such as num_tokens <= 2048 to size the batch"
@@ -99,7 +99,7 @@ def _at_bound(doc: SourceDoc, analysis: Analysis, name: str, severity: Severity,
     facts = _bounding_facts(analysis, name)
     if facts and facts[0].constraint is not None:
         c = facts[0].constraint
-        return doc.at(severity, message, c.line, c.col, len(c.text))
+        return doc.at(severity, message, line=c.line, col=c.col, length=len(c.text))
     return doc.diagnostic(severity, message, CONSTRAINTS_PATH, key=True)
 
 

@@ -122,11 +122,11 @@ def check_model_constraints(
             holds = evaluate(c.expr, values)
         except ExprError as exc:
             message = f"{exc.message} for this model ({shown})"
-            diagnostics.append(doc.at("error", message, c.line, c.column(exc.offset), exc.length))
+            diagnostics.append(doc.at("error", message, line=c.line, col=c.column(exc.offset), length=exc.length))
             continue
         if not holds:
             message = f"{c.text} is false for this model: {shown} in {os.path.basename(header.path)}"
-            diagnostics.append(doc.at("error", message, c.line, c.col, len(c.text)))
+            diagnostics.append(doc.at("error", message, line=c.line, col=c.col, length=len(c.text)))
     return diagnostics
 
 

@@ -57,7 +57,7 @@ def parse_constraints(doc: SourceDoc, texts: list[str]) -> tuple[list[Constraint
             constraints.append(Constraint(i, parse_constraint(text), line, col))
         except ExprError as exc:
             at = col + exc.offset - _lead(text) if "\n" not in text else col
-            diagnostics.append(doc.at("error", exc.message, line, at, exc.length))
+            diagnostics.append(doc.at("error", exc.message, line=line, col=at, length=exc.length))
     return constraints, diagnostics
 
 

@@ -91,14 +91,14 @@ class RecipeGuards:
             raise RecipeViolation(
                 f"{self.file}:{c.line}: {c.text} cannot be evaluated: {exc.message} (got {got})",
                 self.file,
-                c.line,
-                request_id,
-                _param(c),
+                line=c.line,
+                request_id=request_id,
+                param=_param(c),
             ) from None
 
     def _violated(self, c: Constraint, values: Mapping[str, int], request_id: str | None) -> None:
         message = f"{self.file}:{c.line}: {c.text} violated: got {_got(c, values)}"
-        raise RecipeViolation(message, self.file, c.line, request_id, _param(c))
+        raise RecipeViolation(message, self.file, line=c.line, request_id=request_id, param=_param(c))
 
 
 def _got(c: Constraint, values: Mapping[str, int]) -> str:

@@ -153,7 +153,14 @@ def plan_placement(
         for s, layers in enumerate(stage_layers)
     )
     total = sum(tensor_bytes.values())
-    return Placement(stages, tensor, kv_tokens, total, tuple(sorted(other)), config.tie_word_embeddings)
+    return Placement(
+        stages,
+        tensor,
+        kv_tokens=kv_tokens,
+        total_weight_bytes=total,
+        other_tensors=tuple(sorted(other)),
+        tied_head=config.tie_word_embeddings,
+    )
 
 
 def weight_bytes_of(shapes: Mapping[str, tuple[int, ...]], spec: RecipeSpec) -> dict[str, int]:

@@ -177,7 +177,9 @@ def load_recipe(path: str, model: str | None = None, solver_budget_s: float = DE
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise RecipeError([Diagnostic(path, 0, 0, "error", f"cannot read the recipe: {reason}")]) from None
+        raise RecipeError(
+            [Diagnostic(path, 0, col=0, severity="error", message=f"cannot read the recipe: {reason}")]
+        ) from None
     return load_recipe_text(text, path, model, solver_budget_s)
 
 
@@ -214,7 +216,9 @@ def load_recipe_text(
     bounds: dict[str, int | None] = {}
     if len(constraints) == len(spec.input_constraints.constraints):  # every constraint parsed
         budget = SolverBudget(solver_budget_s)
-        found, witness, bounds = _prove(doc, spec, constraints, values, header, budget, broken)
+        found, witness, bounds = _prove(
+            doc, spec, constraints=constraints, values=values, header=header, budget=budget, broken=broken
+        )
         diagnostics += found
     diagnostics = sort_diagnostics(diagnostics)
     if has_errors(diagnostics) or header is None or values is None:
@@ -223,7 +227,16 @@ def load_recipe_text(
     model_path = os.path.abspath(header.path)
     lines = tuple(doc.position(("fusion_groups", i))[0] for i in range(len(spec.fusion_groups)))
     return Recipe(
-        file, spec, recipe_hash(spec, constraints), constraints, model_path, values, witness, bounds, diagnostics, lines
+        file,
+        spec,
+        hash=recipe_hash(spec, constraints),
+        constraints=constraints,
+        model_path=model_path,
+        model_values=values,
+        witness=witness,
+        bounds=bounds,
+        diagnostics=diagnostics,
+        fusion_lines=lines,
     )
 
 

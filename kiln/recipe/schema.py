@@ -185,10 +185,10 @@ class Speculative(Section):
         return SpeculativeConfig(
             self.method,
             self.num_speculative_tokens,
-            self.prompt_lookup_max,
-            self.prompt_lookup_min,
-            self.policy,
-            self.draft_model,
+            prompt_lookup_max=self.prompt_lookup_max,
+            prompt_lookup_min=self.prompt_lookup_min,
+            policy=self.policy,
+            draft_model=self.draft_model,
         )
 
 

@@ -48,7 +48,15 @@ class SourceDoc:
         return (1, 1)
 
     def at(self, severity: Severity, message: str, line: int, col: int, length: int = 1) -> Diagnostic:
-        return Diagnostic(self.file, line, col, severity, message, self.source_line(line), max(length, 1))
+        return Diagnostic(
+            self.file,
+            line,
+            col=col,
+            severity=severity,
+            message=message,
+            source_line=self.source_line(line),
+            length=max(length, 1),
+        )
 
     def diagnostic(self, severity: Severity, message: str, path: KeyPath, key: bool = False) -> Diagnostic:
         line, col = self.position(path, key)
@@ -71,19 +79,27 @@ def load_mapping(text: str, file: str) -> CommentedMap:
         mark = exc.problem_mark or exc.context_mark
         line, col = (mark.line + 1, mark.column + 1) if mark is not None else (1, 1)
         problem = exc.problem or exc.context or "invalid YAML"
-        raise RecipeError([_diag(text, file, line, col, f"invalid YAML: {problem}")]) from None
+        raise RecipeError([_diag(text, file, line=line, col=col, message=f"invalid YAML: {problem}")]) from None
     except (YAMLError, ValueError, TypeError, OverflowError, RecursionError) as exc:
         # NOTE: the constructor raises plain ValueError for impossible timestamps such as 2024-13-45.
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise RecipeError([_diag(text, file, 1, 1, f"invalid YAML: {message}")]) from None
+        raise RecipeError([_diag(text, file, line=1, col=1, message=f"invalid YAML: {message}")]) from None
     written = [line.strip() for line in text.splitlines() if line.strip()]
     if root is None and written and all(line.startswith("#") for line in written):
         message = "the recipe has only comments; expected a mapping with recipe_version, model, ..."
-        raise RecipeError([_diag(text, file, 1, 1, message)])
+        raise RecipeError([_diag(text, file, line=1, col=1, message=message)])
     if not isinstance(root, CommentedMap):
         found = f"a {type(root).__name__}" if root is not None else ("null" if written else "an empty file")
         raise RecipeError(
-            [_diag(text, file, 1, 1, f"a recipe must be a YAML mapping (recipe_version, model, ...), found {found}")]
+            [
+                _diag(
+                    text,
+                    file,
+                    line=1,
+                    col=1,
+                    message=f"a recipe must be a YAML mapping (recipe_version, model, ...), found {found}",
+                )
+            ]
         )
     return root
 
@@ -94,13 +110,13 @@ def source_doc(root: CommentedMap, text: str, file: str) -> SourceDoc:
     data = builder.convert(root, ())
     if builder.errors:
         raise RecipeError(builder.errors)
-    return SourceDoc(file, text, data, builder.values, builder.keys)
+    return SourceDoc(file, text, data=data, values=builder.values, keys=builder.keys)
 
 
 def _diag(text: str, file: str, line: int, col: int, message: str) -> Diagnostic:
     lines = text.splitlines()
     source = lines[line - 1] if 0 < line <= len(lines) else None
-    return Diagnostic(file, line, col, "error", message, source)
+    return Diagnostic(file, line, col=col, severity="error", message=message, source_line=source)
 
 
 class _Builder:
@@ -121,9 +137,9 @@ class _Builder:
                     _diag(
                         self.text,
                         self.file,
-                        1,
-                        1,
-                        f"recipe too large: more than {MAX_NODES} YAML nodes after expanding aliases",
+                        line=1,
+                        col=1,
+                        message=f"recipe too large: more than {MAX_NODES} YAML nodes after expanding aliases",
                     )
                 )
             return None
@@ -140,7 +156,9 @@ class _Builder:
             pos = _lc(node.lc.key, key)
             if not isinstance(key, str):
                 line, col = pos or self.values.get(path, (1, 1))
-                self.errors.append(_diag(self.text, self.file, line, col, f"keys must be names, found {key!r}"))
+                self.errors.append(
+                    _diag(self.text, self.file, line=line, col=col, message=f"keys must be names, found {key!r}")
+                )
                 continue
             child = (*path, key)
             if pos is not None:

@@ -179,7 +179,7 @@ def _whole(doc: SourceDoc, message: str, path: tuple, text: str) -> Diagnostic:
     line, col = doc.position(path)
     source = doc.source_line(line) or ""
     length = len(text) + 2 if source[col - 1 : col] in ("'", '"') else len(text)
-    return doc.at("error", message, line, col, length)
+    return doc.at("error", message, line=line, col=col, length=length)
 
 
 def _runs(layers: list[int]) -> list[list[int]]:

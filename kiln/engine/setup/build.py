@@ -203,7 +203,7 @@ def build_core(
         executor,
         checkpoint_path=checkpoint_path,
         observer=observer,
-        role=engine_role(config, model, executor, state, workers),
+        role=engine_role(config, model, executor, state=state, workers=workers),
         make_speculator=make_speculator or speculator_maker(config),
     )
     return core.prepare()
