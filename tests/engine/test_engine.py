@@ -152,6 +152,8 @@ def test_stop_token_ids_and_max_tokens(llm: LLM, alone: list[list[int]]) -> None
 
 def test_prompt_over_max_model_len_fails_only_that_request() -> None:
     short = LLM("default", max_model_len=64, graph_mode="eager")
+    # the engine's config is resolved: quantization auto decided by the checkpoint (a Q4_1 GGUF: packed)
+    assert (short.engine.config.max_model_len, short.engine.config.quantization) == (64, "packed")
     outs = short.generate(["word " * 80, PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0))
     assert outs[0].finish_reason == "error"
     assert "max_model_len=64" in outs[0].error and "+ max_tokens (8)" in outs[0].error
@@ -160,6 +162,7 @@ def test_prompt_over_max_model_len_fails_only_that_request() -> None:
 
 def test_bad_requests_are_refused_with_the_field(llm: LLM) -> None:
     limit = llm.engine.max_model_len
+    assert llm.engine.config.max_model_len == limit == llm.engine.config.graph.max_model_len  # resolved once
     singular = rf"^prompt \(1 token\) \+ max_tokens \({limit}\) = {limit + 1} tokens exceeds"
     with pytest.raises(RequestError, match=singular):
         llm.engine.make_request("x", [1], SamplingParams(max_tokens=limit))
