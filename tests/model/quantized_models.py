@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from tests.engine.tiny_models import write_hf_model
+from kiln.quant.gptq_awq import AWQ_ORDER
+from tests.engine.tiny_models import rewrite_config, rewrite_safetensors, write_hf_model
 
 # preset -> changes to its weights' args (tiny layers: groups and blocks of 32)
 PRESETS = {
@@ -79,3 +80,90 @@ def edit_quantization_config(directory: Path, **changes: object) -> Path:
     config["quantization_config"].update(changes)
     path.write_text(json.dumps(config))
     return path
+
+
+def gptq_tensors(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
+    """GPTQ's layout of `w = (q - zeros) * scales` (q [out, in], zeros and scales [out, groups]), `gptq` format
+    (zeros stored minus one): qweight [in / p, out] packed along the input, qzeros [groups, out / p] along the
+    output, scales [groups, out] float16."""
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    qt = q.T.to(torch.int32).reshape(-1, per_word, q.shape[0])  # [in / p, p, out]
+    qweight = (qt << shifts.view(1, -1, 1)).sum(1, dtype=torch.int32)
+    z = (zeros.T.to(torch.int32) - 1).reshape(zeros.shape[1], -1, per_word)  # [groups, out / p, p]
+    qzeros = ((z & ((1 << bits) - 1)) << shifts).sum(-1, dtype=torch.int32)
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scales.T.contiguous().half()}
+
+
+def awq_tensors(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
+    """AWQ's GEMM layout: qweight [in, out / 8] and qzeros [groups, out / 8], each word's slot i holding output
+    column AWQ_ORDER[i] of its eight; scales [groups, out] float16."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+
+    def pack(values: torch.Tensor) -> torch.Tensor:  # [n, out] -> [n, out / 8]
+        words = values.to(torch.int32).reshape(values.shape[0], -1, 8)[..., list(AWQ_ORDER)]
+        return (words << shifts).sum(-1, dtype=torch.int32)
+
+    return {"qweight": pack(q.T), "qzeros": pack(zeros.T), "scales": scales.T.contiguous().half()}
+
+
+def formula(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group_of: torch.Tensor) -> torch.Tensor:
+    return (q.float() - zeros[:, group_of].float()) * scales[:, group_of]
+
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+LINEARS += ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def minmax_codes(weight: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, ...]:
+    """Asymmetric min/max codes of `weight` [out, in] per group of `group` columns: (q, zeros, scales) with
+    float16-rounded scales, as GPTQ and AWQ store them. Zero points start at 1: GPTQ's `gptq` format stores
+    zero - 1 in `bits` bits, where 0 does not fit."""
+    top = (1 << bits) - 1
+    groups = weight.reshape(weight.shape[0], -1, group)
+    low, high = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+    scales = ((high - low) / top).clamp(min=1e-6).half().float()
+    zeros = torch.round(-low / scales).clamp(1, top).long()
+    q = torch.round(groups / scales[..., None] + zeros[..., None]).clamp(0, top).long().reshape(weight.shape)
+    return q, zeros, scales
+
+
+def write_gptq_awq_model(directory: Path, method: str, bits: int = 4, act_order: bool = False) -> torch.nn.Module:
+    """A tiny Llama whose decoder linear layers are stored as `method` ("gptq" or "awq") `bits`-bit codes in groups
+    of 32 (GPTQ with `act_order`: each layer's columns dealt to groups by a random permutation, as desc_act orders
+    them); returns the HF model holding the weights those codes dequantize to (the reference)."""
+    model = write_hf_model(directory, "llama", perturb=0.05)
+    stored: dict[str, dict[str, torch.Tensor]] = {}
+    generator = torch.Generator().manual_seed(0)
+    for i, layer in enumerate(model.model.layers):
+        for name in LINEARS:
+            linear = layer.get_submodule(name)
+            cols = linear.in_features
+            g_idx = torch.arange(cols) // 32
+            if act_order:
+                g_idx = torch.randperm(cols, generator=generator) // 32
+            order = torch.argsort(g_idx, stable=True)  # columns of group 0, then 1, ...
+            q_sorted, zeros, scales = minmax_codes(linear.weight.data[:, order], bits, 32)
+            q = torch.empty_like(q_sorted)
+            q[:, order] = q_sorted
+            with torch.no_grad():
+                linear.weight.copy_(formula(q, zeros, scales, g_idx))
+            prefix = f"model.layers.{i}.{name}"
+            if method == "gptq":
+                stored[prefix] = gptq_tensors(q, zeros, scales, bits) | {"g_idx": g_idx.to(torch.int32)}
+            else:
+                stored[prefix] = awq_tensors(q, zeros, scales)
+
+    def edit(tensors: dict[str, torch.Tensor]) -> None:
+        for prefix, parts in stored.items():
+            del tensors[f"{prefix}.weight"]
+            tensors.update({f"{prefix}.{local}": t for local, t in parts.items()})
+
+    rewrite_safetensors(directory, edit)
+    config = {"quant_method": method, "bits": bits, "group_size": 32}
+    if method == "gptq":
+        config |= {"desc_act": act_order, "sym": False, "checkpoint_format": "gptq"}
+    else:
+        config |= {"zero_point": True, "version": "gemm"}
+    rewrite_config(directory, {"quantization_config": config})
+    return model
