@@ -33,7 +33,8 @@ Reader = Callable[[str], torch.Tensor]  # a layer's local tensor name -> the ten
 
 class CheckpointQuantization(ABC):
     """What `quantization_config` says. A quantized layer is the tensors `<layer>.<local>` for the `local_names`,
-    present when `<layer>.<marker>` is; it loads as one tensor `<layer>.weight` of `shape(...)`."""
+    present when `<layer>.<marker>` is (a layer left unquantized, such as an ignored lm_head, is stored plain); it
+    loads as one tensor `<layer>.weight` of `shape(...)`."""
 
     method: ClassVar[str]
     marker: ClassVar[str]
@@ -50,10 +51,6 @@ class CheckpointQuantization(ABC):
     def weights(self) -> str:
         """What its quantized layers hold, as `--quantization` and a recipe's `weights.source_quantization` name
         it: "int4", "int8" or "fp8"."""
-
-    def is_quantized(self, layer: str) -> bool:
-        """Whether `layer`'s tensors are stored quantized (a layer the config ignores is stored plain)."""
-        return True
 
     @abstractmethod
     def shape(self, layer: str, shapes: Shapes, read: Reader) -> tuple[int, int]:
@@ -141,10 +138,8 @@ class CompressedTensors(CheckpointQuantization):
             return f"int{max(s.bits for s in schemes if s.packs)}"
         return f"fp{max(s.bits for s in schemes)}"
 
-    def is_quantized(self, layer: str) -> bool:
-        return self.config.scheme_of(layer) is not None
-
     def shape(self, layer: str, shapes: Shapes, read: Reader) -> tuple[int, int]:
+        self.scheme(layer)  # NOTE: a stored layer no scheme describes fails here, before any weight is read
         if "weight_shape" in shapes:
             rows, cols = (int(d) for d in read("weight_shape").tolist())
             return rows, cols
@@ -302,7 +297,7 @@ class QuantizedLayers:
         q = quantization
         for name in stored if q is not None else ():
             layer, _, local = name.rpartition(".")
-            if local == q.marker and q.is_quantized(layer):
+            if local == q.marker:  # a layer the config ignores is stored plain, without it
                 self.parts[layer] = {n: f"{layer}.{n}" for n in q.local_names if f"{layer}.{n}" in stored}
         self.stored_names = {name for parts in self.parts.values() for name in parts.values()}
         self._stored = stored
