@@ -1,6 +1,9 @@
 """The README's GGUF tensor types beyond the packed ones: BF16 and the block types kiln keeps dequantized (Q5_0, Q5_1,
-Q2_K, Q3_K, IQ4_NL, IQ4_XS). A tiny llama file of each loads, its weights are the file's values (gguf-py's own
-dequantization of the same bytes), the model generates, and with packed weights the log names the dequantized ones."""
+Q2_K, Q3_K, IQ4_NL, IQ4_XS, the i-quants IQ1_S/M, IQ2_XXS/XS/S, IQ3_XXS/S, the ternary TQ1_0/TQ2_0 and MXFP4). A tiny
+llama file of each loads, its weights are the file's values (gguf-py's own dequantization of the same bytes), the
+model generates, and with packed weights the log names the dequantized ones. gguf-py quantizes TQ1_0, TQ2_0 and MXFP4
+(their files hold quantized random weights); it cannot quantize the i-quants, whose files hold random codes with
+small scales (tests.engine.tiny_models.RANDOM_BLOCK_SCALES)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from kiln.model.loader.gguf_loader import GGUFCheckpoint
 from tests.engine.tiny_models import write_gguf_model
 
 # type -> the hidden size its blocks need (K-quants and IQ4_XS hold 256 values a block)
-TYPES = {"BF16": 64, "Q5_0": 64, "Q5_1": 64, "IQ4_NL": 64, "Q2_K": 256, "Q3_K": 256, "IQ4_XS": 256}
+TYPES = {"BF16": 64, "Q5_0": 64, "Q5_1": 64, "IQ4_NL": 64, "Q2_K": 256, "Q3_K": 256, "IQ4_XS": 256, "MXFP4": 64}
+TYPES |= {t: 256 for t in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0")}
 UNPERMUTED = {  # GGUF name -> HF name, for the tensors whose rows llama.cpp did not interleave
     "attn_v.weight": "self_attn.v_proj",
     "attn_output.weight": "self_attn.o_proj",
