@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from kiln.quant.gguf_blocks import GROUP
-from kiln.quant.gguf_blocks import pack_nibbles as _pack_nibbles_np
 from kiln.quant.linear import PackedTensor
 
 
@@ -45,12 +44,13 @@ def integer_form(
         groups = cols // group
     # kiln's codes: 0..15 for 4 bits, signed int8 otherwise
     shift = (8 if signed else 0) if bits == 4 else (0 if signed else -(1 << (bits - 1)))
-    codes = (q.to(torch.int32) + shift).reshape(rows, groups, group)
+    codes = (q.to(torch.int16) + shift).reshape(rows, groups, group)
     offset = -((zero + shift) * scale)
     scale, offset = scale.unsqueeze(-1), offset.unsqueeze(-1)
     if bits == 4:
-        packed = torch.from_numpy(_pack_nibbles_np(codes.to(torch.uint8).numpy()))
-        return PackedTensor(packed, scale, offset, bits=4)
+        codes = codes.to(torch.uint8)
+        half = group // 2
+        return PackedTensor(codes[..., :half] | (codes[..., half:] << 4), scale, offset, bits=4)
     return PackedTensor(codes.to(torch.int8), scale, offset, bits=bits)
 
 
