@@ -287,7 +287,8 @@ def test_packed_graph_mode_with_only_batch_1_captured(llm: LLM) -> None:
 
 def test_packed_needs_a_quantized_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(
-        ConfigError, match="--quantization packed keeps a quantized checkpoint's weights packed; .* holds float weights"
+        ConfigError,
+        match=r"--quantization packed keeps a quantized checkpoint's weights packed; .* holds float weights",
     ):
         LLM(str(_tiny_hf_dir(tmp_path)), quantization="packed", graph_mode="eager")
 
