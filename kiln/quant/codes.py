@@ -65,6 +65,31 @@ def packed_group(cols: int, groups: int) -> int | None:
     return group if group % 2 == 0 else None
 
 
+def ordered_form(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, signed: bool, g_idx: torch.Tensor
+) -> PackedTensor | torch.Tensor:
+    """`integer_form` of a weight whose columns belong to the groups `g_idx` [cols] names (act order): its columns
+    sorted by group into contiguous groups, the sort kept as the input order the layer applies to x. Groups of
+    unequal sizes have no such form: the format's own dequantization (float32) instead."""
+    cols, groups = q.shape[1], scale.shape[-1]
+    g_idx = g_idx.long()
+    if cols % groups == 0 and torch.equal(g_idx, torch.arange(cols) // (cols // groups)):
+        return integer_form(q, scale, zero, bits, signed)
+    order = torch.argsort(g_idx, stable=True)
+    if cols % groups or not torch.equal(g_idx[order], torch.arange(cols) // (cols // groups)):
+        return reference_weight(q, scale, zero, g_idx)
+    packed = integer_form(q[:, order], scale, zero, bits, signed)
+    return PackedTensor(packed.codes, packed.scale, packed.offset, packed.bits, input_order=order)
+
+
+def packable_order(g_idx: torch.Tensor | None, cols: int, groups: int) -> bool:
+    """Whether `ordered_form` packs a weight with this `g_idx` (None: contiguous groups): every group equally big."""
+    if g_idx is None:
+        return True
+    counts = torch.bincount(g_idx.long(), minlength=groups)
+    return cols % groups == 0 and bool((counts == cols // groups).all())
+
+
 def reference_weight(
     q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_of_column: torch.Tensor | None = None
 ) -> torch.Tensor:

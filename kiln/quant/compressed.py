@@ -28,7 +28,7 @@ from compressed_tensors.quantization import QuantizationConfig, QuantizationSche
 from compressed_tensors.utils.match import is_match
 from pydantic import ValidationError
 
-from kiln.quant.codes import integer_form, reference_weight
+from kiln.quant.codes import integer_form, ordered_form
 from kiln.quant.linear import PackedTensor
 
 INTEGER_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
@@ -126,15 +126,14 @@ def kiln_form(tensors: dict[str, torch.Tensor], layer: LayerScheme) -> PackedTen
         q = unpack_from_int32(tensors["weight_packed"], w.num_bits, shape)
     else:
         q = tensors["weight"]
-    rows, cols = q.shape
+    rows = q.shape[0]
     scale = scale.expand(rows, scale.shape[-1]) if scale.shape[0] == 1 else scale
     zero = tensors.get("weight_zero_point")
     if zero is not None and zero.dtype == torch.int32 and "weight_packed" in tensors:
         zero = unpack_from_int32(zero, w.num_bits, (rows, scale.shape[-1]), packed_dim=0)
     g_idx = tensors.get("weight_g_idx")
-    if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(cols) // (cols // scale.shape[-1])):
-        # NOTE: activation-ordered groups are not contiguous columns: the format's dequantization, per column
-        return reference_weight(q, scale, zero, g_idx)
+    if g_idx is not None:  # activation-ordered groups (GPTQ's actorder): sorted into contiguous columns
+        return ordered_form(q, scale, zero, w.num_bits, signed=True, g_idx=g_idx)
     return integer_form(q, scale, zero, w.num_bits, signed=True)
 
 

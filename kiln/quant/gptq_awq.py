@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.quant.codes import integer_form, reference_weight
+from kiln.quant.codes import integer_form, ordered_form
 from kiln.quant.linear import PackedTensor
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's order of eight 4-bit output columns in one int32
@@ -44,23 +44,16 @@ def unpack_columns(packed: torch.Tensor, bits: int, order: tuple[int, ...] | Non
 
 
 def gptq_form(tensors: dict[str, torch.Tensor], bits: int, zero_minus_one: bool) -> PackedTensor | torch.Tensor:
-    """A GPTQ layer as kiln runs it: packed codes when its groups are contiguous columns (no act order, or a
-    `g_idx` that keeps them in order); act-ordered groups (desc_act) dequantized at load by the format's own
-    formula, since kiln's packed form scales contiguous columns (`act_ordered` says which layers do)."""
+    """A GPTQ layer as kiln runs it: packed codes; act-ordered groups (desc_act's `g_idx`) sorted into contiguous
+    columns, the sort folded into the layer as its input order (kiln.quant.codes.ordered_form)."""
     q = unpack_rows(tensors["qweight"], bits).T.contiguous()  # [out, in]
     scales = tensors["scales"].float().T.contiguous()  # [out, groups]
     zeros = unpack_columns(tensors["qzeros"], bits)[:, : scales.shape[0]].T  # [out, groups]
     zeros = zeros + 1 if zero_minus_one else zeros
-    if act_ordered(tensors.get("g_idx"), q.shape[1], scales.shape[1]):
-        return reference_weight(q, scales, zeros, tensors["g_idx"])
-    return integer_form(q, scales, zeros, bits, signed=False)
-
-
-def act_ordered(g_idx: torch.Tensor | None, cols: int, groups: int) -> bool:
-    """Whether `g_idx` puts columns in groups other than contiguous runs of cols / groups."""
+    g_idx = tensors.get("g_idx")
     if g_idx is None:
-        return False
-    return cols % groups != 0 or not torch.equal(g_idx.long(), torch.arange(cols) // (cols // groups))
+        return integer_form(q, scales, zeros, bits, signed=False)
+    return ordered_form(q, scales, zeros, bits, signed=False, g_idx=g_idx)
 
 
 def awq_form(tensors: dict[str, torch.Tensor], bits: int) -> PackedTensor:

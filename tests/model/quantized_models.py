@@ -128,20 +128,31 @@ def minmax_codes(weight: torch.Tensor, bits: int, group: int) -> tuple[torch.Ten
     return q, zeros, scales
 
 
-def write_gptq_awq_model(directory: Path, method: str, bits: int = 4, act_order: bool = False) -> torch.nn.Module:
+# layers that read the same input: GPTQ's act order (from that input's statistics) is the same for each
+SHARED_INPUT = {"self_attn.k_proj": "self_attn.q_proj", "self_attn.v_proj": "self_attn.q_proj"}
+SHARED_INPUT |= {"mlp.up_proj": "mlp.gate_proj"}
+
+
+def write_gptq_awq_model(
+    directory: Path, method: str, bits: int = 4, act_order: bool = False, shared_order: bool = True
+) -> torch.nn.Module:
     """A tiny Llama whose decoder linear layers are stored as `method` ("gptq" or "awq") `bits`-bit codes in groups
-    of 32 (GPTQ with `act_order`: each layer's columns dealt to groups by a random permutation, as desc_act orders
-    them); returns the HF model holding the weights those codes dequantize to (the reference)."""
+    of 32 (GPTQ with `act_order`: each input's columns dealt to groups by a random permutation, as desc_act orders
+    them, one per input as GPTQ's are unless not `shared_order`); returns the HF model holding the weights those
+    codes dequantize to (the reference)."""
     model = write_hf_model(directory, "llama", perturb=0.05)
     stored: dict[str, dict[str, torch.Tensor]] = {}
     generator = torch.Generator().manual_seed(0)
     for i, layer in enumerate(model.model.layers):
+        orders: dict[str, torch.Tensor] = {}
         for name in LINEARS:
             linear = layer.get_submodule(name)
             cols = linear.in_features
             g_idx = torch.arange(cols) // 32
             if act_order:
-                g_idx = torch.randperm(cols, generator=generator) // 32
+                shared = SHARED_INPUT.get(name) if shared_order else None
+                g_idx = orders[shared] if shared else torch.randperm(cols, generator=generator) // 32
+                orders[name] = g_idx
             order = torch.argsort(g_idx, stable=True)  # columns of group 0, then 1, ...
             q_sorted, zeros, scales = minmax_codes(linear.weight.data[:, order], bits, 32)
             q = torch.empty_like(q_sorted)

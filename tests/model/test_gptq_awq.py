@@ -1,7 +1,8 @@
 """GPTQ and AWQ checkpoints (tiny Llamas whose tensors the tests write in the layouts AutoGPTQ and AutoAWQ write,
 their config.json's quantization_config as transformers describes it): kiln's logits equal an HF model holding the
-weights the codes dequantize to within 1e-4 and its greedy tokens equal; contiguous groups stay packed in kiln's
-4- or 8-bit form, act-ordered ones (desc_act) load dequantized, and the log says so."""
+weights the codes dequantize to within 1e-4 and its greedy tokens equal; the codes stay packed in kiln's 4- or 8-bit
+form, act-ordered ones (desc_act) sorted into contiguous groups with the input permuted to match, and the log says
+so."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def test_logits_and_greedy_tokens_equal_the_dequantized_weights(checkpoint: tupl
     assert out.token_ids == expected[0, len(PROMPTS[0]) :].tolist(), case
 
 
-def test_contiguous_groups_stay_packed_and_act_order_loads_dequantized(
+def test_the_codes_stay_packed_act_ordered_ones_with_their_input_order(
     checkpoint: tuple[str, Path, nn.Module], kiln_log: pytest.LogCaptureFixture
 ) -> None:
     case, directory, _ = checkpoint
@@ -54,8 +55,7 @@ def test_contiguous_groups_stay_packed_and_act_order_loads_dequantized(
     linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
     lines = [r.getMessage() for r in kiln_log.records]
     assert f"Checkpoint quantization: {method} int{bits} (group 32, zero points" in "\n".join(lines)
+    assert all(isinstance(m, PackedLinear) and (m.bits, m.group) == (bits, 32) for m in linears), case
+    assert all((m.input_order is not None) == act_order for m in linears), case
     if act_order:
-        assert all(type(m) is nn.Linear for m in linears)
-        assert any(line.startswith("quantization_config.desc_act is true: layers whose g_idx") for line in lines)
-    else:
-        assert all(isinstance(m, PackedLinear) and (m.bits, m.group) == (bits, 32) for m in linears), case
+        assert any(line.startswith("quantization_config.desc_act is true: each layer's act-ordered") for line in lines)

@@ -164,3 +164,16 @@ def test_a_recipe_that_agrees_runs_the_codes_packed(w4a16: Path, tmp_path: Path)
         "hardware: {device: cpu}\ninput_constraints: {constraints: [num_tokens <= 512, seq_len <= 512]}\n"
     )
     assert load_recipe(str(recipe)).quantization == "packed"
+
+
+def test_fused_parts_whose_act_orders_differ_are_refused(tmp_path: Path) -> None:
+    write_gptq_awq_model(tmp_path, "gptq", act_order=True, shared_order=False)
+    with pytest.raises(ModelLoadError) as info:
+        LLM(str(tmp_path), num_kv_blocks=16, graph_mode="eager")
+    tensor, _, problem = info.value.problem.partition(": ")
+    assert tensor.startswith("tensor model.layers.0.") and tensor.endswith(("k_proj.weight", "up_proj.weight"))
+    assert problem == (
+        "its input columns are act-ordered (g_idx) unlike the other parts of the fused layer it loads into; load "
+        "the checkpoint with --quantization none"
+    )
+    assert len(LLM(str(tmp_path), num_kv_blocks=16, graph_mode="eager", quantization="none").engine.model.model.layers)

@@ -72,11 +72,27 @@ def test_gptq_codes_repack_to_its_formula(bits: int) -> None:
     assert (packed.dequantize() - want).abs().max().item() < TOLERANCE
 
 
-def test_gptq_act_order_loads_the_formula_per_column_group() -> None:
+def test_gptq_act_order_packs_its_groups_sorted_and_keeps_the_input_order() -> None:
     q, zeros, scales = random_codes(4, COLS // 32, seed=7)
     g_idx = (torch.randperm(COLS, generator=torch.Generator().manual_seed(1)) // 32).to(torch.int32)
+    packed = gptq_form(gptq_tensors(q, zeros, scales, 4) | {"g_idx": g_idx}, 4, zero_minus_one=True)
+    assert isinstance(packed, PackedTensor) and packed.input_order is not None
+    assert torch.equal(g_idx[packed.input_order].long(), torch.arange(COLS) // 32)  # each group's columns together
+    want = formula(q, zeros, scales, g_idx.long())
+    assert (packed.dequantize() - want).abs().max().item() < TOLERANCE  # in the checkpoint's column order
+    x = torch.randn(3, COLS)
+    sorted_product = (
+        x[:, packed.input_order] @ PackedTensor(packed.codes, packed.scale, packed.offset, 4).dequantize().T
+    )
+    assert (sorted_product - x @ want.T).abs().max().item() < 1e-4
+
+
+def test_gptq_groups_of_unequal_sizes_load_the_formula() -> None:
+    q, zeros, scales = random_codes(4, COLS // 32, seed=8)
+    g_idx = torch.arange(COLS, dtype=torch.int32) // 32
+    g_idx[:40] = 0  # group 0 takes 8 columns of group 1
     weight = gptq_form(gptq_tensors(q, zeros, scales, 4) | {"g_idx": g_idx}, 4, zero_minus_one=True)
-    assert not isinstance(weight, PackedTensor)  # act-ordered groups are not contiguous columns
+    assert not isinstance(weight, PackedTensor)
     assert (weight - formula(q, zeros, scales, g_idx.long())).abs().max().item() < TOLERANCE
 
 

@@ -19,8 +19,8 @@ import torch
 
 from kiln.errors import ConfigError, ModelLoadError
 from kiln.model.loader.base import ConfigFields
-from kiln.quant.codes import packed_group
-from kiln.quant.gptq_awq import act_ordered, awq_form, gptq_form
+from kiln.quant.codes import packable_order, packed_group
+from kiln.quant.gptq_awq import awq_form, gptq_form
 from kiln.quant.linear import PackedTensor
 
 if TYPE_CHECKING:
@@ -148,11 +148,13 @@ class CompressedTensors(CheckpointQuantization):
 
     def layout(self, layer: str, shapes: Shapes, read: Reader) -> Layout | None:
         scheme = self.scheme(layer)
-        if not scheme.packs or "weight_g_idx" in shapes:
+        if not scheme.packs:
             return None
         _, cols = self.shape(layer, shapes, read)
         scale = shapes["weight_scale"]
         groups = scale[-1] if scheme.scheme.weights.strategy == "group" else 1
+        if "weight_g_idx" in shapes and not packable_order(read("weight_g_idx"), cols, groups):
+            return None
         group = packed_group(cols, groups)
         return None if group is None else (scheme.bits, group)
 
@@ -201,7 +203,7 @@ class GPTQ(CheckpointQuantization):
     def layout(self, layer: str, shapes: Shapes, read: Reader) -> Layout | None:
         _, cols = self.shape(layer, shapes, read)
         groups = shapes["scales"][0]
-        if "g_idx" in shapes and act_ordered(read("g_idx"), cols, groups):
+        if "g_idx" in shapes and not packable_order(read("g_idx"), cols, groups):
             return None
         group = packed_group(cols, groups)
         return None if group is None else (self.bits, group)
@@ -213,8 +215,9 @@ class GPTQ(CheckpointQuantization):
         if not self.desc_act:
             return []
         return [
-            "quantization_config.desc_act is true: layers whose g_idx orders groups by activation are dequantized "
-            "to the model dtype at load (kiln's packed form scales contiguous columns); the others stay packed"
+            "quantization_config.desc_act is true: each layer's act-ordered groups (g_idx) are sorted into "
+            "contiguous columns at load and its input permuted to match; layers whose groups differ in size load "
+            "dequantized"
         ]
 
 
