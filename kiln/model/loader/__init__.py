@@ -13,6 +13,7 @@ gguf_names.py     GGUF tensor names -> HF parameter names (llama.cpp's naming of
 gguf_rope.py      rope scaling in GGUF files: linear (metadata), llama 3.1's `rope_freqs` tensor, Phi-3's long-rope
 hf_config.py      an HF config.json read into kiln's ModelConfig; a bad value is a ModelLoadError naming the field
 hf_loader.py      HF model directories: config.json + *.safetensors + tokenizer.json
+hf_quant.py       an HF checkpoint's quantization_config (compressed-tensors, GPTQ, AWQ): its quantized layers' tensors
 """
 
 from __future__ import annotations
