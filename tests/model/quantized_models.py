@@ -25,19 +25,23 @@ PRESETS = {
 }
 
 
-def write_compressed_model(directory: Path, preset: str, perturb: float = 0.05) -> torch.nn.Module:
-    """A tiny Llama quantized under a compressed-tensors preset (PRESETS; `lm_head` ignored), compressed and saved
-    with its tokenizer; returns the compressed HF model."""
+def write_compressed_model(
+    directory: Path, preset: str, perturb: float = 0.05, family: str = "llama", **overrides: object
+) -> torch.nn.Module:
+    """A tiny model of `family` (tests.engine.tiny_models) quantized under a compressed-tensors preset (PRESETS;
+    `lm_head` and mixture-of-experts routers ignored), compressed and saved with its tokenizer; returns the
+    compressed HF model."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
 
-    model = write_hf_model(directory, "llama", perturb=perturb)
+    model = write_hf_model(directory, family, perturb=perturb, **overrides)
     scheme = preset_name_to_scheme(preset.removesuffix("_CHANNEL"), ["Linear"])
     for key, value in PRESETS[preset].items():
         setattr(scheme.weights, key, value)
     if scheme.input_activations is not None and scheme.input_activations.strategy == "group":
         scheme.input_activations.group_size = 32
-    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    ignore = ["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"]
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore))
     for module in model.modules():
         if getattr(module, "quantization_scheme", None) is not None:
             _set_minmax_qparams(module)

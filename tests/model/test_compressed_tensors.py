@@ -101,3 +101,18 @@ def test_weights_stay_in_kilns_packed_form_or_load_dequantized_with_a_line(
     assert type(model.lm_head) is nn.Linear  # ignored: stored unquantized
     if preset in ACTIVATION_BOUNDS:
         assert any("input_activations" in line and "kiln runs weight-only" in line for line in lines), lines
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides"), [("qwen3", {"head_dim": 16}), ("qwen2", {}), ("phi3", {"pad_token_id": 0})]
+)
+def test_other_families_load_their_w4a16_checkpoints(tmp_path: Path, family: str, overrides: dict) -> None:
+    """Qwen3 (q/k norms), Qwen2 (biased q/k/v: kept dequantized, the packed form has no bias) and Phi-3 (whose HF
+    checkpoint fuses qkv_proj and gate_up_proj itself)."""
+    write_compressed_model(tmp_path, "W4A16", family=family, **overrides)
+    (got,) = kiln_batch_logits(str(tmp_path), PROMPTS[:1])
+    with torch.no_grad():
+        expected = dequantized_reference(tmp_path)(torch.tensor(PROMPTS[:1])).logits[0]
+    assert (got - expected).abs().max().item() < WEIGHT_ONLY_BOUND, family
+    model = LLM(str(tmp_path), num_kv_blocks=16, graph_mode="eager", activations="float32").engine.model
+    assert isinstance(model.model.layers[0].mlp.down_proj, PackedLinear), family
