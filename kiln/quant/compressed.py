@@ -32,7 +32,6 @@ from kiln.quant.codes import integer_form, ordered_form
 from kiln.quant.linear import PackedTensor
 
 INTEGER_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
-FLOAT_FORMATS = ("float-quantized",)
 # NOTE: schemes target module classes ("Linear") or names; every layer kiln reads quantized is a linear layer
 _LINEAR = torch.nn.Linear(1, 1, device="meta")
 

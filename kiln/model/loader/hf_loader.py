@@ -24,7 +24,8 @@ from kiln.config import ModelConfig
 from kiln.errors import ModelLoadError
 from kiln.model.loader.base import CheckpointHeader
 from kiln.model.loader.hf_config import parse_config, read_config_json
-from kiln.model.loader.hf_quant import CheckpointQuantization, Layout, QuantizedLayers, read_quantization
+from kiln.model.loader.hf_quant import CheckpointQuantization, Layout, read_quantization
+from kiln.model.loader.hf_quant_layers import QuantizedLayers
 from kiln.quant.linear import PackedTensor
 
 SUPPORTED_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}  # safetensors dtype -> bytes per element
