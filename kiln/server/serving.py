@@ -17,16 +17,17 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.request import RequestOutput
-from kiln.engine.request_stream import RequestStream
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling.sampling_params import SamplingParams
+from kiln.engine.serving.async_engine import AsyncEngine
+from kiln.engine.serving.request_stream import RequestStream
 from kiln.errors import RequestError
 from kiln.server.answers import EngineStreamingResponse, raise_if_failed, unless_disconnected
 from kiln.server.errors import CLIENT_CLOSED, APIError, error_body, expected_error, internal_error
@@ -37,7 +38,7 @@ from kiln.server.limits import MESSAGE_MARKUP_CHARS, ServerLimits
 from kiln.server.metrics import ServerMetrics
 from kiln.server.middleware import request_id_of
 from kiln.server.protocol import ChatCompletionRequest, ChatPrompt, CompletionRequest, SamplingFields, prompt_param
-from kiln.server.reasoning import REASONING_PARSERS, choose_reasoning_parser, reasoning_for_request
+from kiln.server.reasoning import REASONING_PARSERS, choose_reasoning_parser, reasoning_gate
 from kiln.server.responses import SSE_DONE, LogprobFormatter, Usage, sse
 from kiln.server.tool_parsers import TOOL_PARSERS, choose_tool_parser
 from kiln.server.tool_prompt import prompt_messages, refuse_control_text
@@ -140,7 +141,7 @@ class OpenAIServing:
             num_logprobs,
             tools=tools,
             parser=self.tool_parser,
-            reasoning=reasoning_for_request(self.reasoning_parser, body.structured_output() is not None),
+            reasoning=self.reasoning_parser,
             with_prompt_logprobs=body.prompt_logprobs is not None,
         )
         keep_special = self._reasoning_tags_are_special or (
@@ -195,6 +196,8 @@ class OpenAIServing:
         with self.engine.reserve(num_prompts * body.n) as reservation:
             prompt_ids = await self.in_tokenizer_thread(tokenize)
             fmt.see_prompt(prompt_ids[0], functools.partial(self.tokenizer.decode, skip_special_tokens=False))
+            if constraint is not None and fmt.reasoning is not None:  # the grammar holds the answer, after thinking
+                constraint = replace(constraint, after_reasoning=reasoning_gate(fmt.reasoning, self.tokenizer))
             if constraint is not None:  # compiled on its own pool, off the step loop; the engine finds it cached
                 client = request.client.host if request.client else "unknown"
                 await self.grammar_compiler.compile(constraint, client, request_id)
@@ -204,9 +207,13 @@ class OpenAIServing:
                 # reject the request with both numbers and the limit in the message.
                 limit = max_tokens if max_tokens is not None else max(self.max_model_len - len(ids), 1)
                 for c in range(body.n):
-                    params = body.sampling_params(limit, num_logprobs, c, constraint)
-                    if keep_special_tokens:  # the tool parser reads an opener that is a special token
-                        params.skip_special_tokens = False
+                    params = body.sampling_params(
+                        max_tokens=limit,
+                        logprobs=num_logprobs,
+                        choice_index=c,
+                        constraint=constraint,
+                        keep_special_tokens=keep_special_tokens,
+                    )
                     jobs.append((f"{fmt.response_id}-{p * body.n + c}", ids, params))
             stream = await self.engine.add_requests(jobs, reservation, body.priority)
         index = {rid: i for i, (rid, _, _) in enumerate(jobs)}

@@ -68,7 +68,7 @@ def reference_logits(directory: Path, ids: list[int], double_norm: bool = False)
 def test_a_registered_architecture_matches_its_reference(checkpoint: Path) -> None:
     engine = LLM(str(checkpoint), num_kv_blocks=16, graph_mode="eager").engine
     assert type(engine.model).__name__ == "ParallelLMForCausalLM"
-    assert engine.model.config.architecture == "parallel_lm" and engine.model.config.extra["parallel_residual"]
+    assert engine.model.config.architecture == "parallel_lm" and engine.model.config.own.parallel_residual
     assert (prompt_logits(engine, PROMPT) - reference_logits(checkpoint, PROMPT)).abs().max().item() < 1e-4
 
 
@@ -153,7 +153,7 @@ def test_the_recipe_of_a_registered_architecture_validates_and_names_what_runs(
     checkpoint: Path, tmp_path: Path
 ) -> None:
     """The example's recipe, checked against the registered family's header; its model.path is what runs."""
-    from kiln.engine.args import EngineArgs
+    from kiln.engine.setup.args import EngineArgs
 
     recipe = Path(parallel_lm.__file__).with_suffix(".yaml").read_text()
     (tmp_path / "parallel_lm.yaml").write_text(recipe)
