@@ -1,7 +1,8 @@
 """Model construction: checkpoint -> kiln model on the requested dtype and device, with load progress.
 
 Weights load in the plain (row-major) layout; the executor that runs the model owns any layout change. With
-`quantization="packed"` a GGUF's block-quantized weights stay packed (kiln.quant).
+`quantization="packed"` a GGUF's block-quantized weights, or a quantized HF checkpoint's integer codes
+(compressed-tensors, GPTQ, AWQ), stay packed (kiln.quant).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from tqdm import tqdm
 
 from kiln.errors import ConfigError, ModelLoadError
 from kiln.model.causal_lm import CausalLM, WeightMismatch
-from kiln.model.loader import Checkpoint, GGUFCheckpoint
+from kiln.model.loader import Checkpoint, GGUFCheckpoint, HFCheckpoint
 from kiln.model.loader.families import family_of
 from kiln.model.tokenizer import KilnTokenizer
 from kiln.quant.gguf_blocks import GROUP, PACKED_TYPES
@@ -44,18 +45,25 @@ def build_model(
     config = checkpoint.config
     start = time.perf_counter()
     model = family_of(config.architecture).model_class()(config, max_positions, checkpoint.rope_freq_factors())
-    if quantization == "auto":  # NOTE: resolved with the engine's config (kiln.engine.setup.resolve), not here
-        raise ConfigError("quantization auto reached the model build unresolved: resolve_for_model decides it")
+    held = checkpoint.quantization if isinstance(checkpoint, HFCheckpoint) else None
+    if held is not None:
+        logger.info("Checkpoint quantization: %s", held.describe())
+        for note in held.notes():
+            logger.info("%s", note)
+    if quantization == "auto":  # NOTE: decided with the engine's config (kiln.engine.setup.resolve), not here
+        raise ConfigError("quantization auto reached the model build undecided: resolve_for_model decides it")
+    quantization = run_quantization(checkpoint, quantization)  # a decided value comes back as it is
     packed = quantization == "packed"
     if packed:
-        if not isinstance(checkpoint, GGUFCheckpoint):
+        if not isinstance(checkpoint, GGUFCheckpoint) and held is None:
             raise ConfigError(
-                "--quantization packed keeps a block-quantized GGUF's weights packed; "
-                f"{checkpoint.path} is not a GGUF file (use --quantization int8 or int4 to quantize it at load)"
+                "--quantization packed keeps a quantized checkpoint's weights packed; "
+                f"{checkpoint.path} holds float weights (no quantization_config in its config.json; use "
+                "--quantization int8 or int4 to quantize it at load)"
             )
         packed_names = pack_model(model, checkpoint.packed_layout)
         logger.info("Keeping %d weights packed as the file stores them", len(packed_names))
-        for kind, count in checkpoint.dequantized_types().items():
+        for kind, count in checkpoint.dequantized_types().items() if held is None else ():
             logger.info("%d %s tensors are not kept packed (kiln packs %s): dequantized", count, kind, PACKED_NAMES)
     elif quantization in ("int8", "int4"):
         if group_size < 2 or group_size % 2:
@@ -97,8 +105,20 @@ def build_model(
     return model
 
 
-def has_packed_blocks(checkpoint: Checkpoint) -> bool:
-    """A GGUF holding weights kiln keeps packed (what quantization `auto` resolves to packed for)."""
+def run_quantization(checkpoint: Checkpoint, asked: str) -> str:
+    """How `checkpoint` runs for `--quantization asked` (kiln.engine.setup.resolve writes it into the engine's
+    config): a quantized HF checkpoint as its quantization_config allows (packed or none; ConfigError for another
+    width), `auto` elsewhere packed for a GGUF holding blocks kiln keeps packed, else none; any other value as
+    asked."""
+    if isinstance(checkpoint, HFCheckpoint) and checkpoint.quantization is not None:
+        return checkpoint.quantization.run_mode(asked, checkpoint.path)
+    if asked == "auto":
+        return "packed" if _has_blocks(checkpoint) else "none"
+    return asked
+
+
+def _has_blocks(checkpoint: Checkpoint) -> bool:
+    """A GGUF holding weights kiln keeps packed."""
     if not isinstance(checkpoint, GGUFCheckpoint):
         return False
     return any(checkpoint.packed_layout(name) is not None for name in checkpoint.weight_shapes())

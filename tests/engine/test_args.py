@@ -155,14 +155,18 @@ def test_a_flag_wins_over_the_environment_which_wins_over_the_default(monkeypatc
 def test_what_the_checkpoint_decides_is_resolved_once_before_the_engine_is_built() -> None:
     """max_model_len (the graph settings' too) and quantization auto are decided with the checkpoint open
     (`resolve_for_model`, called by build_core); a flag's value is kept, and a resolved config stays as it is."""
+
+    def gguf_with_blocks(asked: str) -> str:  # kiln.model.build.run_quantization over a Q4_1 GGUF
+        return "packed" if asked == "auto" else asked
+
     given = resolve_engine_config(EngineArgs())
     assert (given.max_model_len, given.quantization) == (None, "auto")
     long_context = SimpleNamespace(max_position_embeddings=32768)
-    packed = resolve_for_model(given, long_context, has_packed_blocks=True)
+    packed = resolve_for_model(given, long_context, gguf_with_blocks)
     assert (packed.max_model_len, packed.graph.max_model_len, packed.quantization) == (8192, 8192, "packed")
-    assert resolve_for_model(packed, long_context, has_packed_blocks=False) == packed
-    short = resolve_for_model(given, SimpleNamespace(max_position_embeddings=2048), has_packed_blocks=False)
+    assert resolve_for_model(packed, long_context) == packed
+    short = resolve_for_model(given, SimpleNamespace(max_position_embeddings=2048))  # no checkpoint: auto is none
     assert (short.max_model_len, short.graph.max_model_len, short.quantization) == (2048, 2048, "none")
     flags = resolve_engine_config(EngineArgs(max_model_len=512, quantization="int8"))
-    narrow = resolve_for_model(flags, long_context, has_packed_blocks=True)
+    narrow = resolve_for_model(flags, long_context, gguf_with_blocks)
     assert (narrow.max_model_len, narrow.graph.max_model_len, narrow.quantization) == (512, 512, "int8")

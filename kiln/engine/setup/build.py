@@ -29,7 +29,7 @@ from kiln.errors import ConfigError
 from kiln.executor.base import Executor
 from kiln.executor.eager import EagerExecutor
 from kiln.executor.graph import GraphExecutor
-from kiln.model.build import build_model, has_packed_blocks, load_tokenizer
+from kiln.model.build import build_model, load_tokenizer, run_quantization
 from kiln.model.dtypes import parse_dtype
 from kiln.model.loader import Checkpoint, open_checkpoint
 from kiln.model.parallel import check_parallel
@@ -155,7 +155,7 @@ def load_core(
 ) -> EngineCore:
     """Load `checkpoint`'s model (and, with `detokenize`, its tokenizer: False serves token ids only, a draft
     model's) under `config` resolved for it (kiln.engine.setup.resolve.resolve_for_model), then `build_core`."""
-    resolved = resolve_for_model(config, checkpoint.config, has_packed_blocks(checkpoint))
+    resolved = resolve_for_model(config, checkpoint.config, lambda asked: run_quantization(checkpoint, asked))
     model = build_model(
         checkpoint,
         parse_dtype(resolved.dtype),
@@ -193,7 +193,7 @@ def build_core(
     debugger's engines alike. `config` is resolved for the model here (a no-op when it already is);
     `executor` None: the registry's for `config` (EXECUTORS); `state`/`workers`: this rank's part in a multi-device
     engine (None: a single device); `make_speculator` None: `speculator_maker(config)`."""
-    config = resolve_for_model(config, model.config, has_packed_blocks=False)
+    config = resolve_for_model(config, model.config)
     check_quantized(model, config.graph.fusion_groups)
     executor = executor or make_executor(config)
     core = EngineCore(

@@ -27,6 +27,7 @@ Light (no torch): the CLI resolves its config before anything loads.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -97,15 +98,22 @@ def resolve_engine_config(args: EngineArgs, refuse_inert_options: bool = True, e
     return config
 
 
-def resolve_for_model(config: EngineConfig, model_config: ModelConfig, has_packed_blocks: bool) -> EngineConfig:
+def no_checkpoint(asked: str) -> str:
+    """The quantization weights not read from a checkpoint run with (a model a factory made): `auto` is none."""
+    return "none" if asked == "auto" else asked
+
+
+def resolve_for_model(
+    config: EngineConfig, model_config: ModelConfig, run_quantization: Callable[[str], str] = no_checkpoint
+) -> EngineConfig:
     """`config` with what the checkpoint decides resolved (4. of the module's precedence): max_model_len (the
-    graph settings' as well: a full decode graph's table width) and quantization `auto` (`has_packed_blocks`: the
-    checkpoint is a GGUF holding blocks kiln keeps packed). A config already resolved comes back unchanged."""
+    graph settings' as well: a full decode graph's table width) and the quantization the weights run with
+    (`run_quantization`: the checkpoint's answer to the quantization asked, kiln.model.build.run_quantization; e.g.
+    `auto` is packed for a block-quantized GGUF). A config already resolved comes back unchanged."""
     max_model_len = config.max_model_len or min(model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-    quantization = config.quantization
-    if quantization == "auto":
-        quantization = "packed" if has_packed_blocks else "none"
-        logger.info("Quantization auto: %s", "the file's blocks stay packed" if quantization == "packed" else "none")
+    quantization = run_quantization(config.quantization)
+    if quantization != config.quantization:
+        logger.info("Quantization %s: %s for this checkpoint", config.quantization, quantization)
     graph = replace(config.graph, max_model_len=max_model_len)
     return replace(config, max_model_len=max_model_len, quantization=quantization, graph=graph)
 
