@@ -348,6 +348,9 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     grammar_cache_bytes: int = 256 << 20  # structured outputs' compiled grammars (kiln.engine.structured.grammar_cache)
     pooling: PoolingConfig = field(default_factory=PoolingConfig)  # embedding requests' vectors
+    # the options the user gave (EngineArgs field names): each must act, which is checked again once the checkpoint
+    # decides what its weights run with (kiln.engine.setup.inert_options); empty where a command derived them
+    must_act: frozenset[str] = field(default=frozenset(), compare=False)
 
     @property
     def graph_mode(self) -> GraphMode:

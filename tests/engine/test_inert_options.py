@@ -14,8 +14,9 @@ import pytest
 
 from kiln.config import EngineConfig
 from kiln.engine.setup.args import EngineArgs
-from kiln.engine.setup.resolve import resolve_engine_config
+from kiln.engine.setup.resolve import resolve_engine_config, resolve_for_model
 from kiln.errors import ConfigError
+from kiln.model.loader import open_checkpoint
 
 RECIPE = """\
 recipe_version: 1
@@ -191,3 +192,17 @@ def test_a_recipes_eager_mode_makes_the_graph_flags_inert(tmp_path: Path) -> Non
 def test_commands_deriving_an_engine_of_their_own_may_skip_the_check() -> None:
     derived = resolve_engine_config(EngineArgs(graph_mode="eager", capture_sizes=(1, 2)), refuse_inert_options=False)
     assert not derived.graph.mode.is_graph
+
+
+def test_an_option_the_checkpoint_leaves_inert_is_refused_once_it_decides() -> None:
+    """`--quantization auto` is decided by the checkpoint: where its weights run unquantized (an fp32 or bf16 HF
+    checkpoint), `--activations` has no quantized product to act on and is refused then; where they stay packed it
+    acts. A command's derived config (nothing the user must see act) is not checked."""
+    model_config = open_checkpoint("default").config
+    asked = config(activations="int8")
+    assert asked.quantization == "auto" and "activations" in asked.must_act
+    with pytest.raises(ConfigError, match="--activations does nothing without quantized weights"):
+        resolve_for_model(asked, model_config, lambda quantization: "none")
+    assert resolve_for_model(asked, model_config, lambda quantization: "packed").activations == "int8"
+    derived = resolve_engine_config(EngineArgs(activations="int8"), refuse_inert_options=False)
+    assert resolve_for_model(derived, model_config, lambda quantization: "none").quantization == "none"

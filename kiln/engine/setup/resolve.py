@@ -94,7 +94,8 @@ def resolve_engine_config(args: EngineArgs, refuse_inert_options: bool = True, e
     if config.speculative.is_enabled and config.parallel.is_distributed:
         raise ConfigError("speculative decoding runs on one device for now: drop it or the parallel layout")
     if refuse_inert_options:
-        refuse_inert(args.given(), config)
+        config = replace(config, must_act=frozenset(args.given()))
+        refuse_inert(config.must_act, config)
     return config
 
 
@@ -115,7 +116,10 @@ def resolve_for_model(
     if quantization != config.quantization:
         logger.info("Quantization %s: %s for this checkpoint", config.quantization, quantization)
     graph = replace(config.graph, max_model_len=max_model_len)
-    return replace(config, max_model_len=max_model_len, quantization=quantization, graph=graph)
+    resolved = replace(config, max_model_len=max_model_len, quantization=quantization, graph=graph)
+    if quantization != config.quantization:  # an option the checkpoint's weights leave with nothing to do
+        refuse_inert(config.must_act, resolved)
+    return resolved
 
 
 def graph_mode_from_flags(
