@@ -63,7 +63,7 @@ def _report(pieces: list[Piece], group: FusionGroupConfig, compiler: str) -> Fus
     if inst.piece is None:
         return FusionReport(group.name, ops, False, f"none of {ops} is in the model's graph", broken_by=ops[0])
     piece = inst.piece
-    report = FusionReport(group.name, ops, False, "", piece.index, inst.scope)
+    report = FusionReport(name=group.name, ops=ops, realised=False, reason="", piece=piece.index, scope=inst.scope)
     missing = [op for op in ops if op not in inst.nodes]
     if missing:
         op, other = missing[0], inst.elsewhere.get(missing[0])

@@ -72,7 +72,9 @@ def locate(pieces: list[Piece], ops: tuple[str, ...], has_code: Callable[[Piece]
         other = next((p for p in pieces if p is not piece and op in match(p, layer)[0]), None)
         if other is not None:
             elsewhere[op] = other.index
-    return GroupInstance(piece, _common_prefix(homes), found, modules & set(found), elsewhere)
+    return GroupInstance(
+        piece=piece, scope=_common_prefix(homes), nodes=found, modules=modules & set(found), elsewhere=elsewhere
+    )
 
 
 def module_matches(op: str, leaf: str) -> bool:

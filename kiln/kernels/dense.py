@@ -155,8 +155,13 @@ class DenseKernelTable:
         won = {id(layer): self.prepacked_rows(layer) for layer in self.layers}
         need = sum(layer.weight.numel() * layer.weight.element_size() for layer in self.layers if won[id(layer)])
         if available_bytes is not None and need > MEMORY_SHARE * available_bytes:
-            logger.info("Dense kernels: prepacked copies (%.0f MB) would take more than %d%% of the %.0f MB free: "
-                        "F.linear runs", need / 2**20, MEMORY_SHARE * 100, available_bytes / 2**20)  # fmt: skip
+            logger.info(
+                "Dense kernels: prepacked copies (%.0f MB) would take more than %d%% of the %.0f MB free: "
+                "F.linear runs",
+                need / 2**20,
+                MEMORY_SHARE * 100,
+                available_bytes / 2**20,
+            )
             won = {key: [] for key in won}
         for layer in self.layers:
             if not won[id(layer)] and type(layer) is nn.Linear:
