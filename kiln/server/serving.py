@@ -45,7 +45,6 @@ from kiln.server.tool_prompt import prompt_messages, refuse_control_text
 logger = logging.getLogger("kiln")
 
 T = TypeVar("T")
-# nginx's "client closed request": recorded in metrics for requests whose client went away before the answer.
 
 
 class OpenAIServing:
