@@ -41,11 +41,24 @@ FOREIGN_CALLEES = {
 
 # file -> why its violations wait: the files another change owns right now. The lead shrinks this after merging.
 OWNED_ELSEWHERE = {
+    "kiln/compile/capture.py": "owned by the graph executor change, fixed at merge",
+    "kiln/compile/settings.py": "owned by the config change, fixed at merge",
+    "kiln/debug/commands.py": "owned by the graph executor change, fixed at merge",
+    "kiln/debug/diff.py": "owned by the graph executor change, fixed at merge",
+    "kiln/debug/explain.py": "owned by the graph executor change, fixed at merge",
+    "kiln/debug/ranks.py": "owned by the graph executor change, fixed at merge",
+    "kiln/debug/runs.py": "owned by the graph executor change, fixed at merge",
+    "kiln/debug/session.py": "owned by the graph executor change, fixed at merge",
     "kiln/engine/setup/args.py": "owned by the config change, fixed at merge",
     "kiln/engine/setup/build.py": "owned by the config change, fixed at merge",
-    "kiln/compile/settings.py": "owned by the config change, fixed at merge",
-    "kiln/server/cli.py": "owned by the config change, fixed at merge",
-    "kiln/server/api.py": "owned by the config change, fixed at merge",
+    "kiln/model/loader/config_reader.py": "owned by the checkpoint change, fixed at merge",
+    "kiln/model/loader/config_view.py": "owned by the checkpoint change, fixed at merge",
+    "kiln/model/loader/families.py": "owned by the checkpoint change, fixed at merge",
+    "kiln/model/loader/gguf_layout.py": "owned by the checkpoint change, fixed at merge",
+    "kiln/model/loader/gguf_loader.py": "owned by the checkpoint change, fixed at merge",
+    "kiln/model/loader/gguf_rope.py": "owned by the checkpoint change, fixed at merge",
+    "kiln/model/loader/hf_rope.py": "owned by the checkpoint change, fixed at merge",
+    "kiln/quant/linear.py": "owned by the checkpoint change, fixed at merge",
     "kiln/recipe/analysis.py": "owned by the config change, fixed at merge",
     "kiln/recipe/capacity.py": "owned by the config change, fixed at merge",
     "kiln/recipe/checkpoint.py": "owned by the config change, fixed at merge",
@@ -56,21 +69,8 @@ OWNED_ELSEWHERE = {
     "kiln/recipe/schema.py": "owned by the config change, fixed at merge",
     "kiln/recipe/source.py": "owned by the config change, fixed at merge",
     "kiln/recipe/stages.py": "owned by the config change, fixed at merge",
-    "kiln/model/loader/gguf_loader.py": "owned by the checkpoint change, fixed at merge",
-    "kiln/model/loader/gguf_rope.py": "owned by the checkpoint change, fixed at merge",
-    "kiln/model/loader/hf_config.py": "owned by the checkpoint change, fixed at merge",
-    "kiln/quant/linear.py": "owned by the checkpoint change, fixed at merge",
-    "kiln/compile/capture.py": "owned by the graph executor change, fixed at merge",
-    "kiln/compile/capturer.py": "owned by the graph executor change, fixed at merge",
-    "kiln/compile/dispatch.py": "owned by the graph executor change, fixed at merge",
-    "kiln/compile/full_graph.py": "owned by the graph executor change, fixed at merge",
-    "kiln/executor/graph.py": "owned by the graph executor change, fixed at merge",
-    "kiln/debug/commands.py": "owned by the graph executor change, fixed at merge",
-    "kiln/debug/diff.py": "owned by the graph executor change, fixed at merge",
-    "kiln/debug/explain.py": "owned by the graph executor change, fixed at merge",
-    "kiln/debug/ranks.py": "owned by the graph executor change, fixed at merge",
-    "kiln/debug/runs.py": "owned by the graph executor change, fixed at merge",
-    "kiln/debug/session.py": "owned by the graph executor change, fixed at merge",
+    "kiln/server/api.py": "owned by the config change, fixed at merge",
+    "kiln/server/cli.py": "owned by the config change, fixed at merge",
 }
 
 
@@ -186,9 +186,20 @@ def test_the_call_rule_sees_what_it_should(tmp_path: Path) -> None:
     assert [(line, callee) for line, callee, _ in found] == [(4, "make"), (5, "self.build"), (6, "make")]
 
 
-def test_allow_lists_name_real_files() -> None:
-    """An entry for a file that is gone, or a callee no longer called there, is stale: remove it."""
+def _breaks_a_rule(path: Path) -> bool:
+    text = path.read_text()
+    functions = [n for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return (
+        bool(re.search(r"#\s*fmt:\s*skip", text))
+        or any(n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES for n in functions)
+        or bool(long_positional_calls(path))
+    )
+
+
+def test_allow_lists_are_not_stale() -> None:
+    """An entry for a file that is gone or now keeps the rules, or a callee no longer called there: remove it."""
     for path in OWNED_ELSEWHERE:
         assert (ROOT / path).is_file(), f"OWNED_ELSEWHERE names {path}, which does not exist"
+        assert _breaks_a_rule(ROOT / path), f"{path} keeps the rules now: remove it from OWNED_ELSEWHERE"
     for path, callee in FOREIGN_CALLEES:
         assert f"{callee}(" in (ROOT / path).read_text(), f"FOREIGN_CALLEES: {path} no longer calls {callee}"
