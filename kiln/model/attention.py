@@ -178,9 +178,8 @@ def paged_attention(
     out = q.new_zeros(q.shape)
     if nd:
         out[:nd] = decodes(q=qh[:nd], kv_cache=kv_cache, meta=meta, window=window, softcap=softcap, kernel=kernel)
-    prefill_attention(
-        qh=qh, kv_cache=kv_cache, meta=meta, out=out, window=window, softcap=softcap
-    )  # every prompt and chunk: a few calls, not one each
+    # every prompt and chunk: a few calls, not one each
+    prefill_attention(qh=qh, kv_cache=kv_cache, meta=meta, out=out, window=window, softcap=softcap)
     return out
 
 
