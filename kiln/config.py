@@ -1,7 +1,10 @@
 """Frozen, layered configuration objects: the model's architecture, the KV cache, the scheduler, graph mode and
 the engine that holds them all (resolved by `kiln.engine.setup.resolve` from flags, recipe and environment).
 
-Only plain dataclasses cross module boundaries. Derived values are properties, never stored twice. This module
+Only plain dataclasses cross module boundaries. Derived values are properties (`EngineConfig.sampled_rows`,
+`executor`, `ParallelConfig.world_size`). Three fields are not yet resolved values and are marked where they stand:
+`EngineConfig.max_model_len` (None) and `quantization` ("auto"), which the engine build resolves, and
+`GraphConfig.max_model_len`, a copy of the engine's written by the build (`dataclasses.replace`). This module
 does not import torch (so `kiln --help` stays fast); `kiln.model.dtypes` maps dtype names to torch dtypes.
 """
 

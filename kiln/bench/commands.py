@@ -61,7 +61,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             batches = {bs: prompts[: _num_requests(args, bs)] for bs in args.batch_sizes}
         warm_up_kiln(llm, prompts[0])
         for bs, batch in batches.items():
-            results.append(run_kiln(llm, mode, batch, args.output_len, bs))
+            results.append(run_kiln(llm=llm, mode=mode, prompts=batch, output_len=args.output_len, batch_size=bs))
         if roofline is None:
             # NOTE: measured after the engine has set torch's thread count, with the thread count kiln ran with.
             second_forms = llm.engine.executor.plan.second_form_bytes
@@ -72,7 +72,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for r in results:
         if r.system == "kiln" and r.batch_size == 1:
             r.roofline_efficiency = roofline.efficiency(r.mean_tpot_s)
-    setup = AnchorSetup(model_path, args.dtype, device, torch.get_num_threads(), batches, args.output_len)
+    setup = AnchorSetup(
+        model_path=model_path,
+        dtype=args.dtype,
+        device=device,
+        num_threads=torch.get_num_threads(),
+        batches=batches,
+        output_len=args.output_len,
+    )
     for anchor in anchors.values():
         results += anchor.run(setup)
     _count_hf_matches(results)

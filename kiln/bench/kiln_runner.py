@@ -19,18 +19,31 @@ if TYPE_CHECKING:
 def run_kiln(llm: LLM, mode: str, prompts: list[list[int]], output_len: int, batch_size: int) -> RunResult:
     """Run `prompts` with at most `batch_size` in flight (a new one is added as soon as one finishes),
     after a prefill-only pass (one output token each) at the same concurrency."""
-    prefill_s, _ = _closed_loop(llm, prompts, 1, batch_size, f"kiln {mode} bs={batch_size} prefill")
+    prefill_s, _ = _closed_loop(
+        llm=llm, prompts=prompts, output_len=1, batch_size=batch_size, desc=f"kiln {mode} bs={batch_size} prefill"
+    )
     prefix = llm.engine.scheduler.prefix
     queries, hits = (prefix.stats.queries, prefix.stats.hits) if prefix else (0, 0)
     spec = llm.engine.speculator
     drafts, accepted = (spec.stats.num_drafts, spec.stats.num_accepted_tokens) if spec else (0, 0)
-    wall_s, outputs = _closed_loop(llm, prompts, output_len, batch_size, f"kiln {mode} bs={batch_size}")
+    wall_s, outputs = _closed_loop(
+        llm=llm, prompts=prompts, output_len=output_len, batch_size=batch_size, desc=f"kiln {mode} bs={batch_size}"
+    )
     done = []
     for out in outputs:
         m = out.metrics
         assert m.first_token_time is not None and m.finished_time is not None
         done.append((m.arrival_time, m.first_token_time, m.finished_time, out.token_ids))
-    result = RunResult.closed_loop("kiln", mode, batch_size, prompts, output_len, wall_s, prefill_s, done)
+    result = RunResult.closed_loop(
+        system="kiln",
+        mode=mode,
+        batch_size=batch_size,
+        prompts=prompts,
+        output_len=output_len,
+        wall_s=wall_s,
+        prefill_s=prefill_s,
+        requests=done,
+    )
     if prefix is not None:
         result.prefix_hit_rate = (prefix.stats.hits - hits) / max(1, prefix.stats.queries - queries)
     if spec is not None:  # tokens a verification emitted in the run (1 + accepted drafts); 1.0: none verified
@@ -42,7 +55,7 @@ def run_kiln(llm: LLM, mode: str, prompts: list[list[int]], output_len: int, bat
 
 def warm_up_kiln(llm: LLM, prompt: list[int]) -> None:
     """One short request so that first-call costs (allocation, compilation) stay out of the timings."""
-    _closed_loop(llm, [prompt], 2, 1, None)
+    _closed_loop(llm=llm, prompts=[prompt], output_len=2, batch_size=1, desc=None)
 
 
 def _closed_loop(

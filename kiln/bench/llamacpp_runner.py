@@ -60,17 +60,30 @@ def run_llamacpp(
         for batch_size, prompts in batches.items():
             seq_len = len(prompts[0]) + output_len
             with model.context(batch_size, seq_len, batch_size * len(prompts[0]), num_threads) as ctx:
-                _closed_loop(ctx, prompts[:1], 2, 1, None)
+                _closed_loop(ctx=ctx, prompts=prompts[:1], output_len=2, batch_size=1, desc=None)
                 results.append(_run(ctx, prompts, output_len, batch_size))
     return results
 
 
 def _run(ctx: _Context, prompts: list[list[int]], output_len: int, batch_size: int) -> RunResult:
     mode = "sequential" if batch_size == 1 else "batched"
-    prefill_s, _ = _closed_loop(ctx, prompts, 1, batch_size, f"llama.cpp {mode} bs={batch_size} prefill")
-    wall_s, requests = _closed_loop(ctx, prompts, output_len, batch_size, f"llama.cpp {mode} bs={batch_size}")
+    prefill_s, _ = _closed_loop(
+        ctx=ctx, prompts=prompts, output_len=1, batch_size=batch_size, desc=f"llama.cpp {mode} bs={batch_size} prefill"
+    )
+    wall_s, requests = _closed_loop(
+        ctx=ctx, prompts=prompts, output_len=output_len, batch_size=batch_size, desc=f"llama.cpp {mode} bs={batch_size}"
+    )
     done = [(r.arrival_time, r.first_token_time, r.finished_time, r.token_ids) for r in requests]
-    return RunResult.closed_loop("llama.cpp", mode, batch_size, prompts, output_len, wall_s, prefill_s, done)
+    return RunResult.closed_loop(
+        system="llama.cpp",
+        mode=mode,
+        batch_size=batch_size,
+        prompts=prompts,
+        output_len=output_len,
+        wall_s=wall_s,
+        prefill_s=prefill_s,
+        requests=done,
+    )
 
 
 @dataclass
@@ -135,7 +148,9 @@ class _LlamaCppModel(contextlib.AbstractContextManager["_LlamaCppModel"]):
         self.vocab_size = self.lib.llama_vocab_n_tokens(self.lib.llama_model_get_vocab(self.model))
 
     def context(self, num_seqs: int, seq_len: int, max_batch_tokens: int, num_threads: int) -> _Context:
-        return _Context(self, num_seqs, seq_len, max_batch_tokens, num_threads)
+        return _Context(
+            model=self, num_seqs=num_seqs, seq_len=seq_len, max_batch_tokens=max_batch_tokens, num_threads=num_threads
+        )
 
     def __exit__(self, *exc: object) -> None:
         self.lib.llama_model_free(self.model)

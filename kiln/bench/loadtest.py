@@ -141,10 +141,18 @@ async def run_loadtest(cfg: LoadTestConfig) -> LoadTestResult:
                     records.append(record)
                     text = make_prompt(own, record.target_input_len)
                     if cfg.turns == 1:
-                        await send(client, base, request_body(model, record, f"{prefix} {text}".lstrip()), record, t0)
+                        await send(
+                            client=client,
+                            base=base,
+                            body=request_body(model, record, f"{prefix} {text}".lstrip()),
+                            record=record,
+                            t0=t0,
+                        )
                         continue
                     messages.append({"role": "user", "content": text})
-                    answer = await send(client, base, request_body(model, record, messages), record, t0)
+                    answer = await send(
+                        client=client, base=base, body=request_body(model, record, messages), record=record, t0=t0
+                    )
                     if not record.ok:
                         return  # the conversation cannot go on without its answer
                     messages.append({"role": "assistant", "content": answer})

@@ -45,9 +45,16 @@ class RunResult:
 
     @classmethod
     def closed_loop(
-        cls, system: str, mode: str, batch_size: int, prompts: list[list[int]], output_len: int, wall_s: float,
-        prefill_s: float, requests: list[tuple[float, float, float, list[int]]],
-    ) -> RunResult:  # fmt: skip
+        cls,
+        system: str,
+        mode: str,
+        batch_size: int,
+        prompts: list[list[int]],
+        output_len: int,
+        wall_s: float,
+        prefill_s: float,
+        requests: list[tuple[float, float, float, list[int]]],
+    ) -> RunResult:
         """A run from its requests' (arrival, first token, finished times, token ids)."""
         return cls(
             system=system,

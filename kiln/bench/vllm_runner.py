@@ -134,6 +134,16 @@ def run_vllm(
     for run in result["runs"]:
         bs = run["batch_size"]
         rows = [(a, f, e, tokens) for a, f, e, tokens in run["done"]]
-        results.append(RunResult.closed_loop("vllm", f"cpu {DTYPE}", bs, batches[bs], output_len, run["wall_s"],
-                                             run["prefill_s"], rows))  # fmt: skip
+        results.append(
+            RunResult.closed_loop(
+                system="vllm",
+                mode=f"cpu {DTYPE}",
+                batch_size=bs,
+                prompts=batches[bs],
+                output_len=output_len,
+                wall_s=run["wall_s"],
+                prefill_s=run["prefill_s"],
+                requests=rows,
+            )
+        )
     return results

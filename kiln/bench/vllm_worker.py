@@ -64,11 +64,13 @@ def main(request_path: str, result_path: str) -> None:
         seed=0,
     )
     first_prompts = next(iter(batches.values()))
-    closed_loop(llm, first_prompts[:1], 2, 1, "warm-up")
+    closed_loop(llm=llm, prompts=first_prompts[:1], output_len=2, batch_size=1, tag="warm-up")
     runs = []
     for bs, prompts in batches.items():
-        prefill_s, _ = closed_loop(llm, prompts, 1, bs, f"prefill-{bs}")
-        wall_s, done = closed_loop(llm, prompts, request["output_len"], bs, f"run-{bs}")
+        prefill_s, _ = closed_loop(llm=llm, prompts=prompts, output_len=1, batch_size=bs, tag=f"prefill-{bs}")
+        wall_s, done = closed_loop(
+            llm=llm, prompts=prompts, output_len=request["output_len"], batch_size=bs, tag=f"run-{bs}"
+        )
         runs.append({"batch_size": bs, "wall_s": wall_s, "prefill_s": prefill_s, "done": done})
         print(f"vllm bs={bs}: {len(prompts) * request['output_len'] / wall_s:.1f} output tok/s", flush=True)
     with open(result_path, "w") as f:

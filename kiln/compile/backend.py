@@ -141,12 +141,22 @@ def trace_forward(
         raise explain_trace_failure(failure, model, run_eager) from failure
     trace_s = time.perf_counter() - start
     gm, inputs = recorded["gm"], recorded["inputs"]
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     tensors = {id(input_ids): INPUT_IDS, id(positions): POSITIONS}
     if ctx.decode is not None:
         tensors.update({id(ctx.decode.seq_lens): SEQ_LENS, id(ctx.decode.block_table): BLOCK_TABLE})
         if ctx.decode.window_table is not None:
             tensors[id(ctx.decode.window_table)] = WINDOW_TABLE
+    slots, bound = _placeholder_slots(gm, inputs, tensors)
+    logger.info("Traced the forward with dynamo in %.2f s (%d nodes)", trace_s, len(gm.graph.nodes))
+    return TracedForward(gm, slots, bound, trace_s)
+
+
+def _placeholder_slots(
+    gm: GraphModule, inputs: list[Any], tensors: dict[int, str]
+) -> tuple[list[str | None], list[Any]]:
+    """Each placeholder's slot (`tensors`: the per-step inputs by id; a symbolic size: its symbol's slot) and
+    bound value (a parameter, buffer or KV cache traced as a real tensor)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     symbols = {}
     for node, value in zip(placeholders, inputs, strict=True):
         if tensors.get(id(value)) in (INPUT_IDS, BLOCK_TABLE, WINDOW_TABLE):
@@ -172,5 +182,4 @@ def trace_forward(
             bound.append(value)
         else:
             raise RuntimeError(f"traced forward input {node.name} is {type(value).__name__}, expected a real tensor")
-    logger.info("Traced the forward with dynamo in %.2f s (%d nodes)", trace_s, len(gm.graph.nodes))
-    return TracedForward(gm, slots, bound, trace_s)
+    return slots, bound

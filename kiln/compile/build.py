@@ -72,8 +72,15 @@ def build_graph(
     counters.graphs_traced += 1
     if not split:
         gm = traced.gm
-        pieces = [Piece(SplitPiece(0, "", gm, structure_key(gm), module_paths(gm)), counters)]
-        graph = PiecewiseForward(traced, pieces, pieces[0], [], False)
+        pieces = [
+            Piece(
+                SplitPiece(
+                    index=0, submod_name="", graph=gm, structure_key=structure_key(gm), module_paths=module_paths(gm)
+                ),
+                counters,
+            )
+        ]
+        graph = PiecewiseForward(traced=traced, pieces=pieces, outer=pieces[0], splitting_submods=[], is_split=False)
     else:
         try:
             cut = split_graph(traced.gm, tuple(splitting_ops))
@@ -83,7 +90,9 @@ def build_graph(
         for piece in pieces:
             # NOTE: the split graph calls its submodules by attribute: the Piece (not the bare FX graph) runs there.
             setattr(cut.split_gm, piece.info.submod_name, piece)
-        graph = PiecewiseForward(traced, pieces, cut.split_gm, cut.splitting_submods, True)
+        graph = PiecewiseForward(
+            traced=traced, pieces=pieces, outer=cut.split_gm, splitting_submods=cut.splitting_submods, is_split=True
+        )
     counters.pieces_seen = len(graph.pieces)
     counters.splitting_ops_seen = len(graph.splitting_submods)
     return graph

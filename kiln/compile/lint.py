@@ -38,7 +38,11 @@ def lint_graph(piece_index: int, graph: GraphModule) -> list[LintFinding]:
             continue
         problem = _problem(node, op)
         if problem:
-            findings.append(LintFinding(piece_index, node.name, op, node_module_path(node), problem))
+            findings.append(
+                LintFinding(
+                    piece=piece_index, node=node.name, op=op, module_path=node_module_path(node), problem=problem
+                )
+            )
     return findings
 
 

@@ -78,7 +78,15 @@ def split_graph(gm: GraphModule, splitting_ops: tuple[str, ...]) -> SplitForward
         if any(is_splitting_node(n, splitting_ops) for n in sub.graph.nodes):
             splitting.append(node.target)
             continue
-        pieces.append(SplitPiece(len(pieces), node.target, sub, structure_key(sub), module_paths(sub)))
+        pieces.append(
+            SplitPiece(
+                index=len(pieces),
+                submod_name=node.target,
+                graph=sub,
+                structure_key=structure_key(sub),
+                module_paths=module_paths(sub),
+            )
+        )
     return SplitForward(split_gm, pieces, splitting)
 
 

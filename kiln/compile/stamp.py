@@ -49,7 +49,9 @@ def trace_model(
     layers = stampable_layers(model)
     if layers:
         with model.model.tracing_layers(layers[:TEMPLATE_LAYERS]):
-            traced = trace_forward(model, model, kv_caches, device, sample_size, **options)
+            traced = trace_forward(
+                forward=model, model=model, kv_caches=kv_caches, device=device, sample_size=sample_size, **options
+            )
         start = time.perf_counter()
         stamped = stamp_layers(traced, model, kv_caches, layers)
         if stamped is not None:
@@ -62,7 +64,9 @@ def trace_model(
                 len(stamped.gm.graph.nodes),
             )
             return stamped
-    return trace_forward(model, model, kv_caches, device, sample_size, **options)
+    return trace_forward(
+        forward=model, model=model, kv_caches=kv_caches, device=device, sample_size=sample_size, **options
+    )
 
 
 def stamp_layers(

@@ -64,9 +64,15 @@ class CompiledPieceStore:
         memo = (skey, static_size)
         if memo not in self._memo:
             start = time.perf_counter()
-            compiled = self._load(graph, skey, label, static_size, probe) if persistent else None
+            compiled = (
+                self._load(graph=graph, skey=skey, label=label, static_size=static_size, probe=probe)
+                if persistent
+                else None
+            )
             if compiled is None:
-                compiled = self._compile(graph, skey, label, static_size, persistent)
+                compiled = self._compile(
+                    graph=graph, skey=skey, label=label, static_size=static_size, persistent=persistent
+                )
             if static_size is None:
                 self.compile_seconds[skey] = time.perf_counter() - start
             self._memo[memo] = compiled
@@ -83,7 +89,13 @@ class CompiledPieceStore:
         if self.cache is None:
             return None
         start = time.perf_counter()
-        key = make_key(skey, self.compiler.name, self.compiler.options(static_size), self.recipe_hash, self.device)
+        key = make_key(
+            structure=skey,
+            compiler=self.compiler.name,
+            options=self.compiler.options(static_size),
+            recipe_hash=self.recipe_hash,
+            device=self.device,
+        )
         path = self.cache.lookup(key)
         if path is None:
             return None
@@ -124,6 +136,12 @@ class CompiledPieceStore:
         if persistent and self.cache is not None:
             if static_size is None:
                 self.counters.cache_misses += 1
-            key = make_key(skey, self.compiler.name, self.compiler.options(static_size), self.recipe_hash, self.device)
+            key = make_key(
+                structure=skey,
+                compiler=self.compiler.name,
+                options=self.compiler.options(static_size),
+                recipe_hash=self.recipe_hash,
+                device=self.device,
+            )
             self.cache.store(key, lambda p: self.compiler.save(compiled, p))
         return compiled

@@ -39,7 +39,9 @@ def distributed_head(state: RankState, compute: Head, vocab_size: int, last_stag
     source = state.stage_rank(state.num_stages - 1) - state.tp.rank  # the last stage's first tensor rank
     sending: list[dist.Work] = []
     if state.spmd:
-        return _everywhere_head(state, compute, vocab_size, last_stage, source)
+        return _everywhere_head(
+            state=state, compute=compute, vocab_size=vocab_size, last_stage=last_stage, source=source
+        )
 
     def head(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
         if last_stage:

@@ -95,15 +95,15 @@ def init_distributed(
     assert tp_group is not None
     platform.warm_collectives(tp_group)
     _STATE = RankState(
-        rank,
-        parallel.world_size,
-        TensorParallel(tp_rank, parallel.tensor),
-        stage,
-        parallel.pipeline,
-        tp_group,
-        control,
-        str(rank_device),
-        parallel.stage_layers,
+        rank=rank,
+        world_size=parallel.world_size,
+        tp=TensorParallel(tp_rank, parallel.tensor),
+        stage=stage,
+        num_stages=parallel.pipeline,
+        tp_group=tp_group,
+        control_group=control,
+        device=str(rank_device),
+        stage_layers=parallel.stage_layers,
     )
     logger.info(
         "Rank %d of %d (pid %d): tensor rank %d of %d, pipeline stage %d of %d (%s)",
@@ -152,4 +152,6 @@ def pipeline_stage(num_layers: int) -> PipelineStage:
     layers = (s.stage_layers or even_stage_layers(num_layers, s.num_stages))[s.stage]
     prev_rank = s.stage_rank(s.stage - 1) if s.stage > 0 else None
     next_rank = s.stage_rank(s.stage + 1) if s.stage < s.num_stages - 1 else None
-    return PipelineStage(s.stage, s.num_stages, tuple(layers), prev_rank, next_rank)
+    return PipelineStage(
+        stage=s.stage, num_stages=s.num_stages, layers=tuple(layers), prev_rank=prev_rank, next_rank=next_rank
+    )

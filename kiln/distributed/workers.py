@@ -206,7 +206,9 @@ def start_ranks(config: EngineConfig, build: Callable[[EngineConfig], Any]) -> t
     workers.threads_before = torch.get_num_threads()  # restored when the ranks stop
     torch.set_num_threads(threads)
     try:
-        state = init_distributed(config.parallel, where.first, config.device, where.port, where.store)
+        state = init_distributed(
+            parallel=config.parallel, rank=where.first, device=config.device, port=where.port, store=where.store
+        )
     except Exception as exc:  # the rendezvous timed out or a rank died on the way
         reason = workers.blame(exc)
         workers.abort()
@@ -234,7 +236,7 @@ def _worker_main(
     _exit_with_parent()
     try:
         store = join_rendezvous(config.parallel.master_addr, port) if held_store else None
-        state = init_distributed(config.parallel, rank, config.device, port, store)
+        state = init_distributed(parallel=config.parallel, rank=rank, device=config.device, port=port, store=store)
         engine = build(config)
         if engine is not None:  # None: `build` ran a program of its own on this rank (kiln.distributed.spmd)
             follow(engine, StepChannel(state))

@@ -86,12 +86,12 @@ class EngineCore:
         self.window_pool = BlockPool(blocks[1], config.cache.block_size) if blocks[1] else None
         self.shaper = StepShaper.for_engine(config, executor.pad_to)
         self.runner = ModelRunner(
-            model,
-            executor,
-            blocks[0],
-            config.cache.block_size,
-            kv_dtype,
-            self.eos_token_ids,
+            model=model,
+            executor=executor,
+            num_blocks=blocks[0],
+            block_size=config.cache.block_size,
+            kv_dtype=kv_dtype,
+            eos_token_ids=self.eos_token_ids,
             observer=observer,
             shaper=self.shaper,
             window_blocks=blocks[1],
@@ -100,7 +100,15 @@ class EngineCore:
             pooling=config.pooling,
         )
         self.scheduler = self._scheduler(role, kv_dtype)
-        log_kv_cache(config.cache, blocks, self.runner.kv_cache_bytes, kv_dtype, self.max_model_len, mc, budget_reason)
+        log_kv_cache(
+            cc=config.cache,
+            blocks=blocks,
+            nbytes=self.runner.kv_cache_bytes,
+            kv_dtype=kv_dtype,
+            max_model_len=self.max_model_len,
+            mc=mc,
+            reason=budget_reason,
+        )
         # speculative decoding's proposer (kiln.engine.speculation): it proposes before each step is scheduled
         make = make_speculator or self._ngram_speculator
         self.speculator = make(mc, self.max_model_len, self.pool.num_blocks)
@@ -113,7 +121,13 @@ class EngineCore:
             speculator=self.speculator,
         )
         self.workers: Workers | None = role.workers  # the other ranks, when this is rank 0 of a multi-device engine
-        parts = StepParts(self.scheduler, self.runner, self.updater, self.speculator, self.workers)
+        parts = StepParts(
+            scheduler=self.scheduler,
+            runner=self.runner,
+            updater=self.updater,
+            speculator=self.speculator,
+            workers=self.workers,
+        )
         self.loop: PlainSteps | PipelinedSteps = (
             PipelinedSteps(parts, role.steps_in_flight) if role.defers_heads else PlainSteps(parts)
         )
@@ -124,7 +138,7 @@ class EngineCore:
         the budget's reason (for the start-up line)."""
         cc, p = self.config.cache, self.config.parallel
         budget, reason = kv_budget(cc, next(model.parameters()).device, max(1, p.world_size // p.nnodes))
-        return kv_cache_blocks(cc, self.config.scheduler, model, kv_dtype, budget), reason
+        return kv_cache_blocks(cc=cc, sc=self.config.scheduler, model=model, kv_dtype=kv_dtype, budget=budget), reason
 
     def _scheduler(self, role: RankRole, kv_dtype: torch.dtype) -> Scheduler:
         config, mc = self.config, self.model_config
@@ -153,11 +167,11 @@ class EngineCore:
             else None
         )
         return Admission(
-            tokenizer,
-            mc.vocab_size,
-            self.max_model_len,
-            self.recipe,
-            self.shaper,
+            tokenizer=tokenizer,
+            vocab_size=mc.vocab_size,
+            max_model_len=self.max_model_len,
+            recipe=self.recipe,
+            shaper=self.shaper,
             chunked_prefill=config.scheduler.enable_chunked_prefill,
             blocks_short=self.scheduler.blocks_short,
             seed=config.seed,

@@ -1,9 +1,11 @@
 """Kernel choices: which kernel or weight layout runs each product, timed on this machine, one plan per engine.
 
-Both executors call `plan_kernels(model, ...)` (plan.py) at prepare and install the plan on the model's layers;
-nothing lives in process globals except the per-process memo of timed choices, which every engine shares on
-purpose (two engines over one model make the same plan). A new kernel is a candidate class and one registry entry
-(candidates.py `CANDIDATES`), timed against the others where it runs.
+Both executors call `plan_kernels(model, ...)` (plan.py) at prepare and install the plan on the model's layers.
+What the process holds belongs to a weight or to the machine, never to an engine: the kernels bound to each weight
+(kiln.quant.ops `BoundKernels`, one table per op, mirrored by the native dispatch; a binding dies with its
+weight, so engines over other models never see it), the memo of timed choices, which every engine shares on
+purpose (two engines over one model make the same plan), and the native objects, loaded once. A new kernel is a
+candidate class and one registry entry (candidates.py `CANDIDATES`), timed against the others where it runs.
 
 plan.py          `KernelPlan` and `plan_kernels`: static compile sizes, decoder layout, one-row head, packed kernels
 choices.py       the per-machine cache of timed choices (JSON on disk + the process memo), timing helpers

@@ -29,8 +29,10 @@ def cmd_build(args: argparse.Namespace) -> int:
         try:
             path = install_tier(tier)
         except OSError as exc:
-            raise ConfigError(f"cannot write the native kernels to {exc.filename or exc}: set KILN_NATIVE_DIR to a "
-                              f"folder this user can write ({exc.strerror or exc})") from None  # fmt: skip
+            raise ConfigError(
+                f"cannot write the native kernels to {exc.filename or exc}: set KILN_NATIVE_DIR to a "
+                f"folder this user can write ({exc.strerror or exc})"
+            ) from None
         except RuntimeError as exc:
             message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             if "no C++ compiler" in message:
@@ -46,8 +48,11 @@ def cmd_build(args: argparse.Namespace) -> int:
     if built:  # a compiler that builds here: inductor's ISA probe, recorded so a first start need not run it
         started = time.perf_counter()
         record = probe_and_record()
-        logger.info("Probed inductor's vector ISAs in %.1f s: %s passed", time.perf_counter() - started,
-                    ", ".join(record["passed"]) or "none")  # fmt: skip
+        logger.info(
+            "Probed inductor's vector ISAs in %.1f s: %s passed",
+            time.perf_counter() - started,
+            ", ".join(record["passed"]) or "none",
+        )
     if built and not args.all_tiers:  # the widest tier that builds is what a start loads
         return 0
     return 1 if failures else 0

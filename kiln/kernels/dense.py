@@ -10,14 +10,13 @@ over copies of the weight streamed as the packed table streams them, fewest rows
 cached per machine. Where the prepacked kernel wins a row class, the layers of that layout run
 `torch.ops.kiln.dense_linear(x, weight, bias)` (one node in pieces and in the full decode graph, as
 `kiln::packed_linear` is), which runs the kernel bound to the weight for the step's rows, `F.linear` elsewhere.
-Where kiln's native objects load, the op's CPU kernel is C++ (kiln/kernels/native/dispatch.cpp: the bindings kept
-there, oneDNN called without a hop through Python); elsewhere it is the Python function below.
+Where kiln's native objects load, the op's CPU kernel is C++ (kiln/kernels/native/dispatch.cpp: a copy
+of the bindings kept there, oneDNN called without a hop through Python); elsewhere it is the Python function below.
 """
 
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -28,7 +27,7 @@ from torch import nn
 from kiln.kernels.choices import KernelChoiceCache, stream_count
 from kiln.kernels.native.build import native_dense_binder
 from kiln.kernels.race import RULES, Entrant, time_candidates
-from kiln.quant.ops import LARGE, ROW_CLASSES, row_class, rows_label
+from kiln.quant.ops import BoundKernels, row_class, rows_label
 
 logger = logging.getLogger("kiln")
 
@@ -37,24 +36,15 @@ DTYPES = (torch.bfloat16,)  # where oneDNN's per-call reorder is what prepacking
 STREAM_BYTES = 96 << 20
 MEMORY_SHARE = 0.5  # prepacked copies may take at most this share of the memory free at install
 DenseKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (x, weight, bias)
-# (weight's address, shape, dtype) -> (the weight, weakly; its kernels by row class)
-_BOUND: dict[tuple[int, torch.Size, torch.dtype], tuple[weakref.ref[torch.Tensor], dict[int, DenseKernel]]] = {}
+_BOUND = BoundKernels[DenseKernel]()
 
 _LIB = torch.library.Library("kiln", "FRAGMENT")
 _LIB.define("dense_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 
 
-def _key(weight: torch.Tensor) -> tuple[int, torch.Size, torch.dtype]:
-    return weight.data_ptr(), weight.shape, weight.dtype
-
-
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    entry = _BOUND.get(_key(weight))
-    if entry is not None and entry[0]() is not None:
-        kernel = entry[1].get(row_class(x.numel() // x.shape[-1]))
-        if kernel is not None:
-            return kernel(x, weight, bias)
-    return nn.functional.linear(x, weight, bias)
+    kernel = _BOUND.get(weight, x.numel() // x.shape[-1])
+    return nn.functional.linear(x, weight, bias) if kernel is None else kernel(x, weight, bias)
 
 
 _LIB.impl("dense_linear", dense_linear, "CompositeExplicitAutograd")
@@ -69,12 +59,9 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 def bind_dense_kernels(weight: torch.Tensor, kernels: dict[int, DenseKernel]) -> None:
     """Run `kernels` (by row class) for products with `weight`; a row class without one runs `F.linear`."""
-    _BOUND[_key(weight)] = (weakref.ref(weight), dict(kernels))
-    for key in [k for k, (ref, _) in _BOUND.items() if ref() is None]:
-        del _BOUND[key]
+    entries = _BOUND.bind(weight, kernels)
     binder = native_dense_binder()
     if binder is not None:  # the C++ kernel of the op runs prepacked copies and F.linear (other kernels: this module)
-        entries = [kernels.get(top) for top in (*ROW_CLASSES, LARGE)]
         packed = [k.packed.get(weight.data_ptr()) if isinstance(k, Prepacked) else None for k in entries]
         binder(weight, packed, [k is not None and p is None for k, p in zip(entries, packed, strict=True)])
 
@@ -155,8 +142,13 @@ class DenseKernelTable:
         won = {id(layer): self.prepacked_rows(layer) for layer in self.layers}
         need = sum(layer.weight.numel() * layer.weight.element_size() for layer in self.layers if won[id(layer)])
         if available_bytes is not None and need > MEMORY_SHARE * available_bytes:
-            logger.info("Dense kernels: prepacked copies (%.0f MB) would take more than %d%% of the %.0f MB free: "
-                        "F.linear runs", need / 2**20, MEMORY_SHARE * 100, available_bytes / 2**20)  # fmt: skip
+            logger.info(
+                "Dense kernels: prepacked copies (%.0f MB) would take more than %d%% of the %.0f MB free: "
+                "F.linear runs",
+                need / 2**20,
+                MEMORY_SHARE * 100,
+                available_bytes / 2**20,
+            )
             won = {key: [] for key in won}
         for layer in self.layers:
             if not won[id(layer)] and type(layer) is nn.Linear:

@@ -4,9 +4,8 @@ timed on this machine, over copies of the weight streamed from DRAM, and the win
 (kiln.kernels.choices) and bound to the layers of that layout (`PackedLinear.use_kernels`). Nothing is assumed from
 the box the code was written on. The engine's activations (int8x2 | int8 | float32) say which candidates are timed.
 
-Rows timed: the largest of each row class (1, 2, 6 for 3-6 rows: verification steps; 16 for 7-16 and 64 for 17-64:
-batched decode; 256 for 65-256)
-and LARGE_ROWS for more (prefill chunks), one entry each (kiln.quant.ops.row_class). The logits head runs on the
+Rows timed: the largest row count of each row class (kiln.quant.ops.ROW_CLASSES, which says what each class
+serves) and LARGE_ROWS for more (prefill chunks), one entry each (kiln.quant.ops.row_class). The logits head runs on the
 sampled rows alone (a step's sequences, times k + 1 where k drafts are verified): its layout is timed up to the row
 class of `head_rows`, the most the engine can ask of it; above that class (no engine path reaches it) the reference
 runs. Racing the 49152-row head at 256 and 1,024 rows took about half of its 15 s table on a 2-core EPYC.

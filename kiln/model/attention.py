@@ -76,7 +76,11 @@ def allocate_kv_caches(
     return [
         torch.zeros(
             kv_cache_shape(
-                blocks(i), block_size, heads if layers is None or i in layers else 0, config.head_dim, dtype
+                num_blocks=blocks(i),
+                block_size=block_size,
+                num_kv_heads=heads if layers is None or i in layers else 0,
+                head_dim=config.head_dim,
+                dtype=dtype,
             ),
             dtype=dtype,
             device=device,
@@ -142,7 +146,14 @@ def decodes(
     if kernel is None:
         return decode_attention(q, kv_cache, meta, softcap)
     nd = q.shape[0]
-    return kernel.run(q.reshape(nd, -1), kv_cache, meta.block_tables[:nd], meta.seq_lens_tensor[:nd], window, softcap)
+    return kernel.run(
+        q=q.reshape(nd, -1),
+        kv_cache=kv_cache,
+        block_table=meta.block_tables[:nd],
+        seq_lens=meta.seq_lens_tensor[:nd],
+        window=window,
+        softcap=softcap,
+    )
 
 
 def paged_attention(
@@ -163,11 +174,12 @@ def paged_attention(
     qh = q[:n].view(n, num_heads, head_dim)
     nd = meta.num_decodes
     if nd == n == q.shape[0]:  # decode-only, unpadded: no output copy
-        return decodes(qh, kv_cache, meta, window, softcap, kernel)
+        return decodes(q=qh, kv_cache=kv_cache, meta=meta, window=window, softcap=softcap, kernel=kernel)
     out = q.new_zeros(q.shape)
     if nd:
-        out[:nd] = decodes(qh[:nd], kv_cache, meta, window, softcap, kernel)
-    prefill_attention(qh, kv_cache, meta, out, window, softcap)  # every prompt and chunk: a few calls, not one each
+        out[:nd] = decodes(q=qh[:nd], kv_cache=kv_cache, meta=meta, window=window, softcap=softcap, kernel=kernel)
+    # every prompt and chunk: a few calls, not one each
+    prefill_attention(qh=qh, kv_cache=kv_cache, meta=meta, out=out, window=window, softcap=softcap)
     return out
 
 
@@ -182,7 +194,16 @@ def attention(
     attention-logit soft-cap (module docstring).
     """
     ctx = get_forward_context()
-    return paged_attention(q, k, v, ctx.kv_caches[layer_idx], ctx.attn_metadata, window, softcap, ctx.decode_kernel)
+    return paged_attention(
+        q=q,
+        k=k,
+        v=v,
+        kv_cache=ctx.kv_caches[layer_idx],
+        meta=ctx.attn_metadata,
+        window=window,
+        softcap=softcap,
+        kernel=ctx.decode_kernel,
+    )
 
 
 @attention.register_fake

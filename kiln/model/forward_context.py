@@ -112,9 +112,10 @@ class DecodeInputs:
 @dataclass(frozen=True)
 class DecodeKernel:
     """A decode-attention kernel in place of the torch form (kiln.kernels.attention makes them from the engine's
-    plan): `run(q [n, heads*head_dim], kv_cache, block_table [n, blocks], seq_lens [n], window, softcap)`, the cache
-    already holding the new K/V, -> [n, heads*head_dim]. The paged-attention op calls it at run time, a full decode
-    graph while it is traced (where it must be one opaque op of the graph)."""
+    plan): `run(q, kv_cache, block_table, seq_lens, window, softcap)`, called by keyword, with q
+    [n, heads*head_dim], block_table [n, blocks], seq_lens [n] and the cache already holding the new K/V,
+    -> [n, heads*head_dim]. The paged-attention op calls it at run time, a full decode graph while it is traced
+    (where it must be one opaque op of the graph)."""
 
     name: str
     run: Callable[..., torch.Tensor]

@@ -85,7 +85,9 @@ class GemmaAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        out = attend(q, k.contiguous(), v.contiguous(), self.layer_idx, self.window, self.softcap)
+        out = attend(
+            q=q, k=k.contiguous(), v=v.contiguous(), layer_idx=self.layer_idx, window=self.window, softcap=self.softcap
+        )
         return self.o_proj(out)
 
 

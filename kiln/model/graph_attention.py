@@ -62,8 +62,10 @@ def decode_attention(
     new = torch.stack((k, v)).view(2, n, num_kv_heads, head_dim).transpose(1, 2)
     store(kv_cache, new, decode_slots(seq_lens, table, block_size))  # packed to the cache's dtype
     if kernel is not None:  # one opaque node of the graph
-        return kernel.run(q, kv_cache, table, seq_lens, window, softcap)
-    return traced_decode_attention(q, kv_cache, table, seq_lens, window, softcap)
+        return kernel.run(q=q, kv_cache=kv_cache, block_table=table, seq_lens=seq_lens, window=window, softcap=softcap)
+    return traced_decode_attention(
+        q=q, kv_cache=kv_cache, table=table, seq_lens=seq_lens, window=window, softcap=softcap
+    )
 
 
 def traced_decode_attention(
@@ -103,5 +105,14 @@ def attend(
     `window` > 0: the layer's sliding window (0: global attention); `softcap` > 0: its attention-logit soft-cap."""
     ctx = get_forward_context()
     if ctx.decode is not None:
-        return decode_attention(q, k, v, ctx.kv_caches[layer_idx], ctx.decode, window, softcap, ctx.decode_kernel)
+        return decode_attention(
+            q=q,
+            k=k,
+            v=v,
+            kv_cache=ctx.kv_caches[layer_idx],
+            decode=ctx.decode,
+            window=window,
+            softcap=softcap,
+            kernel=ctx.decode_kernel,
+        )
     return torch.ops.kiln.attention(q, k, v, layer_idx, window, softcap)

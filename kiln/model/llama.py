@@ -60,7 +60,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = per_head(self.q_norm, q, self.head_dim), per_head(self.k_norm, k, self.head_dim)
         q, k = self.rotary_emb(positions, q, k)
-        out = attend(q, k.contiguous(), v.contiguous(), self.layer_idx, self.window)
+        out = attend(q=q, k=k.contiguous(), v=v.contiguous(), layer_idx=self.layer_idx, window=self.window)
         return reduce_partial(self.o_proj(out), self.tp)
 
 
@@ -69,13 +69,13 @@ def make_mlp(config: ModelConfig, layer_idx: int, tp: TensorParallel = SINGLE) -
     if moe is None or not moe.is_sparse(layer_idx):
         return MLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp)
     return FusedMoE(
-        config.hidden_size,
-        moe.intermediate_size,
-        moe.num_experts,
-        moe.num_experts_per_tok,
-        moe.norm_topk_prob,
-        config.hidden_act,
-        moe.shared_expert_intermediate_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=moe.intermediate_size,
+        num_experts=moe.num_experts,
+        top_k=moe.num_experts_per_tok,
+        renormalize=moe.norm_topk_prob,
+        activation=config.hidden_act,
+        shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
     )
 
 
@@ -154,7 +154,9 @@ class LlamaForCausalLM(CausalLM):
         self.tp = tp = tensor_parallel()  # this process's tensor-parallel rank (size 1 unless distributed)
         self.stage = stage = pipeline_stage(config.num_layers)  # and its pipeline stage (every layer unless split)
         check_splittable(config, tp.size)
-        self.model = LlamaModel(config, max_positions, freq_factors, tp, stage)
+        self.model = LlamaModel(
+            config=config, max_positions=max_positions, freq_factors=freq_factors, tp=tp, stage=stage
+        )
         # a vocab-parallel head: each rank's logits for its vocabulary slice (gathered by the model runner)
         self.lm_head: nn.Module | None = None
         if stage.is_last:

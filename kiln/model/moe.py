@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -80,7 +81,20 @@ def dense_experts(
     return (out * dense.t().to(hidden.dtype)[:, :, None]).sum(dim=0)
 
 
-MoeImpl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Activation], torch.Tensor]
+class MoeImpl(Protocol):
+    """One way to run the experts, called by keyword (`grouped_experts`'s parameters)."""
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        act: Activation,
+    ) -> torch.Tensor: ...
+
+
 IMPLS: dict[str, MoeImpl] = {"grouped": grouped_experts, "dense": dense_experts}
 
 
@@ -101,7 +115,8 @@ def moe(
 ) -> torch.Tensor:
     """hidden [T, H], router_logits [T, E], w13 [E, 2I, H], w2 [E, H, I] -> [T, H] in hidden's dtype."""
     weights, ids = route(router_logits, top_k, renormalize)
-    return IMPLS[select_impl(hidden.device)](hidden, weights, ids, w13, w2, activation_fn(activation))
+    impl = IMPLS[select_impl(hidden.device)]
+    return impl(hidden=hidden, weights=weights, ids=ids, w13=w13, w2=w2, act=activation_fn(activation))
 
 
 @moe.register_fake

@@ -61,7 +61,7 @@ def prefill_attention(
     seq_lens = list(meta.seq_lens[first:])
     for group in group_prefills(q_lens, seq_lens):
         seqs = [first + i for i in group]
-        _attend(qh, kv_cache, meta, seqs, out, window, softcap)
+        _attend(qh=qh, kv_cache=kv_cache, meta=meta, seqs=seqs, out=out, window=window, softcap=softcap)
 
 
 def _attend(
@@ -92,7 +92,7 @@ def _attend(
     if window:
         mask &= cols > position[:, :, None] - window
     q = qh[token].transpose(1, 2)  # [B, H, rows, D]
-    o = batched_attention(q, kv[0], kv[1], mask, softcap).transpose(1, 2)  # [B, rows, H, D]
+    o = batched_attention(q=q, k=kv[0], v=kv[1], mask=mask, softcap=softcap).transpose(1, 2)  # [B, rows, H, D]
     out[token[valid]] = o[valid].flatten(1)
 
 

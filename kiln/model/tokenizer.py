@@ -292,11 +292,11 @@ class KilnTokenizer:
             return tokens[int(idx)] if idx is not None and 0 <= int(idx) < len(tokens) else None
 
         return cls(
-            tok,
-            f("tokenizer.chat_template"),
-            token("tokenizer.ggml.bos_token_id"),
-            token("tokenizer.ggml.eos_token_id"),
-            bool(f("tokenizer.ggml.add_bos_token", kind == "llama")),
+            tokenizer=tok,
+            chat_template=f("tokenizer.chat_template"),
+            bos_token=token("tokenizer.ggml.bos_token_id"),
+            eos_token=token("tokenizer.ggml.eos_token_id"),
+            add_bos=bool(f("tokenizer.ggml.add_bos_token", kind == "llama")),
             pad_token=token("tokenizer.ggml.padding_token_id"),
         )
 
@@ -322,11 +322,11 @@ class KilnTokenizer:
         if isinstance(template, list):  # named templates: take "default"
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
         return cls(
-            tok,
-            template,
-            name(cfg.get("bos_token")),
-            name(cfg.get("eos_token")),
-            None,
+            tokenizer=tok,
+            chat_template=template,
+            bos_token=name(cfg.get("bos_token")),
+            eos_token=name(cfg.get("eos_token")),
+            add_bos=None,
             pad_token=name(cfg.get("pad_token")),
             tokenizer_class=cfg.get("tokenizer_class") or "PreTrainedTokenizerFast",
         )

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 import torch
 from torch import nn
 
+K = TypeVar("K")
 GEMV_ROWS = 2  # row counts up to this get kernels of their own; more rows share an entry with their neighbours
 # the largest row count of each kernel entry (its id): 1, 2, 3-6 (speculative verification of one sequence, tiny
 # batches), 7-16 (small decode batches), 17-64 (decode batches up to the default --max-num-seqs), 65-256 (short
@@ -28,9 +30,36 @@ GEMV_ROWS = 2  # row counts up to this get kernels of their own; more rows share
 # a 5-row verification step the slower kernel. The native dispatch is handed these (kiln.kernels.native.build).
 ROW_CLASSES = (*range(1, GEMV_ROWS + 1), 6, 16, 64, 256)
 LARGE = -1
+ENTRIES = (*ROW_CLASSES, LARGE)  # the row classes in the order the native dispatch indexes its entries
 Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# (codes' address, shape, dtype) -> (the codes, weakly; their kernels by row class)
-_BOUND: dict[tuple[int, torch.Size, torch.dtype], tuple[weakref.ref[torch.Tensor], dict[int, Kernel]]] = {}
+
+
+class BoundKernels(Generic[K]):
+    """Which kernel serves which weight at which row class: the one table of bindings, one instance per op
+    (`kiln::packed_linear` below, `kiln::dense_linear` in kiln.kernels.dense). A binding belongs to the weight
+    (keyed by its address, shape and dtype, held weakly) and dies with it. Where kiln's native objects load, the
+    op's C++ kernel (kiln/kernels/native/dispatch.cpp) keeps a copy of each binding, handed over by `bind`'s
+    caller as `bind` returns it: one kernel or None per entry of ENTRIES."""
+
+    def __init__(self) -> None:
+        self._bound: dict[tuple[int, torch.Size, torch.dtype], tuple[weakref.ref[torch.Tensor], dict[int, K]]] = {}
+
+    def bind(self, weight: torch.Tensor, kernels: dict[int, K]) -> list[K | None]:
+        """Run `kernels` (by row class) for products over `weight`; the kernels by entry of ENTRIES."""
+        self._bound[_weight_key(weight)] = (weakref.ref(weight), dict(kernels))
+        for key in [k for k, (ref, _) in self._bound.items() if ref() is None]:
+            del self._bound[key]
+        return [kernels.get(top) for top in ENTRIES]
+
+    def get(self, weight: torch.Tensor, rows: int) -> K | None:
+        """The kernel bound to `weight` for `rows` rows, None where none is."""
+        entry = self._bound.get(_weight_key(weight))
+        if entry is None or entry[0]() is None:
+            return None
+        return entry[1].get(row_class(rows))
+
+
+_BOUND = BoundKernels[Kernel]()
 
 
 def row_class(rows: int) -> int:
@@ -40,7 +69,7 @@ def row_class(rows: int) -> int:
 
 
 def rows_label(timed: int) -> str:
-    """What the row class timed at `timed` rows stands for, in a log line: "1 row", "3-16 rows", "257+ rows"."""
+    """What the row class timed at `timed` rows stands for, in a log line: "1 row", "7-16 rows", "257+ rows"."""
     if timed <= GEMV_ROWS:
         return f"{timed} row{'s' if timed > 1 else ''}"
     if row_class(timed) == LARGE:
@@ -49,8 +78,8 @@ def rows_label(timed: int) -> str:
     return f"{below + 1}-{timed} rows"
 
 
-def _weight_key(codes: torch.Tensor) -> tuple[int, torch.Size, torch.dtype]:
-    return codes.data_ptr(), codes.shape, codes.dtype
+def _weight_key(weight: torch.Tensor) -> tuple[int, torch.Size, torch.dtype]:
+    return weight.data_ptr(), weight.shape, weight.dtype
 
 
 # Where kiln's native objects load, the op's CPU kernel is C++ (kiln/kernels/native/dispatch.cpp): it calls the
@@ -80,10 +109,7 @@ def native_form(kernel: Kernel | None, codes: torch.Tensor) -> tuple[str, torch.
 
 def bind_kernels(codes: torch.Tensor, kernels: dict[int, Kernel]) -> None:
     """Run `kernels` (by row class) for every product over these codes. The binding dies with the codes."""
-    _BOUND[_weight_key(codes)] = (weakref.ref(codes), dict(kernels))
-    for key in [k for k, (ref, _) in _BOUND.items() if ref() is None]:
-        del _BOUND[key]
-    entries = [kernels.get(top) for top in (*ROW_CLASSES, LARGE)]
+    entries = _BOUND.bind(codes, kernels)
     forms = [native_form(kernel, codes) for kernel in entries]
     names = [form_op or native_op_name(kernel) for kernel, (form_op, _) in zip(entries, forms, strict=True)]
     for binder in _native_binders:
@@ -92,10 +118,8 @@ def bind_kernels(codes: torch.Tensor, kernels: dict[int, Kernel]) -> None:
 
 def bound_kernel(codes: torch.Tensor, rows: int) -> Kernel:
     """The kernel bound to these codes for `rows` rows; the dequantize-then-BLAS reference when none is."""
-    entry = _BOUND.get(_weight_key(codes))
-    if entry is None or entry[0]() is None:
-        return dequant_blas
-    return entry[1].get(row_class(rows), dequant_blas)
+    kernel = _BOUND.get(codes, rows)
+    return dequant_blas if kernel is None else kernel
 
 
 def unpack_codes(codes: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,9 @@ def expected_error(exc: Exception) -> APIError | None:
     if isinstance(exc, RequestError):
         return APIError(400, str(exc), exc.param)
     if isinstance(exc, QueueFullError):
-        return APIError(429, str(exc), None, "queue_full", {"Retry-After": str(exc.retry_after_s)})
+        return APIError(
+            status=429, message=str(exc), param=None, code="queue_full", headers={"Retry-After": str(exc.retry_after_s)}
+        )
     if isinstance(exc, EngineStoppedError):
         return APIError(503, str(exc), None, "shutting_down")
     return None
@@ -163,4 +165,6 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def api_error_response(error: APIError) -> JSONResponse:
-    return error_response(error.status, error.message, error.param, error.code, error.headers)
+    return error_response(
+        status=error.status, message=error.message, param=error.param, code=error.code, headers=error.headers
+    )

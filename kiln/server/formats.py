@@ -126,7 +126,13 @@ class CompletionFormat(ResponseFormat):
         with_prompt_logprobs: bool = False,
         echo: Echo | None = None,
     ) -> None:
-        super().__init__(response_id, model, logprobs, num_logprobs, with_prompt_logprobs)
+        super().__init__(
+            response_id=response_id,
+            model=model,
+            logprobs=logprobs,
+            num_logprobs=num_logprobs,
+            with_prompt_logprobs=with_prompt_logprobs,
+        )
         self.echo = echo
         self._text_offsets: dict[int, int] = {}
         self._echoed: set[int] = set()
@@ -209,7 +215,13 @@ class ChatFormat(ResponseFormat):
         reasoning: ReasoningParser | None = None,
         with_prompt_logprobs: bool = False,
     ) -> None:
-        super().__init__(response_id, model, logprobs, num_logprobs, with_prompt_logprobs)
+        super().__init__(
+            response_id=response_id,
+            model=model,
+            logprobs=logprobs,
+            num_logprobs=num_logprobs,
+            with_prompt_logprobs=with_prompt_logprobs,
+        )
         self.tools, self.parser, self.reasoning = tools, parser, reasoning
         self._readers: dict[int, ToolCallReader | None] = {}
         self._reasoning_readers: dict[int, ReasoningReader] = {}

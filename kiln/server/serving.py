@@ -46,7 +46,6 @@ from kiln.server.tool_prompt import prompt_messages, refuse_control_text
 logger = logging.getLogger("kiln")
 
 T = TypeVar("T")
-# nginx's "client closed request": recorded in metrics for requests whose client went away before the answer.
 
 
 class OpenAIServing:
@@ -123,7 +122,16 @@ class OpenAIServing:
         )
         tokenize = functools.partial(self._tokenize, prompts)
         max_tokens = body.engine_max_tokens
-        return await self._serve(request, body, fmt, tokenize, len(prompts), max_tokens, body.logprobs, arrival)
+        return await self._serve(
+            request=request,
+            body=body,
+            fmt=fmt,
+            tokenize=tokenize,
+            num_prompts=len(prompts),
+            max_tokens=max_tokens,
+            num_logprobs=body.logprobs,
+            arrival=arrival,
+        )
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         arrival = time.monotonic()
@@ -148,7 +156,15 @@ class OpenAIServing:
             tools is not None and tools.mode == "auto" and self._tool_opener_is_special
         )
         return await self._serve(
-            request, body, fmt, tokenize, 1, body.requested_max_tokens, num_logprobs, arrival, keep_special
+            request=request,
+            body=body,
+            fmt=fmt,
+            tokenize=tokenize,
+            num_prompts=1,
+            max_tokens=body.requested_max_tokens,
+            num_logprobs=num_logprobs,
+            arrival=arrival,
+            keep_special_tokens=keep_special,
         )
 
     def chat_prompt(self, body: ChatPrompt, add_generation_prompt: bool = True) -> Callable[[], list[list[int]]]:
@@ -220,7 +236,15 @@ class OpenAIServing:
         firsts = frozenset(rid for rid, i in index.items() if i % body.n == 0)
         counts = Usage(sum(len(ids) for ids in prompt_ids), firsts)
         if body.stream:
-            events = self._stream(stream, fmt, index, counts, body.include_usage_in_stream, arrival, request_id)
+            events = self._stream(
+                stream=stream,
+                fmt=fmt,
+                index=index,
+                counts=counts,
+                include_usage=body.include_usage_in_stream,
+                arrival=arrival,
+                request_id=request_id,
+            )
             return EngineStreamingResponse(events, on_close=lambda: self._close(stream))
         finals = await self.collect_finals(request, stream, arrival)
         if finals is None:

@@ -79,9 +79,10 @@ def _fallback_message(message: dict[str, Any]) -> dict[str, Any]:
     if not calls:
         return message
     written = [
-        "<tool_call>\n" + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
-                                     ensure_ascii=False) + "\n</tool_call>"
+        "<tool_call>\n"
+        + json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]}, ensure_ascii=False)
+        + "\n</tool_call>"
         for c in calls
-    ]  # fmt: skip
+    ]
     text = "\n".join(([message["content"]] if message["content"] else []) + written)
     return {k: v for k, v in message.items() if k != "tool_calls"} | {"content": text}

@@ -56,9 +56,9 @@ def force_impl(monkeypatch: pytest.MonkeyPatch, impl: str) -> list[int]:
     calls: list[int] = []
     real = moe.IMPLS[impl]
 
-    def counted(*args: object) -> torch.Tensor:
+    def counted(**kwargs: object) -> torch.Tensor:
         calls.append(1)
-        return real(*args)
+        return real(**kwargs)
 
     monkeypatch.setattr(moe, "select_impl", lambda device: impl)
     monkeypatch.setitem(moe.IMPLS, impl, counted)

@@ -145,7 +145,13 @@ class Updater:
                 req.metrics.first_token_time = now
             try:
                 detok = self.detokenizers[req.request_id]
-                finish = stop_after(req, token, detok, self.eos_token_ids, self.max_model_len)
+                finish = stop_after(
+                    req=req,
+                    token=token,
+                    detok=detok,
+                    eos_token_ids=self.eos_token_ids,
+                    max_model_len=self.max_model_len,
+                )
                 if finish is not None:
                     self._finish(req, *finish)
                     break

@@ -78,7 +78,14 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         kv_heads, layers = local_kv_heads(model), held_layers(model)
         self.kv_caches = allocate_kv_caches(
-            model.config, num_blocks, block_size, kv_dtype, self.device, kv_heads, layers, window_blocks
+            config=model.config,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype=kv_dtype,
+            device=self.device,
+            num_kv_heads=kv_heads,
+            layers=layers,
+            window_blocks=window_blocks,
         )
         self.sampler = Sampler()
         # the logits of the sampled rows (a multi-device engine's head gathers them across ranks and stages), and
@@ -137,7 +144,9 @@ class ModelRunner:
             start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
             if req.needs_prompt_logprobs and (scored := prompt_rows_of(req, start, end, len(input_ids))) is not None:
                 prompt_rows.append(scored)
-            if req.params.embed and (pooled := pool_rows_of(req, start, end, len(input_ids), self.pooling_mode)):
+            if req.params.embed and (
+                pooled := pool_rows_of(req=req, start=start, end=end, first_row=len(input_ids), mode=self.pooling_mode)
+            ):
                 pool_rows.append(pooled)
             input_ids += req.all_token_ids[start:end] + s.spec_token_ids
             positions += range(start, end)

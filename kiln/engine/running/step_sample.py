@@ -44,7 +44,15 @@ def sampling_row(
     output = req.output_token_ids + drafts if drafts else req.output_token_ids
     block_eos = eos_token_ids + p.stop_token_ids if len(output) < p.min_tokens else []
     generator = req.generator_at(len(output))
-    return SamplingRow(p, req.prompt_token_ids, output, generator, block_eos, allowed, req.keeps_probs)
+    return SamplingRow(
+        params=p,
+        prompt_token_ids=req.prompt_token_ids,
+        output_token_ids=output,
+        generator=generator,
+        block_eos=block_eos,
+        allowed=allowed,
+        keep_probs=req.keeps_probs,
+    )
 
 
 def sample_step(
@@ -70,9 +78,22 @@ def sample_step(
         every = len(plain) == len(plan.sample_request_ids)
         plain_logits = logits if every else logits[torch.tensor([first_row[rid] for rid in plain])]
         drawn = sampler(plain_logits, rows)
-        _redraw_refused(sampler, plain_logits, rows, [by_id[rid].request for rid in plain], checked, drawn)
+        _redraw_refused(
+            sampler=sampler,
+            logits=plain_logits,
+            rows=rows,
+            requests=[by_id[rid].request for rid in plain],
+            checked=checked,
+            drawn=drawn,
+        )
         for i, rid in enumerate(plain):
-            _record(out, rid, [drawn.token_ids[i]], [lp] if (lp := drawn.logprobs[i]) else [], drawn.errors[i])
+            _record(
+                out=out,
+                rid=rid,
+                tokens=[drawn.token_ids[i]],
+                logprobs=[lp] if (lp := drawn.logprobs[i]) else [],
+                error=drawn.errors[i],
+            )
             if rows[i].keep_probs and drawn.probs[i] is not None:  # a draft engine's request keeps its draft's
                 by_id[rid].request.sampled_probs.append(drawn.probs[i])
     for rid, start in first_row.items():
@@ -85,7 +106,7 @@ def sample_step(
             q = torch.stack(kept[: len(drafts)]) if kept and len(kept) >= len(drafts) else None
             forced = s.request.forced_output is not None  # a teacher-forced request's drafts are its given tokens
             v = verify(logits[start : start + len(drafts) + 1], spec_rows, drafts, q, take_all=forced)
-            _record(out, rid, v.token_ids, v.logprobs, v.error)
+            _record(out=out, rid=rid, tokens=v.token_ids, logprobs=v.logprobs, error=v.error)
     return out
 
 

@@ -54,6 +54,21 @@ class Admission:
     ) -> Request:
         """A checked `Request` (RequestError naming the field otherwise), held as `options` say."""
         ids, text = self._prompt_ids(request_id, prompt)
+        self._check_params(request_id, params)
+        self._check_length(request_id, ids, params)
+        # NOTE: an unseeded request draws its seed from the engine's generator: fresh OS entropy unless the
+        # engine was given --seed (then a run of the same requests repeats).
+        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
+        generator = None if params.is_greedy else torch.Generator().manual_seed(seed)
+        request = Request(request_id, text, ids, params, generator=generator, options=options)
+        if (constraint := params.structured_output) is not None:
+            if self.grammars is None:
+                raise RequestError("structured outputs need the model's tokenizer", request_id, constraint.param)
+            request.grammar = self.grammars.start(constraint)  # compiled already when the server prepared it
+        return request
+
+    def _check_params(self, request_id: str, params: SamplingParams) -> None:
+        """Token ids within the vocabulary; what a parallel engine cannot compute refused."""
         vocab = self.vocab_size
         bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad_stops:
@@ -79,6 +94,9 @@ class Admission:
                 request_id,
                 "embed",
             )
+
+    def _check_length(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        """The prompt and the room for its output within max_model_len, the recipe's guards and the KV cache."""
         total = len(ids) + (0 if params.embed else params.max_tokens)  # an embedding computes its prompt alone
         if self.recipe is not None:
             self.recipe.guards.check_request(request_id, seq_len=total, first=len(ids), span=self.max_model_len)
@@ -103,16 +121,6 @@ class Admission:
                 request_id,
                 "max_tokens",
             )
-        # NOTE: an unseeded request draws its seed from the engine's generator: fresh OS entropy unless the
-        # engine was given --seed (then a run of the same requests repeats).
-        seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
-        generator = None if params.is_greedy else torch.Generator().manual_seed(seed)
-        request = Request(request_id, text, ids, params, generator=generator, options=options)
-        if (constraint := params.structured_output) is not None:
-            if self.grammars is None:
-                raise RequestError("structured outputs need the model's tokenizer", request_id, constraint.param)
-            request.grammar = self.grammars.start(constraint)  # compiled already when the server prepared it
-        return request
 
     def _prompt_ids(self, request_id: str, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):

@@ -72,11 +72,11 @@ class StepShaper:
             self.check(prompt_len if not chunked else 1, 1, [])
         except RecipeViolation as exc:
             raise RecipeViolation(
-                f"the prompt ({prompt_len} tokens) can never be scheduled: {exc}",
-                exc.file,
-                exc.line,
-                request_id,
-                "prompt",
+                message=f"the prompt ({prompt_len} tokens) can never be scheduled: {exc}",
+                file=exc.file,
+                line=exc.line,
+                request_id=request_id,
+                param="prompt",
             ) from None
 
     def fits(self, num_tokens: int, batch_size: int) -> bool:

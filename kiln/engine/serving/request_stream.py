@@ -110,7 +110,16 @@ class RequestStream:
         `reason` "abort": the engine, not the request, could not go on (the server answers 503); SLOW_READER: the
         reader fell too far behind (a client error)."""
         self.queue.put_nowait(
-            RequestOutput(request_id, None, [], "", [], finished=True, finish_reason=reason, error=message)
+            RequestOutput(
+                request_id=request_id,
+                prompt=None,
+                prompt_token_ids=[],
+                text="",
+                token_ids=[],
+                finished=True,
+                finish_reason=reason,
+                error=message,
+            )
         )
 
     def close(self) -> None:

@@ -158,14 +158,19 @@ def _loaded(tier_name: str) -> bool:
         return False
     compiler = compiler_version()
     if compiler is None:
-        _say_once("native kernels are off: no C++ compiler (c++ or $CXX) on this machine; packed products run on "
-                  "the torch candidates")  # fmt: skip
+        _say_once(
+            "native kernels are off: no C++ compiler (c++ or $CXX) on this machine; packed products run on "
+            "the torch candidates"
+        )
         return False
     try:
         _load(tier, compiler)
     except Exception as exc:  # a compiler's error, a missing header: the torch candidates still run
-        logger.warning("Native kernels (%s) could not be built, packed products run without them: %s", tier.name,
-                       str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)  # fmt: skip
+        logger.warning(
+            "Native kernels (%s) could not be built, packed products run without them: %s",
+            tier.name,
+            str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__,
+        )
         return False
     return True
 
@@ -229,8 +234,9 @@ def _build_or_load(tier: Tier, compiler: str, library: Path) -> None:
                 is_python_module=False,
                 verbose=False,
             )
-            logger.info("Built native kernels (%s tier) in %.1f s: %s", tier.name, time.perf_counter() - started,
-                        library)  # fmt: skip
+            logger.info(
+                "Built native kernels (%s tier) in %.1f s: %s", tier.name, time.perf_counter() - started, library
+            )
             return  # cpp_extension.load loaded it
     finally:
         os.close(fd)
