@@ -71,7 +71,7 @@ class CausalLM(nn.Module):
             if self._is_ignored(name):
                 continue
             _check_tensor(slots, seen, name, tuple(tensor.shape))
-            self._load_one(name, slots[name], tensor, params, packed)
+            self._load_one(name, slots[name], tensor, params=params, packed=packed)
             seen.add(name)
         _check_all_seen(slots, seen)
 

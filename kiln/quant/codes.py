@@ -74,11 +74,11 @@ def ordered_form(
     cols, groups = q.shape[1], scale.shape[-1]
     g_idx = g_idx.long()
     if cols % groups == 0 and torch.equal(g_idx, torch.arange(cols) // (cols // groups)):
-        return integer_form(q, scale, zero, bits, signed)
+        return integer_form(q, scale, zero, bits=bits, signed=signed)
     order = torch.argsort(g_idx, stable=True)
     if cols % groups or not torch.equal(g_idx[order], torch.arange(cols) // (cols // groups)):
         return reference_weight(q, scale, zero, g_idx)
-    packed = integer_form(q[:, order], scale, zero, bits, signed)
+    packed = integer_form(q[:, order], scale, zero, bits=bits, signed=signed)
     return PackedTensor(packed.codes, packed.scale, packed.offset, packed.bits, input_order=order)
 
 

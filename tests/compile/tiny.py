@@ -13,7 +13,7 @@ from kiln.engine.running.model_runner import ModelRunner
 from kiln.engine.sampling.sampling_params import SamplingParams
 from kiln.engine.scheduling.kv_cache import BlockPool
 from kiln.engine.scheduling.scheduler import Scheduler
-from kiln.engine.speculation.speculation import Speculator
+from kiln.engine.speculation.speculation import Proposals, Speculator
 from kiln.executor.base import Executor
 from kiln.executor.eager import EagerExecutor
 from kiln.executor.graph import GraphExecutor
@@ -81,7 +81,7 @@ def generate(
     decoding sequences verify its draft tokens (an accepted draft's K/V counts as computed, as the engine does)."""
     pool = BlockPool(NUM_BLOCKS, BLOCK_SIZE)
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    scheduler = Scheduler(config, pool, speculator=speculator)
+    scheduler = Scheduler(config, pool)
     requests = [
         Request(str(i), None, p, SamplingParams(temperature=0.0, max_tokens=max_tokens), None)
         for i, p in enumerate(prompts)
@@ -89,8 +89,9 @@ def generate(
     for req in requests:
         scheduler.add(req)
     while scheduler.has_unfinished:
-        sched = scheduler.schedule()
-        result = runner.execute(sched)
+        proposals = speculator.propose(scheduler.decoding()) if speculator is not None else Proposals()
+        sched = scheduler.schedule(proposals.tokens)
+        result = runner.execute(sched, proposals.probs)
         for s in sched.scheduled:
             req, drafts = s.request, s.spec_token_ids
             tokens = result.sampled.get(req.request_id)
@@ -99,7 +100,9 @@ def generate(
                 continue
             req.output_token_ids += tokens[: max_tokens - len(req.output_token_ids)]
             if drafts:
-                scheduler.verified(req, len(drafts), len(tokens) - 1)
+                assert speculator is not None
+                speculator.verified(req, len(drafts), len(tokens) - 1)
+                scheduler.trim_rejected(req)
             if len(req.output_token_ids) >= max_tokens:
                 scheduler.finish(req, "length")
     return [r.output_token_ids for r in requests]
