@@ -21,10 +21,10 @@ PREFIX = "base_model.model.model.layers.0."
 
 def test_scales_follow_alpha_rslora_and_patterns(adapters: dict[str, Path]) -> None:
     plain = read_adapter(adapters["all7-r4"])
-    assert len(plain.layers) == 14 and plain.rank == 4  # 7 targets x 2 layers
+    assert len(plain.layers) == 28 and plain.rank == 4  # 7 targets x 4 layers
     assert plain.layers["model.layers.0.mlp.down_proj"].scale == pytest.approx(8 / 4)
     rslora = read_adapter(adapters["qv-r8-rslora"])
-    assert set(rslora.layers) == {f"model.layers.{i}.self_attn.{m}" for i in (0, 1) for m in ("q_proj", "v_proj")}
+    assert set(rslora.layers) == {f"model.layers.{i}.self_attn.{m}" for i in range(4) for m in ("q_proj", "v_proj")}
     assert rslora.layers["model.layers.1.self_attn.v_proj"].scale == pytest.approx(4 / math.sqrt(8))
     patterns = read_adapter(adapters["gate-up-patterns"])
     up, gate = patterns.layers["model.layers.0.mlp.up_proj"], patterns.layers["model.layers.0.mlp.gate_proj"]

@@ -46,11 +46,12 @@ def stepper(
     slots = attach_lora(model, LoRALimits(max_loras=len(NAMES), max_rank=8, max_num_tokens=64))
     for slot, name in enumerate(NAMES):
         slots.load(slot, read_adapter(adapters[name]))
-    if request.param == "eager":
-        return Stepper(model, EagerExecutor(keep_layout=True), slots)
+    cache_dir = str(tmp_path_factory.mktemp("cache"))
+    if request.param == "eager":  # with its kernel plan (weight layouts, the one-row head), as an engine runs it
+        return Stepper(model, EagerExecutor(cache_dir=cache_dir), slots)
     config = graph_config_from(
         None,
-        cache_dir=str(tmp_path_factory.mktemp("cache")),
+        cache_dir=cache_dir,
         capture_sizes=(1, 2, 4),
         compile_sizes=(),
         mode=request.param,
