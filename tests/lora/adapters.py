@@ -20,20 +20,25 @@ MAX_POSITIONS = 256
 SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def write_base(directory: Path, num_layers: int = 2) -> transformers.LlamaForCausalLM:
-    """A tiny fp32 Llama with random weights (norms too), saved as an HF directory."""
+def write_base(
+    directory: Path, num_layers: int = 2, family: str = "Llama", **overrides: object
+) -> transformers.PreTrainedModel:
+    """A tiny fp32 model of an HF `family` (`<family>Config`, `<family>ForCausalLM`) with random weights (norms too),
+    saved as an HF directory."""
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_POSITIONS,
-        tie_word_embeddings=False,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
+    fields = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": MAX_POSITIONS,
+        "tie_word_embeddings": False,
+    }
+    config_cls = getattr(transformers, f"{family}TextConfig", None) or getattr(transformers, f"{family}Config")
+    config = config_cls(**{**fields, **overrides})
+    model = getattr(transformers, f"{family}ForCausalLM")(config).eval()
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
@@ -42,7 +47,7 @@ def write_base(directory: Path, num_layers: int = 2) -> transformers.LlamaForCau
 
 
 def write_adapter(
-    base: transformers.LlamaForCausalLM, directory: Path, targets: list[str], rank: int, seed: int, **lora: object
+    base: transformers.PreTrainedModel, directory: Path, targets: list[str], rank: int, seed: int, **lora: object
 ) -> Path:
     """A PEFT adapter of `rank` on `targets` with random A and B (PEFT starts B at zero), saved to `directory`."""
     config = LoraConfig(r=rank, target_modules=targets, **{"lora_alpha": 2 * rank, **lora})
@@ -56,7 +61,7 @@ def write_adapter(
     return directory
 
 
-def reference(base: transformers.LlamaForCausalLM, adapter: Path | None) -> torch.nn.Module:
+def reference(base: transformers.PreTrainedModel, adapter: Path | None) -> torch.nn.Module:
     """HF + PEFT with the adapter as saved (the base alone for None)."""
     model = copy.deepcopy(base)
     return (PeftModel.from_pretrained(model, str(adapter)) if adapter is not None else model).eval()
