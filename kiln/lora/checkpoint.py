@@ -186,7 +186,11 @@ def _rank_and_alpha(where: str, config: dict[str, Any], module: str) -> tuple[in
 
 def _pattern_value(where: str, config: dict[str, Any], field: str, module: str, default: int | float) -> int | float:
     for key, value in (config.get(field) or {}).items():
-        if re.match(rf"(.*\.)?({key})$", module):
+        try:
+            matched = re.match(rf"(.*\.)?({key})$", module)
+        except re.error as exc:
+            raise AdapterError(where, f"{field}[{key!r}]", f"not a regular expression ({exc})") from None
+        if matched:
             _check_positive(where, f"{field}[{key!r}]", value, int if field == "rank_pattern" else (int, float))
             return value
     return default

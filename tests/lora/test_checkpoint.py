@@ -118,6 +118,12 @@ BAD: dict[str, tuple[Callable[[Path], None], str, str, str]] = {
         "lora_A.weight",
         "rank 4, but adapter_config.json gives this layer rank 5",
     ),
+    "bad pattern": (
+        lambda a: edit_config(a, rank_pattern={"up_proj(": 2}),
+        "adapter_config.json",
+        "rank_pattern['up_proj(']",
+        "not a regular expression",
+    ),
     "DoRA": (lambda a: edit_config(a, use_dora=True), "adapter_config.json", "use_dora", "DoRA"),
     "trained bias": (lambda a: edit_config(a, bias="all"), "adapter_config.json", "bias", "trained biases"),
     "rank not a number": (lambda a: edit_config(a, r="four"), "adapter_config.json", "r", "expected a positive number"),
