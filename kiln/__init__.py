@@ -8,16 +8,16 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutput", "__version__"]
 
 if TYPE_CHECKING:
-    from kiln.engine.llm import LLM
     from kiln.engine.request import RequestOutput
-    from kiln.engine.sampling_params import SamplingParams
-    from kiln.engine.structured_output import StructuredOutput
+    from kiln.engine.sampling.sampling_params import SamplingParams
+    from kiln.engine.serving.llm import LLM
+    from kiln.engine.structured.structured_output import StructuredOutput
 
 _LAZY = {
-    "LLM": "kiln.engine.llm",
+    "LLM": "kiln.engine.serving.llm",
     "RequestOutput": "kiln.engine.request",
-    "SamplingParams": "kiln.engine.sampling_params",
-    "StructuredOutput": "kiln.engine.structured_output",
+    "SamplingParams": "kiln.engine.sampling.sampling_params",
+    "StructuredOutput": "kiln.engine.structured.structured_output",
 }
 
 

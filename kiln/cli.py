@@ -1,6 +1,6 @@
 """The `kiln` command: dispatches to the subcommands each subsystem registers (generate, chat, serve, bench,
 loadtest, recipe, compile, debug, kernels). Nothing else lives here: engine flags come from
-`kiln.engine.args.EngineArgs`, handlers run through `kiln.command.run_command`."""
+`kiln.engine.setup.args.EngineArgs`, handlers run through `kiln.command.run_command`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 from kiln.bench.cli import add_bench_subcommand
 from kiln.command import run_command
 from kiln.debug.cli import add_debug_subcommand
-from kiln.engine.cli import add_chat_subcommand, add_compile_subcommand, add_generate_subcommand
+from kiln.engine.setup.cli import add_chat_subcommand, add_compile_subcommand, add_generate_subcommand
 from kiln.kernels.cli import add_kernels_subcommand
 from kiln.recipe.cli import add_recipe_subcommand
 from kiln.server.cli import add_loadtest_subcommand, add_serve_subcommand

@@ -1,5 +1,5 @@
 """Frozen, layered configuration objects: the model's architecture, the KV cache, the scheduler, graph mode and
-the engine that holds them all (built by `kiln.engine.args.EngineArgs.create_engine_config`).
+the engine that holds them all (built by `kiln.engine.setup.args.EngineArgs.create_engine_config`).
 
 Only plain dataclasses cross module boundaries. Derived values are properties, never stored twice. This module
 does not import torch (so `kiln --help` stays fast); `kiln.model.dtypes` maps dtype names to torch dtypes.
@@ -36,8 +36,8 @@ DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16"
 # float32 model, else the model's own dtype
 KV_CACHE_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
-# how an embedding request's final hidden states become one vector (kiln.engine.pooling): the last prompt token's
-# (vLLM's default for decoder models), the mean over the prompt's tokens, or the first token's
+# how an embedding request's final hidden states become one vector (kiln.engine.running.pooling): the last prompt
+# token's (vLLM's default for decoder models), the mean over the prompt's tokens, or the first token's
 POOLING_NAMES = ("last", "mean", "cls")
 # NOTE: float32, the model's own dtype. bfloat16 passes the accuracy bar on the default model (mean KL 3.9e-5 against
 # float32 KV over 1,200 tokens, tests/engine/test_kv_dtype_accuracy.py) at half the bytes, but moves a fp32 model's
@@ -103,7 +103,7 @@ class ModelConfig:
         """The window W when every decoder layer slides with the same W > 0, else 0 (no window, or a global layer).
 
         Only then is a sequence's KV behind the window dead for every layer, so its blocks may be released
-        (kiln.engine.kv_window); a global layer (Gemma) still reads every block.
+        (kiln.engine.scheduling.kv_window); a global layer (Gemma) still reads every block.
         """
         windows = {self.layer_window(i) for i in range(self.num_layers)}
         return windows.pop() if len(windows) == 1 else 0
@@ -112,8 +112,8 @@ class ModelConfig:
     def hybrid_sliding_window(self) -> int:
         """The window W when some decoder layers slide with W > 0 and the others attend globally (Gemma 2/3), else 0.
 
-        The sliding layers' KV then lives in blocks of its own (kiln.engine.kv_window), released behind the window
-        while the global layers' blocks grow with the sequence.
+        The sliding layers' KV then lives in blocks of its own (kiln.engine.scheduling.kv_window), released behind the
+        window while the global layers' blocks grow with the sequence.
         """
         windows = {self.layer_window(i) for i in range(self.num_layers)}
         return max(windows) if len(windows) == 2 and 0 in windows else 0
@@ -151,9 +151,10 @@ class CacheConfig:
     dtype: str = "auto"  # KV_CACHE_DTYPE_NAMES; "auto": AUTO_KV_CACHE_DTYPE for a float32 model, else the model's
     # set: the pool is this fraction of the memory available after the weights, instead of `kv_cache_memory_gb`
     kv_cache_memory_fraction: float | None = None
-    # automatic prefix caching (kiln.engine.prefix_sharing): full blocks are kept after their request and shared
+    # automatic prefix caching (kiln.engine.scheduling.prefix_sharing): full blocks are kept after their request and
+    # shared
     enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "sha256"  # the key of a block (kiln.engine.prefix_cache.HASH_ALGOS)
+    prefix_caching_hash_algo: str = "sha256"  # the key of a block (kiln.engine.scheduling.prefix_cache.HASH_ALGOS)
 
 
 @dataclass(frozen=True)
@@ -169,8 +170,8 @@ class SchedulerConfig:
     # wait, so an n=64 request leaves batch slots to other requests instead of taking every one.
     max_running_per_request: int | None = None
     # with chunked prefill, a step holding a long prompt's chunk takes at most about this long, as measured: the
-    # chunk shrinks as its context grows and as steps take longer (kiln.engine.prefill_budget). 0: the threshold's
-    # cost alone.
+    # chunk shrinks as its context grows and as steps take longer (kiln.engine.scheduling.prefill_budget). 0: the
+    # threshold's cost alone.
     long_prefill_step_seconds: float = 0.5
     # which waiting request is admitted first, and which running one is preempted when blocks run out (vLLM's
     # --scheduling-policy): fcfs, by arrival; priority, by each request's priority (lower first), then arrival
@@ -256,7 +257,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Everything an engine is built from (`kiln.engine.build.build_engine`), after the recipe's overlay.
+    """Everything an engine is built from (`kiln.engine.setup.build.build_engine`), after the recipe's overlay.
 
     Made by `EngineArgs.create_engine_config`, the one place flags and a recipe meet; `recipe` is the validated
     contract itself (its guards check every request), not a path to read again.
@@ -280,7 +281,7 @@ class EngineConfig:
     graph: GraphConfig = field(default_factory=GraphConfig)  # graph.mode says which graphs run (eager: none)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-    grammar_cache_bytes: int = 256 << 20  # structured outputs' compiled grammars (kiln.engine.grammar_cache)
+    grammar_cache_bytes: int = 256 << 20  # structured outputs' compiled grammars (kiln.engine.structured.grammar_cache)
     pooling: PoolingConfig = field(default_factory=PoolingConfig)  # embedding requests' vectors
 
     @property
@@ -295,7 +296,7 @@ class EngineConfig:
 
     @property
     def executor(self) -> str:
-        """The executor registry entry (kiln.engine.build.EXECUTORS) that runs this engine's forward."""
+        """The executor registry entry (kiln.engine.setup.build.EXECUTORS) that runs this engine's forward."""
         return "graph" if self.graph.mode.is_graph else "eager"
 
 

@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from kiln.command import run_command
-from kiln.engine.args import EngineArgs
+from kiln.engine.setup.args import EngineArgs
 from kiln.server.cli import add_server_args
 
 

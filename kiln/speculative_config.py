@@ -6,14 +6,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SPECULATIVE_METHODS = ("ngram", "draft")  # proposers of speculative decoding (kiln.engine.speculation, .draft)
+SPECULATIVE_METHODS = (
+    "ngram",
+    "draft",
+)  # proposers of speculative decoding (kiln.engine.speculation.speculation, .draft)
 SPECULATIVE_POLICIES = ("measured", "always")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding: a proposer guesses up to `num_speculative_tokens` next tokens of a decoding sequence and
-    the target verifies them in its next step (kiln.engine.speculation). `method` None: off."""
+    the target verifies them in its next step (kiln.engine.speculation.speculation). `method` None: off."""
 
     method: str | None = None
     num_speculative_tokens: int = 4

@@ -56,7 +56,7 @@ MUTANTS = (
     ),
     Mutant(
         name="structured-sample-first-for-top-k-top-p",
-        path="kiln/engine/step_sample.py",
+        path="kiln/engine/running/step_sample.py",
         old="return p.is_greedy or (p.top_k in (0, -1) and p.top_p == 1.0 and p.min_p == 0.0)",
         new="return True",
         tests=("tests/engine/test_structured_output.py", "-k", "top_k_and_top_p"),
@@ -64,7 +64,7 @@ MUTANTS = (
     ),
     Mutant(
         name="grammar-mask-skipped-for-mixed-batches",
-        path="kiln/engine/sampler.py",
+        path="kiln/engine/sampling/sampler.py",
         old="        logits[index] = logits[index] + mask",
         new="        logits[index] = logits[index]",
         tests=("tests/engine/test_structured_output.py", "-k", "masks_constrained"),
@@ -72,7 +72,7 @@ MUTANTS = (
     ),
     Mutant(
         name="top-p-keeps-the-token-that-reaches-it",
-        path="kiln/engine/sampler.py",
+        path="kiln/engine/sampling/sampler.py",
         old="    drop = before >= top_p\n",
         new="    drop = before > top_p\n",
         tests=("tests/engine/test_sampler.py", "tests/engine/test_sampler_batched.py"),
@@ -88,7 +88,7 @@ MUTANTS = (
     ),
     Mutant(
         name="prefix-cache-trusts-a-key",
-        path="kiln/engine/kv_cache.py",
+        path="kiln/engine/scheduling/kv_cache.py",
         old="if entry is None or entry.tokens != toks or entry.parent != parent:",
         new="if entry is None or entry.parent != parent:",
         tests=("tests/engine/test_prefix_blocks.py",),

@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kiln.engine.sampler import Sampler, SamplingRow
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling.sampler import Sampler, SamplingRow
+from kiln.engine.sampling.sampling_params import SamplingParams
 from tests.engine.rowwise_sampler import RowwiseSampler
 
 MIXED = [

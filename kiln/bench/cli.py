@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 
 from kiln.bench.modes import MODE_ARGS
-from kiln.engine.arg_types import int_at_least
-from kiln.engine.args import EngineArgs
+from kiln.engine.setup.arg_types import int_at_least
+from kiln.engine.setup.args import EngineArgs
 from kiln.graph_mode import DEFAULT_GRAPH_MODE
 
 POSITIVE = int_at_least(1)

@@ -27,7 +27,7 @@ from kiln.bench.metrics import RunResult, compute_ratios, random_prompts
 from kiln.bench.modes import engine_args_for_mode
 from kiln.bench.report import print_report
 from kiln.bench.roofline import Roofline, read_bandwidth_gbs
-from kiln.engine.llm import LLM
+from kiln.engine.serving.llm import LLM
 from kiln.errors import ConfigError, KilnError
 
 logger = logging.getLogger("kiln")

@@ -9,11 +9,11 @@ from tqdm import tqdm
 
 from kiln.bench.metrics import RunResult
 from kiln.engine.request import RequestOutput
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling.sampling_params import SamplingParams
 from kiln.errors import KilnError
 
 if TYPE_CHECKING:
-    from kiln.engine.llm import LLM
+    from kiln.engine.serving.llm import LLM
 
 
 def run_kiln(llm: LLM, mode: str, prompts: list[list[int]], output_len: int, batch_size: int) -> RunResult:
@@ -22,7 +22,7 @@ def run_kiln(llm: LLM, mode: str, prompts: list[list[int]], output_len: int, bat
     prefill_s, _ = _closed_loop(llm, prompts, 1, batch_size, f"kiln {mode} bs={batch_size} prefill")
     prefix = llm.engine.scheduler.prefix
     queries, hits = (prefix.stats.queries, prefix.stats.hits) if prefix else (0, 0)
-    spec = llm.engine.scheduler.speculator
+    spec = llm.engine.speculator
     drafts, accepted = (spec.stats.num_drafts, spec.stats.num_accepted_tokens) if spec else (0, 0)
     wall_s, outputs = _closed_loop(llm, prompts, output_len, batch_size, f"kiln {mode} bs={batch_size}")
     done = []

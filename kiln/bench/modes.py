@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kiln.engine.args import EngineArgs
+from kiln.engine.setup.args import EngineArgs
 from kiln.graph_mode import GRAPH_MODES
 
 # The EngineArgs each mode sets: one graph mode (kiln.config.GRAPH_MODES, eager included). NOTE: every alias is

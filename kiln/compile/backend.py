@@ -32,7 +32,7 @@ logger = logging.getLogger("kiln")
 INPUT_IDS, POSITIONS, NUM_TOKENS = "input_ids", "positions", "num_tokens"
 # a full decode graph's per-step inputs besides input_ids (kiln.model.graph_attention)
 SEQ_LENS, BLOCK_TABLE, NUM_BLOCKS = "seq_lens", "block_table", "num_blocks"
-WINDOW_TABLE = "window_table"  # a hybrid model's sliding layers' own table (kiln.engine.kv_window)
+WINDOW_TABLE = "window_table"  # a hybrid model's sliding layers' own table (kiln.engine.scheduling.kv_window)
 
 
 @dataclass

@@ -22,7 +22,7 @@ class CompileCounters:
     full_replays: int = 0  # decode-only forwards through the full decode graph
     full_fallbacks_mixed: int = 0  # steps the full decode graph could not take: a prefill in the batch
     full_fallbacks_size: int = 0  # ... more tokens than the largest capture size (or a table wider than captured)
-    verify_steps: int = 0  # forwards verifying draft tokens (speculative decoding, kiln.engine.speculation)
+    verify_steps: int = 0  # forwards verifying draft tokens (speculative decoding, kiln.engine.speculation.speculation)
     full_verify_replays: int = 0  # ... of them through the full decode graph (each draft token a decode row)
     piece_replays: int = 0  # piece executions through a capture
     dynamic_fallbacks: int = 0  # forwards through pieces not captured at their size (or not capturable)

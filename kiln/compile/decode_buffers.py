@@ -1,7 +1,7 @@
 """Persistent inputs of the full decode graphs: input ids, sequence lengths and block-table rows of one step.
 
 They live in one int64 device buffer sized for the largest capture size, laid out `[ids | seq_lens | table]` (then a
-hybrid model's sliding layers' table of the same width, kiln.engine.kv_window),
+hybrid model's sliding layers' table of the same width, kiln.engine.scheduling.kv_window),
 and are updated in place each step with one host->device copy from a staging buffer (pinned on CUDA; on CPU the
 staging buffer is the buffer itself). A size's views of it never move, so a CUDA graph captured over them
 replays on the next step's values. Positions and KV slots are not uploaded: the graph derives them from

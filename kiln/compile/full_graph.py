@@ -100,8 +100,9 @@ class DecodeVariant:
 
 def max_table_width(window: int, num_blocks: int, block_size: int, max_model_len: int | None) -> int:
     """Blocks in the widest block table of a decode step: a sequence holds at most the pool's blocks, but under a
-    sliding window on every layer its released entries stay in the table (as the null block, kiln.engine.kv_window),
-    so only `max_model_len` bounds the width (None: the pool's blocks, wider steps run the pieces)."""
+    sliding window on every layer its released entries stay in the table (as the null block,
+    kiln.engine.scheduling.kv_window), so only `max_model_len` bounds the width (None: the pool's blocks, wider steps
+    run the pieces)."""
     if not max_model_len:
         return num_blocks
     width = math.ceil(max_model_len / block_size)

@@ -1,9 +1,9 @@
 """Graph settings: the recipe is the source of truth; flags fill in or override, and every override is logged
-(the graph-settings part of the one precedence every field follows, kiln/engine/recipe_config.py).
+(the graph-settings part of the one precedence every field follows, kiln/engine/setup/recipe_config.py).
 
 The graph mode is one value (kiln.graph_mode.GraphMode): the recipe's `graph.mode` (or, unset, what `graph.piecewise`
 implies: full_and_piecewise, or full when false), else the default full_and_piecewise; `--graph-mode` (or one of
-its aliases, resolved by `kiln.engine.args`) overrides it like any other graph flag.
+its aliases, resolved by `kiln.engine.setup.args`) overrides it like any other graph flag.
 
 `graph_config_from` is the one place a GraphConfig is built and validated (called once, by
 `EngineArgs.create_engine_config`).

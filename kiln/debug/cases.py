@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 import kiln
 from kiln.debug.diff import NOISE_FLOOR, NOISE_RATIO, DiffReport, Reference
 from kiln.debug.session import DebugSession
-from kiln.engine.args import EngineArgs
+from kiln.engine.setup.args import EngineArgs
 from kiln.errors import ConfigError
 
 logger = logging.getLogger("kiln")

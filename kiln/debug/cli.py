@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from kiln.engine.args import EngineArgs
+from kiln.engine.setup.args import EngineArgs
 
 DEFAULT_PROMPT = "The capital of France is"
 DEFAULT_NUM_DECODE = 4

@@ -21,7 +21,7 @@ from kiln.debug.faults import inject, parse_fault
 from kiln.debug.ranks import RankReport, check_same_pieces, is_first_rank, report_per_rank, stage_culprits
 from kiln.debug.session import DebugSession, is_factory_spec, load_factory
 from kiln.distributed.spmd import agree_any
-from kiln.engine.args import EngineArgs
+from kiln.engine.setup.args import EngineArgs
 from kiln.errors import ConfigError
 from kiln.log import setup_logging
 from kiln.model.attention import allocate_kv_caches

@@ -23,7 +23,7 @@ from kiln.debug.taps import LOGITS
 from kiln.distributed.control import agree_min
 from kiln.distributed.spmd import on_every_rank
 from kiln.distributed.state import rank_state
-from kiln.engine.args import EngineArgs
+from kiln.engine.setup.args import EngineArgs
 from kiln.errors import ConfigError
 from kiln.log import setup_logging
 from kiln.model.loader import open_checkpoint

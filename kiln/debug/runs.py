@@ -2,8 +2,8 @@
 teacher forcing, speculative decoding's two passes, and a cached prefix primed first.
 
 - Speculation: every path verifies the reference's own tokens as drafts (a teacher-forced request's drafts are its
-  given tokens, kiln.engine.speculation), so each step's rows are tokens kept; an unforced run first finds its
-  greedy tokens (the same with drafts or without), then runs forced to them.
+  given tokens, kiln.engine.speculation.speculation), so each step's rows are tokens kept; an unforced run first finds
+  its greedy tokens (the same with drafts or without), then runs forced to them.
 - `cached_prefix` N: the prompt's first N tokens are computed by an earlier request (its prefill alone), so the
   run's own prefill finds them in the prefix cache and computes only the rest over that context, on every path:
   the prefill over a cached prefix is what the diff holds to the reference. The cache is emptied before each run,
@@ -20,7 +20,7 @@ import torch
 
 from kiln.debug.taps import LOGITS, StepRecord, TapRecorder
 from kiln.engine.core import EngineCore
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling.sampling_params import SamplingParams
 from kiln.errors import ConfigError
 
 
@@ -65,7 +65,7 @@ class DebugRuns:
     ) -> PathRun:
         """Prefill `prompt` then decode `num_decode` tokens through `engine`, feeding `forced` tokens when given."""
         self._check(engine, prompt, num_decode, forced)
-        if forced is None and engine.scheduler.speculator is not None:
+        if forced is None and engine.speculator is not None:
             forced = self._tokens(path, engine, prompt, num_decode, None)  # the greedy tokens, for the forced run
         self._tokens(path, engine, prompt, num_decode, forced)
         return PathRun.from_steps(path, self.recorder.take())

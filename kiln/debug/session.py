@@ -44,9 +44,9 @@ from kiln.debug.taps import (
 )
 from kiln.debug.trace import trace_level
 from kiln.distributed.state import rank_state
-from kiln.engine.args import EngineArgs
-from kiln.engine.build import apply_device_settings, build_engine, engine_role
 from kiln.engine.core import EngineCore
+from kiln.engine.setup.args import EngineArgs
+from kiln.engine.setup.build import apply_device_settings, build_engine, engine_role
 from kiln.errors import ConfigError
 from kiln.executor.eager import EagerExecutor
 from kiln.executor.graph import GraphExecutor

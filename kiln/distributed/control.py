@@ -48,7 +48,7 @@ def distributed_head(state: RankState, compute: Head, vocab_size: int, last_stag
                 logits = gather_vocab(logits, vocab_size)
             if state.rank == source and not state.is_driver:
                 # NOTE: sent without waiting: rank 0 receives a step's logits only once it has sent every part of
-                # the step (kiln.engine.step_plan), so a blocking send here would wait for it forever
+                # the step (kiln.engine.running.step_plan), so a blocking send here would wait for it forever
                 while sending:
                     sending.pop().wait()
                 logits = logits.float().contiguous()
@@ -84,9 +84,9 @@ def _everywhere_head(state: RankState, compute: Head, vocab_size: int, last_stag
 
 
 class StepChannel:
-    """Sends each step's plan (kiln.engine.model_runner.StepPlan) from rank 0 to every other rank, point to point and
-    without waiting (a pickled byte tensor after its length), so rank 0 never waits for a busy stage to take it: on a
-    pipeline it launches the next step while the last stage still runs the previous one. `None` says stop."""
+    """Sends each step's plan (kiln.engine.running.model_runner.StepPlan) from rank 0 to every other rank, point to
+    point and without waiting (a pickled byte tensor after its length), so rank 0 never waits for a busy stage to take
+    it: on a pipeline it launches the next step while the last stage still runs the previous one. `None` says stop."""
 
     def __init__(self, state: RankState) -> None:
         self.state = state

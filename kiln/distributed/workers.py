@@ -179,7 +179,7 @@ class Workers:
 
 
 def start_ranks(config: EngineConfig, build: Callable[[EngineConfig], Any]) -> tuple[RankState, Workers]:
-    """Start this node's other ranks, each building its engine with `build` (kiln.engine.build.build_engine, a
+    """Start this node's other ranks, each building its engine with `build` (kiln.engine.setup.build.build_engine, a
     module-level function spawn can pickle), and join the process group as this node's first rank."""
     where = placement(config)
     ctx = mp.get_context("spawn")

@@ -1,42 +1,46 @@
-"""EngineCore: the step, schedule -> execute -> update, and the requests it serves.
+"""EngineCore: the engine's parts, built once, and the requests it serves.
 
-It is handed a loaded model, its tokenizer and an executor (by `kiln.engine.build.build_engine`, or by the
-debugger, which runs several executors over one model); it owns the KV block pool, the scheduler and the runner.
-Admission (kiln.engine.admission) and the update of requests by a step's tokens (kiln.engine.updater, with the stop
-rules of kiln.engine.outputs) live in modules of their own. Construction allocates; `prepare()` is the executor's
-prepare phase (kernel plan, trace, compile, capture), called once by whoever builds the engine.
+It is handed a loaded model, its tokenizer and an executor (by `kiln.engine.setup.build.build_engine`, or by the
+debugger, which runs several executors over one model); it builds the KV block pool, the runner, the scheduler, the
+step's proposer (speculative decoding) and the updater, and hands them to the step loop its role calls for
+(kiln.engine.loop: propose -> schedule -> execute -> update). Admission (kiln.engine.scheduling.admission) checks
+requests before they are queued. Construction allocates; `prepare()` is the executor's prepare phase (kernel plan,
+trace, compile, capture), called once by whoever builds the engine.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from kiln.config import DEFAULT_MAX_MODEL_LEN, EngineConfig, ModelConfig
-from kiln.engine.admission import Admission
-from kiln.engine.kv_cache import BlockPool
-from kiln.engine.kv_plan import kv_budget, kv_cache_blocks, log_kv_cache
-from kiln.engine.model_runner import ModelRunner, StepObserver
-from kiln.engine.prefill_budget import attention_tokens_of
-from kiln.engine.prefix_sharing import cache_namespace, prefix_keys_for
-from kiln.engine.rank_role import SINGLE_DEVICE, RankRole
+from kiln.engine.loop.parts import StepParts
+from kiln.engine.loop.pipelined import PipelinedSteps
+from kiln.engine.loop.plain import PlainSteps
+from kiln.engine.output.updater import Updater
 from kiln.engine.request import Request, RequestOutput
-from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.scheduler import Scheduler
-from kiln.engine.scheduler_output import SchedulerOutput
-from kiln.engine.speculation import Speculator
-from kiln.engine.step_sample import ModelRunnerOutput
-from kiln.engine.step_shape import StepShaper
-from kiln.engine.structured_output import Grammars
-from kiln.engine.updater import Updater
-from kiln.errors import INTERNAL_ERROR, RequestError, WorkerFailure
+from kiln.engine.running.kv_plan import kv_budget, kv_cache_blocks, log_kv_cache
+from kiln.engine.running.model_runner import ModelRunner, StepObserver
+from kiln.engine.running.rank_role import SINGLE_DEVICE, RankRole
+from kiln.engine.running.step_sample import ModelRunnerOutput
+from kiln.engine.sampling.sampling_params import SamplingParams
+from kiln.engine.scheduling.admission import Admission
+from kiln.engine.scheduling.kv_cache import BlockPool
+from kiln.engine.scheduling.prefill_budget import attention_tokens_of
+from kiln.engine.scheduling.prefix_sharing import cache_namespace, prefix_keys_for
+from kiln.engine.scheduling.scheduler import Scheduler
+from kiln.engine.scheduling.scheduler_output import SchedulerOutput
+from kiln.engine.scheduling.step_shape import StepShaper
+from kiln.engine.speculation.speculation import Speculator
+from kiln.engine.structured.structured_output import Grammars
+from kiln.errors import RequestError
 from kiln.executor.base import Executor
 from kiln.model.kv_format import kv_dtype_name, kv_storage_dtype
 from kiln.model.tokenizer import KilnTokenizer
-from kiln.recipe.guards import RecipeViolation
 
 if TYPE_CHECKING:
     from kiln.distributed.workers import Workers
@@ -44,9 +48,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("kiln")
 
 
-class StepLoop(Protocol):
-    def step(self, core: EngineCore) -> list[RequestOutput]:
-        """One step of `core` in its own way (kiln.engine.step_pipeline)."""
+# the step's proposer, made for the engine's model, context and KV pool (kiln.engine.setup.build builds a draft model's
+# engine first and hands it to its speculator); None: no speculative decoding
+MakeSpeculator = Callable[[ModelConfig, int, int], Speculator | None]
 
 
 class EngineCore:
@@ -59,10 +63,11 @@ class EngineCore:
         checkpoint_path: str = "",
         observer: StepObserver | None = None,
         role: RankRole = SINGLE_DEVICE,
-        step_loop: StepLoop | None = None,
+        make_speculator: MakeSpeculator | None = None,
     ) -> None:
-        """`role`: this rank's part in a multi-device engine (kiln.engine.rank_role); `step_loop`: how rank 0 of a
-        pipeline keeping steps in flight runs a step (kiln.engine.step_pipeline). Both fixed here."""
+        """`role`: this rank's part in a multi-device engine (kiln.engine.running.rank_role), which also chooses the
+        step loop (kiln.engine.loop); `make_speculator`: the step's proposer (default: n-gram speculation when the
+        config asks for it). All fixed here."""
         self.config = config
         self.recipe = config.recipe
         self.checkpoint_path = checkpoint_path
@@ -75,20 +80,16 @@ class EngineCore:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        cc = config.cache
-        dtype = next(model.parameters()).dtype
-        kv_dtype = kv_storage_dtype(cc.dtype, dtype)  # kiln.model.kv_format: "auto" resolved for this model
-        p = config.parallel
-        budget, budget_reason = kv_budget(cc, next(model.parameters()).device, max(1, p.world_size // p.nnodes))
-        blocks = kv_cache_blocks(cc, config.scheduler, model, kv_dtype, budget)  # (every layer's, a hybrid's sliding)
-        self.pool = BlockPool(blocks[0], cc.block_size)
-        self.window_pool = BlockPool(blocks[1], cc.block_size) if blocks[1] else None
+        kv_dtype = kv_storage_dtype(config.cache.dtype, next(model.parameters()).dtype)  # "auto" resolved
+        blocks, budget_reason = self._kv_blocks(model, kv_dtype)
+        self.pool = BlockPool(blocks[0], config.cache.block_size)
+        self.window_pool = BlockPool(blocks[1], config.cache.block_size) if blocks[1] else None
         self.shaper = StepShaper.for_engine(config, executor.pad_to)
         self.runner = ModelRunner(
             model,
             executor,
             blocks[0],
-            cc.block_size,
+            config.cache.block_size,
             kv_dtype,
             self.eos_token_ids,
             observer=observer,
@@ -98,34 +99,60 @@ class EngineCore:
             head_rows=config.sampled_rows,
             pooling=config.pooling,
         )
-        window = mc.uniform_sliding_window or mc.hybrid_sliding_window
-        # speculative decoding's proposer (kiln.engine.speculation): the scheduler asks it for drafts, the step times it
-        self.speculator = Speculator.for_config(config.speculative, self.max_model_len)
-        model_name, kv_name = checkpoint_path or config.model, kv_dtype_name(kv_dtype)
-        namespace = cache_namespace(model_name, config.quantization, config.activations, kv_name)
-        self.scheduler = Scheduler(
+        self.scheduler = self._scheduler(role, kv_dtype)
+        log_kv_cache(config.cache, blocks, self.runner.kv_cache_bytes, kv_dtype, self.max_model_len, mc, budget_reason)
+        # speculative decoding's proposer (kiln.engine.speculation): it proposes before each step is scheduled
+        make = make_speculator or self._ngram_speculator
+        self.speculator = make(mc, self.max_model_len, self.pool.num_blocks)
+        self.updater = Updater(
+            self.scheduler,
+            tokenizer,
+            self.eos_token_ids,
+            self.max_model_len,
+            pooling=config.pooling,
+            speculator=self.speculator,
+        )
+        self.workers: Workers | None = role.workers  # the other ranks, when this is rank 0 of a multi-device engine
+        parts = StepParts(self.scheduler, self.runner, self.updater, self.speculator, self.workers)
+        self.loop: PlainSteps | PipelinedSteps = (
+            PipelinedSteps(parts, role.steps_in_flight) if role.defers_heads else PlainSteps(parts)
+        )
+        self.admission = self._admission(role)
+
+    def _kv_blocks(self, model: nn.Module, kv_dtype: torch.dtype) -> tuple[tuple[int, int], str]:
+        """The KV blocks of every layer's pool and of a hybrid's sliding layers' (0: none), within the budget, and
+        the budget's reason (for the start-up line)."""
+        cc, p = self.config.cache, self.config.parallel
+        budget, reason = kv_budget(cc, next(model.parameters()).device, max(1, p.world_size // p.nnodes))
+        return kv_cache_blocks(cc, self.config.scheduler, model, kv_dtype, budget), reason
+
+    def _scheduler(self, role: RankRole, kv_dtype: torch.dtype) -> Scheduler:
+        config, mc = self.config, self.model_config
+        model_name = self.checkpoint_path or config.model
+        namespace = cache_namespace(model_name, config.quantization, config.activations, kv_dtype_name(kv_dtype))
+        return Scheduler(
             config.scheduler,
             self.pool,
             self.shaper,
-            window=window,
+            window=mc.uniform_sliding_window or mc.hybrid_sliding_window,
             window_pool=self.window_pool,
             steps_in_flight=role.steps_in_flight,
-            prefix_keys=prefix_keys_for(cc, mc, namespace),
-            speculator=self.speculator,
+            prefix_keys=prefix_keys_for(config.cache, mc, namespace),
             attention_tokens=attention_tokens_of(mc),
         )
-        log_kv_cache(cc, blocks, self.runner.kv_cache_bytes, kv_dtype, self.max_model_len, mc, budget_reason)
-        self.updater = Updater(
-            self.scheduler, tokenizer, self.eos_token_ids, self.max_model_len, pooling=config.pooling
-        )
-        self.workers: Workers | None = role.workers  # the other ranks, when this is rank 0 of a multi-device engine
-        self.pipeline = step_loop
+
+    def _ngram_speculator(self, _: ModelConfig, max_model_len: int, __: int) -> Speculator | None:
+        spec = self.config.speculative
+        return Speculator(spec, max_model_len) if spec.is_enabled else None
+
+    def _admission(self, role: RankRole) -> Admission:
+        config, tokenizer, mc = self.config, self.tokenizer, self.model_config
         self.grammars = (
             Grammars(tokenizer.tokenizer, mc.vocab_size, self.eos_token_ids, config.grammar_cache_bytes)
             if tokenizer
             else None
         )
-        self.admission = Admission(
+        return Admission(
             tokenizer,
             mc.vocab_size,
             self.max_model_len,
@@ -137,7 +164,6 @@ class EngineCore:
             grammars=self.grammars,
             multi_device=role.head is not None,
         )
-        self.num_steps = 0
 
     def prepare(self) -> EngineCore:
         """The prepare phase, apart from construction: the executor's kernel plan and, in graph mode, its trace,
@@ -169,6 +195,8 @@ class EngineCore:
         params: SamplingParams,
         forced_output: list[int] | None = None,
         priority: int = 0,
+        group: str | None = None,
+        keeps_probs: bool = False,
     ) -> Request:
         """Tokenize and validate; raises RequestError (naming the request) without touching engine state."""
         if request_id in self.requests:
@@ -180,7 +208,15 @@ class EngineCore:
                 request_id,
                 "priority",
             )
-        return self.admission.make_request(request_id, prompt, params, forced_output, priority)
+        return self.admission.make_request(
+            request_id,
+            prompt,
+            params,
+            forced_output=forced_output,
+            priority=priority,
+            group=group,
+            keeps_probs=keeps_probs,
+        )
 
     def add_request(
         self,
@@ -189,10 +225,21 @@ class EngineCore:
         params: SamplingParams,
         forced_output: list[int] | None = None,
         priority: int = 0,
+        group: str | None = None,
+        keeps_probs: bool = False,
     ) -> Request:
         """Queue a request; `forced_output` teacher-forces its output tokens (see `Request.forced_output`);
-        `priority` orders it under the priority scheduling policy (lower first)."""
-        req = self.make_request(request_id, prompt, params, forced_output, priority)
+        `priority` orders it under the priority scheduling policy (lower first); `group` names the client request
+        it belongs to (n > 1); `keeps_probs`: a draft engine's request (kiln.engine.request)."""
+        req = self.make_request(
+            request_id,
+            prompt,
+            params,
+            forced_output=forced_output,
+            priority=priority,
+            group=group,
+            keeps_probs=keeps_probs,
+        )
         self.updater.track(req)
         self.scheduler.add(req)
         return req
@@ -228,52 +275,15 @@ class EngineCore:
             self.workers = None
 
     def step(self) -> list[RequestOutput]:
+        """One step of the loop chosen at construction: propose -> schedule -> execute -> update (kiln.engine.loop)."""
         if not self.runner.is_prepared:
-            raise RuntimeError("EngineCore.prepare() must run before the first step (kiln.engine.build does it)")
+            raise RuntimeError("EngineCore.prepare() must run before the first step (kiln.engine.setup.build does it)")
         self.check_alive()
-        if self.pipeline is not None:  # steps in flight on a pipeline
-            return self.pipeline.step(self)
-        sched = self.scheduler.schedule()  # (with a draft model, its round: measured apart, kiln.engine.draft)
-        if sched.is_empty:
-            return []
-        cost = self.scheduler.step_cost(sched)
-        start = time.perf_counter()
-        try:
-            result = self.runner.execute(sched)
-        except RecipeViolation as exc:  # the step's shape breaks the recipe: its requests fail, named by the line
-            logger.error("step refused by the recipe: %s", exc)
-            return [out for s in sched.scheduled if (out := self.fail(s.request.request_id, str(exc)))]
-        except Exception as exc:
-            if self.workers is not None:
-                # NOTE: the ranks run each step together; none can retry it alone, so the engine stops
-                raise WorkerFailure(self.workers.blame(exc)) from exc
-            if len(sched.scheduled) == 1:
-                raise
-            return self._isolate_failure(sched)
-        self.num_steps += 1
-        self.scheduler.prefill.observe(cost, time.perf_counter() - start)
-        outputs = self.update(sched, result)
-        if self.speculator is not None and (rows := sched.decode_rows):  # what verifying costs here, measured
-            self.speculator.costs.observe(rows, time.perf_counter() - start)
-        return outputs
+        return self.loop.step()
 
-    def _isolate_failure(self, sched: SchedulerOutput) -> list[RequestOutput]:
-        """A batched step raised: run its requests one at a time (their KV writes repeat at the same slots, and
-        nothing was updated yet), so only the requests that fail on their own are failed."""
-        ids = [s.request.request_id for s in sched.scheduled]
-        logger.exception("engine step failed for requests %s; running them one by one to isolate the cause", ids)
-        outputs = []
-        for s in sched.scheduled:
-            single = SchedulerOutput([s])
-            try:
-                result = self.runner.execute(single)
-            except Exception:
-                logger.exception("request %s fails on its own: failing it", s.request.request_id)
-                outputs.append(self.fail(s.request.request_id, INTERNAL_ERROR))
-                continue
-            outputs += self.update(single, result)
-        self.num_steps += 1
-        return outputs
+    @property
+    def num_steps(self) -> int:
+        return self.loop.num_steps
 
     def fail(self, request_id: str, message: str) -> RequestOutput | None:
         """Finish a request with `finish_reason="error"` and `message` (written for the client) as its error."""

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.structured_output import GrammarState
+from kiln.engine.sampling.sampling_params import SamplingParams
+from kiln.engine.structured.structured_output import GrammarState
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,8 @@ class Request:
         generator: torch.Generator | None,
         forced_output: list[int] | None = None,
         priority: int = 0,
+        group: str | None = None,
+        keeps_probs: bool = False,
     ) -> None:
         self.request_id = request_id
         # the scheduling policy `priority` admits lower values first and preempts higher ones first (vLLM's)
@@ -70,41 +72,43 @@ class Request:
         self.prompt = prompt
         # the client request this sequence belongs to (its prompts x n share one), for the scheduler's per-request
         # cap on running sequences; None: a request of its own
-        self.group: str | None = None
+        self.group = group
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         # NOTE: its seed alone is used: each output position draws from its own generator (`generator_at`)
         self.generator = generator
         self.output_token_ids: list[int] = []
         self.logprobs: list[dict[int, float]] = []
-        # each prompt position's logprobs so far (kiln.engine.prompt_logprobs: None for the first token), when asked
+        # each prompt position's logprobs so far (kiln.engine.running.prompt_logprobs: None for the first token), when
+        # asked
         self.prompt_logprobs: PromptLogprobs | None = [None] if params.prompt_logprobs is not None else None
-        # an embedding request's pooled rows so far (kiln.engine.pooling), and its vector once its prompt is computed
+        # an embedding request's pooled rows so far (kiln.engine.running.pooling), and its vector once its prompt is
+        # computed
         self.pooled: PooledSum | None = None
         self.embedding: list[float] | None = None
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
-        # per block pool (kiln.engine.scheduler.BlockGroup): every layer's blocks, then a hybrid model's sliding
-        # layers' own; each maps the sequence's logical blocks in order (released ones hold the pool's null block)
+        # per block pool (kiln.engine.scheduling.scheduler.BlockGroup): every layer's blocks, then a hybrid model's
+        # sliding layers' own; each maps the sequence's logical blocks in order (released ones hold the pool's null
+        # block)
         self.block_tables: list[list[int]] = [[], []]
-        # prefix caching (kiln.engine.prefix_cache): the keys of the sequence's full blocks, computed once each, and
-        # the cache serials of the blocks it holds that are full and registered (or found cached), in order
+        # prefix caching (kiln.engine.scheduling.prefix_cache): the keys of the sequence's full blocks, computed once
+        # each, and the cache serials of the blocks it holds that are full and registered (or found cached), in order
         self.block_keys: list[object] = []
         self.block_serials: list[int] = []
         self.num_cached_tokens: int | None = None  # prompt tokens found cached when first admitted (caching on)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.error: str | None = None
-        # the request field whose content failed it (its grammar, kiln.engine.updater): the client's error, not the
-        # engine's
+        # the request field whose content failed it (its grammar, kiln.engine.output.updater): the client's error, not
+        # the engine's
         self.error_param: str | None = None
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.grammar: GrammarState | None = None  # its place in its structured output's grammar (Admission sets it)
-        # the distribution each draft token was drawn from (kiln.engine.draft): a draft engine's sampled request
-        # collects one per token it samples (`keeps_probs`), and the target's request it drafted for verifies this
-        # step's drafts by them (None: one-hot at each draft, as greedy and n-gram drafts are)
-        self.draft_probs: list[torch.Tensor] | None = None
-        self.keeps_probs = False
+        # `keeps_probs` (a draft engine's sampled request, kiln.engine.speculation.draft): the distribution each
+        # sampled token was drawn from, which the draft model hands the target's verification as its q
+        self.keeps_probs = keeps_probs
+        self.sampled_probs: list[torch.Tensor] = []
 
     def generator_at(self, position: int) -> torch.Generator | None:
         """The generator of output position `position` (None: greedy): seeded by the request's seed and the

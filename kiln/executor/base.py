@@ -2,7 +2,7 @@
 
 An executor owns everything that changes how the same model computes the same numbers faster: weight layouts,
 the logits head, compiled pieces, captures, counters. `EngineCore` picks one from the config (a registry entry
-in `kiln.engine.build`) and hands it to `ModelRunner`; nothing else switches layouts or replaces forwards.
+in `kiln.engine.setup.build`) and hands it to `ModelRunner`; nothing else switches layouts or replaces forwards.
 
 Rules:
 - `prepare(model, kv_caches)` is called once, before any `forward`; it may change parameter *strides* (never

@@ -66,7 +66,8 @@ def allocate_kv_caches(
     """One zeroed cache per layer, laid out by `kv_cache_shape`, for `num_kv_heads` (default: all of the model's;
     a tensor-parallel rank holds its own). A layer outside `layers` (another pipeline stage's) gets a cache of no
     heads: the same geometry, no memory. `window_blocks` > 0: the sliding-window layers of a model that mixes them
-    with global ones hold that many blocks (their own pool, kiln.engine.kv_window), the others `num_blocks`."""
+    with global ones hold that many blocks (their own pool, kiln.engine.scheduling.kv_window), the others
+    `num_blocks`."""
     heads = num_kv_heads or config.num_kv_heads
 
     def blocks(i: int) -> int:

@@ -31,8 +31,8 @@ class AttentionMetadata:
     seq_lens_tensor: torch.Tensor  # [num_seqs] int64, same values
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, rows padded with 0
     block_size: int
-    # a hybrid model's sliding layers keep their KV in blocks of their own (kiln.engine.kv_window): their slots and
-    # tables (None: every layer uses the ones above)
+    # a hybrid model's sliding layers keep their KV in blocks of their own (kiln.engine.scheduling.kv_window): their
+    # slots and tables (None: every layer uses the ones above)
     window_slot_mapping: torch.Tensor | None = None
     window_block_tables: torch.Tensor | None = None
     window: int = 0  # > 0: this is the view of the layers that slide with this window (`for_layer`)
@@ -104,7 +104,8 @@ class DecodeInputs:
 
     seq_lens: torch.Tensor  # [num_tokens] int64: context + the new token; padding rows: 1
     block_table: torch.Tensor  # [num_tokens, num_blocks] int64; padding rows: the null block
-    # a hybrid model's sliding layers' own table (kiln.engine.kv_window), same width; None: they use `block_table`
+    # a hybrid model's sliding layers' own table (kiln.engine.scheduling.kv_window), same width; None: they use
+    # `block_table`
     window_table: torch.Tensor | None = None
 
 

@@ -55,7 +55,7 @@ def decode_attention(
     head_dim = cache_head_dim(kv_cache)
     n = q.shape[0]
     seq_lens = decode.seq_lens
-    # a hybrid model's sliding layers read their own blocks (kiln.engine.kv_window)
+    # a hybrid model's sliding layers read their own blocks (kiln.engine.scheduling.kv_window)
     table = decode.window_table if window and decode.window_table is not None else decode.block_table
     torch._check(seq_lens.shape[0] == n)
     torch._check(table.shape[0] == n)

@@ -110,7 +110,7 @@ NGRAM_ONLY = ("prompt_lookup_max", "prompt_lookup_min")
 
 def check_inert(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
     """Fields written in the recipe that would do nothing, as the engine flags of the same names are refused
-    (kiln.engine.inert_options): the graphs' sizes and compiler under graph.mode eager, speculation's tuning with
+    (kiln.engine.setup.inert_options): the graphs' sizes and compiler under graph.mode eager, speculation's tuning with
     no method (or the ngram method's with another)."""
     out = []
     if spec.graph.mode == "eager":

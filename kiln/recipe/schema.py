@@ -149,7 +149,8 @@ class Graph(Section):
 
 
 class Speculative(Section):
-    """Speculative decoding (kiln.engine.speculation): a proposer's draft tokens, verified by the model in one step."""
+    """Speculative decoding (kiln.engine.speculation.speculation): a proposer's draft tokens, verified by the model in
+    one step."""
 
     method: Literal[SPECULATIVE_METHODS] | None = Field(  # type: ignore[valid-type]
         None,

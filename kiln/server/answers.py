@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kiln.engine.request import RequestOutput
-from kiln.engine.request_stream import SLOW_READER
+from kiln.engine.serving.request_stream import SLOW_READER
 from kiln.server.errors import APIError
 
 logger = logging.getLogger("kiln")

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kiln import __version__
-from kiln.engine.async_engine import AsyncEngine
+from kiln.engine.serving.async_engine import AsyncEngine
 from kiln.server.connection_table import ConnectionTable
 from kiln.server.embeddings import EmbeddingEndpoint, EmbeddingRequest
 from kiln.server.errors import install_error_handlers

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from kiln.engine.arg_types import int_at_least
-from kiln.engine.args import EngineArgs
+from kiln.engine.setup.arg_types import int_at_least
+from kiln.engine.setup.args import EngineArgs
 from kiln.server.grammar_limits import (
     GRAMMAR_COMPILE_THREADS,
     GRAMMAR_COMPILE_TIMEOUT_S,

@@ -8,7 +8,7 @@ header a byte at a time (slowloris), holds its connection and a file descriptor 
 gives every request `--header-timeout` seconds from the moment the connection is ready for it (opened, or the
 previous response sent) to the end of its headers, then answers 408 and closes, and bounds their size in pieces
 as well as whole (431). Each connection's kernel send buffer is fixed at SEND_BUFFER_BYTES, so a client that stops
-reading a stream is noticed (and cut off, kiln/engine/request_stream.py) after about that much unread data, not
+reading a stream is noticed (and cut off, kiln/engine/serving/request_stream.py) after about that much unread data, not
 after the megabytes Linux would autotune it to. The body has its own timeout (`--body-timeout`,
 kiln/server/middleware.py).
 """

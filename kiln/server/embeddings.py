@@ -1,4 +1,5 @@
-"""`POST /v1/embeddings`: OpenAI's request and answer over the engine's embedding requests (kiln.engine.pooling).
+"""`POST /v1/embeddings`: OpenAI's request and answer over the engine's embedding requests
+(kiln.engine.running.pooling).
 
 `input` is a string, a list of strings, a list of token ids, or a list of those; each item is one engine request
 (prefill only, pooled as `--pooling` says, batched in the engine's steps beside any other request). The answer is
@@ -20,7 +21,7 @@ from typing import Any, Literal
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling.sampling_params import SamplingParams
 from kiln.errors import RequestError
 from kiln.server.answers import raise_if_failed
 from kiln.server.errors import CLIENT_CLOSED

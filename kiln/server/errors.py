@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kiln.engine.request_stream import EngineStoppedError, QueueFullError
+from kiln.engine.serving.request_stream import EngineStoppedError, QueueFullError
 from kiln.errors import RequestError
 from kiln.recipe.guards import RecipeViolation
 from kiln.server.limits import LimitExceeded

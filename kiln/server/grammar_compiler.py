@@ -6,7 +6,7 @@ compiled on its own pool of `num_threads` threads (llguidance releases the GIL w
 while the request waits. Each client (its peer address) has one compile at a time, so one client's bombs queue
 behind each other and cannot fill the pool. A compile that passes the deadline answers 400 naming the flag; it
 keeps its thread until it ends (a Python thread cannot be stopped), and holds its client's slot till then, and its
-constraint is refused at once from then on (kiln.engine.grammar_cache remembers failures by key).
+constraint is refused at once from then on (kiln.engine.structured.grammar_cache remembers failures by key).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from kiln.engine.structured_output import Grammars, StructuredOutput
+from kiln.engine.structured.structured_output import Grammars, StructuredOutput
 from kiln.errors import RequestError
 from kiln.server.grammar_limits import GRAMMAR_COMPILE_THREADS, GrammarLimits
 from kiln.server.limits import LimitExceeded

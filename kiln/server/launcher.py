@@ -7,7 +7,7 @@ engine loop dies instead, the server stops and exits 1.
 The serve flags are checked before the model loads (a bad API-key source fails in a second, not after the load).
 
 Threads: the engine loop runs on the main thread, where the model was loaded and compiled, and uvicorn's
-event loop in a `kiln-http` thread (see kiln/engine/async_engine.py for why: OpenMP is ~2x slower on a
+event loop in a `kiln-http` thread (see kiln/engine/serving/async_engine.py for why: OpenMP is ~2x slower on a
 second thread). Signals arrive on the main thread and are handed to uvicorn.
 """
 
@@ -27,10 +27,10 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
-from kiln.engine.args import EngineArgs
-from kiln.engine.async_engine import AsyncEngine
-from kiln.engine.build import build_engine
 from kiln.engine.core import EngineCore
+from kiln.engine.serving.async_engine import AsyncEngine
+from kiln.engine.setup.args import EngineArgs
+from kiln.engine.setup.build import build_engine
 from kiln.env import read_env
 from kiln.errors import ConfigError
 from kiln.log import setup_logging

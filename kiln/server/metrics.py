@@ -14,8 +14,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.request import RequestOutput
+from kiln.engine.serving.async_engine import AsyncEngine
 from kiln.server.connection_table import ConnectionTable
 from kiln.server.errors import CLIENT_CLOSED
 

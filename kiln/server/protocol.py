@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.structured_output import StructuredOutput
+from kiln.engine.sampling.sampling_params import SamplingParams
+from kiln.engine.structured.structured_output import StructuredOutput
 from kiln.errors import RequestError
 from kiln.model.tokenizer import TEMPLATE_RESERVED
 from kiln.server.request_fields import RequestPart
@@ -133,10 +133,16 @@ class SamplingFields(RequestPart):
         return biases
 
     def sampling_params(
-        self, max_tokens: int, logprobs: int | None, choice_index: int, constraint: StructuredOutput | None
+        self,
+        max_tokens: int,
+        logprobs: int | None,
+        choice_index: int,
+        constraint: StructuredOutput | None,
+        keep_special_tokens: bool = False,
     ) -> SamplingParams:
         """Build validated SamplingParams (RequestError names the field). Choice `i` of `n` samples with seed+i;
-        `constraint`: what `structured_output()` gave (computed once per request)."""
+        `constraint`: what `structured_output()` gave (computed once per request); `keep_special_tokens`: the text
+        keeps special tokens whatever the request says (a tool parser reads an opener that is one)."""
         optional: dict[str, Any] = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -155,7 +161,7 @@ class SamplingFields(RequestPart):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=self.num_prompt_logprobs,
-            skip_special_tokens=self.skip_special_tokens,
+            skip_special_tokens=self.skip_special_tokens and not keep_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_output=constraint,
             logit_bias=self.token_biases(),

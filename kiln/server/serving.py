@@ -23,10 +23,10 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.request import RequestOutput
-from kiln.engine.request_stream import RequestStream
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling.sampling_params import SamplingParams
+from kiln.engine.serving.async_engine import AsyncEngine
+from kiln.engine.serving.request_stream import RequestStream
 from kiln.errors import RequestError
 from kiln.server.answers import EngineStreamingResponse, raise_if_failed, unless_disconnected
 from kiln.server.errors import CLIENT_CLOSED, APIError, error_body, expected_error, internal_error
@@ -204,9 +204,13 @@ class OpenAIServing:
                 # reject the request with both numbers and the limit in the message.
                 limit = max_tokens if max_tokens is not None else max(self.max_model_len - len(ids), 1)
                 for c in range(body.n):
-                    params = body.sampling_params(limit, num_logprobs, c, constraint)
-                    if keep_special_tokens:  # the tool parser reads an opener that is a special token
-                        params.skip_special_tokens = False
+                    params = body.sampling_params(
+                        max_tokens=limit,
+                        logprobs=num_logprobs,
+                        choice_index=c,
+                        constraint=constraint,
+                        keep_special_tokens=keep_special_tokens,
+                    )
                     jobs.append((f"{fmt.response_id}-{p * body.n + c}", ids, params))
             stream = await self.engine.add_requests(jobs, reservation, body.priority)
         index = {rid: i for i, (rid, _, _) in enumerate(jobs)}

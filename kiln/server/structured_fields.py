@@ -1,4 +1,5 @@
-"""The structured-output fields of a request, and the one constraint they ask for (kiln.engine.structured_output).
+"""The structured-output fields of a request, and the one constraint they ask for
+(kiln.engine.structured.structured_output).
 
 OpenAI's `response_format` (text, json_object, json_schema), vLLM's `structured_outputs` object and its older
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`: at most one of them may ask for a constraint.
@@ -10,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from kiln.engine.structured_output import ANY_JSON_OBJECT, StructuredOutput
+from kiln.engine.structured.structured_output import ANY_JSON_OBJECT, StructuredOutput
 from kiln.errors import RequestError
 from kiln.server.request_fields import RequestPart
 

@@ -19,7 +19,7 @@ from kiln.compile.fusion_check import FusionGroupError
 from kiln.compile.kernels import kernels_in
 from kiln.compile.settings import graph_config_from
 from kiln.config import FusionGroupConfig
-from kiln.engine.args import EngineArgs
+from kiln.engine.setup.args import EngineArgs
 from kiln.executor.graph import GraphExecutor
 from kiln.model.forward_context import ForwardContext, ModelInputs, set_forward_context
 from kiln.recipe import load_recipe

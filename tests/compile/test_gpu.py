@@ -10,8 +10,8 @@ import torch
 
 from kiln.compile.capture import CudaGraphCapture
 from kiln.config import SpeculativeConfig
-from kiln.engine.model_runner import ModelRunner
-from kiln.engine.speculation import Speculator
+from kiln.engine.running.model_runner import ModelRunner
+from kiln.engine.speculation.speculation import Speculator
 from kiln.model.forward_context import ModelInputs
 from tests.compile.tiny import generate, graph_runner, make_runner, random_prompts, tiny_model
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kiln.compile.decode_buffers import width_buckets
-from kiln.engine.model_runner import StepObserver
+from kiln.engine.running.model_runner import StepObserver
 from kiln.graph_mode import GRAPH_MODES, GraphMode
 from kiln.model.attention import null_block
 from kiln.model.forward_context import AttentionMetadata, ForwardContext, ModelInputs, set_forward_context

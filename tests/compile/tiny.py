@@ -8,12 +8,12 @@ import torch
 
 from kiln.compile.settings import graph_config_from
 from kiln.config import ModelConfig, SchedulerConfig
-from kiln.engine.kv_cache import BlockPool
-from kiln.engine.model_runner import ModelRunner
 from kiln.engine.request import Request
-from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.scheduler import Scheduler
-from kiln.engine.speculation import Speculator
+from kiln.engine.running.model_runner import ModelRunner
+from kiln.engine.sampling.sampling_params import SamplingParams
+from kiln.engine.scheduling.kv_cache import BlockPool
+from kiln.engine.scheduling.scheduler import Scheduler
+from kiln.engine.speculation.speculation import Speculator
 from kiln.executor.base import Executor
 from kiln.executor.eager import EagerExecutor
 from kiln.executor.graph import GraphExecutor

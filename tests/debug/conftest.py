@@ -9,7 +9,7 @@ import pytest
 from kiln.debug.diff import Reference, build_reference
 from kiln.debug.pytest_plugin import pytest_collect_file  # noqa: F401  (debug cases under tests/ run as tests)
 from kiln.debug.session import DebugSession
-from kiln.engine.args import EngineArgs
+from kiln.engine.setup.args import EngineArgs
 
 TINY = "tests.debug.models:tiny_llama"
 PROMPT = [3, 17, 42, 5, 99, 7, 11]  # 7 tokens: the prefill pads to capture size 8

@@ -10,7 +10,7 @@ from kiln.cli import main
 from kiln.debug.diff import Reference, build_reference, run_diff
 from kiln.debug.faults import inject, parse_fault
 from kiln.debug.session import DebugSession
-from kiln.engine.args import EngineArgs
+from kiln.engine.setup.args import EngineArgs
 
 RECIPE = "recipes/smollm2-135m.yaml"
 FAULT_LAYER = 17

@@ -10,7 +10,7 @@ import pytest
 
 from kiln import LLM
 from kiln.engine.request import RequestOutput
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling.sampling_params import SamplingParams
 from kiln.model.loader.hf_loader import TensorReader
 from tests.distributed.test_tensor_parallel import assert_same
 from tests.engine.tiny_models import write_hf_model

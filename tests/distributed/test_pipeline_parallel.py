@@ -10,8 +10,9 @@ import pytest
 
 from kiln import LLM
 from kiln.distributed.ops import COMM
+from kiln.engine.loop.pipelined import PipelinedSteps
 from kiln.engine.request import RequestOutput
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling.sampling_params import SamplingParams
 from tests.distributed.test_tensor_parallel import GREEDY, HIDDEN, PROMPTS, VOCAB, assert_same
 
 RECIPE = Path(__file__).parents[2] / "recipes" / "smollm2-135m-pp2.yaml"
@@ -48,9 +49,9 @@ def test_steps_in_flight_keep_both_stages_busy_and_survive_an_abort(reference: l
         "default", dtype="float32", seed=0, quantization="none", pipeline_parallel_size=2, graph_mode="eager"
     ) as llm:
         engine = llm.engine
-        assert engine.pipeline is not None and engine.runner.micro_batches == 1
+        assert isinstance(engine.loop, PipelinedSteps) and engine.runner.micro_batches == 1
         assert_same(llm.generate(PROMPTS, GREEDY), reference, 1e-4)
-        assert engine.pipeline.most_in_flight == 2
+        assert engine.loop.most_in_flight == 2
         # 4 prompts of 8 tokens in two halves: 8 steps each, counted when they complete
         assert engine.num_steps == 2 * GREEDY.max_tokens
         for i, prompt in enumerate(PROMPTS):

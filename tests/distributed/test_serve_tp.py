@@ -14,7 +14,7 @@ import time
 import httpx
 
 from kiln import LLM
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling.sampling_params import SamplingParams
 from tests.server.live import free_port, live_server
 
 ARGS = ["--quantization", "none", "--graph-mode", "eager", "--seed", "0", "--tensor-parallel-size", "2"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from itertools import chain
 
-from kiln.engine.step_plan import StepPlan, split_plan
+from kiln.engine.running.step_plan import StepPlan, split_plan
 
 
 def step(lens: list[int], num_decodes: int) -> StepPlan:

@@ -12,7 +12,7 @@ from kiln import LLM
 from kiln.distributed.ops import COMM
 from kiln.distributed.state import rank_state
 from kiln.engine.request import RequestOutput
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling.sampling_params import SamplingParams
 from kiln.errors import ConfigError
 
 PROMPTS = ["The capital of France is", "def fib(n):", "Three primary colors are", "Once upon a time"]
@@ -90,7 +90,7 @@ def test_cached_prefixes_and_sibling_copies_hold_on_both_ranks(tp_eager: LLM, ll
         engine.add_request(f"sib{i}", prompt, GREEDY).group = "siblings"
     copies = []
     execute = engine.runner.execute
-    engine.runner.execute = lambda sched: copies.extend(sched.block_copies) or execute(sched)
+    engine.runner.execute = lambda sched, *probs: copies.extend(sched.block_copies) or execute(sched, *probs)
     hits = stats.hits
     done: dict[str, RequestOutput] = {}
     try:

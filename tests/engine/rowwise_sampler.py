@@ -1,12 +1,12 @@
 """The sampler as it was before it was batched (one row at a time in Python): the reference the batched sampler
-(kiln.engine.sampler) must equal, and the baseline of scripts/sampler_bench.py."""
+(kiln.engine.sampling.sampler) must equal, and the baseline of scripts/sampler_bench.py."""
 
 from __future__ import annotations
 
 import torch
 
-from kiln.engine.sampler import SamplerOutput, SamplingRow, adjusted_logits, token_logprobs
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling.sampler import SamplerOutput, SamplingRow, adjusted_logits, token_logprobs
+from kiln.engine.sampling.sampling_params import SamplingParams
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -12,8 +12,8 @@ import pytest
 import kiln.recipe.recipe as recipe_module
 from kiln import cli, launch
 from kiln.config import EngineConfig
-from kiln.engine.args import EngineArgs, cli_flag
-from kiln.engine.llm import LLM
+from kiln.engine.serving.llm import LLM
+from kiln.engine.setup.args import EngineArgs, cli_flag
 from kiln.errors import ConfigError
 from kiln.recipe import RecipeError
 

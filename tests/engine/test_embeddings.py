@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.engine.args import EngineArgs
+from kiln.engine.setup.args import EngineArgs
 from kiln.errors import RequestError
 from tests.engine.tiny_models import write_hf_model
 

@@ -11,7 +11,7 @@ import torch
 import kiln.kernels.plan as plan_module
 from kiln.config import CacheConfig, EngineConfig
 from kiln.engine.core import EngineCore
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling.sampling_params import SamplingParams
 from kiln.errors import RequestError
 from kiln.executor.eager import EagerExecutor
 from kiln.kernels.attention import native_kernels

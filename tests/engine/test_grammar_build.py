@@ -12,9 +12,9 @@ import os
 import pytest
 
 from kiln.engine import structured_output
-from kiln.engine.grammar_build import GrammarRefused, short_reason
-from kiln.engine.grammar_cache import estimated_bytes
-from kiln.engine.structured_output import Grammars, StructuredOutput
+from kiln.engine.structured.grammar_build import GrammarRefused, short_reason
+from kiln.engine.structured.grammar_cache import estimated_bytes
+from kiln.engine.structured.structured_output import Grammars, StructuredOutput
 from kiln.errors import RequestError
 from kiln.model.build import load_tokenizer
 from kiln.model.loader import open_checkpoint

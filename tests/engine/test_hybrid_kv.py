@@ -17,8 +17,8 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.config import CacheConfig, SchedulerConfig
-from kiln.engine.kv_plan import kv_cache_blocks
-from kiln.engine.kv_window import max_decode_blocks, window_pool_blocks
+from kiln.engine.running.kv_plan import kv_cache_blocks
+from kiln.engine.scheduling.kv_window import max_decode_blocks, window_pool_blocks
 from tests.engine.test_sliding_kv import generate_stepwise
 from tests.model.test_gemma import LONG, SHORT, write_gemma
 

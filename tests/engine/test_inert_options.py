@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kiln.config import EngineConfig
-from kiln.engine.args import EngineArgs
+from kiln.engine.setup.args import EngineArgs
 from kiln.errors import ConfigError
 
 RECIPE = """\

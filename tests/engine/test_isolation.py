@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from kiln.config import CacheConfig, EngineConfig
-from kiln.engine.async_engine import AsyncEngine
 from kiln.engine.core import EngineCore
-from kiln.engine.llm import LLM
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling.sampling_params import SamplingParams
+from kiln.engine.serving.async_engine import AsyncEngine
+from kiln.engine.serving.llm import LLM
 from kiln.errors import INTERNAL_ERROR, RequestError
 from kiln.executor.eager import EagerExecutor
 from kiln.model.forward_context import ModelInputs

@@ -11,8 +11,8 @@ import torch
 
 from kiln import LLM
 from kiln.config import CacheConfig
-from kiln.engine.arg_types import fraction
-from kiln.engine.kv_plan import kv_budget
+from kiln.engine.running.kv_plan import kv_budget
+from kiln.engine.setup.arg_types import fraction
 from kiln.platforms import CpuPlatform
 from tests.engine.tiny_models import write_hf_model
 

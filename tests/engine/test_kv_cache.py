@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.engine.kv_cache import BlockPool
+from kiln.engine.scheduling.kv_cache import BlockPool
 from kiln.errors import KilnError
 
 

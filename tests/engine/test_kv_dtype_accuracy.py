@@ -81,7 +81,9 @@ def test_kv_dtype_against_a_float32_cache(
     stored_name = kv_dtype_name(stored.pop())
     started = f"{stored_name})"
     assert any(r.getMessage().startswith("KV cache: ") and started in r.getMessage() for r in kiln_log.records)
-    assert llm.engine.scheduler.prefix.keys.namespace.endswith(f"|{stored_name}")  # kiln.engine.prefix_sharing
+    assert llm.engine.scheduler.prefix.keys.namespace.endswith(
+        f"|{stored_name}"
+    )  # kiln.engine.scheduling.prefix_sharing
     kl, top1 = agreement(expected_log_probs, log_probs(llm))
     print(f"KV cache {name} ({stored_name}): mean KL {kl:.2e}, top-1 {top1:.2%} against float32")
     assert 0 < kl <= (MAX_KL if name == "bfloat16" else REPORTED_KL)  # > 0: the cache did round

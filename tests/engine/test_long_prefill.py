@@ -6,10 +6,10 @@ Pure bookkeeping: no model runs."""
 from __future__ import annotations
 
 from kiln.config import SchedulerConfig
-from kiln.engine.kv_cache import BlockPool
 from kiln.engine.request import Request
-from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.scheduler import Scheduler
+from kiln.engine.sampling.sampling_params import SamplingParams
+from kiln.engine.scheduling.kv_cache import BlockPool
+from kiln.engine.scheduling.scheduler import Scheduler
 
 
 def request(rid: str, prompt_len: int) -> Request:

@@ -10,9 +10,9 @@ import itertools
 import pytest
 
 from kiln.config import SchedulerConfig
-from kiln.engine.kv_cache import BlockPool
-from kiln.engine.prefill_budget import MIN_TIMED_COST, PrefillBudget, attention_tokens_of
-from kiln.engine.scheduler import Scheduler
+from kiln.engine.scheduling.kv_cache import BlockPool
+from kiln.engine.scheduling.prefill_budget import MIN_TIMED_COST, PrefillBudget, attention_tokens_of
+from kiln.engine.scheduling.scheduler import Scheduler
 from kiln.model.loader import open_checkpoint
 from tests.engine.test_long_prefill import request, run_step
 

@@ -4,12 +4,12 @@ and the scheduler's admission with a cached prefix. Pure bookkeeping: no model r
 from __future__ import annotations
 
 from kiln.config import SchedulerConfig
-from kiln.engine.kv_cache import BlockPool
-from kiln.engine.prefix_cache import PrefixKeys, builtin_key, cache_root, sha256_key
-from kiln.engine.prefix_sharing import cache_namespace
 from kiln.engine.request import Request
-from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.scheduler import Scheduler
+from kiln.engine.sampling.sampling_params import SamplingParams
+from kiln.engine.scheduling.kv_cache import BlockPool
+from kiln.engine.scheduling.prefix_cache import PrefixKeys, builtin_key, cache_root, sha256_key
+from kiln.engine.scheduling.prefix_sharing import cache_namespace
+from kiln.engine.scheduling.scheduler import Scheduler
 
 ROOT = cache_root("model|float32", None)
 

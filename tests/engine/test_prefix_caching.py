@@ -17,7 +17,7 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.engine.core import EngineCore
-from kiln.engine.prefix_cache import KEY_FUNCTIONS
+from kiln.engine.scheduling.prefix_cache import KEY_FUNCTIONS
 from tests.engine.tiny_models import write_hf_model
 
 BLOCK = 4
@@ -155,7 +155,7 @@ def test_n_choices_prefill_their_prompt_once(tiny) -> None:
     shared = LLM(str(path), block_size=BLOCK, num_kv_blocks=64, graph_mode="eager").engine
     copies = []
     execute = shared.runner.execute
-    shared.runner.execute = lambda sched: copies.extend(sched.block_copies) or execute(sched)
+    shared.runner.execute = lambda sched, *probs: copies.extend(sched.block_copies) or execute(sched, *probs)
     choices = n_choices(shared, prompt, 4, group="g")
     stats = shared.scheduler.prefix.stats
     assert stats.queries - stats.hits == len(prompt) + 3  # the prompt once, then its last token per sibling

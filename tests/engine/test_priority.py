@@ -11,9 +11,9 @@ import pytest
 
 from kiln import LLM, SamplingParams
 from kiln.config import SchedulerConfig
-from kiln.engine.kv_cache import BlockPool
 from kiln.engine.request import Request
-from kiln.engine.scheduler import Scheduler
+from kiln.engine.scheduling.kv_cache import BlockPool
+from kiln.engine.scheduling.scheduler import Scheduler
 from kiln.errors import RequestError
 from tests.engine.test_long_prefill import run_step
 from tests.engine.tiny_models import write_hf_model

@@ -11,7 +11,7 @@ import torch
 from kiln import LLM, SamplingParams
 from kiln.compile.fusion_check import FusionGroupError
 from kiln.config import SpeculativeConfig
-from kiln.engine.args import EngineArgs
+from kiln.engine.setup.args import EngineArgs
 from kiln.errors import ConfigError
 from kiln.quant.linear import PackedLinear
 from kiln.recipe.diagnostics import RecipeError
@@ -150,9 +150,9 @@ def test_a_recipe_mode_that_runs_pieces_without_piecewise_is_refused_at_its_line
 
 
 def test_one_precedence_for_every_field(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """The recipe is the contract (kiln.engine.recipe_config): a given flag may run it another way (graph settings,
-    logged) or narrow a bound (logged); one that contradicts a fact the recipe was checked against, or raises a
-    bound past it, is refused with the flag and both values named. A flag that agrees is no contradiction."""
+    """The recipe is the contract (kiln.engine.setup.recipe_config): a given flag may run it another way (graph
+    settings, logged) or narrow a bound (logged); one that contradicts a fact the recipe was checked against, or raises
+    a bound past it, is refused with the flag and both values named. A flag that agrees is no contradiction."""
     recipe = write(tmp_path)
     with pytest.raises(ConfigError) as refused:
         EngineArgs(recipe=recipe, device="cuda", max_num_seqs=16, dtype="bfloat16").create_engine_config()

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kiln import LLM
-from kiln.engine.sampler import Sampler, SamplingRow, filter_batch
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling.sampler import Sampler, SamplingRow, filter_batch
+from kiln.engine.sampling.sampling_params import SamplingParams
 from kiln.errors import RequestError
 
 

@@ -9,8 +9,8 @@ import math
 
 import torch
 
-from kiln.engine.sampler import CANDIDATES, Sampler, SamplingRow, apply_penalties, draw, filter_batch
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling.sampler import CANDIDATES, Sampler, SamplingRow, apply_penalties, draw, filter_batch
+from kiln.engine.sampling.sampling_params import SamplingParams
 from tests.engine import rowwise_sampler
 from tests.engine.rowwise_sampler import RowwiseSampler
 

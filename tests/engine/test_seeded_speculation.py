@@ -10,8 +10,8 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.engine.request import Request, position_seed
-from kiln.engine.sampler import SamplingRow, draw
-from kiln.engine.spec_verify import verify
+from kiln.engine.sampling.sampler import SamplingRow, draw
+from kiln.engine.sampling.spec_verify import verify
 
 # a text that repeats, so the n-gram proposer finds drafts in the prompt and the output
 ASK = "Count with me: one two three four five, one two three four five, one two three four five, one two"
@@ -58,7 +58,7 @@ def speculating() -> LLM:
 def test_a_seeded_request_gives_the_same_text_with_and_without_speculation(llm: LLM, speculating: LLM) -> None:
     params = [SamplingParams(max_tokens=32, temperature=1.0, seed=seed, ignore_eos=True) for seed in (11, 12)]
     plain = [out.token_ids for out in llm.generate([ASK, ASK], params)]
-    stats = speculating.engine.scheduler.speculator.stats
+    stats = speculating.engine.speculator.stats
     drafts_before = stats.num_drafts
     held = [out.token_ids for out in speculating.generate([ASK, ASK], params)]
     alone = speculating.generate(ASK, params[0])[0].token_ids  # another batch, other steps verified

@@ -17,7 +17,7 @@ import torch
 from kiln import LLM, SamplingParams
 from kiln.compile.full_graph import max_table_width
 from kiln.config import ModelConfig
-from kiln.engine.kv_window import max_decode_blocks, num_dead_blocks
+from kiln.engine.scheduling.kv_window import max_decode_blocks, num_dead_blocks
 from tests.engine.tiny_models import rewrite_config, write_hf_model
 
 WINDOW, BLOCK = 6, 4

@@ -16,9 +16,9 @@ from kiln import LLM, SamplingParams
 from kiln.config import SpeculativeConfig
 from kiln.engine.core import EngineCore
 from kiln.engine.request import Request
-from kiln.engine.sampler import SamplingRow
-from kiln.engine.spec_verify import verify
-from kiln.engine.speculation import COST_EMA, MAX_BACKOFF, PROBE_EVERY, NgramIndex, Speculator
+from kiln.engine.sampling.sampler import SamplingRow
+from kiln.engine.sampling.spec_verify import verify
+from kiln.engine.speculation.speculation import COST_EMA, MAX_BACKOFF, PROBE_EVERY, NgramIndex, Speculator
 from kiln.errors import ConfigError
 from tests.engine.tiny_models import write_hf_model
 
@@ -71,18 +71,20 @@ def test_ngram_proposes_what_followed_the_latest_earlier_occurrence_of_the_longe
 def test_speculator_limits_and_back_off() -> None:
     spec = Speculator(SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1), max_model_len=30)
     prompt = [1, 2, 3, 4, 5, 6, 7, 8] * 3
-    assert spec.propose(request("a", prompt), budget=8) == [1, 2, 3, 4]
-    assert spec.propose(request("b", prompt), budget=2) == [1, 2]
-    assert spec.propose(request("c", prompt, [1, 2], max_tokens=4), budget=8) == [3]  # 4 - 2 outputs - its own
-    assert spec.propose(request("d", prompt, [1, 2, 3, 4, 5], max_tokens=99), budget=8) == []  # 29 of 30 tokens
+    assert spec.ngram_drafts(request("a", prompt), budget=8) == [1, 2, 3, 4]
+    assert spec.ngram_drafts(request("b", prompt), budget=2) == [1, 2]
+    assert spec.ngram_drafts(request("c", prompt, [1, 2], max_tokens=4), budget=8) == [3]  # 4 - 2 outputs - its own
+    assert spec.ngram_drafts(request("d", prompt, [1, 2, 3, 4, 5], max_tokens=99), budget=8) == []  # 29 of 30 tokens
     forced = request("e", prompt, [5])
     forced.forced_output = [5, 9, 8, 7, 6, 5]  # a teacher-forced request (the debugger's) proposes nothing: it
-    assert spec.propose(forced, budget=8) == []  # verifies its next given tokens, as many as fit, whatever the policy
-    assert spec.step_drafts([forced]) == {"e": [9, 8, 7, 6]}
+    assert (
+        spec.ngram_drafts(forced, budget=8) == []
+    )  # verifies its next given tokens, as many as fit, whatever the policy
+    assert spec.propose([forced]).tokens == {"e": [9, 8, 7, 6]}
     req = request("r", prompt)
     waits = []
     for _ in range(8):  # every verification rejects everything: proposals every 1, 2, 4 ... steps
-        drafts = spec.propose(req, budget=8)
+        drafts = spec.ngram_drafts(req, budget=8)
         if drafts:
             spec.verified(req, len(drafts), 0)
         waits.append(bool(drafts))
@@ -101,27 +103,27 @@ def test_speculator_limits_and_back_off() -> None:
 def test_the_measured_policy_verifies_the_drafts_that_raise_tokens_per_second() -> None:
     spec = Speculator(SpeculativeConfig("ngram", num_speculative_tokens=4, prompt_lookup_min=1), max_model_len=99)
     reqs = [request(str(i), [1, 2, 3, 4, 5, 6, 7, 8] * 3) for i in range(2)]
-    assert spec.step_drafts(reqs) == {}  # the plain step of two sequences is measured first
+    assert spec.propose(reqs).tokens == {}  # the plain step of two sequences is measured first
     for req in reqs:  # 9 of 10 verifications accept the first draft, 81 % the first two, ...
         spec.states[req.request_id].held = [0.9 ** (j + 1) for j in range(4)]
     spec.costs.seconds = {2: 0.010, 3: 0.0105}
-    assert spec.step_drafts(reqs) == {"0": [1], "1": [1]}  # one row count past those measured is tried
+    assert spec.propose(reqs).tokens == {"0": [1], "1": [1]}  # one row count past those measured is tried
     spec.costs.seconds = {r: 0.005 * r for r in range(2, 11)}  # compute-bound: a row costs a sequence's time
-    assert spec.step_drafts(reqs) == {}  # 0.9 of a token for a sequence's cost does not pay
+    assert spec.propose(reqs).tokens == {}  # 0.9 of a token for a sequence's cost does not pay
     spec.costs.seconds = {r: 0.010 + 0.0005 * (r - 2) for r in range(2, 11)}  # bound by the weights: rows are cheap
-    assert spec.step_drafts(reqs) == {"0": [1, 2, 3, 4], "1": [1, 2, 3, 4]}
+    assert spec.propose(reqs).tokens == {"0": [1, 2, 3, 4], "1": [1, 2, 3, 4]}
     spec.states["1"].held = [
         0.1,
         0.01,
         0.001,
         0.0001,
     ]  # drafts that rarely hold: 0.1 of a token for a row does not pay even so
-    assert spec.step_drafts(reqs) == {"0": [1, 2, 3, 4]}
+    assert spec.propose(reqs).tokens == {"0": [1, 2, 3, 4]}
     spec.costs.seconds = {2: 0.010, 3: 0.011, 4: 0.020, 5: 0.021, 6: 0.030, 7: 0.031, 8: 0.04, 9: 0.041, 10: 0.05}
-    assert spec.step_drafts(reqs) == {"0": [1]}  # cheap up to 3 rows, then each pair costs a step: one draft
+    assert spec.propose(reqs).tokens == {"0": [1]}  # cheap up to 3 rows, then each pair costs a step: one draft
     while spec.num_choices % PROBE_EVERY != PROBE_EVERY - 1:
-        spec.step_drafts(reqs)
-    assert spec.step_drafts(reqs) == {}  # every PROBE_EVERY-th choice runs the other way, measuring plain steps
+        spec.propose(reqs)
+    assert spec.propose(reqs).tokens == {}  # every PROBE_EVERY-th choice runs the other way, measuring plain steps
     spec.costs.observe(2, 0.020)
     assert spec.costs.seconds[2] == pytest.approx(0.010 + COST_EMA * 0.010)
 
@@ -207,7 +209,7 @@ def test_greedy_tokens_are_the_same_with_speculation_in_every_mode(tiny: Path, m
         outs[spec] += run(llm, PROMPTS, GREEDY)  # mixed batches: prefills beside verifications
         engines[spec] = llm.engine
     assert outs["ngram"] == outs[None]
-    stats = engines["ngram"].scheduler.speculator.stats
+    stats = engines["ngram"].speculator.stats
     assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
     if mode != "eager":
         counters = engines["ngram"].executor.counters
@@ -227,7 +229,7 @@ def test_speculation_under_chunked_prefill_preemption_and_prefix_caching(tiny: P
         assert llm.engine.scheduler.num_preemptions > 0
         assert llm.engine.scheduler.prefix.stats.hits > 0
     assert outs["ngram"] == outs[None]
-    assert engines["ngram"].scheduler.speculator.stats.num_accepted_tokens > 0
+    assert engines["ngram"].speculator.stats.num_accepted_tokens > 0
 
 
 def test_aborts_and_stops_inside_accepted_drafts_leave_nothing_held(tiny: Path) -> None:
@@ -239,11 +241,11 @@ def test_aborts_and_stops_inside_accepted_drafts_leave_nothing_held(tiny: Path) 
     assert stopped == reference[: reference.index(stop_at) + 1]  # nothing after the stop token, even if accepted
     assert run(llm, [PROMPTS[0]], SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))[0] == reference[:7]
     engine.add_request("a", PROMPTS[0], GREEDY)
-    while not engine.scheduler.speculator.stats.num_drafts or not engine.scheduler.running:
+    while not engine.speculator.stats.num_drafts or not engine.scheduler.running:
         engine.step()
     engine.step()
     engine.abort("a")
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks and not engine.scheduler.speculator.states
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks and not engine.speculator.states
 
 
 def test_seeded_sampled_requests_repeat_with_speculation(tiny: Path) -> None:
@@ -279,6 +281,6 @@ def test_default_model_repeating_a_passage_accepts_most_drafts_with_the_same_tok
         outs[spec] = [o.token_ids for o in llm.generate(prompts[:1], params) + llm.generate(prompts, params)]
         engines[spec] = llm.engine
     assert outs["ngram"] == outs[None]
-    stats, counters = engines["ngram"].scheduler.speculator.stats, engines["ngram"].executor.counters
+    stats, counters = engines["ngram"].speculator.stats, engines["ngram"].executor.counters
     assert stats.num_accepted_tokens >= 0.6 * stats.num_draft_tokens > 0
     assert counters.full_verify_replays > 0

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kiln import LLM, SamplingParams
-from kiln.engine.step_shape import StepShaper
+from kiln.engine.scheduling.step_shape import StepShaper
 from kiln.recipe import RecipeViolation, load_recipe_text
 
 # The community example's own step constraints (batch_size % 4, seq_len <= 2048) and a token multiple.

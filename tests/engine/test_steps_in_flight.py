@@ -1,14 +1,14 @@
-"""The scheduler's side of steps in flight on a pipeline (kiln.engine.step_pipeline): a step takes at most its share
+"""The scheduler's side of steps in flight on a pipeline (kiln.engine.loop.pipelined): a step takes at most its share
 of the active requests, never one whose step is in flight, and preemption never picks one in flight (its blocks
 are being written). Pure bookkeeping: no model runs."""
 
 from __future__ import annotations
 
 from kiln.config import SchedulerConfig
-from kiln.engine.kv_cache import BlockPool
 from kiln.engine.request import Request
-from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.scheduler import Scheduler
+from kiln.engine.sampling.sampling_params import SamplingParams
+from kiln.engine.scheduling.kv_cache import BlockPool
+from kiln.engine.scheduling.scheduler import Scheduler
 
 
 def requests(n: int, prompt_len: int) -> list[Request]:

@@ -17,11 +17,11 @@ import torch
 from kiln import LLM, SamplingParams, StructuredOutput
 from kiln.config import SpeculativeConfig
 from kiln.engine.request import Request
-from kiln.engine.sampler import Sampler, SamplingRow
-from kiln.engine.scheduler_output import ScheduledRequest
-from kiln.engine.speculation import Speculator
-from kiln.engine.step_sample import sample_step
-from kiln.engine.structured_output import Grammars
+from kiln.engine.running.step_sample import sample_step
+from kiln.engine.sampling.sampler import Sampler, SamplingRow
+from kiln.engine.scheduling.scheduler_output import ScheduledRequest
+from kiln.engine.speculation.speculation import Speculator
+from kiln.engine.structured.structured_output import Grammars
 from kiln.errors import RequestError
 from kiln.model.build import load_tokenizer
 from kiln.model.loader import open_checkpoint
@@ -158,7 +158,7 @@ def test_the_speculator_cuts_a_structured_outputs_drafts(grammars: Grammars, tok
     reqs = [Request(rid, None, [x, ab, one, two] * 2 + [x], greedy, None) for rid in ("free", "cut", "refused")]
     reqs[1].grammar = grammars.start(StructuredOutput("regex", r"ab[0-9]{3}"))
     reqs[2].grammar = grammars.start(StructuredOutput("regex", r"[0-9]+"))
-    drafts = spec.step_drafts(reqs)  # the same proposal for each: what followed the earlier "x ab 1 2 x"
+    drafts = spec.propose(reqs).tokens  # the same proposal for each: what followed the earlier "x ab 1 2 x"
     assert drafts == {"free": [ab, one, two, x], "cut": [ab, one, two]}  # "refused": its first draft is not allowed
 
 
@@ -197,7 +197,7 @@ def test_structured_outputs_speculate_and_keep_their_tokens(llm: LLM, method: st
     plain, held = llm.chat(ask, greedy)[0], spec_llm.chat(ask, greedy)[0]
     assert held.token_ids == plain.token_ids and held.finish_reason == plain.finish_reason == "stop"
     jsonschema.validate(json.loads(held.text), PEOPLE)
-    stats = spec_llm.engine.scheduler.speculator.stats
+    stats = spec_llm.engine.speculator.stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
     constraint = StructuredOutput.json(PEOPLE)
     sampled = [SamplingParams(max_tokens=90, temperature=0.8, seed=s, structured_output=constraint) for s in (5, 6)]
@@ -225,7 +225,7 @@ def sample_choice_rows(
             logits[i, token] = math.log(prob)
     sched = SimpleNamespace(scheduled=[ScheduledRequest(r, 1) for r in reqs])
     plan = SimpleNamespace(sample_request_ids=[r.request_id for r in reqs])
-    out = sample_step(Sampler(), sched, plan, logits, [tokenizer.eos_token_id])
+    out = sample_step(Sampler(), sched, plan, logits, eos_token_ids=[tokenizer.eos_token_id], draft_probs={})
     return [out.sampled[r.request_id][0] for r in reqs]
 
 

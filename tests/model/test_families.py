@@ -116,7 +116,7 @@ def test_the_debugger_diffs_a_family_boundary_by_boundary(tmp_path: Path, family
     from kiln.debug.diff import build_reference, run_diff
     from kiln.debug.faults import inject, parse_fault
     from kiln.debug.session import DebugSession
-    from kiln.engine.args import EngineArgs
+    from kiln.engine.setup.args import EngineArgs
 
     write_family(tmp_path, family)
     options = EngineArgs(

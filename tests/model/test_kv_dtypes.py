@@ -16,7 +16,7 @@ import torch
 
 import kiln.model.attention  # noqa: F401  (registers torch.ops.kiln.attention)
 from kiln.compile.settings import graph_config_from
-from kiln.engine.model_runner import ModelRunner
+from kiln.engine.running.model_runner import ModelRunner
 from kiln.executor.base import Executor
 from kiln.executor.eager import EagerExecutor
 from kiln.executor.graph import GraphExecutor

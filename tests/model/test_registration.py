@@ -153,7 +153,7 @@ def test_the_recipe_of_a_registered_architecture_validates_and_names_what_runs(
     checkpoint: Path, tmp_path: Path
 ) -> None:
     """The example's recipe, checked against the registered family's header; its model.path is what runs."""
-    from kiln.engine.args import EngineArgs
+    from kiln.engine.setup.args import EngineArgs
 
     recipe = Path(parallel_lm.__file__).with_suffix(".yaml").read_text()
     (tmp_path / "parallel_lm.yaml").write_text(recipe)

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from kiln.config import EngineConfig
-from kiln.engine.recipe_config import overlay_recipe
+from kiln.engine.setup.recipe_config import overlay_recipe
 from kiln.recipe import load_recipe
 from kiln.recipe.checkpoint import read_header
 from kiln.recipe.cli import main

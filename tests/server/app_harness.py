@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI
 
-from kiln.engine.async_engine import AsyncEngine
+from kiln.engine.serving.async_engine import AsyncEngine
 from kiln.launch import build_parser
 from kiln.server.launcher import build_app, check_server_args, resolve_api_key
 from tests.server.fake_core import FakeCore

@@ -16,9 +16,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from kiln.config import EngineConfig, SchedulerConfig
-from kiln.engine.kv_cache import BlockPool
 from kiln.engine.request import RequestMetrics, RequestOutput
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling.sampling_params import SamplingParams
+from kiln.engine.scheduling.kv_cache import BlockPool
 from kiln.errors import RequestError, WorkerFailure
 from kiln.recipe.guards import RecipeViolation
 

@@ -12,9 +12,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kiln.engine.async_engine import AsyncEngine
-from kiln.engine.request_stream import EngineStoppedError, QueueFullError
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling.sampling_params import SamplingParams
+from kiln.engine.serving.async_engine import AsyncEngine
+from kiln.engine.serving.request_stream import EngineStoppedError, QueueFullError
 from kiln.errors import RequestError
 from kiln.server.api import AppSettings, create_app
 from tests.server.app_harness import openai_error as assert_openai_error

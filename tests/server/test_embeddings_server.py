@@ -18,7 +18,7 @@ import torch
 
 from kiln import LLM
 from kiln.engine.core import EngineCore
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling.sampling_params import SamplingParams
 from kiln.errors import RequestError
 from tests.engine.tiny_models import write_hf_model
 from tests.server.app_harness import openai_error, serve_engine

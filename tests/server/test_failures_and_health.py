@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling.sampling_params import SamplingParams
 from tests.server.app_harness import Served, build_served_app, openai_error, serve, wait_until
 from tests.server.fake_core import FakeCore
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.engine.sampling_params import SamplingParams
+from kiln.engine.sampling.sampling_params import SamplingParams
 from kiln.errors import ConfigError
 from kiln.launch import main as launch_main
 from kiln.server.limits import MAX_QUEUE, MAX_STREAM_BUFFER, PROMPT_CHARS_PER_TOKEN

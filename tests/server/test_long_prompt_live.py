@@ -1,6 +1,6 @@
 """An 8,000-token prompt prefilling beside a stream (issue 51): prefill chunks are budgeted by their measured cost
-(kiln.engine.prefill_budget), so the stream's largest gap between tokens stays under the step target while the
-long prompt prefills. Chunks of 512 tokens however deep their context gave the stream gaps of 13 s before issue 51's
+(kiln.engine.scheduling.prefill_budget), so the stream's largest gap between tokens stays under the step target while
+the long prompt prefills. Chunks of 512 tokens however deep their context gave the stream gaps of 13 s before issue 51's
 grouped prefill attention, and still 0.66 s on machine R (2 Xeon vCPUs), against 0.28 s with a 0.2 s target.
 
 A live eager server over the default model, with `--long-prefill-step-seconds 0.2`; it times

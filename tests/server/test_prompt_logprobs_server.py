@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from kiln import LLM
-from kiln.engine.admission import Admission
 from kiln.engine.core import EngineCore
-from kiln.engine.sampling_params import SamplingParams
-from kiln.engine.step_shape import StepShaper
+from kiln.engine.sampling.sampling_params import SamplingParams
+from kiln.engine.scheduling.admission import Admission
+from kiln.engine.scheduling.step_shape import StepShaper
 from kiln.errors import RequestError
 from tests.engine.tiny_models import write_hf_model
 from tests.server.app_harness import openai_error, serve_engine

@@ -14,8 +14,11 @@ LAZY_IMPORTS = {
     ("kiln/bench/vllm_worker.py", "vllm"): "the worker runs in vLLM's own environment; kiln's has no vllm",
     ("kiln/bench/vllm_runner.py", "transformers"): "optional ([hf] extra): only to dequantize a GGUF for vLLM",
     ("kiln/__init__.py", "importlib"): "public API loads on first use: `import kiln` stays light",
-    ("kiln/engine/args.py", "kiln.recipe"): "pydantic + z3 only when --recipe is given (kiln --help builds EngineArgs)",
-    ("kiln/engine/args.py", "kiln.engine.recipe_config"): "same: the recipe overlay imports kiln.recipe",
+    (
+        "kiln/engine/setup/args.py",
+        "kiln.recipe",
+    ): "pydantic + z3 only when --recipe is given (kiln --help builds EngineArgs)",
+    ("kiln/engine/setup/args.py", "kiln.engine.setup.recipe_config"): "same: the recipe overlay imports kiln.recipe",
     ("kiln/compile/compiler.py", "torch._inductor"): "importing inductor takes ~1 s; eager engines never need it",
     ("kiln/compile/compiler.py", "torch._inductor.codecache"): "same",
     ("kiln/kernels/native/build.py", "torch.utils"): "cpp_extension imports setuptools; only a first build needs it",
@@ -23,8 +26,11 @@ LAZY_IMPORTS = {
     ("kiln/bench/llamacpp_runner.py", "llama_cpp"): "optional dependency (the llamacpp extra), for --compare llama.cpp",
     ("kiln/bench/loadtest_report.py", "matplotlib"): "optional dependency (the dev extra), for --plot",
     ("kiln/bench/loadtest_report.py", "matplotlib.pyplot"): "same",
-    ("kiln/engine/grammar_build.py", "llguidance"): "only a constrained request needs it (a GPU box may lack it)",
-    ("kiln/engine/grammar_build.py", "llguidance.gbnf_to_lark"): "same",
+    (
+        "kiln/engine/structured/grammar_build.py",
+        "llguidance",
+    ): "only a constrained request needs it (a GPU box may lack it)",
+    ("kiln/engine/structured/grammar_build.py", "llguidance.gbnf_to_lark"): "same",
 }
 
 
@@ -101,9 +107,16 @@ def test_no_import_circles() -> None:
     assert _circles(_module_edges()) == []
 
 
+# packages whose subpackages are packages of their own (rooms): `kiln.engine.scheduling.scheduler` ->
+# `kiln.engine.scheduling`, and a module at the room's top (`kiln.engine.core`) is a package of its own
+ROOMED = ("kiln.engine",)
+
+
 def _package(module: str) -> str:
     """`kiln.compile.store` -> `kiln.compile`; a top-level module (`kiln.config`) is a package of its own."""
-    return ".".join(module.split(".")[:2])
+    parts = module.split(".")
+    depth = 3 if ".".join(parts[:2]) in ROOMED and len(parts) > 2 else 2
+    return ".".join(parts[:depth])
 
 
 def test_no_two_packages_import_each_other() -> None:
@@ -165,3 +178,46 @@ def test_every_package_docstring_maps_its_modules() -> None:
             if module.name != "__init__.py" and module.name not in doc and init.parent != KILN:
                 unnamed.append(str(module.relative_to(KILN.parent)))
     assert unnamed == []
+
+
+def _engine_rooms() -> list[str]:
+    """The engine's rooms and root modules, top first, as kiln/engine/__init__.py lists them."""
+    doc = ast.get_docstring(ast.parse((KILN / "engine" / "__init__.py").read_text())) or ""
+    names = [line.split()[0] for line in doc.splitlines() if line and line.split()[0].endswith(("/", ".py"))]
+    return ["kiln.engine." + name.removesuffix("/").removesuffix(".py") for name in names]
+
+
+def test_the_engine_is_rooms_and_arrows_point_down_its_map() -> None:
+    """engine/ is rooms by role (no flat room of modules): at most three modules at its root, every room listed in
+    the package map, and a room imports only rooms listed below it."""
+    engine = KILN / "engine"
+    root_modules = sorted(p.name for p in engine.glob("*.py") if p.name != "__init__.py")
+    assert len(root_modules) <= 3, root_modules
+    order = _engine_rooms()
+    rooms = {f"kiln.engine.{p.name}" for p in engine.iterdir() if (p / "__init__.py").exists()}
+    assert rooms | {f"kiln.engine.{m.removesuffix('.py')}" for m in root_modules} == set(order)
+    upward = sorted(
+        (_package(module), _package(target))
+        for module, targets in _module_edges().items()
+        if _package(module) in order
+        for target in targets
+        if _package(target) in order and order.index(_package(target)) < order.index(_package(module))
+    )
+    assert upward == [], "an engine room imports a room listed above it in kiln/engine/__init__.py"
+
+
+def test_the_scheduler_imports_no_model_and_no_tensors() -> None:
+    """Scheduling is plain data: its room imports no room that runs a model or proposes drafts, and none of its
+    modules but admission (which seeds a request's torch.Generator) imports torch."""
+    edges = _module_edges()
+    scheduling = [m for m in edges if m.startswith("kiln.engine.scheduling.")]
+    imported = {t for m in scheduling for t in edges[m]}
+    forbidden = ["kiln.engine.speculation", "kiln.engine.running", "kiln.engine.loop", "kiln.engine.core"]
+    forbidden += ["kiln.engine.output", "kiln.executor", "kiln.compile", "kiln.kernels"]
+    assert sorted(t for t in imported if any(t == f or t.startswith(f + ".") for f in forbidden)) == []
+    with_torch = []
+    for module in scheduling:
+        tree = ast.parse(_modules()[module].read_text())
+        if "torch" in {name.split(".")[0] for node in ast.walk(tree) for name in _imported(node)}:
+            with_torch.append(module)
+    assert with_torch == ["kiln.engine.scheduling.admission"]

@@ -1,0 +1,124 @@
+"""Prompt logprobs: how likely the model found each prompt token given the ones before it (vLLM's `prompt_logprobs`,
+OpenAI's `echo` with `logprobs`), computed in the prefill.
+
+Row `q` of a prefill chunk scores prompt token `q + 1`: its fp32 logits over the whole vocabulary go through a
+log-softmax, and the row keeps the actual next token's logprob and rank (1 + the tokens the model found likelier) and
+its `num_top` likeliest tokens (ranks 1..num_top). The first prompt token has no row before it: its entry is None,
+as OpenAI and vLLM answer. Every prefill row's hidden state exists in each graph mode (the full decode graph runs
+only steps of decodes), so this is exact in all of them.
+
+The rows are scored in slices of at most the rows the logits head's kernels were timed for (the engine's sampled
+rows: above them its packed head would run the untimed reference, 3x slower), and never more than `SLICE_ROWS` (a
+1,024-token prompt's logits over a 150k vocabulary would be 600 MB at once), on the model's device; no log-softmax
+tensor is made (a row's logsumexp is subtracted from the few logits it keeps), and only those few numbers come to
+the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kiln.engine.request import Logprob, PromptLogprobs, Request
+from kiln.engine.running.step_plan import PromptRows
+
+SLICE_ROWS = 256  # prompt rows whose logits exist at once
+
+
+@dataclass
+class PromptScores:
+    """A chunk's scored prompt positions: `entries[i]` is position `position + i`'s."""
+
+    position: int
+    entries: list[dict[int, Logprob]]
+
+
+def prompt_rows_of(req: Request, start: int, end: int, first_row: int) -> PromptRows | None:
+    """The rows of `req`'s chunk of positions [start, end) (its first at step row `first_row`) that score prompt
+    positions it has no logprobs for yet: row q scores token q + 1, so the prompt's last row scores nothing (it
+    samples the first output token). None: the chunk scores none."""
+    assert req.prompt_logprobs is not None and req.params.prompt_logprobs is not None
+    first = max(start, len(req.prompt_logprobs) - 1)
+    last = min(end, req.num_prompt_tokens - 1)
+    if first >= last:
+        return None
+    return PromptRows(
+        request_id=req.request_id,
+        first_row=first_row + first - start,
+        position=first + 1,
+        targets=req.prompt_token_ids[first + 1 : last + 1],
+        num_top=req.params.prompt_logprobs,
+    )
+
+
+def score_prompt_rows(
+    head: Callable[[torch.Tensor, list[int]], torch.Tensor | None],
+    hidden: torch.Tensor,
+    chunks: list[PromptRows],
+    slice_rows: int = SLICE_ROWS,
+) -> dict[str, PromptScores]:
+    """Each chunk's prompt positions scored from `hidden` (the step's hidden states) by `head` (fp32 logits of the
+    rows asked), by request id."""
+    rows = [row for c in chunks for row in range(c.first_row, c.first_row + len(c.targets))]
+    targets = [t for c in chunks for t in c.targets]
+    num_top = max(c.num_top for c in chunks)
+    picked, ranks, top_lp, top_ids = [], [], [], []
+    step = max(1, min(slice_rows, SLICE_ROWS))
+    for at in range(0, len(rows), step):
+        logits = head(hidden, rows[at : at + step])
+        assert logits is not None, "prompt logprobs are computed on a single device"
+        logits = logits.float()
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+        target = torch.tensor(targets[at : at + step], device=logits.device).unsqueeze(1)
+        chosen = logits.gather(1, target)
+        picked.append((chosen - lse).squeeze(1).cpu())
+        ranks.append(((logits > chosen).sum(dim=1) + 1).cpu())
+        top = _likeliest(logits, num_top)
+        top_lp.append((top.values - lse).cpu() if top is not None else None)
+        top_ids.append(top.indices.cpu() if top is not None else None)
+    return _entries(
+        chunks,
+        picked=torch.cat(picked).tolist(),
+        ranks=torch.cat(ranks).tolist(),
+        top_lp=torch.cat(top_lp).tolist() if num_top else [],
+        top_ids=torch.cat(top_ids).tolist() if num_top else [],
+    )
+
+
+def _likeliest(logits: torch.Tensor, num_top: int) -> torch.return_types.topk | torch.return_types.max | None:
+    """Each row's `num_top` largest logits and their ids (one: a max, a single pass; none: None)."""
+    if num_top == 0:
+        return None
+    if num_top == 1:
+        return logits.max(dim=1, keepdim=True)
+    return logits.topk(num_top, dim=1)
+
+
+def _entries(
+    chunks: list[PromptRows],
+    picked: list[float],
+    ranks: list[int],
+    top_lp: list[list[float]],
+    top_ids: list[list[int]],
+) -> dict[str, PromptScores]:
+    """The host-side numbers as each chunk's entries: the actual token first, then its `num_top` likeliest."""
+    out: dict[str, PromptScores] = {}
+    at = 0
+    for c in chunks:
+        entries = []
+        for i, token in enumerate(c.targets):
+            entry = {token: Logprob(picked[at + i], ranks[at + i])}
+            for r in range(c.num_top):
+                entry.setdefault(top_ids[at + i][r], Logprob(top_lp[at + i][r], r + 1))
+            entries.append(entry)
+        out[c.request_id] = PromptScores(c.position, entries)
+        at += len(c.targets)
+    return out
+
+
+def record_prompt_scores(logprobs: PromptLogprobs, scores: PromptScores) -> None:
+    """Append `scores`' positions that `logprobs` lacks (a preempted request recomputes positions it has)."""
+    assert scores.position <= len(logprobs), "prompt logprobs arrive in position order"
+    logprobs.extend(scores.entries[len(logprobs) - scores.position :])

@@ -1,0 +1,366 @@
+"""`EngineArgs`: every engine option in one dataclass, which generates the CLI flags and the `EngineConfig`.
+
+Every entry point builds its engine the same way: flags (or `LLM(**kwargs)`) -> `EngineArgs` ->
+`create_engine_config()` (the recipe, when given, is validated and overlaid here, once, each change logged) ->
+`kiln.engine.setup.build.build_engine(config)`. A subcommand that loads a model calls `EngineArgs.add_cli_args`, so
+every such subcommand accepts exactly these flags with the same meaning.
+
+This module must stay light (no torch): `kiln --help` builds every subcommand's parser from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from kiln.compile.modes import PieceMode
+from kiln.compile.settings import graph_config_from, graph_mode_from_flags
+from kiln.config import (
+    ACTIVATION_NAMES,
+    COMPILER_NAMES,
+    DEFAULT_ACTIVATIONS,
+    DTYPE_NAMES,
+    KV_CACHE_DTYPE_NAMES,
+    POOLING_NAMES,
+    QUANTIZATION_NAMES,
+    SCHEDULING_POLICIES,
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    PoolingConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from kiln.engine.scheduling.prefix_cache import HASH_ALGOS
+from kiln.engine.setup.arg_types import argparse_kwargs, cli_flag, fraction, int_at_least, non_negative, parse_sizes
+from kiln.engine.setup.inert_options import refuse_inert
+from kiln.engine.structured.grammar_cache import GRAMMAR_CACHE_BYTES
+from kiln.errors import ConfigError
+from kiln.graph_mode import GRAPH_MODES
+from kiln.speculative_config import SPECULATIVE_METHODS, SPECULATIVE_POLICIES
+
+SPEC = "speculative decoding"  # the flags' group
+
+
+def _arg(default: Any, help: str, group: str = "engine", **argparse_kwargs: Any) -> Any:
+    return field(default=default, metadata={"help": help, "group": group, "argparse": argparse_kwargs})
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str = _arg(
+        "default", "a .gguf file, an HF directory, or 'default' (SmolLM2-135M; with --recipe, its model.path)"
+    )
+    dtype: str = _arg("float32", "weight and activation dtype", choices=DTYPE_NAMES)
+    device: str = _arg("cpu", "where the model runs", choices=("cpu", "cuda"))
+    quantization: str = _arg(
+        "auto",
+        "auto: packed for a block-quantized GGUF, else none; none: dequantize weights to --dtype (the reference); "
+        "packed: keep a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks packed; int8/int4: quantize the decoder's "
+        "linear weights at load (groups of 32)",
+        choices=QUANTIZATION_NAMES,
+    )
+    quantization_group_size: int = _arg(
+        32, "values per scale/offset group of --quantization int8|int4 (even, dividing the layers' input sizes)"
+    )
+    activations: str = _arg(
+        DEFAULT_ACTIVATIONS,
+        "activations of packed products: int8x2 (two int8 digits, about 15 bits) or int8 (one digit, llama.cpp's "
+        "arithmetic: faster, less exact), quantized per weight group for kiln's native integer kernels; or float32 "
+        "(the dequantize-then-fp32 arithmetic)",
+        choices=ACTIVATION_NAMES,
+    )
+    second_form_memory_gb: float | None = _arg(
+        None,
+        "GB that second forms of packed weights may take (a bf16 copy for the matrix unit, used by the row counts "
+        "where it was timed fastest; default: half the memory free after the weights and the KV cache; 0: none)",
+        type=non_negative,
+    )
+    max_model_len: int | None = _arg(None, "longest prompt + output in tokens (default: min(model context, 8192))")
+    seed: int | None = _arg(
+        None, "engine seed: requests without a seed draw theirs from it (default: fresh randomness every start)"
+    )
+    num_threads: int | None = _arg(None, "torch intra-op threads (default: all cores, or KILN_NUM_THREADS)")
+    recipe: str | None = _arg(None, "recipe YAML: validated, then its settings and guards apply")
+    block_size: int = _arg(16, "KV cache block size in tokens", group="KV cache", type=int_at_least(1))
+    num_kv_blocks: int | None = _arg(None, "KV cache blocks (default: the memory flags' worth)", group="KV cache")
+    kv_cache_memory_gb: float | None = _arg(
+        None, "KV cache size in GB (default 1, unless --kv-cache-memory-fraction); --num-kv-blocks wins", "KV cache"
+    )
+    kv_cache_memory_fraction: float | None = _arg(
+        None,
+        "KV cache as this fraction of the memory available once the weights are loaded (vLLM's "
+        "--gpu-memory-utilization, of free memory; CPU: RAM); --num-kv-blocks and a recipe's pages win",
+        "KV cache",
+        type=fraction,
+    )
+    enable_prefix_caching: bool = _arg(
+        True, "reuse the KV blocks of any cached prompt prefix", "KV cache", action=argparse.BooleanOptionalAction
+    )
+    prefix_caching_hash_algo: str = _arg(
+        "sha256", "cached blocks' key (builtin: faster, still compared by tokens)", "KV cache", choices=HASH_ALGOS
+    )
+    kv_cache_dtype: str = _arg(
+        "auto",
+        "what the KV cache stores (vLLM's names): auto (the model's dtype; bfloat16 halves the bytes), "
+        "float32, bfloat16, float16, or int8 / fp8_e4m3 codes with a float32 scale per token and head",
+        "KV cache",
+        choices=KV_CACHE_DTYPE_NAMES,
+    )
+    max_num_seqs: int = _arg(64, "most sequences in one step", group="scheduler", type=int_at_least(1))
+    max_num_batched_tokens: int = _arg(2048, "most tokens in one step", group="scheduler", type=int_at_least(1))
+    enable_chunked_prefill: bool = _arg(
+        True, "split long prompts over steps", group="scheduler", action=argparse.BooleanOptionalAction
+    )
+    long_prefill_token_threshold: int = _arg(
+        512, "with chunked prefill, most prompt tokens one request prefills in a step while others run or wait, so a "
+        "long prompt delays their next token by one chunk (0: no cap)", "scheduler", type=int_at_least(0),
+    )  # fmt: skip
+    long_prefill_step_seconds: float = _arg(
+        0.5,
+        "with chunked prefill, the longest a step holding a prompt's chunk should take while other requests "
+        "stream (its measured time): the chunk shrinks as its context grows and as the machine is slower, so a "
+        "long prompt delays the others' next token by at most about this (0: the token threshold alone)",
+        "scheduler",
+        type=non_negative,
+    )
+    scheduling_policy: str = _arg(
+        "fcfs",
+        "which waiting request runs first and which running one is preempted when KV blocks run out: fcfs (by "
+        "arrival) or priority (by each request's `priority`, lower first, then arrival; vLLM's semantics)",
+        "scheduler",
+        choices=SCHEDULING_POLICIES,
+    )
+    max_running_per_request: int | None = _arg(
+        None, "most sequences of one client request (prompts x n) running at once, so one n=64 request cannot take "
+        "every batch slot (default: half of --max-num-seqs)", "scheduler", type=int_at_least(1),
+    )  # fmt: skip
+    graph_mode: str | None = _arg(
+        None, "which graphs run, as vLLM names them (default: the recipe's graph.mode, else full_and_piecewise: "
+        "decode-only steps replay one full graph per size, attention included; mixed steps the pieces); eager: none",
+        "graph mode", choices=GRAPH_MODES,
+    )  # fmt: skip
+    enforce_eager: bool = _arg(False, "the same as --graph-mode eager (vLLM's name)", group="graph mode")
+    full_graph: bool = _arg(False, "the same as --graph-mode full", group="graph mode")
+    enable_piecewise_graph: bool = _arg(
+        False, "graph mode on (the default already: kept for old command lines; refused beside eager)", "graph mode"
+    )
+    compiler: str | None = _arg(None, "piece compiler (default inductor)", group="graph mode", choices=COMPILER_NAMES)
+    capture_sizes: Sequence[int] | None = _arg(
+        None, "num_tokens sizes to capture, e.g. 1,2,4,8,16,32", group="graph mode", type=parse_sizes
+    )
+    compile_sizes: Sequence[int] | None = _arg(
+        None,
+        "capture sizes also compiled for their static shape, e.g. 1,2, or none (default: CPU 1,2; GPU none)",
+        group="graph mode",
+        type=parse_sizes,
+    )
+    piece_modes: str | dict[int, str] | None = _arg(
+        None, "per-piece modes, e.g. 0-3:captured,4:eager,5:compiled", group="graph mode"
+    )
+    cache_dir: str | None = _arg(None, "compile cache (default ~/.cache/kiln or KILN_CACHE_DIR)", group="graph mode")
+    dump_dir: str | None = _arg(
+        None, "write graph artifacts (pieces, graph.dot, lint, profile) here", group="graph mode"
+    )
+    default_piece_mode: str | None = _arg(
+        None,
+        "mode of the pieces --piece-modes does not name (default captured)",
+        group="graph mode",
+        choices=tuple(m.value for m in PieceMode),
+    )
+
+    grammar_cache_mb: int = _arg(
+        GRAMMAR_CACHE_BYTES >> 20,
+        "memory the compiled grammars of structured outputs may take, estimated from their size (least recently used "
+        "evicted first); a grammar larger than all of it is refused",
+        "structured outputs",
+        type=int_at_least(1),
+    )
+
+    pooling: str = _arg(
+        "last",
+        "an embedding's vector (/v1/embeddings, LLM.embed) from the prompt's final hidden states: last (the last "
+        "token's, vLLM's default for decoder models), mean (over the prompt's tokens) or cls (the first token's)",
+        "embeddings",
+        choices=POOLING_NAMES,
+    )
+    normalize_embeddings: bool = _arg(
+        True, "L2-normalize embeddings (vLLM's default)", "embeddings", action=argparse.BooleanOptionalAction
+    )
+
+    speculative_method: str | None = _arg(
+        None,
+        "ngram: propose the tokens that followed the latest earlier occurrence of the sequence's last n tokens in its "
+        "prompt and output; draft: a smaller model (--speculative-model) proposes them; the model verifies them in "
+        "one step (default: off)", SPEC, choices=SPECULATIVE_METHODS,
+    )  # fmt: skip
+    speculative_model: str | None = _arg(
+        None, "draft: the draft model (a .gguf file, an HF directory or 'default'), same vocabulary", SPEC
+    )
+    num_speculative_tokens: int = _arg(4, "most draft tokens a sequence verifies per step", SPEC, type=int_at_least(1))
+    prompt_lookup_max: int = _arg(4, "ngram: the longest suffix searched for", SPEC, type=int_at_least(1))
+    prompt_lookup_min: int = _arg(2, "ngram: the shortest suffix searched for", SPEC, type=int_at_least(1))
+    speculative_policy: str = _arg(
+        "measured", "which proposals a step verifies: measured (those that raise tokens/s by the step costs timed "
+        "here) or always", SPEC, choices=SPECULATIVE_POLICIES,
+    )  # fmt: skip
+
+    tensor_parallel_size: int = _arg(
+        1,
+        "ranks that split every layer (heads, MLP, vocabulary) over torch.distributed",
+        "parallel",
+        type=int_at_least(1),
+    )
+    pipeline_parallel_size: int = _arg(
+        1, "stages of contiguous layers, one per rank group", "parallel", type=int_at_least(1)
+    )
+    pipeline_micro_batches: int = _arg(
+        0, "parts each step is split into so pipeline stages overlap (0: one per stage, or 1 with steps in flight)",
+        "parallel",
+    )  # fmt: skip
+    pipeline_steps_in_flight: int = _arg(
+        0,
+        "steps of disjoint sequences kept in flight on a pipeline, so every stage works (0: one per stage; 1: none)",
+        "parallel",
+    )
+    nnodes: int = _arg(1, "machines the ranks span (each runs kiln serve with its --node-rank)", "parallel")
+    node_rank: int = _arg(0, "this machine's index among --nnodes", "parallel")
+    master_addr: str = _arg("127.0.0.1", "address of node 0, where the ranks meet", "parallel")
+    master_port: int = _arg(
+        0, "port on node 0 where the ranks meet (0: a free one on one node, 29500 on several)", "parallel"
+    )
+
+    # -- the CLI ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Add one flag per field (`--max-model-len` for `max_model_len`), grouped, with help and defaults."""
+        groups: dict[str, Any] = {}
+        for f in fields(EngineArgs):
+            group = f.metadata["group"]
+            if group not in groups:
+                groups[group] = parser if group == "engine" else parser.add_argument_group(group)
+            groups[group].add_argument(cli_flag(f), dest=f.name, **argparse_kwargs(f))
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides: Any) -> EngineArgs:
+        """The engine arguments the parsed flags give; `overrides` (field names) win over the flags."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls)}
+        return cls(**{**values, **overrides})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """`LLM(**kwargs)`'s arguments, with a clear error for a name that is not an engine option."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"unknown engine options {unknown}: expected some of {sorted(names)}")
+        return cls(**kwargs)
+
+    # -- the config --------------------------------------------------------------------------------------------
+    def create_engine_config(self, refuse_inert_options: bool = True) -> EngineConfig:
+        """The EngineConfig these arguments describe, with the recipe (if any) validated and overlaid once. An option
+        given that would do nothing there is refused (kiln.engine.setup.inert_options), unless `refuse_inert_options` is
+        false: arguments a command derived from the user's for an engine of its own (the debugger's sessions, a
+        bench's eager mode), whose options the user's own engine uses."""
+        recipe = None
+        if self.recipe:
+            # NOTE: lazy: pydantic and z3 load only when a recipe is used (and never for `kiln --help`).
+            from kiln.recipe import load_recipe
+
+            # NOTE: --model left at "default" runs the checkpoint the recipe names (model.path)
+            recipe = load_recipe(self.recipe, model=None if self.model == "default" else self.model)
+        graph = graph_config_from(
+            recipe,
+            mode=self.graph_mode_flag(),
+            compiler=self.compiler,
+            capture_sizes=self.capture_sizes,
+            compile_sizes=self.compile_sizes,
+            piece_modes=self.piece_modes,
+            cache_dir=self.cache_dir,
+            dump_dir=self.dump_dir,
+            default_piece_mode=self.default_piece_mode,
+        )
+        speculative = self.speculative_config()
+        if recipe is None and self.capture_sizes is None:  # NOTE: a recipe's or the flag's sizes are kept as given
+            graph = replace(graph, capture_sizes=speculative.capture_sizes(graph.capture_sizes))
+        config = EngineConfig(
+            model=self.model,
+            dtype=self.dtype,
+            device=self.device,
+            quantization=self.quantization,
+            quantization_group_size=self.quantization_group_size,
+            activations=self.activations,
+            second_form_memory_gb=self.second_form_memory_gb,
+            max_model_len=self.max_model_len,
+            seed=self.seed,
+            num_threads=self.num_threads,
+            cache=CacheConfig(
+                self.block_size,
+                self.num_kv_blocks,
+                self.kv_cache_memory_gb,
+                dtype=self.kv_cache_dtype,
+                kv_cache_memory_fraction=self.kv_cache_memory_fraction,
+                enable_prefix_caching=self.enable_prefix_caching,
+                prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+            ),
+            scheduler=SchedulerConfig(
+                self.max_num_seqs,
+                self.max_num_batched_tokens,
+                self.enable_chunked_prefill,
+                self.long_prefill_token_threshold,
+                self.max_running_per_request,
+                long_prefill_step_seconds=self.long_prefill_step_seconds,
+                policy=self.scheduling_policy,
+            ),
+            graph=graph,
+            parallel=ParallelConfig(
+                tensor=self.tensor_parallel_size,
+                pipeline=self.pipeline_parallel_size,
+                micro_batches=self.pipeline_micro_batches,
+                steps_in_flight=self.pipeline_steps_in_flight,
+                nnodes=self.nnodes,
+                node_rank=self.node_rank,
+                master_addr=self.master_addr,
+                master_port=self.master_port,
+            ),
+            speculative=speculative,
+            grammar_cache_bytes=self.grammar_cache_mb << 20,
+            pooling=PoolingConfig(self.pooling, self.normalize_embeddings),
+        )
+        if self.enable_piecewise_graph and not graph.mode.is_graph:
+            raise ConfigError(
+                f"--enable-piecewise-graph asks for graph mode but {recipe.path if recipe else 'the flags'} "
+                "set graph mode eager; drop one of them"
+            )
+        if recipe is not None:
+            from kiln.engine.setup.recipe_config import overlay_recipe
+
+            config = overlay_recipe(config, recipe)
+        if config.speculative.is_enabled and config.parallel.is_distributed:
+            raise ConfigError("speculative decoding runs on one device for now: drop it or the parallel layout")
+        if refuse_inert_options:
+            refuse_inert(self.given(), config)
+        return config
+
+    def given(self) -> set[str]:
+        """The options set to something other than their default."""
+        return {f.name for f in fields(self) if getattr(self, f.name) != f.default}
+
+    def speculative_config(self) -> SpeculativeConfig:
+        """Speculative decoding as the flags set it (off unless --speculative-method)."""
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low > high:
+            raise ConfigError(f"--prompt-lookup-min {low} is above --prompt-lookup-max {high}")
+        config = SpeculativeConfig(
+            self.speculative_method, self.num_speculative_tokens, high, low, self.speculative_policy,
+            self.speculative_model,
+        )  # fmt: skip
+        if problem := config.problem():
+            raise ConfigError(problem)
+        return config
+
+    def graph_mode_flag(self) -> str | None:
+        """The graph mode --graph-mode or one of its aliases names (kiln.compile.settings.graph_mode_from_flags)."""
+        return graph_mode_from_flags(self.graph_mode, self.enforce_eager, self.full_graph, self.enable_piecewise_graph)

@@ -1,0 +1,173 @@
+"""`build_engine(config)`: the one way an engine is made, for the CLI, `LLM`, the server, `kiln compile`, the
+debugger and the bench alike. It loads the checkpoint, the model and the tokenizer, picks the executor from the
+registry below and hands everything to `EngineCore`.
+
+`EXECUTORS` is the executor registry: a new way to run the forward is a subclass of `kiln.executor.base.Executor`
+and one entry here, chosen by `EngineConfig.executor`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from kiln.compile.fusion_check import check_quantized
+from kiln.config import EngineConfig, ModelConfig
+from kiln.distributed.state import RankState, rank_state
+from kiln.distributed.workers import Workers, follow, start_ranks
+from kiln.engine.core import EngineCore, MakeSpeculator
+from kiln.engine.running.model_runner import StepObserver
+from kiln.engine.running.rank_role import RankRole, rank_role
+from kiln.engine.speculation.draft import DraftModel, draft_engine_config
+from kiln.engine.speculation.speculation import Speculator
+from kiln.env import read_env
+from kiln.errors import ConfigError
+from kiln.executor.base import Executor
+from kiln.executor.eager import EagerExecutor
+from kiln.executor.graph import GraphExecutor
+from kiln.model.build import build_model, load_tokenizer
+from kiln.model.dtypes import parse_dtype
+from kiln.model.loader import Checkpoint, open_checkpoint
+from kiln.model.parallel import check_parallel
+from kiln.platforms import platform_of
+
+logger = logging.getLogger("kiln")
+
+EXECUTORS: dict[str, Callable[[EngineConfig], Executor]] = {
+    "eager": lambda config: EagerExecutor(
+        config.graph.cache_dir,
+        activations=config.activations,
+        head_rows=config.sampled_rows,
+        second_form_gb=config.second_form_memory_gb,
+    ),
+    "graph": lambda config: GraphExecutor(
+        config.graph,
+        activations=config.activations,
+        head_rows=config.sampled_rows,
+        second_form_gb=config.second_form_memory_gb,
+    ),
+}
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    return EXECUTORS[config.executor](config)
+
+
+def apply_device_settings(config: EngineConfig) -> None:
+    """Check the device exists and set torch's thread count (--num-threads, else KILN_NUM_THREADS)."""
+    if not platform_of(config.device).is_available():
+        raise ConfigError(f"device {config.device!r} was asked for but torch sees no such device; use --device cpu")
+    threads = config.num_threads or read_env().num_threads
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> EngineCore:
+    """Load `config.model` and build an engine around it; `observer` sees every step (the debugger's taps).
+
+    With more than one rank (`config.parallel`) the first call starts the other ranks (kiln.distributed.workers)
+    and this process loads its own shard; a process that is not rank 0 follows rank 0's steps and exits when told.
+    """
+    apply_device_settings(config)
+    checkpoint = open_checkpoint(config.model)
+    state, workers = rank_state(), None
+    if state is not None and state.spmd:  # every rank runs the debugger's program, which builds its own engines
+        return _build_core(config, checkpoint, observer, state)
+    if state is not None and state.is_driver:
+        raise ConfigError(
+            "a multi-device engine is already running in this process: close() it before building another"
+        )
+    if config.parallel.is_distributed and state is None:
+        check_parallel(checkpoint.config, config.parallel)  # before any rank starts
+        state, workers = start_ranks(config, build_engine)
+    try:
+        core = _build_core(config, checkpoint, observer, state, workers)
+    except BaseException:
+        if workers is not None:  # this rank failed: the ranks it started must not wait for it
+            workers.abort()
+        raise
+    if state is None or state.is_driver or workers is None:
+        return core
+    # the first rank of another node: it follows rank 0 like the ranks it started
+    assert workers.channel is not None
+    steps = follow(core, workers.channel)
+    logger.info("Rank %d ran %d steps for rank 0, which has stopped: exiting", state.rank, steps)
+    workers.stop()
+    raise SystemExit(0)
+
+
+def speculator_maker(config: EngineConfig) -> MakeSpeculator:
+    """The step's proposer of an engine built from `config`: n-gram speculation, or the draft method's model in an
+    engine of its own, built first and handed to the speculator (None: speculation off)."""
+
+    def make(target: ModelConfig, max_model_len: int, num_blocks: int) -> Speculator | None:
+        spec = config.speculative
+        if not spec.is_enabled:
+            return None
+        drafter = build_draft(config, target, max_model_len, num_blocks) if spec.method == "draft" else None
+        return Speculator(spec, max_model_len, drafter)
+
+    return make
+
+
+def build_draft(config: EngineConfig, target: ModelConfig, max_model_len: int, num_blocks: int) -> DraftModel:
+    """The draft method's model (kiln.engine.speculation.draft), in an engine of its own, sized as the target's."""
+    draft = open_checkpoint(config.speculative.draft_model)
+    draft_config = draft_engine_config(config, target, max_model_len, num_blocks, draft)
+    logger.info(
+        "Speculative decoding: draft model %s (%d layers) proposes up to %d tokens per step; building its engine",
+        draft.path,
+        draft.config.num_layers,
+        config.speculative.num_speculative_tokens,
+    )
+    return DraftModel(_build_core(draft_config, draft, None, detokenize=False))
+
+
+def engine_role(
+    config: EngineConfig, model: nn.Module, executor: Executor, state: RankState | None, workers: Workers | None = None
+) -> RankRole:
+    """The role of an engine over `model` on this rank (kiln.engine.running.rank_role); a single device:
+    `RankRole()`."""
+    if state is None:
+        return RankRole()
+    return rank_role(state, config.parallel, model, executor.compute_logits, model.config.vocab_size, workers)
+
+
+def _build_core(
+    config: EngineConfig,
+    checkpoint: Checkpoint,
+    observer: StepObserver | None,
+    state: RankState | None = None,
+    workers: Workers | None = None,
+    detokenize: bool = True,
+) -> EngineCore:
+    """`detokenize` False: the engine serves token ids only (a draft model's)."""
+    max_model_len = config.max_model_len or EngineCore.default_max_model_len(checkpoint.config)
+    model = build_model(
+        checkpoint,
+        parse_dtype(config.dtype),
+        max_model_len,
+        config.device,
+        config.quantization,
+        config.quantization_group_size,
+    )
+    check_quantized(model, config.graph.fusion_groups)
+    tokenizer = load_tokenizer(checkpoint) if detokenize else None
+    graph = replace(config.graph, max_model_len=max_model_len)
+    executor = make_executor(replace(config, graph=graph))
+    role = engine_role(config, model, executor, state, workers)
+    core = EngineCore(
+        config,
+        model,
+        tokenizer,
+        executor,
+        checkpoint_path=checkpoint.path,
+        observer=observer,
+        role=role,
+        make_speculator=speculator_maker(config),
+    )
+    return core.prepare()

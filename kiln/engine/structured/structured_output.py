@@ -1,0 +1,211 @@
+"""Structured outputs: a request's output held to a JSON schema, a regex, a choice or a grammar.
+
+`StructuredOutput` is the request's constraint (a value on SamplingParams). `Grammars` compiles it once per
+constraint with llguidance (chosen over xgrammar: one 3 MB wheel with no dependencies, where xgrammar needs
+triton and transformers at run time; its Earley parser over a token trie computes a mask in ~20 us on the default
+model's 49k vocabulary) and hands each sequence its own `GrammarState`. Each step, a constrained row's logits
+are masked to the tokens the grammar allows (`Grammars.bitmasks`, applied in kiln.engine.sampling.sampler); the sampled
+token advances the state; once the grammar allows nothing more the sequence stops with `finish_reason: "stop"`.
+
+A mask walks the token trie (~0.4 ms inside a length-bounded JSON string), so a row whose filters are only
+temperature (or greedy) samples first without one and checks the token alone (`GrammarState.allows`, a walk over
+its bytes); only a refused row computes its mask and samples again, masked (kiln.engine.running.step_sample), as
+llama.cpp does. Greedy, this is the masked pick (the likeliest allowed token). Sampled, it is rejection sampling: the
+first draw is kept with probability Z (the mass the grammar allows), else the second is drawn from the masked
+distribution, so token t comes with probability p(t) + (1 - Z) p(t) / Z = p(t) / Z, the masked distribution
+exactly. A row with top-k, top-p or min-p masks first (its filters must see the masked distribution).
+
+llguidance is imported on the first constraint, so an engine runs without it (a machine without the package gets
+a clear error for a constrained request, not an engine that fails to import).
+
+Compiling can take long for a complex schema: the server compiles on its own bounded pool before the request is
+queued (kiln.server.grammar_compiler: an invalid schema, regex or grammar, or one llguidance fails on at its first
+tokens, is a 400 then), and the engine thread finds it in the cache (kiln.engine.structured.grammar_cache: bounded in
+bytes, failures remembered by key). kiln.engine.structured.grammar_build writes and tries the grammars.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from kiln.engine.structured.grammar_build import (
+    MAX_REASON_CHARS,
+    GrammarRefused,
+    grammar_text,
+    llguidance_module,
+    new_matcher,
+)
+from kiln.engine.structured.grammar_cache import GRAMMAR_CACHE_BYTES, GrammarCache, estimated_bytes, grammar_key
+from kiln.errors import RequestError
+
+logger = logging.getLogger("kiln")
+
+Kind = Literal["json", "regex", "choice", "grammar"]
+KINDS: tuple[str, ...] = ("json", "regex", "choice", "grammar")
+ANY_JSON_OBJECT = '{"type": "object"}'  # OpenAI's json_object mode
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What the output must match. `kind` json: `spec` a JSON schema (text); regex: a regular expression (Rust
+    syntax, whole output); choice: a JSON list of strings, the output being one of them; grammar: a Lark or GBNF
+    grammar. `param`: the request field it came from, which errors name."""
+
+    kind: Kind
+    spec: str
+    param: str = field(default="structured_output", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise RequestError(
+                f"unknown structured output kind {self.kind!r}: expected one of {KINDS}", None, self.param
+            )
+        if not isinstance(self.spec, str):
+            raise RequestError(f"{self.param} must be given as text, got {type(self.spec).__name__}", None, self.param)
+
+    @functools.cached_property
+    def key(self) -> str:
+        """The grammar cache's key: a hash of the kind and text (logs name a grammar by its first 12 digits)."""
+        return grammar_key(self.kind, self.spec)
+
+    @classmethod
+    def json(cls, schema: dict[str, Any] | str, param: str = "json") -> StructuredOutput:
+        return cls("json", schema if isinstance(schema, str) else json.dumps(schema), param)
+
+    @classmethod
+    def choice(cls, choices: list[str], param: str = "choice") -> StructuredOutput:
+        if not choices or not all(isinstance(c, str) and c for c in choices):
+            raise RequestError(f"{param} must be a non-empty list of non-empty strings", None, param)
+        return cls("choice", json.dumps(choices), param)
+
+
+class GrammarState:
+    """One sequence's place in its grammar."""
+
+    def __init__(self, matcher: Any, param: str, grammars: Grammars) -> None:
+        self.matcher, self.param, self.grammars = matcher, param, grammars
+
+    def advance(self, token: int) -> None:
+        """Take the sampled `token`; RequestError when the grammar cannot (a token it did not allow was forced)."""
+        if not self.matcher.consume_token(token) or self.matcher.is_error():
+            why = " ".join(self.matcher.get_error().split("<", 1)[0].split())[:MAX_REASON_CHARS]
+            raise RequestError(f"the output left the grammar of {self.param}: {why or 'refused'}", None, self.param)
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar takes `token` next (the state unchanged): a walk over the token's bytes alone."""
+        return self.matcher.validate_tokens([token]) == 1
+
+    def drafts_within(self, drafts: list[int], keep_refused: bool) -> list[int]:
+        """The longest prefix of `drafts` (speculative decoding's proposals for the next tokens) the grammar allows
+        from here, the state unchanged; with `keep_refused`, the first token it refuses stays last (a sampled draft
+        with its proposal distribution: the verification rejects it by the rule, which keeps the output's
+        distribution exact; dropping it would not)."""
+        n = self.matcher.validate_tokens(drafts)
+        return drafts[: n + 1 if keep_refused and n < len(drafts) else n]
+
+    @property
+    def is_complete(self) -> bool:
+        """The grammar allows nothing more: the sequence is done."""
+        return bool(self.matcher.is_stopped())
+
+
+class Grammars:
+    """Compiled constraints of one engine (its tokenizer and vocabulary), cached by constraint within
+    `cache_bytes` (kiln.engine.structured.grammar_cache); thread-safe."""
+
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...], cache_bytes: int = GRAMMAR_CACHE_BYTES
+    ) -> None:
+        """`tokenizer`: the engine's `tokenizers.Tokenizer`; `vocab_size`: the width of the logits."""
+        self._hf_tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
+        self._tokenizer: Any = None  # llguidance's view of the vocabulary, built on first use (~0.3 s)
+        self.cache = GrammarCache(cache_bytes)
+        self._lock = threading.Lock()
+        self._executor: Any = None  # llguidance's thread pool for masks of many sequences at once
+
+    def compile(self, constraint: StructuredOutput) -> Any:
+        """The grammar's matcher at its start (a template each sequence copies); GrammarRefused naming the field
+        when the schema, regex or grammar is invalid, unsupported, or fails on its first tokens (then its key is
+        remembered, and the same constraint is refused at once)."""
+        key = constraint.key
+        if (matcher := self.cache.get(key)) is not None:
+            return matcher
+        if (why := self.cache.failure(key)) is not None:
+            raise GrammarRefused(why, None, constraint.param)
+        with self._lock:
+            tokenizer = self._llg_tokenizer()
+        started = time.monotonic()
+        try:
+            grammar = grammar_text(constraint.kind, constraint.spec, constraint.param)
+            num_bytes = estimated_bytes(grammar)
+            if num_bytes > self.cache.max_bytes:
+                raise GrammarRefused(
+                    f"{constraint.param} compiles to a grammar of about {num_bytes >> 20} MiB, more than the grammar "
+                    f"cache holds ({self.cache.max_bytes >> 20} MiB, --grammar-cache-mb); send a smaller one",
+                    None,
+                    constraint.param,
+                )
+            matcher = new_matcher(tokenizer, grammar, constraint.param)
+        except GrammarRefused as exc:
+            self.cache.fail(key, exc.args[0])
+            logger.info("grammar %s (%s, %d bytes) refused: %s", key[:12], constraint.kind, len(constraint.spec), exc)
+            raise
+        self.cache.put(key, matcher, num_bytes)
+        logger.info(
+            "grammar %s (%s, %d bytes) compiled in %.2f s; cache %d grammars, ~%d MiB",
+            key[:12],
+            constraint.kind,
+            len(constraint.spec),
+            time.monotonic() - started,
+            len(self.cache),
+            self.cache.num_bytes >> 20,
+        )
+        return matcher
+
+    def remember_failure(self, constraint: StructuredOutput, message: str) -> None:
+        """Refuse `constraint` at once from now on with `message` (the server's compile deadline passed)."""
+        self.cache.fail(constraint.key, message)
+
+    def start(self, constraint: StructuredOutput) -> GrammarState:
+        """A new sequence's state in `constraint`'s grammar."""
+        return GrammarState(self.compile(constraint).deep_copy(), constraint.param, self)
+
+    def bitmasks(self, states: list[GrammarState], drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """The tokens each of `states` allows next, as rows of little-endian 32-bit words ([rows, ceil(vocab / 32)]
+        int32), computed by llguidance's threads in parallel (the GIL released): a mask inside a JSON string takes
+        ~0.4 ms, so one at a time they cost a 32-row step ~12 ms. With `drafts` (a list per state, speculative
+        decoding's tokens to verify), state i has 1 + len(drafts[i]) rows in turn: its mask now, then after each
+        of its drafts, the state itself unchanged; rows after a draft the grammar refuses (or after its end)
+        allow every token (no verification reaches them)."""
+        width = (self.vocab_size + 31) // 32
+        if self._executor is None:
+            self._executor = llguidance_module().LLExecutor(max(1, torch.get_num_threads()))
+        drafts = drafts or [[] for _ in states]
+        starts = [0]
+        for tokens in drafts:
+            starts.append(starts[-1] + 1 + len(tokens))
+        out = torch.full((starts[-1], width), -1, dtype=torch.int32)
+        placed = list(zip(states, starts[:-1], drafts, strict=True))
+        now = [(state.matcher, at) for state, at, tokens in placed if not tokens]
+        ahead = [(state.matcher, at, tokens) for state, at, tokens in placed if tokens]
+        if now:
+            self._executor.unsafe_compute_mask_ptr(now, out.data_ptr(), width * 4, starts[-1])
+        if ahead:
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(ahead, out.data_ptr(), width * 4, starts[-1])
+        return out
+
+    def _llg_tokenizer(self) -> Any:
+        if self._tokenizer is None:
+            llguidance = llguidance_module()
+            eos = list(self.eos_token_ids)
+            text = self._hf_tokenizer.to_str()
+            self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=eos)
+        return self._tokenizer
