@@ -39,6 +39,8 @@ from kiln.engine.speculation.speculation import Speculator
 from kiln.engine.structured.structured_output import Grammars
 from kiln.errors import RequestError
 from kiln.executor.base import Executor
+from kiln.lora.manager import LoRAManager
+from kiln.lora.request import LoRARequest
 from kiln.model.kv_format import kv_dtype_name, kv_storage_dtype
 from kiln.model.tokenizer import KilnTokenizer
 
@@ -64,10 +66,13 @@ class EngineCore:
         observer: StepObserver | None = None,
         role: RankRole = SINGLE_DEVICE,
         make_speculator: MakeSpeculator | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         """`role`: this rank's part in a multi-device engine (kiln.engine.running.rank_role), which also chooses the
         step loop (kiln.engine.loop); `make_speculator`: the step's proposer (default: n-gram speculation when the
-        config asks for it). All fixed here."""
+        config asks for it); `lora`: the model's LoRA adapter slots (kiln.lora; None: the base model alone). All
+        fixed here."""
+        self.lora = lora
         self.config = config
         self.recipe = config.recipe
         self.checkpoint_path = checkpoint_path
@@ -98,6 +103,7 @@ class EngineCore:
             role=role,
             head_rows=config.sampled_rows,
             pooling=config.pooling,
+            lora=lora,
         )
         self.scheduler = self._scheduler(role, kv_dtype)
         log_kv_cache(config.cache, blocks, self.runner.kv_cache_bytes, kv_dtype, self.max_model_len, mc, budget_reason)
@@ -139,6 +145,7 @@ class EngineCore:
             steps_in_flight=role.steps_in_flight,
             prefix_keys=prefix_keys_for(config.cache, mc, namespace),
             attention_tokens=attention_tokens_of(mc),
+            max_loras=self.lora.slots.limits.max_loras if self.lora is not None else 0,
         )
 
     def _ngram_speculator(self, _: ModelConfig, max_model_len: int, __: int) -> Speculator | None:
@@ -197,8 +204,10 @@ class EngineCore:
         priority: int = 0,
         group: str | None = None,
         keeps_probs: bool = False,
+        lora: LoRARequest | None = None,
     ) -> Request:
-        """Tokenize and validate; raises RequestError (naming the request) without touching engine state."""
+        """Tokenize and validate; raises RequestError (naming the request) without touching engine state. `lora`:
+        the adapter it runs with, registered (read and checked) on first use: AdapterError when it does not fit."""
         if request_id in self.requests:
             raise RequestError(f"duplicate request id {request_id!r}", request_id)
         if priority != 0 and self.config.scheduler.policy != "priority":
@@ -208,6 +217,14 @@ class EngineCore:
                 request_id,
                 "priority",
             )
+        if lora is not None:
+            if self.lora is None:
+                raise RequestError(
+                    f"adapter {lora.lora_name}: this engine serves no LoRA adapters (start it with --enable-lora)",
+                    request_id,
+                    "lora_request",
+                )
+            self.lora.add(lora)
         return self.admission.make_request(
             request_id,
             prompt,
@@ -216,6 +233,7 @@ class EngineCore:
             priority=priority,
             group=group,
             keeps_probs=keeps_probs,
+            lora=lora,
         )
 
     def add_request(
@@ -227,10 +245,11 @@ class EngineCore:
         priority: int = 0,
         group: str | None = None,
         keeps_probs: bool = False,
+        lora: LoRARequest | None = None,
     ) -> Request:
         """Queue a request; `forced_output` teacher-forces its output tokens (see `Request.forced_output`);
         `priority` orders it under the priority scheduling policy (lower first); `group` names the client request
-        it belongs to (n > 1); `keeps_probs`: a draft engine's request (kiln.engine.request)."""
+        it belongs to (n > 1); `keeps_probs`: a draft engine's request (kiln.engine.request); `lora`: its adapter."""
         req = self.make_request(
             request_id,
             prompt,
@@ -239,6 +258,7 @@ class EngineCore:
             priority=priority,
             group=group,
             keeps_probs=keeps_probs,
+            lora=lora,
         )
         self.updater.track(req)
         self.scheduler.add(req)

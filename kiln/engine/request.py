@@ -10,6 +10,7 @@ import torch
 
 from kiln.engine.sampling.sampling_params import SamplingParams
 from kiln.engine.structured.structured_output import GrammarState
+from kiln.lora.request import LoRARequest
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,12 @@ class Request:
         priority: int = 0,
         group: str | None = None,
         keeps_probs: bool = False,
+        lora: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
+        # the LoRA adapter it runs with (kiln.lora; None: the base model): its steps' rows use the adapter's slot, and
+        # its prefix-cache blocks are keyed on it
+        self.lora = lora
         # the scheduling policy `priority` admits lower values first and preempts higher ones first (vLLM's)
         self.priority = priority
         # teacher forcing (the debugger): these tokens are fed back instead of the sampled ones, so two execution
@@ -130,6 +135,10 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def lora_id(self) -> int | None:
+        return self.lora.lora_int_id if self.lora is not None else None
 
     @property
     def num_tokens(self) -> int:

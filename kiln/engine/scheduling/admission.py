@@ -18,6 +18,7 @@ from kiln.engine.sampling.sampling_params import SamplingParams
 from kiln.engine.scheduling.step_shape import StepShaper
 from kiln.engine.structured.structured_output import Grammars
 from kiln.errors import RequestError
+from kiln.lora.request import LoRARequest
 from kiln.model.tokenizer import KilnTokenizer
 
 
@@ -58,8 +59,9 @@ class Admission:
         priority: int = 0,
         group: str | None = None,
         keeps_probs: bool = False,
+        lora: LoRARequest | None = None,
     ) -> Request:
-        """A checked `Request` (RequestError naming the field otherwise); `group`, `keeps_probs`:
+        """A checked `Request` (RequestError naming the field otherwise); `group`, `keeps_probs`, `lora`:
         kiln.engine.request."""
         ids, text = self._prompt_ids(request_id, prompt)
         vocab = self.vocab_size
@@ -125,6 +127,7 @@ class Admission:
             priority=priority,
             group=group,
             keeps_probs=keeps_probs,
+            lora=lora,
         )
         if (constraint := params.structured_output) is not None:
             if self.grammars is None:

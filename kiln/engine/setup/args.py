@@ -28,6 +28,7 @@ from kiln.config import (
     SCHEDULING_POLICIES,
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ParallelConfig,
     PoolingConfig,
     SchedulerConfig,
@@ -207,6 +208,22 @@ class EngineArgs:
         "here) or always", SPEC, choices=SPECULATIVE_POLICIES,
     )  # fmt: skip
 
+    enable_lora: bool = _arg(False, "serve LoRA adapters (PEFT checkpoints) beside the base model", "LoRA")
+    lora_modules: Sequence[str] | None = _arg(
+        None,
+        "adapters registered at start, as name=path (a PEFT adapter directory); a request selects one by name",
+        "LoRA",
+        nargs="+",
+    )
+    max_loras: int = _arg(1, "most adapters in one step (one slot each)", "LoRA", type=int_at_least(1))
+    max_lora_rank: int = _arg(16, "highest adapter rank accepted (the buffers' size)", "LoRA", type=int_at_least(1))
+    max_cpu_loras: int | None = _arg(
+        None,
+        "adapters kept read in host memory, least recently used out (default: --max-loras)",
+        "LoRA",
+        type=int_at_least(1),
+    )
+
     tensor_parallel_size: int = _arg(
         1,
         "ranks that split every layer (heads, MLP, vocabulary) over torch.distributed",
@@ -328,6 +345,7 @@ class EngineArgs:
             speculative=speculative,
             grammar_cache_bytes=self.grammar_cache_mb << 20,
             pooling=PoolingConfig(self.pooling, self.normalize_embeddings),
+            lora=self.lora_config(),
         )
         if self.enable_piecewise_graph and not graph.mode.is_graph:
             raise ConfigError(
@@ -360,6 +378,28 @@ class EngineArgs:
         if problem := config.problem():
             raise ConfigError(problem)
         return config
+
+    def lora_config(self) -> LoRAConfig:
+        """LoRA as the flags set it: `--lora-modules name=path ...` read here (ConfigError naming a bad entry)."""
+        modules = []
+        for entry in self.lora_modules or ():
+            name, sep, path = entry.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"--lora-modules {entry!r}: expected name=path (a PEFT adapter directory)")
+            modules.append((name, path))
+        names = [name for name, _ in modules]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ConfigError(f"--lora-modules names adapter {twice[0]} twice: give each name once")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"--max-cpu-loras {self.max_cpu_loras} is below --max-loras {self.max_loras}")
+        return LoRAConfig(
+            enabled=self.enable_lora,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras,
+            modules=tuple(modules),
+        )
 
     def graph_mode_flag(self) -> str | None:
         """The graph mode --graph-mode or one of its aliases names (kiln.compile.settings.graph_mode_from_flags)."""
