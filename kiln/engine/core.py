@@ -37,7 +37,7 @@ from kiln.engine.scheduling.scheduler_output import SchedulerOutput
 from kiln.engine.scheduling.step_shape import StepShaper
 from kiln.engine.speculation.speculation import Speculator
 from kiln.engine.structured.structured_output import Grammars
-from kiln.errors import RequestError
+from kiln.errors import ConfigError, RequestError
 from kiln.executor.base import Executor
 from kiln.lora.manager import LoRAManager
 from kiln.lora.request import LoRARequest
@@ -263,6 +263,26 @@ class EngineCore:
         self.updater.track(req)
         self.scheduler.add(req)
         return req
+
+    def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Register adapter `name` from `path` (read and checked now: AdapterError, and nothing changes, when it does
+        not fit) under the next free id; ConfigError without LoRA or when the name is taken."""
+        if self.lora is None:
+            raise ConfigError("this engine serves no LoRA adapters (start it with --enable-lora)")
+        if self.lora.by_name(name) is not None:
+            raise ConfigError(f"adapter {name!r} is loaded already: unload it first, or choose another name")
+        lora = LoRARequest(name, max(self.lora.requests, default=0) + 1, path)
+        self.lora.add(lora)
+        return lora
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter `name` (its slot cleared); ConfigError when it is unknown or a request still runs with it."""
+        found = self.lora.by_name(name) if self.lora is not None else None
+        if found is None:
+            raise ConfigError(f"no adapter {name!r} is loaded")
+        if any(r.lora_id == found.lora_int_id for r in self.requests.values()):
+            raise ConfigError(f"adapter {name!r} serves requests now: unload it once they finish")
+        self.lora.remove(found.lora_int_id)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         return self.updater.abort(request_id)

@@ -66,6 +66,10 @@ class LoRAManager:
         self.requests[request.lora_int_id] = request
         self._keep(request.lora_int_id, adapter)
 
+    def by_name(self, name: str) -> LoRARequest | None:
+        """The registered adapter called `name` (None: none is)."""
+        return next((r for r in self.requests.values() if r.lora_name == name), None)
+
     def remove(self, lora_id: int) -> None:
         """Forget the adapter: its slot is cleared and its host copy dropped."""
         if self.requests.pop(lora_id, None) is None:

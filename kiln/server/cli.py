@@ -79,6 +79,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "elsewhere, none otherwise; the start-up log names it)",
     )
 
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key; needs --enable-lora)",
+    )
+
     auth = p.add_argument_group(
         "authentication",
         "With an API key, /v1/* answers 401 unless the request has 'Authorization: Bearer KEY'; the key is checked "
