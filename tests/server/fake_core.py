@@ -120,6 +120,7 @@ class FakeCore:
         self.runner = SimpleNamespace(counters=SimpleNamespace(replays=7, dynamic_fallbacks=2))
         self.requests: dict[str, FakeRequest] = {}
         self.grammars = None  # its fake tokens follow no grammar: structured outputs are refused
+        self.lora = None  # no LoRA adapters (kiln.server.adapters)
         self.num_steps = 0
         self.gate = threading.Event()
         self.gate.set()
