@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,16 @@ ARCHITECTURE = "ParallelLMForCausalLM"
 DRAFT = "ParallelLMDraftForCausalLM"  # the same model before bring-up fixed its graph break
 
 
-def read_config(fields: models.ConfigFields) -> dict[str, Any]:
-    """ParallelLM's own config.json field: `parallel_residual` (false: a sequential block, as Llama's)."""
-    return {"extra": {"parallel_residual": fields.flag("parallel_residual", True)}}
+@dataclass(frozen=True)
+class ParallelLMSettings:
+    """ParallelLM's own settings (`ModelConfig.own`): `parallel_residual` (false: a sequential block, as Llama's)."""
+
+    parallel_residual: bool = True
+
+
+def read_config(view: models.ConfigView, config: models.ModelConfig) -> models.ModelConfig:
+    """ParallelLM's own config.json field, read into `config.own`."""
+    return replace(config, own=ParallelLMSettings(parallel_residual=view.flag("parallel_residual", True)))
 
 
 class Attention(nn.Module):
@@ -49,7 +57,10 @@ class Attention(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: models.ModelConfig, layer_idx: int, rotary: models.RotaryEmbedding) -> None:
         super().__init__()
-        self.parallel = config.extra["parallel_residual"]
+        settings = config.own
+        if not isinstance(settings, ParallelLMSettings):
+            raise TypeError(f"ParallelLM needs its own settings (read_config), found {settings!r}")
+        self.parallel = settings.parallel_residual
         self.norm = models.RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_idx, rotary)
         self.mlp = models.MLP(config.hidden_size, config.intermediate_size, config.hidden_act)

@@ -49,11 +49,31 @@ KV_SCALE_BYTES = 4
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A family's mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE): counts, widths and routing."""
+
+    num_experts: int  # experts per sparse layer
+    num_experts_per_tok: int  # experts each token is routed to (top-k)
+    intermediate_size: int  # each expert's MLP width
+    naming: str  # the experts' checkpoint names: a key of kiln.model.moe.CHECKPOINT_NAMES
+    norm_topk_prob: bool  # the top-k routing weights renormalized to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on shared expert (0: none)
+    decoder_sparse_step: int = 1  # layer i has experts when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and it is not listed here (Qwen MoE keeps those dense)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has a mixture-of-experts MLP."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Architecture hyper-parameters of a decoder, as read from a checkpoint header.
 
-    The fields every family shares are typed here; a family's own settings (soft-capping, query scale, per-head
-    norms...) are in `extra`, read and checked by its config reader (kiln.model.loader.families).
+    Every setting is a typed field: the shared ones first, then those only some families have (each with a default
+    that means "not this family's": no q/k norms, no experts, no soft-capping...). One reader fills them from HF
+    config.json or GGUF metadata alike (kiln.model.loader.config_reader); a plugin family keeps its own settings,
+    a frozen dataclass of its reader's, in `own` (kiln.models).
     """
 
     architecture: str  # a registered family: "llama", "qwen3", "gemma2", "mixtral", ... (kiln.model.loader.families)
@@ -78,10 +98,24 @@ class ModelConfig:
     sliding_window: int = 0  # tokens a sliding-window layer looks back (0: none)
     # per layer "sliding_attention" | "full_attention"; empty: every layer slides when sliding_window is set
     layer_types: tuple[str, ...] = ()
-    num_experts: int = 0  # mixture-of-experts layers: experts per layer (0: dense MLPs)
-    num_experts_per_tok: int = 0  # experts each token is routed to (top-k)
-    moe_intermediate_size: int = 0  # each expert's MLP width
-    extra: dict[str, Any] = field(default_factory=dict)  # the family's own settings, checked by its reader
+    # what only some families have
+    qk_norm: bool = False  # RMSNorm over each query and key head before the rotary embedding (Qwen3, Gemma 3)
+    fused_checkpoint: bool = False  # the checkpoint stores q/k/v and gate/up already fused, as kiln does (Phi-3)
+    moe: MoEConfig | None = None  # mixture-of-experts layers (None: dense MLPs)
+    query_pre_attn_scalar: float | None = None  # attention scores scaled by its -0.5 power (None: head_dim's; Gemma)
+    attn_logit_softcapping: float = 0.0  # attention scores capped at tanh(s / cap) * cap (0: none; Gemma 2)
+    final_logit_softcapping: float = 0.0  # the logits capped the same way (0: none; Gemma 2/3)
+    rope_local_base_freq: float | None = None  # the sliding layers' own unscaled rotary base (None: rope_theta)
+    own: object = None  # a plugin family's own settings: a frozen dataclass its config reader made (kiln.models)
+
+    @property
+    def num_experts(self) -> int:
+        """Experts per sparse layer (0: dense MLPs)."""
+        return self.moe.num_experts if self.moe is not None else 0
+
+    @property
+    def num_experts_per_tok(self) -> int:
+        return self.moe.num_experts_per_tok if self.moe is not None else 0
 
     @property
     def q_size(self) -> int:
@@ -125,9 +159,9 @@ class ModelConfig:
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
         mlp = 3 * h * i
-        if self.num_experts:
-            shared = self.extra.get("shared_expert_intermediate_size", 0)
-            mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h) + 3 * h * shared + (h if shared else 0)
+        if self.moe is not None:
+            shared, experts = self.moe.shared_expert_intermediate_size, self.moe.num_experts
+            mlp = experts * (3 * h * self.moe.intermediate_size + h) + 3 * h * shared + (h if shared else 0)
         layer = attn + mlp + 2 * h
         head = 0 if self.tie_word_embeddings else v * h
         return v * h + self.num_layers * layer + h + head

@@ -18,8 +18,10 @@ The contract (docs/bring-up.md walks through one):
 - weights load by checkpoint name into `named_parameters()` (`CausalLM.load_weights`); stack several
   checkpoint tensors into one parameter with `fused_parts` / `part_rows`, or map any other way with
   `extra_slots`; every parameter must be filled exactly once, and a checkpoint tensor with no slot is an error;
-- `read_config(fields)` reads the family's own config.json fields into `ModelConfig` fields (`extra` for the
-  rest), typed through `ConfigFields`, so a bad value is an error naming the file and the field.
+- `read_config(view, config)` reads the family's own config.json fields through `view` (a `ConfigView`: typed
+  reads, so a bad value is an error naming the file and the field) and returns `config` with them:
+  `dataclasses.replace(config, own=MySettings(...))`, a frozen dataclass of the family's, for what `ModelConfig`
+  has no field for.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from kiln.model.causal_lm import CausalLM, WeightSlot
 from kiln.model.graph_attention import attend
 from kiln.model.layers import MLP, RMSNorm, RotaryEmbedding
 from kiln.model.loader.base import ConfigFields
+from kiln.model.loader.config_view import ConfigView
 from kiln.model.loader.families import FAMILIES, Family, architectures, register
 from kiln.model.moe import FusedMoE
 
@@ -37,6 +40,7 @@ __all__ = [
     "MLP",
     "CausalLM",
     "ConfigFields",
+    "ConfigView",
     "Family",
     "FusedMoE",
     "ModelConfig",

@@ -22,7 +22,7 @@ from kiln.engine.loop.parts import StepParts
 from kiln.engine.loop.pipelined import PipelinedSteps
 from kiln.engine.loop.plain import PlainSteps
 from kiln.engine.output.updater import Updater
-from kiln.engine.request import Request, RequestOutput
+from kiln.engine.request import Request, RequestOptions, RequestOutput
 from kiln.engine.running.kv_plan import kv_budget, kv_cache_blocks, log_kv_cache
 from kiln.engine.running.model_runner import ModelRunner, StepObserver
 from kiln.engine.running.rank_role import SINGLE_DEVICE, RankRole
@@ -196,20 +196,13 @@ class EngineCore:
 
     # -- requests ---------------------------------------------------------------------------------
     def make_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        forced_output: list[int] | None = None,
-        priority: int = 0,
-        group: str | None = None,
-        keeps_probs: bool = False,
-        lora: LoRARequest | None = None,
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, options: RequestOptions | None = None
     ) -> Request:
-        """Tokenize and validate; raises RequestError (naming the request) without touching engine state. `lora`:
-        the adapter it runs with, registered (read and checked) on first use: AdapterError when it does not fit."""
+        """Tokenize and validate; raises RequestError (naming the request) without touching engine state. A LoRA
+        adapter (`options.lora`) is registered (read and checked) on first use: AdapterError when it does not fit."""
         if request_id in self.requests:
             raise RequestError(f"duplicate request id {request_id!r}", request_id)
+        priority = options.priority if options is not None else 0
         if priority != 0 and self.config.scheduler.policy != "priority":
             raise RequestError(
                 f"priority {priority} needs the priority scheduling policy; this engine schedules fcfs (start it "
@@ -217,6 +210,7 @@ class EngineCore:
                 request_id,
                 "priority",
             )
+        lora = options.lora if options is not None else None
         if lora is not None:
             if self.lora is None:
                 raise RequestError(
@@ -225,16 +219,7 @@ class EngineCore:
                     "lora_request",
                 )
             self.lora.add(lora)
-        return self.admission.make_request(
-            request_id,
-            prompt,
-            params,
-            forced_output=forced_output,
-            priority=priority,
-            group=group,
-            keeps_probs=keeps_probs,
-            lora=lora,
-        )
+        return self.admission.make_request(request_id, prompt, params, options)
 
     def add_request(
         self,
@@ -242,24 +227,20 @@ class EngineCore:
         prompt: str | list[int],
         params: SamplingParams,
         forced_output: list[int] | None = None,
+        *,
         priority: int = 0,
         group: str | None = None,
         keeps_probs: bool = False,
         lora: LoRARequest | None = None,
     ) -> Request:
-        """Queue a request; `forced_output` teacher-forces its output tokens (see `Request.forced_output`);
-        `priority` orders it under the priority scheduling policy (lower first); `group` names the client request
-        it belongs to (n > 1); `keeps_probs`: a draft engine's request (kiln.engine.request); `lora`: its adapter."""
-        req = self.make_request(
-            request_id,
-            prompt,
-            params,
-            forced_output=forced_output,
-            priority=priority,
-            group=group,
-            keeps_probs=keeps_probs,
-            lora=lora,
+        """Queue a request, held as kiln.engine.request.RequestOptions says: `forced_output` teacher-forces its output
+        tokens, `priority` orders it under the priority scheduling policy (lower first), `group` names the client
+        request it belongs to (n > 1), `keeps_probs` marks a draft engine's request, `lora` is its adapter."""
+        forced = tuple(forced_output) if forced_output is not None else None
+        options = RequestOptions(
+            forced_output=forced, priority=priority, group=group, keeps_probs=keeps_probs, lora=lora
         )
+        req = self.make_request(request_id, prompt, params, options)
         self.updater.track(req)
         self.scheduler.add(req)
         return req

@@ -49,6 +49,25 @@ class RequestMetrics:
     num_preemptions: int = 0
 
 
+@dataclass(frozen=True)
+class RequestOptions:
+    """How the engine holds a request beside its sampling parameters, fixed when the request is made.
+
+    `forced_output`: teacher forcing (the debugger): these tokens are fed back instead of the sampled ones, so two
+    execution paths see the same inputs (the sampled tokens are still what the step computed); `priority`: the
+    scheduling policy `priority` admits lower values first and preempts higher ones first (vLLM's); `group`: the
+    client request this sequence belongs to (its prompts x n share one), for the scheduler's per-request cap on
+    running sequences (None: a request of its own); `keeps_probs`: a draft engine's sampled request keeps the
+    distribution each token was drawn from (kiln.engine.speculation.draft); `lora`: the LoRA adapter it runs with
+    (kiln.lora; None: the base model): its rows use the adapter's slot and its prefix-cache blocks are keyed on it."""
+
+    forced_output: tuple[int, ...] | None = None
+    priority: int = 0
+    group: str | None = None
+    keeps_probs: bool = False
+    lora: LoRARequest | None = None
+
+
 class Request:
     """Token state of one sequence. The scheduler moves it between queues; only the runner reads its blocks."""
 
@@ -59,25 +78,15 @@ class Request:
         prompt_token_ids: list[int],
         params: SamplingParams,
         generator: torch.Generator | None,
-        forced_output: list[int] | None = None,
-        priority: int = 0,
-        group: str | None = None,
-        keeps_probs: bool = False,
-        lora: LoRARequest | None = None,
+        options: RequestOptions | None = None,
     ) -> None:
+        options = options or RequestOptions()
         self.request_id = request_id
-        # the LoRA adapter it runs with (kiln.lora; None: the base model): its steps' rows use the adapter's slot, and
-        # its prefix-cache blocks are keyed on it
-        self.lora = lora
-        # the scheduling policy `priority` admits lower values first and preempts higher ones first (vLLM's)
-        self.priority = priority
-        # teacher forcing (the debugger): these tokens are fed back instead of the sampled ones, so two execution
-        # paths see the same inputs; the sampled tokens are still what the step computed
-        self.forced_output = forced_output
+        self.priority = options.priority
+        self.forced_output = list(options.forced_output) if options.forced_output is not None else None
         self.prompt = prompt
-        # the client request this sequence belongs to (its prompts x n share one), for the scheduler's per-request
-        # cap on running sequences; None: a request of its own
-        self.group = group
+        self.group = options.group
+        self.lora = options.lora
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         # NOTE: its seed alone is used: each output position draws from its own generator (`generator_at`)
@@ -110,9 +119,9 @@ class Request:
         self.error_param: str | None = None
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
         self.grammar: GrammarState | None = None  # its place in its structured output's grammar (Admission sets it)
-        # `keeps_probs` (a draft engine's sampled request, kiln.engine.speculation.draft): the distribution each
-        # sampled token was drawn from, which the draft model hands the target's verification as its q
-        self.keeps_probs = keeps_probs
+        # a draft engine's sampled request: the distribution each sampled token was drawn from, which the draft
+        # model hands the target's verification as its q
+        self.keeps_probs = options.keeps_probs
         self.sampled_probs: list[torch.Tensor] = []
 
     def generator_at(self, position: int) -> torch.Generator | None:

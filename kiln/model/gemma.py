@@ -1,4 +1,4 @@
-"""Gemma 2 and Gemma 3 (text) on kiln's layers and paged attention op, with their config readers.
+"""Gemma 2 and Gemma 3 (text) on kiln's layers and paged attention op (kiln.model.gemma_config reads their configs).
 
 What sets them apart from the Llama shape (all read from the config, never from the family name):
 - RMSNorm scales by (1 + weight), in fp32 before the cast back (`GemmaRMSNorm`);
@@ -17,7 +17,6 @@ What sets them apart from the Llama shape (all read from the config, never from 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 import torch
 from torch import nn
@@ -25,12 +24,10 @@ from torch import nn
 import kiln.model.attention  # noqa: F401  (registers torch.ops.kiln.attention)
 from kiln.config import ModelConfig
 from kiln.model.causal_lm import CausalLM
-from kiln.model.family_configs import sliding_fields
 from kiln.model.graph_attention import attend
 from kiln.model.layers import MLP, RotaryEmbedding, per_head
-from kiln.model.loader.base import ConfigFields
 
-__all__ = ["GemmaForCausalLM", "read_gemma2", "read_gemma3"]
+__all__ = ["GemmaForCausalLM"]
 
 
 class GemmaRMSNorm(nn.Module):
@@ -67,17 +64,17 @@ class GemmaAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.window = config.layer_window(layer_idx)
-        self.softcap = float(config.extra.get("attn_logit_softcapping", 0.0))
+        self.softcap = float(config.attn_logit_softcapping)
         self.q_size, self.kv_size, self.head_dim = config.q_size, config.kv_size, config.head_dim
         # NOTE: the op scales scores by head_dim**-0.5; Gemma's scale is query_pre_attn_scalar**-0.5, so q is
         # pre-multiplied by the ratio's square root (1.0 for most Gemmas, where the two are equal: then skipped)
-        self.q_scale = (config.head_dim / config.extra["query_pre_attn_scalar"]) ** 0.5
+        self.q_scale = (config.head_dim / (config.query_pre_attn_scalar or config.head_dim)) ** 0.5
         bias = config.attention_bias
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
         self.rotary_emb = rotary  # shared by the layers of its kind (sliding or global): one table each
         self.q_norm = self.k_norm = None
-        if config.extra.get("qk_norm"):  # Gemma 3: RMSNorm over each head before the rotary embedding
+        if config.qk_norm:  # Gemma 3: RMSNorm over each head before the rotary embedding
             self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
 
@@ -113,7 +110,7 @@ class GemmaModel(nn.Module):
         super().__init__()
         self.rotary_emb = RotaryEmbedding(config, max_positions, freq_factors)
         rotary = [self.rotary_emb] * config.num_layers
-        local_base = config.extra.get("rope_local_base_freq")
+        local_base = config.rope_local_base_freq
         if local_base is not None:  # Gemma 3: sliding layers rotate with their own base and no scaling
             local = replace(config, rope_theta=local_base, rope_scaling=None)
             self.rotary_emb_local = RotaryEmbedding(local, max_positions)
@@ -138,7 +135,7 @@ class GemmaForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         self.model = GemmaModel(config, max_positions, freq_factors)
-        cap = config.extra.get("final_logit_softcapping", 0.0)
+        cap = config.final_logit_softcapping
         # NOTE: a capped head is not an nn.Linear, so the executors' one-row fast heads (which would skip the
         # cap) leave it alone and every logit goes through compute_logits
         if cap:
@@ -147,74 +144,3 @@ class GemmaForCausalLM(CausalLM):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-
-def read_gemma2(fields: ConfigFields) -> dict[str, Any]:
-    """Gemma 2: sliding and global layers alternate (sliding first) unless `layer_types` says otherwise."""
-    out = _gemma_fields(fields, default_pattern=2)
-    out["extra"]["attn_logit_softcapping"] = _optional_cap(fields, "attn_logit_softcapping")
-    return out
-
-
-def read_gemma3(fields: ConfigFields) -> dict[str, Any]:
-    """Gemma 3 (text): q/k norms, five sliding layers to a global one by default, a rotary base per layer kind."""
-    # NOTE: HF's Gemma 3 attention never passes attn_logit_softcapping on, so kiln ignores it too
-    out = _gemma_fields(fields, default_pattern=fields.positive_int("sliding_window_pattern", 6))
-    theta, scaling, local = _gemma3_rope(fields)
-    out["extra"] |= {"qk_norm": True, "rope_local_base_freq": local}
-    return {**out, "rope_theta": theta, "rope_scaling": scaling}
-
-
-def _gemma_fields(fields: ConfigFields, default_pattern: int) -> dict[str, Any]:
-    if fields.lookup("use_bidirectional_attention"):
-        raise fields.error("use_bidirectional_attention", "is true: kiln runs causal decoders only")
-    num_layers = fields.positive_int("num_hidden_layers")
-    sliding = sliding_fields(fields) or {"sliding_window": fields.positive_int("sliding_window")}
-    if not sliding.get("layer_types"):  # configs before layer_types: every `default_pattern`-th layer is global
-        kinds = ("sliding_attention" if (i + 1) % default_pattern else "full_attention" for i in range(num_layers))
-        sliding["layer_types"] = tuple(kinds)
-    extra = {
-        "query_pre_attn_scalar": fields.positive_float("query_pre_attn_scalar", 256.0),
-        "final_logit_softcapping": _optional_cap(fields, "final_logit_softcapping"),
-    }
-    # NOTE: HF's Gemma defaults where a key is absent (kiln's shared defaults are Llama's)
-    return {
-        "hidden_act": fields.activation("hidden_activation", "gelu_pytorch_tanh"),
-        "head_dim": fields.positive_int("head_dim", 256),
-        "rms_norm_eps": fields.positive_float("rms_norm_eps", 1e-6),
-        "tie_word_embeddings": fields.flag("tie_word_embeddings", True),
-        "extra": extra,
-        **sliding,
-    }
-
-
-def _optional_cap(fields: ConfigFields, key: str) -> float:
-    # NOTE: JSON null means no capping, as in HF; kiln cannot tell null from absent, so absent is no capping too
-    return 0.0 if fields.lookup(key) is None else fields.positive_float(key)
-
-
-def _gemma3_rope(fields: ConfigFields) -> tuple[float, dict | None, float]:
-    """(global rope_theta, global rope scaling or None, local base) from transformers 5's per-layer-type
-    `rope_parameters`, else the older rope_theta, rope_scaling and rope_local_base_freq."""
-    params = fields.lookup("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:
-        full = ConfigFields(fields.path, (params["full_attention"] or {}).get, "rope_parameters.full_attention.")
-        local = ConfigFields(
-            fields.path, (params.get("sliding_attention") or {}).get, "rope_parameters.sliding_attention."
-        )
-        if local.text("rope_type", "default") != "default":
-            raise local.error("rope_type", "must be default: kiln scales only the global layers' rotary embedding")
-        return full.positive_float("rope_theta", 1e6), _linear_scaling(full), local.positive_float("rope_theta", 1e4)
-    scaling = fields.lookup("rope_scaling")
-    legacy = ConfigFields(fields.path, scaling.get if isinstance(scaling, dict) else {}.get, "rope_scaling.")
-    theta = fields.positive_float("rope_theta", 1e6)
-    return theta, _linear_scaling(legacy), fields.positive_float("rope_local_base_freq", 1e4)
-
-
-def _linear_scaling(rope: ConfigFields) -> dict | None:
-    kind = rope.text("rope_type", rope.lookup("type") or "default")
-    if kind == "default":
-        return None
-    if kind != "linear":
-        raise rope.error("rope_type", f"is {kind!r}; kiln runs Gemma 3's default and linear rotary embeddings")
-    return {"rope_type": "linear", "factor": rope.positive_float("factor")}

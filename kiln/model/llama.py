@@ -51,7 +51,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.rotary_emb = rotary  # one shared instance: its cos/sin tables exist once
         self.q_norm = self.k_norm = None
-        if config.extra.get("qk_norm"):  # Qwen3: RMSNorm over each head before the rotary embedding
+        if config.qk_norm:  # Qwen3: RMSNorm over each head before the rotary embedding
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
 
@@ -64,25 +64,18 @@ class Attention(nn.Module):
         return reduce_partial(self.o_proj(out), self.tp)
 
 
-def is_sparse_layer(config: ModelConfig, layer_idx: int) -> bool:
-    """Whether decoder layer `layer_idx` has a mixture-of-experts MLP (Qwen2-MoE may keep some layers dense)."""
-    if not config.num_experts:
-        return False
-    step = config.extra.get("decoder_sparse_step", 1)
-    return layer_idx not in config.extra.get("mlp_only_layers", ()) and (layer_idx + 1) % step == 0
-
-
 def make_mlp(config: ModelConfig, layer_idx: int, tp: TensorParallel = SINGLE) -> nn.Module:
-    if not is_sparse_layer(config, layer_idx):
+    moe = config.moe
+    if moe is None or not moe.is_sparse(layer_idx):
         return MLP(config.hidden_size, config.intermediate_size, config.hidden_act, tp)
     return FusedMoE(
         config.hidden_size,
-        config.moe_intermediate_size,
-        config.num_experts,
-        config.num_experts_per_tok,
-        config.extra.get("norm_topk_prob", True),
+        moe.intermediate_size,
+        moe.num_experts,
+        moe.num_experts_per_tok,
+        moe.norm_topk_prob,
         config.hidden_act,
-        config.extra.get("shared_expert_intermediate_size", 0),
+        moe.shared_expert_intermediate_size,
     )
 
 
@@ -171,7 +164,7 @@ class LlamaForCausalLM(CausalLM):
 
     def fused_parts(self) -> dict[str, tuple[str, ...]]:
         # Phi-3 stores qkv_proj and gate_up_proj fused, as kiln does
-        return {} if self.config.extra.get("fused_checkpoint") else super().fused_parts()
+        return {} if self.config.fused_checkpoint else super().fused_parts()
 
     def part_rows(self, param_name: str, fused: str) -> tuple[int, ...]:
         if self.tp.is_split:
@@ -197,7 +190,7 @@ class LlamaForCausalLM(CausalLM):
     def extra_slots(self) -> dict[str, WeightSlot]:
         """A mixture-of-experts layer's router, experts (stacked) and shared expert, by their checkpoint names."""
         slots: dict[str, WeightSlot] = {}
-        naming = self.config.extra.get("moe_naming", "")
+        naming = self.config.moe.naming if self.config.moe is not None else ""
         for i, layer in enumerate(self.model.layers):
             if isinstance(getattr(layer, "mlp", None), FusedMoE):
                 prefix = f"model.layers.{i}"

@@ -49,7 +49,7 @@ def check_splittable(config: ModelConfig, size: int) -> None:
     why = ""
     if config.num_experts:
         why = "kiln's tensor parallelism splits dense MLPs, not mixture-of-experts layers"
-    elif config.extra.get("fused_checkpoint"):
+    elif config.fused_checkpoint:
         why = "its checkpoint stores q/k/v fused, which kiln does not split per rank"
     if why:
         raise ConfigError(f"{config.architecture} with --tensor-parallel-size {size}: {why}; use size 1")

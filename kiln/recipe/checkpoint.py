@@ -9,7 +9,8 @@ from functools import lru_cache
 from kiln.config import ModelConfig
 from kiln.errors import KilnError
 from kiln.model.loader import CheckpointHeader, read_checkpoint_header, resolve_model_path
-from kiln.model.loader.gguf_families import hf_tensors, kiln_family
+from kiln.model.loader.families import gguf_layout
+from kiln.model.loader.gguf_layout import hf_tensors
 from kiln.recipe.constraints import Constraint
 from kiln.recipe.diagnostics import Diagnostic
 from kiln.recipe.evaluate import evaluate
@@ -145,7 +146,7 @@ def _module(header: CheckpointHeader, name: str) -> str:
     """The module a checkpoint tensor belongs to, by its HF name (a GGUF tensor's in its family's naming)."""
     hf: str | None = name
     if header.format == "gguf":
-        found = hf_tensors(kiln_family(header.config.architecture), name, header.tensor_shapes.get(name, ()))
+        found = hf_tensors(gguf_layout(header.config.architecture), name, header.tensor_shapes.get(name, ()))
         hf = found[0].name if found else None
     parts = (hf or "").split(".")
     return parts[-2] if len(parts) >= 2 else ""

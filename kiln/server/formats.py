@@ -30,6 +30,7 @@ PROMPT_TAIL_TOKENS = 16  # a prompt's last tokens, where a template writes its c
 class ResponseFormat(ABC):
     object_name: str
     chunk_object_name: str
+    reasoning: ReasoningParser | None = None  # how answers split into reasoning and content (chat only)
 
     def __init__(
         self,

@@ -9,16 +9,17 @@
 
 `split_reasoning` reads an output's text so far; what it returns only grows as the text grows (a tag cut across
 two deltas is held back until it is whole or the output ends), so the streamed deltas join to the final split.
-Tool calls are read from the content alone (kiln.server.formats).
+Tool calls are read from the content alone (kiln.server.formats). A structured output is held to its grammar after
+the reasoning (`reasoning_gate`), so the answer, not the thinking, matches the schema.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import jinja2
 
+from kiln.engine.structured.reasoning_gate import ReasoningGate
 from kiln.errors import RequestError
 from kiln.model.tokenizer import KilnTokenizer
 
@@ -72,14 +73,14 @@ def split_reasoning(parser: ReasoningParser, text: str, final: bool) -> Reasonin
     return ReasoningSplit(reasoning, "")
 
 
-def reasoning_for_request(parser: ReasoningParser | None, is_constrained: bool) -> ReasoningParser | None:
-    """The parser one request's answers are read with. A constrained output (a structured output, or a tool choice
-    that holds it to a schema) is what its grammar allows from its first token, not a thinking the template
-    opened, so it is read as starting outside the thinking (a `<think>` its grammar lets it open is still
-    reasoning). NOTE: the grammar holds the whole output, reasoning included (vLLM starts it after `</think>`)."""
-    if parser is None or not parser.starts_inside or not is_constrained:
-        return parser
-    return dataclasses.replace(parser, starts_inside=False)
+def reasoning_gate(parser: ReasoningParser, tokenizer: KilnTokenizer) -> ReasoningGate:
+    """Where a constrained output's grammar starts (kiln.engine.structured.structured_output.ReasoningGate): after
+    the reasoning's closing tag, as vLLM holds a reasoning model's structured output; the output starts inside the
+    reasoning when the parser's outputs do (and the prompt left it open), else its opening tag, when one token, may
+    open one as its first token."""
+    start = tokenizer.encode(parser.start, add_special_tokens=False)
+    end = tokenizer.encode(parser.end, add_special_tokens=False)
+    return ReasoningGate(tuple(end), start[0] if len(start) == 1 else None, inside=parser.starts_inside)
 
 
 def _partial_tag_len(text: str, tag: str) -> int:

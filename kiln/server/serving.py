@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import jinja2
@@ -39,7 +40,7 @@ from kiln.server.limits import MESSAGE_MARKUP_CHARS, ServerLimits
 from kiln.server.metrics import ServerMetrics
 from kiln.server.middleware import request_id_of
 from kiln.server.protocol import ChatCompletionRequest, ChatPrompt, CompletionRequest, SamplingFields, prompt_param
-from kiln.server.reasoning import REASONING_PARSERS, choose_reasoning_parser, reasoning_for_request
+from kiln.server.reasoning import REASONING_PARSERS, choose_reasoning_parser, reasoning_gate
 from kiln.server.responses import SSE_DONE, LogprobFormatter, Usage, sse
 from kiln.server.tool_parsers import TOOL_PARSERS, choose_tool_parser
 from kiln.server.tool_prompt import prompt_messages, refuse_control_text
@@ -144,7 +145,7 @@ class OpenAIServing:
             num_logprobs,
             tools=tools,
             parser=self.tool_parser,
-            reasoning=reasoning_for_request(self.reasoning_parser, body.structured_output() is not None),
+            reasoning=self.reasoning_parser,
             with_prompt_logprobs=body.prompt_logprobs is not None,
         )
         keep_special = self._reasoning_tags_are_special or (
@@ -200,6 +201,8 @@ class OpenAIServing:
         with self.engine.reserve(num_prompts * body.n) as reservation:
             prompt_ids = await self.in_tokenizer_thread(tokenize)
             fmt.see_prompt(prompt_ids[0], functools.partial(self.tokenizer.decode, skip_special_tokens=False))
+            if constraint is not None and fmt.reasoning is not None:  # the grammar holds the answer, after thinking
+                constraint = replace(constraint, after_reasoning=reasoning_gate(fmt.reasoning, self.tokenizer))
             if constraint is not None:  # compiled on its own pool, off the step loop; the engine finds it cached
                 client = request.client.host if request.client else "unknown"
                 await self.grammar_compiler.compile(constraint, client, request_id)

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kiln.config import ModelConfig
+from kiln.config import ModelConfig, MoEConfig
 from kiln.distributed.sharding import HeadSpan, TensorParallel
 from kiln.errors import ConfigError
 from kiln.model.causal_lm import Shard, WeightSlot
@@ -92,13 +92,16 @@ def test_slot_takes_its_rows_or_columns_of_plain_and_packed_tensors() -> None:
     assert rows.view(target).shape == (4, 64)
 
 
+EXPERTS = MoEConfig(num_experts=8, num_experts_per_tok=2, intermediate_size=64, naming="mixtral", norm_topk_prob=True)
+
+
 def test_models_kiln_cannot_split_fail_before_loading() -> None:
     with pytest.raises(ConfigError, match="mixture-of-experts"):
-        check_splittable(smollm_config(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64), 2)
+        check_splittable(smollm_config(moe=EXPERTS), 2)
     with pytest.raises(ConfigError, match="q/k/v fused"):
-        check_splittable(smollm_config(extra={"fused_checkpoint": True}), 2)
+        check_splittable(smollm_config(fused_checkpoint=True), 2)
     check_splittable(smollm_config(), 2)
-    check_splittable(smollm_config(num_experts=8), 1)  # one rank splits nothing
+    check_splittable(smollm_config(moe=EXPERTS), 1)  # one rank splits nothing
 
 
 def test_one_process_keeps_every_kv_head() -> None:

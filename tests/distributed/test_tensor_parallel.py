@@ -87,7 +87,7 @@ def test_cached_prefixes_and_sibling_copies_hold_on_both_ranks(tp_eager: LLM, ll
     stats = engine.scheduler.prefix.stats
     assert_same(tp_eager.generate([prompt], GREEDY), [ref], 1e-4)
     for i in range(3):
-        engine.add_request(f"sib{i}", prompt, GREEDY).group = "siblings"
+        engine.add_request(f"sib{i}", prompt, GREEDY, group="siblings")
     copies = []
     execute = engine.runner.execute
     engine.runner.execute = lambda sched, *probs: copies.extend(sched.block_copies) or execute(sched, *probs)

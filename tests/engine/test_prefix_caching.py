@@ -140,7 +140,7 @@ def n_choices(engine: EngineCore, prompt: list[int], n: int, group: str | None) 
     """`n` seeded sampled choices of `prompt` (one client request when `group` is given, else n of their own)."""
     for i in range(n):
         params = SamplingParams(max_tokens=8, temperature=1.0, seed=100 + i, ignore_eos=True)
-        engine.add_request(f"c{i}", prompt, params).group = group
+        engine.add_request(f"c{i}", prompt, params, group=group)
     done: dict[str, list[int]] = {}
     while engine.has_unfinished:
         done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})

@@ -11,7 +11,7 @@ import pytest
 
 from kiln import LLM, SamplingParams
 from kiln.config import SchedulerConfig
-from kiln.engine.request import Request
+from kiln.engine.request import Request, RequestOptions
 from kiln.engine.scheduling.kv_cache import BlockPool
 from kiln.engine.scheduling.scheduler import Scheduler
 from kiln.errors import RequestError
@@ -23,7 +23,7 @@ from tests.server.fake_core import FakeCore
 
 def request(rid: str, priority: int, prompt_len: int = 8) -> Request:
     params = SamplingParams(max_tokens=64, temperature=0)
-    return Request(rid, None, list(range(1, prompt_len + 1)), params, None, priority=priority)
+    return Request(rid, None, list(range(1, prompt_len + 1)), params, None, RequestOptions(priority=priority))
 
 
 def admission_order(policy: str) -> list[str]:

@@ -71,8 +71,8 @@ def test_the_checkpoint_family_is_read_from_config_json(tmp_path: Path) -> None:
     write_family(tmp_path, "qwen2_moe")
     config = LLM(str(tmp_path), num_kv_blocks=32, graph_mode="eager").engine.model.config
     assert (config.architecture, config.num_experts, config.num_experts_per_tok) == ("qwen2_moe", 4, 2)
-    assert config.extra["shared_expert_intermediate_size"] == 64
-    assert config.attention_bias and not config.extra["norm_topk_prob"]
+    assert config.moe is not None and config.moe.shared_expert_intermediate_size == 64
+    assert config.attention_bias and not config.moe.norm_topk_prob
 
 
 def _one_expert(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
+from kiln.config import ModelConfig
 from kiln.errors import ModelLoadError
 from kiln.model.forward_context import DecodeInputs, ForwardContext, set_forward_context
-from kiln.model.gemma import read_gemma2, read_gemma3
 from kiln.model.graph_attention import decode_attention
 from kiln.model.loader import open_checkpoint
-from kiln.model.loader.base import ConfigFields
+from kiln.model.loader.hf_config import parse_config
 from tests.engine.parity import kiln_batch_logits
 from tests.engine.tiny_models import default_tokenizer_json
 from tests.model.test_sliding_window import (
@@ -79,11 +79,11 @@ def test_config_reads_gemma_fields(tmp_path: Path, family: str) -> None:
     config = open_checkpoint(str(tmp_path)).config
     assert (config.hidden_act, config.head_dim, config.tie_word_embeddings) == ("gelu_tanh", 16, True)
     assert [config.layer_window(i) for i in range(4)] == [8, 0, 8, 0]
-    assert config.extra["query_pre_attn_scalar"] == 24 and config.extra["final_logit_softcapping"] == 1.5
+    assert config.query_pre_attn_scalar == 24 and config.final_logit_softcapping == 1.5
     if family == "gemma2":
-        assert config.extra["attn_logit_softcapping"] == 2.0 and not config.extra.get("qk_norm")
+        assert config.attn_logit_softcapping == 2.0 and not config.qk_norm
     else:  # transformers 5 keeps Gemma 3's rotary settings per layer kind
-        assert (config.rope_theta, config.extra["rope_local_base_freq"]) == (1e6, 1e4) and config.extra["qk_norm"]
+        assert (config.rope_theta, config.rope_local_base_freq) == (1e6, 1e4) and config.qk_norm
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -117,25 +117,29 @@ def test_gemma3_linear_rope_scaling_applies_to_global_layers_only(tmp_path: Path
         assert (got - hf(torch.tensor([LONG])).logits[0]).abs().max().item() < 1e-4
 
 
-def legacy_fields(**changes: object) -> ConfigFields:
-    """A config.json as transformers 4 wrote Gemma's: no layer_types, Gemma 3's rotary settings at the top."""
-    config = {"num_hidden_layers": 12, "sliding_window": 512, "query_pre_attn_scalar": 256, "head_dim": 256}
-    config |= {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"rope_type": "linear", "factor": 8}}
-    return ConfigFields("config.json", {**config, **changes}.get)
+def legacy_config(family: str, **changes: object) -> ModelConfig:
+    """A config.json as transformers 4 wrote Gemma's (no layer_types, Gemma 3's rotary settings at the top), read."""
+    config = {"architectures": [FAMILIES[family][1]], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128}
+    config |= {"num_attention_heads": 4, "num_hidden_layers": 12, "sliding_window": 512, "query_pre_attn_scalar": 256}
+    config |= {"head_dim": 256, "rope_theta": 1e6, "rope_local_base_freq": 1e4}
+    config |= {"rope_scaling": {"rope_type": "linear", "factor": 8}}
+    return parse_config(Path("config.json"), {**config, **changes})
 
 
 def test_legacy_configs_take_hf_default_layer_patterns_and_rotary_settings() -> None:
-    gemma2 = read_gemma2(legacy_fields())
-    assert gemma2["layer_types"][:4] == ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
-    gemma3 = read_gemma3(legacy_fields())
-    assert [i for i, kind in enumerate(gemma3["layer_types"]) if kind == "full_attention"] == [5, 11]
-    assert (gemma3["rope_theta"], gemma3["rope_scaling"]) == (1e6, {"rope_type": "linear", "factor": 8.0})
-    assert gemma3["extra"]["rope_local_base_freq"] == 1e4
-    assert gemma2["extra"]["attn_logit_softcapping"] == gemma3["extra"]["final_logit_softcapping"] == 0.0  # null
+    gemma2 = legacy_config("gemma2")
+    assert gemma2.layer_types[:4] == ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
+    gemma3 = legacy_config("gemma3")
+    assert [i for i, kind in enumerate(gemma3.layer_types) if kind == "full_attention"] == [5, 11]
+    assert (gemma3.rope_theta, gemma3.rope_scaling) == (1e6, {"rope_type": "linear", "factor": 8.0})
+    assert gemma3.rope_local_base_freq == 1e4
+    assert gemma2.attn_logit_softcapping == gemma3.final_logit_softcapping == 0.0  # null
     with pytest.raises(ModelLoadError, match=r"rope_scaling.rope_type is 'yarn'"):
-        read_gemma3(legacy_fields(rope_scaling={"rope_type": "yarn", "factor": 8}))
+        legacy_config("gemma3", rope_scaling={"rope_type": "yarn", "factor": 8})
+    with pytest.raises(ModelLoadError, match=r"rope_scaling.rope_type is 'llama3'; kiln runs Gemma 3's default"):
+        legacy_config("gemma3", rope_scaling={"rope_type": "llama3", "factor": 8})
     with pytest.raises(ModelLoadError, match=r"field use_bidirectional_attention is true"):
-        read_gemma3(legacy_fields(use_bidirectional_attention=True))
+        legacy_config("gemma3", use_bidirectional_attention=True)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -185,9 +185,10 @@ def test_unknown_expert_layout_names_the_family(tmp_path: Path, metadata: dict[s
 
 
 def test_messages_name_tensors_as_the_file_does() -> None:
-    from kiln.model.loader.gguf_families import GGUF_FAMILIES, gguf_name
+    from kiln.model.loader.families import gguf_layout
+    from kiln.model.loader.gguf_layout import gguf_name
 
-    moe, gemma = GGUF_FAMILIES["qwen3moe"], GGUF_FAMILIES["gemma2"]
+    moe, gemma = gguf_layout("qwen3_moe"), gguf_layout("gemma2")
     assert gguf_name(moe, "model.layers.1.mlp.experts.3.down_proj.weight") == "blk.1.ffn_down_exps.weight (expert 3)"
     assert gguf_name(gemma, "model.layers.0.pre_feedforward_layernorm.weight") == "blk.0.ffn_norm.weight"
     assert gguf_name(gemma, "model.norm.weight") == "output_norm.weight"

@@ -130,7 +130,8 @@ def test_mixtral_gguf_matches_transformers_mixtral(tmp_path: Path, stacked: bool
     path, hf = _mixtral(tmp_path, stacked, tensor_type)
     config = open_checkpoint(str(path)).config
     assert (config.architecture, config.num_experts, config.num_experts_per_tok) == ("mixtral", 4, 2)
-    assert (config.moe_intermediate_size, config.sliding_window, config.extra["norm_topk_prob"]) == (32, 4, True)
+    assert config.moe is not None and (config.moe.intermediate_size, config.moe.norm_topk_prob) == (32, True)
+    assert config.sliding_window == 4
     got = kiln_batch_logits(str(path), PROMPTS)
     with torch.no_grad():
         for ids, logits in zip(PROMPTS, got, strict=True):

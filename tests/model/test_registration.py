@@ -68,7 +68,7 @@ def reference_logits(directory: Path, ids: list[int], double_norm: bool = False)
 def test_a_registered_architecture_matches_its_reference(checkpoint: Path) -> None:
     engine = LLM(str(checkpoint), num_kv_blocks=16, graph_mode="eager").engine
     assert type(engine.model).__name__ == "ParallelLMForCausalLM"
-    assert engine.model.config.architecture == "parallel_lm" and engine.model.config.extra["parallel_residual"]
+    assert engine.model.config.architecture == "parallel_lm" and engine.model.config.own.parallel_residual
     assert (prompt_logits(engine, PROMPT) - reference_logits(checkpoint, PROMPT)).abs().max().item() < 1e-4
 
 

@@ -116,7 +116,8 @@ class FakeCore:
         self.checkpoint_path = "/models/fake-model"
         self.model_config = SimpleNamespace(name="fake-model", vocab_size=256)
         self.pool = BlockPool(num_blocks, block_size)
-        self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0, prefix=None, speculator=None)
+        self.scheduler = SimpleNamespace(running=[], waiting=[], num_preemptions=0, prefix=None)
+        self.speculator = None
         self.runner = SimpleNamespace(counters=SimpleNamespace(replays=7, dynamic_fallbacks=2))
         self.requests: dict[str, FakeRequest] = {}
         self.grammars = None  # its fake tokens follow no grammar: structured outputs are refused
@@ -131,11 +132,19 @@ class FakeCore:
         self.token_id = TOKEN_X
         self.step_delay = 0.002  # seconds per step, like a (very) small model
         self.priorities: dict[str, int] = {}  # each request's, as the server passed it
+        self.groups: dict[str, str | None] = {}  # each request's client request (n > 1), as the server passed it
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, priority: int = 0
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        group: str | None = None,
     ) -> FakeRequest:
         self.priorities[request_id] = priority
+        self.groups[request_id] = group
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         text = self.tokenizer.decode(ids)
         if "CRASH" in text:

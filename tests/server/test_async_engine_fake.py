@@ -211,6 +211,8 @@ def test_failing_step_fails_its_requests_and_the_server_keeps_serving() -> None:
 
 
 def test_n_choices_and_multiple_prompts_are_indexed_in_order() -> None:
+    core = FakeCore()
+
     async def body(client: Client, engine: AsyncEngine) -> None:
         payload = {"prompt": ["a", "b"], "n": 2, "max_tokens": 2, "logprobs": 0}
         data = (await client.post("/v1/completions", json=payload)).json()
@@ -218,5 +220,7 @@ def test_n_choices_and_multiple_prompts_are_indexed_in_order() -> None:
         counts = {"prompt_tokens": 2, "completion_tokens": 8, "total_tokens": 10}
         assert data["usage"] == counts | {"prompt_tokens_details": {"cached_tokens": 0}}
         assert data["choices"][0]["logprobs"]["token_logprobs"] == [-0.5, -0.5]
+        groups = list(core.groups.values())  # the four sequences of one client request share its group
+        assert len(groups) == 4 and len(set(groups)) == 1 and groups[0] is not None
 
-    run_with_app(FakeCore(), body)
+    run_with_app(core, body)

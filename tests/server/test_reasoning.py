@@ -20,9 +20,7 @@ from kiln.model.tokenizer import KilnTokenizer
 from kiln.server.reasoning import (
     REASONING_PARSERS,
     ReasoningReader,
-    ReasoningSplit,
     choose_reasoning_parser,
-    reasoning_for_request,
     split_reasoning,
 )
 from tests.server.app_harness import Served, openai_error, serve
@@ -87,18 +85,6 @@ def test_streamed_splits_join_to_the_whole_split_wherever_the_text_is_cut(parser
         assert (reasoning, content) == (whole.reasoning or "", whole.content), (parser, text, ends)
 
 
-def test_a_constrained_output_is_read_as_starting_outside_the_thinking() -> None:
-    """Under deepseek_r1 a structured output (held to its grammar from the first token) is the answer, not a
-    thinking without end; a <think> the grammar lets it open is still reasoning."""
-    r1 = REASONING_PARSERS["deepseek_r1"]
-    constrained = reasoning_for_request(r1, is_constrained=True)
-    assert constrained is not None and reasoning_for_request(r1, is_constrained=False) == r1
-    assert split_reasoning(constrained, '{"city": "Oslo"}', final=True) == ReasoningSplit(None, '{"city": "Oslo"}')
-    assert split_reasoning(constrained, "<think>a</think>{}", final=True) == ReasoningSplit("a", "{}")
-    assert split_reasoning(r1, '{"city": "Oslo"}', final=True).content == ""
-    assert reasoning_for_request(None, is_constrained=True) is None
-
-
 @pytest.fixture(scope="module")
 def default_tokenizer() -> KilnTokenizer:
     return load_tokenizer(open_checkpoint("default"))
@@ -128,11 +114,11 @@ class ScriptedCore(FakeCore):
         self.prompts: list[str] = []
         self.step_delay = 0.0
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: Any, priority: int = 0) -> Any:
+    def add_request(self, request_id: str, prompt: str | list[int], params: Any, **options: Any) -> Any:
         assert isinstance(prompt, list)
         self.prompts.append(self.tokenizer.decode(prompt, skip_special_tokens=False))
         scripted = dataclasses.replace(params, max_tokens=len(self.script_ids))
-        return super().add_request(request_id, prompt, scripted, priority)
+        return super().add_request(request_id, prompt, scripted, **options)
 
     def step(self) -> list[RequestOutput]:
         return [self._scripted(out) for out in super().step()]

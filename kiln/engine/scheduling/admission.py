@@ -13,12 +13,11 @@ from typing import Any
 
 import torch
 
-from kiln.engine.request import Request
+from kiln.engine.request import Request, RequestOptions
 from kiln.engine.sampling.sampling_params import SamplingParams
 from kiln.engine.scheduling.step_shape import StepShaper
 from kiln.engine.structured.structured_output import Grammars
 from kiln.errors import RequestError
-from kiln.lora.request import LoRARequest
 from kiln.model.tokenizer import KilnTokenizer
 
 
@@ -51,18 +50,9 @@ class Admission:
         self.multi_device = multi_device
 
     def make_request(
-        self,
-        request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
-        forced_output: list[int] | None = None,
-        priority: int = 0,
-        group: str | None = None,
-        keeps_probs: bool = False,
-        lora: LoRARequest | None = None,
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, options: RequestOptions | None = None
     ) -> Request:
-        """A checked `Request` (RequestError naming the field otherwise); `group`, `keeps_probs`, `lora`:
-        kiln.engine.request."""
+        """A checked `Request` (RequestError naming the field otherwise), held as `options` say."""
         ids, text = self._prompt_ids(request_id, prompt)
         vocab = self.vocab_size
         bad_stops = [t for t in params.stop_token_ids if not 0 <= t < vocab]
@@ -117,18 +107,7 @@ class Admission:
         # engine was given --seed (then a run of the same requests repeats).
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._seed_rng))
         generator = None if params.is_greedy else torch.Generator().manual_seed(seed)
-        request = Request(
-            request_id,
-            text,
-            ids,
-            params,
-            generator,
-            forced_output=forced_output,
-            priority=priority,
-            group=group,
-            keeps_probs=keeps_probs,
-            lora=lora,
-        )
+        request = Request(request_id, text, ids, params, generator=generator, options=options)
         if (constraint := params.structured_output) is not None:
             if self.grammars is None:
                 raise RequestError("structured outputs need the model's tokenizer", request_id, constraint.param)

@@ -15,6 +15,11 @@ first draw is kept with probability Z (the mass the grammar allows), else the se
 distribution, so token t comes with probability p(t) + (1 - Z) p(t) / Z = p(t) / Z, the masked distribution
 exactly. A row with top-k, top-p or min-p masks first (its filters must see the masked distribution).
 
+A reasoning model's output is held to its grammar only after its reasoning (vLLM's structured outputs with a
+reasoning parser): with a `ReasoningGate` the state lets every token through while the reasoning is open, and the
+grammar holds the output from the token after the reasoning's closing tag. An output that may open a reasoning (its
+opening tag one token) may take that token first, else the grammar holds it from its first token.
+
 llguidance is imported on the first constraint, so an engine runs without it (a machine without the package gets
 a clear error for a constrained request, not an engine that fails to import).
 
@@ -44,6 +49,7 @@ from kiln.engine.structured.grammar_build import (
     new_matcher,
 )
 from kiln.engine.structured.grammar_cache import GRAMMAR_CACHE_BYTES, GrammarCache, estimated_bytes, grammar_key
+from kiln.engine.structured.reasoning_gate import ReasoningGate
 from kiln.errors import RequestError
 
 logger = logging.getLogger("kiln")
@@ -57,11 +63,13 @@ ANY_JSON_OBJECT = '{"type": "object"}'  # OpenAI's json_object mode
 class StructuredOutput:
     """What the output must match. `kind` json: `spec` a JSON schema (text); regex: a regular expression (Rust
     syntax, whole output); choice: a JSON list of strings, the output being one of them; grammar: a Lark or GBNF
-    grammar. `param`: the request field it came from, which errors name."""
+    grammar. `param`: the request field it came from, which errors name. `after_reasoning`: the output's reasoning
+    comes first, unconstrained (the grammar is the same: it is compiled and cached by kind and spec alone)."""
 
     kind: Kind
     spec: str
     param: str = field(default="structured_output", compare=False)
+    after_reasoning: ReasoningGate | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -87,20 +95,62 @@ class StructuredOutput:
         return cls("choice", json.dumps(choices), param)
 
 
-class GrammarState:
-    """One sequence's place in its grammar."""
+Phase = Literal["open", "reasoning", "grammar"]  # may open a reasoning / reasons / held to the grammar
 
-    def __init__(self, matcher: Any, param: str, grammars: Grammars) -> None:
-        self.matcher, self.param, self.grammars = matcher, param, grammars
+
+def _bit(i: int) -> int:
+    """Bit `i` of a little-endian 32-bit mask word, as the signed int32 the mask holds."""
+    return 1 << i if i < 31 else -(1 << 31)
+
+
+class GrammarState:
+    """One sequence's place in its grammar, and with a reasoning gate, whether its reasoning still runs."""
+
+    def __init__(self, matcher: Any, param: str, grammars: Grammars, gate: ReasoningGate | None = None) -> None:
+        self.matcher, self.param, self.grammars, self.gate = matcher, param, grammars, gate
+        self.phase: Phase = "grammar"
+        if gate is not None:
+            self.phase = "reasoning" if gate.inside else "open" if gate.start is not None else "grammar"
+        self._tail: list[int] = []  # the reasoning's last tokens, as many as its closing tag has
+
+    @property
+    def is_held(self) -> bool:
+        """The grammar holds the next token (it may also open a reasoning in phase "open")."""
+        return self.phase != "reasoning"
+
+    def phase_after(self, tokens: list[int]) -> Phase:
+        """The phase after `tokens` more (the state unchanged)."""
+        phase, tail = self.phase, list(self._tail)
+        for token in tokens:
+            phase, tail = self._next(phase, tail, token)
+        return phase
+
+    def _next(self, phase: Phase, tail: list[int], token: int) -> tuple[Phase, list[int]]:
+        assert self.gate is not None or phase == "grammar"
+        if phase == "open":
+            assert self.gate is not None
+            return ("reasoning", []) if token == self.gate.start else ("grammar", [])
+        if phase == "reasoning":
+            assert self.gate is not None
+            end = self.gate.end
+            tail = [*tail, token][-len(end) :]
+            return ("grammar", []) if tuple(tail) == end else ("reasoning", tail)
+        return phase, tail
 
     def advance(self, token: int) -> None:
         """Take the sampled `token`; RequestError when the grammar cannot (a token it did not allow was forced)."""
+        before = self.phase
+        self.phase, self._tail = self._next(self.phase, self._tail, token)
+        if before == "reasoning" or (before == "open" and self.phase == "reasoning"):
+            return  # the reasoning's tokens, its opening and closing tags included, are free
         if not self.matcher.consume_token(token) or self.matcher.is_error():
             why = " ".join(self.matcher.get_error().split("<", 1)[0].split())[:MAX_REASON_CHARS]
             raise RequestError(f"the output left the grammar of {self.param}: {why or 'refused'}", None, self.param)
 
     def allows(self, token: int) -> bool:
         """Whether the grammar takes `token` next (the state unchanged): a walk over the token's bytes alone."""
+        if self.phase == "reasoning" or (self.phase == "open" and self.gate and token == self.gate.start):
+            return True
         return self.matcher.validate_tokens([token]) == 1
 
     def drafts_within(self, drafts: list[int], keep_refused: bool) -> list[int]:
@@ -108,13 +158,27 @@ class GrammarState:
         from here, the state unchanged; with `keep_refused`, the first token it refuses stays last (a sampled draft
         with its proposal distribution: the verification rejects it by the rule, which keeps the output's
         distribution exact; dropping it would not)."""
+        free = self._free_drafts(drafts)
+        if free:  # drafts of a reasoning stop where it closes: the grammar's rows start after a verification
+            return free
         n = self.matcher.validate_tokens(drafts)
         return drafts[: n + 1 if keep_refused and n < len(drafts) else n]
+
+    def _free_drafts(self, drafts: list[int]) -> list[int]:
+        """The drafts a reasoning takes from here, up to the one that closes it (none: the grammar holds the first)."""
+        phase, tail = self.phase, list(self._tail)
+        for i, token in enumerate(drafts):
+            was, (phase, tail) = phase, self._next(phase, tail, token)
+            if was == "grammar" or (was == "open" and phase == "grammar"):
+                return drafts[:i]  # the grammar holds this one
+            if phase == "grammar":
+                return drafts[: i + 1]  # it closes the reasoning
+        return drafts
 
     @property
     def is_complete(self) -> bool:
         """The grammar allows nothing more: the sequence is done."""
-        return bool(self.matcher.is_stopped())
+        return self.is_held and bool(self.matcher.is_stopped())
 
 
 class Grammars:
@@ -176,7 +240,8 @@ class Grammars:
 
     def start(self, constraint: StructuredOutput) -> GrammarState:
         """A new sequence's state in `constraint`'s grammar."""
-        return GrammarState(self.compile(constraint).deep_copy(), constraint.param, self)
+        matcher = self.compile(constraint).deep_copy()
+        return GrammarState(matcher, constraint.param, self, constraint.after_reasoning)
 
     def bitmasks(self, states: list[GrammarState], drafts: list[list[int]] | None = None) -> torch.Tensor:
         """The tokens each of `states` allows next, as rows of little-endian 32-bit words ([rows, ceil(vocab / 32)]
@@ -193,13 +258,29 @@ class Grammars:
         for tokens in drafts:
             starts.append(starts[-1] + 1 + len(tokens))
         out = torch.full((starts[-1], width), -1, dtype=torch.int32)
-        placed = list(zip(states, starts[:-1], drafts, strict=True))
-        now = [(state.matcher, at) for state, at, tokens in placed if not tokens]
-        ahead = [(state.matcher, at, tokens) for state, at, tokens in placed if tokens]
+        now: list[tuple[Any, int]] = []
+        ahead: list[tuple[Any, int, list[int]]] = []
+        opening: list[tuple[int, int]] = []  # (row, token): a reasoning's opening tag allowed beside the grammar
+        for state, at, tokens in zip(states, starts[:-1], drafts, strict=True):
+            if state.phase == "open":
+                assert state.gate is not None and state.gate.start is not None
+                opening.append((at, state.gate.start))
+            if state.phase == "reasoning" or (state.phase == "open" and state.phase_after(tokens[:1]) == "reasoning"):
+                # free rows, but the one after the drafts that close the reasoning: the grammar's first mask
+                rows = [at + j for j in range(len(tokens) + 1) if state.phase_after(tokens[:j]) == "grammar"]
+                now += [(state.matcher, row) for row in rows]
+                if state.phase == "open":
+                    now.append((state.matcher, at))
+            elif tokens:
+                ahead.append((state.matcher, at, tokens))
+            else:
+                now.append((state.matcher, at))
         if now:
             self._executor.unsafe_compute_mask_ptr(now, out.data_ptr(), width * 4, starts[-1])
         if ahead:
             self._executor.unsafe_compute_mask_ptr_with_draft_token(ahead, out.data_ptr(), width * 4, starts[-1])
+        for row, token in opening:
+            out[row, token // 32] |= _bit(token % 32)
         return out
 
     def _llg_tokenizer(self) -> Any:

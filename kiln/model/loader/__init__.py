@@ -5,13 +5,17 @@ A checkpoint (either class below) offers `config`, `header()`, `weight_shapes()`
 `file_of(name)` and `tensor_label(name)`. Anything malformed it finds is a `ModelLoadError` naming the file.
 
 base.py           what every checkpoint loader returns, how a model name becomes a path, typed reads of config fields
-families.py       model families: which HF architecture names kiln runs, with which model class and config reader
-gguf_families.py  the GGUF architectures kiln loads: `general.architecture` -> kiln family, tensor names, config
+families.py       model families: one entry per family under its HF and GGUF names, with its model class, GGUF layout
+                  and config reader
+config_view.py    a checkpoint's settings under config.json's names, from config.json or GGUF metadata alike
+config_reader.py  the one config reader: a ModelConfig from a config view (shared settings, then the family's own)
+gguf_layout.py    how a family's GGUF files are laid out: tensor names, value transforms, what llama.cpp leaves out
 gguf_loader.py    GGUF checkpoints: header, dequantized weights (via the `gguf` package) and tokenizer metadata
 gguf_reader.py    the GGUF header reader: gguf's, checked against cut files, quick on long arrays
 gguf_names.py     GGUF tensor names -> HF parameter names (llama.cpp's naming of the Llama family)
 gguf_rope.py      rope scaling in GGUF files: linear (metadata), llama 3.1's `rope_freqs` tensor, Phi-3's long-rope
 hf_config.py      an HF config.json read into kiln's ModelConfig; a bad value is a ModelLoadError naming the field
+hf_rope.py        rope settings as config.json spells them: rope_parameters or rope_theta + rope_scaling, per layer kind
 hf_loader.py      HF model directories: config.json + *.safetensors + tokenizer.json
 """
 

@@ -6,7 +6,7 @@ import importlib.util
 import math
 import numbers
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -83,16 +83,25 @@ class ConfigFields:
 
     `lookup(key)` gives the stored value, None when the key is absent (a JSON null counts as absent). A missing
     required field or a value of the wrong type is a ModelLoadError that names the file, the field, what was
-    expected and what was found. `label` prefixes field names in messages (e.g. "rope_scaling.").
+    expected and what was found. Messages name a field `label` + its key (e.g. "rope_scaling.factor"), or what
+    `names` maps the key to: the file's own name for it when keys are read under other names (kiln.model.loader.
+    config_view reads GGUF metadata under config.json's names).
     """
 
-    def __init__(self, path: str, lookup: Callable[[str], object], label: str = "") -> None:
+    def __init__(
+        self, path: str, lookup: Callable[[str], object], label: str = "", names: Mapping[str, str] | None = None
+    ) -> None:
         self.path = path
         self.lookup = lookup
         self.label = label
+        self.names = names or {}
+
+    def name(self, key: str) -> str:
+        """How messages name field `key`."""
+        return self.label + self.names.get(key, key)
 
     def error(self, key: str, problem: str) -> ModelLoadError:
-        return ModelLoadError(self.path, f"field {self.label}{key} {problem}")
+        return ModelLoadError(self.path, f"field {self.name(key)} {problem}")
 
     def _read(self, key: str, default: object, expected: str) -> object:
         value = self.lookup(key)
@@ -173,9 +182,9 @@ class ConfigFields:
         if hidden % heads:
             raise ModelLoadError(
                 self.path,
-                f"field {self.label}{hidden_key} ({hidden}) is not divisible by {self.label}{heads_key} ({heads}): "
-                f"the head size is {hidden_key} / {heads_key} when {head_dim_key} is absent; "
-                f"fix one of them or set {head_dim_key}",
+                f"field {self.name(hidden_key)} ({hidden}) is not divisible by {self.name(heads_key)} ({heads}): "
+                f"the head size is {self.name(hidden_key)} / {self.name(heads_key)} when {self.name(head_dim_key)} "
+                f"is absent; fix one of them or set {self.name(head_dim_key)}",
             )
         return hidden // heads
 
@@ -185,7 +194,7 @@ class ConfigFields:
         if heads % kv:
             raise ModelLoadError(
                 self.path,
-                f"field {self.label}{heads_key} ({heads}) is not divisible by {self.label}{kv_key} ({kv}): "
+                f"field {self.name(heads_key)} ({heads}) is not divisible by {self.name(kv_key)} ({kv}): "
                 "every key/value head must serve the same number of query heads",
             )
         return kv

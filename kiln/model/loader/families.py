@@ -1,32 +1,57 @@
-"""Model families: which HF architecture names kiln runs, with which model class and which config reader.
+"""Model families: which architectures kiln runs, each one `Family` entry under both of its names, with its model
+class, its GGUF layout and its config reader.
 
-A family is registered by its HF class name (`config.json`'s `architectures`, e.g. "Qwen3ForCausalLM"). Its
-entry names kiln's architecture key (`ModelConfig.architecture`), the model class (a class, or "module:Class" so
-that reading a checkpoint header imports no model code), and a config reader: a function of the config's
-`ConfigFields` returning the `ModelConfig` fields the family sets beyond the shared ones (typed, checked, with the
-file and field named on error). `kiln.models.register` is the public way in.
+An entry is registered by its HF class name (`config.json`'s `architectures`, e.g. "Qwen3ForCausalLM") and, when
+kiln reads its GGUF files, llama.cpp's name (`general.architecture`, e.g. "qwen3", in its `gguf` layout). It names
+kiln's architecture key (`ModelConfig.architecture`), the model class (a class, or "module:Class" so that reading a
+checkpoint header imports no model code), the values HF's class fixes whatever config.json says (`hf_fixed`), and
+a config reader: `read(view, config) -> ModelConfig`, the family's own settings read through a `ConfigView` (the
+same reader for both formats, kiln.model.loader.config_view) into a copy of the shared `config` (typed, checked,
+with the file and field named on error). `kiln.models.register` is the public way in.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.config import ModelConfig
 from kiln.env import read_env
 from kiln.errors import ConfigError
-from kiln.model.loader.base import ConfigFields
+from kiln.model.loader.config_view import ConfigView
+from kiln.model.loader.gguf_layout import (
+    GEMMA_NAMES,
+    LAYER_NAMES,
+    MIXTRAL_EXPERT_NAMES,
+    MIXTRAL_NAMES,
+    MOE_NAMES,
+    PHI3_NAMES,
+    QK_NORM_NAMES,
+    QWEN_EXPERT_NAMES,
+    SHARED_EXPERT_NAMES,
+    GGUFLayout,
+    gemma2_implied,
+    gemma3_implied,
+    mistral_implied,
+    qwen3_moe_implied,
+)
 
-ConfigReader = Callable[[ConfigFields], dict[str, Any]]
+ConfigReader = Callable[[ConfigView, ModelConfig], ModelConfig]
 
 
 @dataclass(frozen=True)
 class Family:
+    """One architecture kiln runs, under its HF name (its key in FAMILIES) and its GGUF name (`gguf`)."""
+
     architecture: str  # kiln's key for it (ModelConfig.architecture)
     model: str | type  # the model class, or "module:Class"
-    read_config: str | ConfigReader | None = None  # the family's own config fields, or "module:function"
+    read_config: str | ConfigReader | None = None  # the family's own settings, or "module:function"
+    gguf: GGUFLayout | None = None  # llama.cpp's name and layout of its GGUF files (None: kiln reads none)
+    # config.json's names -> values HF's class for the family fixes, whatever the file says
+    hf_fixed: Mapping[str, object] = field(default_factory=dict)
 
     def model_class(self) -> type:
         return _resolve(self.model)
@@ -36,19 +61,41 @@ class Family:
 
 
 _LLAMA = "kiln.model.llama:LlamaForCausalLM"
+_GEMMA = "kiln.model.gemma:GemmaForCausalLM"
 _READ = "kiln.model.family_configs:"
+_READ_GEMMA = "kiln.model.gemma_config:"
+_BIASED = {"attention_bias": True}  # NOTE: HF's Qwen2 classes always have q/k/v biases; config.json has no key
+_QWEN_MOE = GGUFLayout("qwen2moe", MOE_NAMES | SHARED_EXPERT_NAMES, experts=QWEN_EXPERT_NAMES)
+_MIXTRAL = GGUFLayout("llama", MIXTRAL_NAMES, permuted_qk=True, experts=MIXTRAL_EXPERT_NAMES, with_experts=True)
 # HF architecture name -> family; `register` adds to it
 FAMILIES: dict[str, Family] = {
-    "LlamaForCausalLM": Family("llama", _LLAMA),
-    "MistralForCausalLM": Family("mistral", _LLAMA, _READ + "read_mistral"),
-    "Qwen2ForCausalLM": Family("qwen2", _LLAMA, _READ + "read_qwen2"),
-    "Qwen3ForCausalLM": Family("qwen3", _LLAMA, _READ + "read_qwen3"),
-    "Phi3ForCausalLM": Family("phi3", _LLAMA, _READ + "read_phi3"),
-    "MixtralForCausalLM": Family("mixtral", _LLAMA, _READ + "read_mixtral"),
-    "Qwen2MoeForCausalLM": Family("qwen2_moe", _LLAMA, _READ + "read_qwen2_moe"),
-    "Qwen3MoeForCausalLM": Family("qwen3_moe", _LLAMA, _READ + "read_qwen3_moe"),
-    "Gemma2ForCausalLM": Family("gemma2", "kiln.model.gemma:GemmaForCausalLM", "kiln.model.gemma:read_gemma2"),
-    "Gemma3ForCausalLM": Family("gemma3", "kiln.model.gemma:GemmaForCausalLM", "kiln.model.gemma:read_gemma3"),
+    "LlamaForCausalLM": Family("llama", _LLAMA, gguf=GGUFLayout("llama", permuted_qk=True)),
+    "MistralForCausalLM": Family(
+        "mistral", _LLAMA, _READ + "read_mistral", GGUFLayout("mistral", implied=mistral_implied, permuted_qk=True)
+    ),
+    "Qwen2ForCausalLM": Family("qwen2", _LLAMA, _READ + "read_qwen2", GGUFLayout("qwen2"), _BIASED),
+    "Qwen3ForCausalLM": Family("qwen3", _LLAMA, _READ + "read_qwen3", GGUFLayout("qwen3", LAYER_NAMES | QK_NORM_NAMES)),
+    "Phi3ForCausalLM": Family("phi3", _LLAMA, _READ + "read_phi3", GGUFLayout("phi3", PHI3_NAMES, long_rope=True)),
+    "MixtralForCausalLM": Family("mixtral", _LLAMA, _READ + "read_mixtral", _MIXTRAL),
+    "Qwen2MoeForCausalLM": Family("qwen2_moe", _LLAMA, _READ + "read_qwen2_moe", _QWEN_MOE, _BIASED),
+    "Qwen3MoeForCausalLM": Family(
+        "qwen3_moe",
+        _LLAMA,
+        _READ + "read_qwen3_moe",
+        GGUFLayout("qwen3moe", MOE_NAMES | QK_NORM_NAMES, qwen3_moe_implied, experts=QWEN_EXPERT_NAMES),
+    ),
+    "Gemma2ForCausalLM": Family(
+        "gemma2",
+        _GEMMA,
+        _READ_GEMMA + "read_gemma2",
+        GGUFLayout("gemma2", GEMMA_NAMES, gemma2_implied, norm_plus_one=True),
+    ),
+    "Gemma3ForCausalLM": Family(
+        "gemma3",
+        _GEMMA,
+        _READ_GEMMA + "read_gemma3",
+        GGUFLayout("gemma3", GEMMA_NAMES | QK_NORM_NAMES, gemma3_implied, norm_plus_one=True),
+    ),
 }
 
 
@@ -114,6 +161,28 @@ def family_of(architecture: str) -> Family:
         if family.architecture == architecture:
             return family
     raise ConfigError(f"no model family {architecture!r} is registered: kiln runs {', '.join(architectures())}")
+
+
+def gguf_family(gguf_architecture: str, has_experts: bool) -> tuple[Family, GGUFLayout] | None:
+    """The family of a GGUF file of llama.cpp architecture `gguf_architecture` (its `general.architecture`), with
+    experts (`{arch}.expert_count` > 0) or not, and its layout; None when kiln reads no such files."""
+    found = [(f, f.gguf) for f in FAMILIES.values() if f.gguf is not None and f.gguf.architecture == gguf_architecture]
+    # NOTE: llama.cpp builds dense MLPs when expert_count is 0 or absent (the variant's reader checks its type)
+    variant = next((pair for pair in found if pair[1].with_experts), None)
+    if variant is not None and has_experts:
+        return variant
+    return next((pair for pair in found if not pair[1].with_experts), None)
+
+
+def gguf_architectures() -> list[str]:
+    """llama.cpp's names of the architectures kiln reads GGUF files of."""
+    return sorted({f.gguf.architecture for f in FAMILIES.values() if f.gguf is not None})
+
+
+def gguf_layout(architecture: str) -> GGUFLayout:
+    """The GGUF layout of kiln family `architecture` (ModelConfig.architecture; Llama's for a family GGUF lacks)."""
+    layouts = {f.architecture: f.gguf for f in FAMILIES.values() if f.gguf is not None}
+    return layouts.get(architecture) or layouts["llama"]
 
 
 def architectures() -> list[str]:

@@ -1,12 +1,12 @@
 """GGUF checkpoints: header, dequantized weights (via the `gguf` package) and tokenizer metadata.
 
-Construction checks that every tensor's data lies inside the file; metadata is read through typed `ConfigFields`;
-tensor types and names are checked before any weight is dequantized.
+Construction checks that every tensor's data lies inside the file; the config is read by the one config reader
+through a `GGUFConfigView` (the metadata under config.json's names); tensor types and names are checked before any
+weight is dequantized.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from functools import cached_property
 from typing import Any
@@ -18,19 +18,14 @@ from gguf.quants import dequantize
 
 from kiln.config import ModelConfig
 from kiln.errors import ModelLoadError
-from kiln.model.loader.base import CheckpointHeader, ConfigFields
-from kiln.model.loader.gguf_families import (
-    GGUF_FAMILIES,
-    GGUFFamily,
-    HFTensor,
-    family_of,
-    gguf_name,
-    hf_tensors,
-    known_names,
-)
+from kiln.model.loader.base import CheckpointHeader
+from kiln.model.loader.config_reader import read_model_config
+from kiln.model.loader.config_view import GGUFConfigView
+from kiln.model.loader.families import Family, gguf_architectures, gguf_family
+from kiln.model.loader.gguf_layout import GGUFLayout, HFTensor, gguf_name, hf_tensors, known_names
 from kiln.model.loader.gguf_names import ROPE_FREQS
 from kiln.model.loader.gguf_reader import CheckedReader
-from kiln.model.loader.gguf_rope import read_rope_scaling, rope_factors
+from kiln.model.loader.gguf_rope import rope_factors
 from kiln.quant.gguf_blocks import PACKED_TYPES, decode_blocks, layout_of
 from kiln.quant.linear import PackedTensor
 
@@ -39,7 +34,6 @@ from kiln.quant.linear import PackedTensor
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED_TYPES += ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
-SUPPORTED_ARCHS = tuple(GGUF_FAMILIES)
 
 
 def _unpermute_rope(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -65,17 +59,29 @@ class GGUFCheckpoint:
         return f.contents()
 
     @cached_property
-    def architecture(self) -> str:
+    def _found(self) -> tuple[Family, GGUFLayout]:
         arch = self.field("general.architecture")
-        if arch not in SUPPORTED_ARCHS:
+        found = gguf_family(arch, bool(self.field(f"{arch}.expert_count"))) if isinstance(arch, str) else None
+        if found is None:
             raise ModelLoadError(
-                self.path, f"unsupported architecture {arch!r}: kiln runs {', '.join(SUPPORTED_ARCHS)}"
+                self.path, f"unsupported architecture {arch!r}: kiln runs {', '.join(gguf_architectures())}"
             )
-        return arch
+        return found
+
+    @property
+    def kiln_family(self) -> Family:
+        """The family of the file's `general.architecture` (with experts or not: llama.cpp's Mixtral is "llama")."""
+        return self._found[0]
+
+    @property
+    def family(self) -> GGUFLayout:
+        """How the file is laid out: its family's `gguf` layout."""
+        return self._found[1]
 
     @cached_property
-    def family(self) -> GGUFFamily:
-        return family_of(self.architecture, self.field)
+    def architecture(self) -> str:
+        """llama.cpp's name of the file's architecture (`general.architecture`)."""
+        return self.family.architecture
 
     @cached_property
     def _hf_tensors(self) -> dict[str, list[HFTensor]]:
@@ -108,36 +114,15 @@ class GGUFCheckpoint:
 
     @cached_property
     def config(self) -> ModelConfig:
-        a = self.architecture
-        fields = ConfigFields(self.path, self.field)
-        by_name = {t.name: t for t in self.reader.tensors}
-        tensors = set(by_name)
-        hidden = fields.positive_int(f"{a}.embedding_length")
-        heads_key = f"{a}.attention.head_count"
-        num_heads = fields.positive_int(heads_key)
-        head_dim = fields.head_dim(f"{a}.embedding_length", hidden, heads_key, num_heads, f"{a}.attention.key_length")
-        longest = fields.positive_int(f"{a}.context_length", 2048)
-        shared = dict(
-            architecture=self.family.architecture,
-            vocab_size=fields.positive_int(f"{a}.vocab_size", self._vocab_from_tokens()),
-            hidden_size=hidden,
-            intermediate_size=fields.positive_int(f"{a}.feed_forward_length"),
-            num_layers=fields.positive_int(f"{a}.block_count"),
-            num_heads=num_heads,
-            num_kv_heads=fields.kv_heads(heads_key, num_heads, f"{a}.attention.head_count_kv"),
-            head_dim=head_dim,
-            rms_norm_eps=fields.positive_float(f"{a}.attention.layer_norm_rms_epsilon", 1e-5),
-            rope_theta=fields.positive_float(f"{a}.rope.freq_base", 10000.0),
-            rope_scaling=read_rope_scaling(fields, a, by_name, head_dim, longest, self.family.long_rope),
-            max_position_embeddings=longest,
-            tie_word_embeddings="output.weight" not in tensors,
-            attention_bias="blk.0.attn_q.bias" in tensors,
-            bos_token_id=fields.token_id("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=fields.token_ids("tokenizer.ggml.eos_token_id"),
-            name=fields.text("general.name", os.path.basename(self.path)),
+        view = GGUFConfigView(
+            self.path,
+            self.architecture,
+            self.field,
+            {t.name: t for t in self.reader.tensors},
+            self.family,
+            self._vocab_from_tokens(),
         )
-        own = self.family.read_own(ConfigFields(self.path, lambda k: self.field(f"{a}.{k}"), f"{a}."), shared, tensors)
-        return ModelConfig(**{**shared, **own})
+        return read_model_config(view, self.kiln_family)
 
     def _vocab_from_tokens(self) -> int | None:
         """The token list's length: the vocabulary size when `{arch}.vocab_size` is absent."""

@@ -1,5 +1,5 @@
 """GGUF tensor names -> HF parameter names (llama.cpp's naming of the Llama family; other families' in
-kiln.model.loader.gguf_families)."""
+kiln.model.loader.gguf_layout)."""
 
 from __future__ import annotations
 

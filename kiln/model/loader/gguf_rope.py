@@ -5,7 +5,7 @@ llama.cpp's converter (convert_hf_to_gguf.py, Phi3MiniModel) writes Phi-3's long
 `short_factor` unchanged, as the F32 tensors `rope_factors_long.weight` and `rope_factors_short.weight`, with
 `{arch}.context_length` (HF's max_position_embeddings), `{arch}.rope.scaling.original_context_length` (HF's
 original_max_position_embeddings) and `{arch}.rope.scaling.attn_factor` (HF's attention factor, which it computes
-as HF does). kiln reads them into the fields `kiln.model.loader.hf_config` fills for an HF Phi-3 longrope config.
+as HF does). kiln reads them into the fields `kiln.model.loader.hf_rope` fills for an HF Phi-3 longrope config.
 """
 
 from __future__ import annotations
