@@ -88,3 +88,19 @@ def test_adapters_need_enable_lora_and_bad_ones_are_refused(
         _llm(base_dir, tmp_path, "eager", max_lora_rank=4, lora_modules=[f"qv={adapters['qv-r8-rslora']}"])
     with pytest.raises(ConfigError, match="--lora-modules 'qv': expected name=path"):
         _llm(base_dir, tmp_path, "eager", lora_modules=["qv"])
+
+
+def test_adapters_compose_with_chunked_prefill_and_speculation(
+    base_dir: Path, adapters: dict[str, Path], hf_base: transformers.PreTrainedModel, tmp_path: Path
+) -> None:
+    """A step budget of 6 tokens chunks the prompts; n-gram drafts are verified in their request's slot, next to
+    another adapter's request and a second request of the same adapter."""
+    llm = _llm(base_dir, tmp_path, "eager", max_num_batched_tokens=6, speculative_method="ngram", prompt_lookup_min=1)
+    repeating = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]  # the n-gram proposer drafts from it
+    prompts = [repeating, PROMPTS[2], repeating[1:]]
+    names = ["qv-r8-rslora", "all7-r4", "qv-r8-rslora"]
+    lora = [LoRARequest(n, NAMES.index(n), str(adapters[n])) for n in names]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0), lora_request=lora)
+    for out, prompt, name in zip(outs, prompts, names, strict=True):
+        assert out.token_ids == reference_greedy(reference(hf_base, adapters[name]), prompt, 8)[0]
+    assert llm.engine.speculator is not None and llm.engine.speculator.stats.num_draft_tokens > 0
