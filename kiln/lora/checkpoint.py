@@ -179,12 +179,13 @@ def _pair_tensors(
 def _rank_and_alpha(where: str, config: dict[str, Any], module: str) -> tuple[int, float]:
     """The layer's rank and alpha: `rank_pattern` / `alpha_pattern` where a key matches it (as PEFT matches: the
     key is a regex over the end of the module name), else `r` / `lora_alpha`."""
-    rank = _pattern_value(where, config, "rank_pattern", module, config["r"])
-    alpha = _pattern_value(where, config, "alpha_pattern", module, config.get("lora_alpha", config["r"]))
+    rank = _pattern_value(where, config, field="rank_pattern", module=module, default=config["r"])
+    alpha = config.get("lora_alpha", config["r"])
+    alpha = _pattern_value(where, config, field="alpha_pattern", module=module, default=alpha)
     return int(rank), float(alpha)
 
 
-def _pattern_value(where: str, config: dict[str, Any], field: str, module: str, default: int | float) -> int | float:
+def _pattern_value(where: str, config: dict[str, Any], *, field: str, module: str, default: int | float) -> int | float:
     for key, value in (config.get(field) or {}).items():
         try:
             matched = re.match(rf"(.*\.)?({key})$", module)

@@ -84,7 +84,9 @@ def attach_lora(model: CausalLM, limits: LoRALimits) -> LoRASlots:
     layers: dict[str, LoRALinear] = {}
     for module, parts in parts_by_module(targets).items():
         parent, _, name = module.rpartition(".")
-        layer = LoRALinear(model.get_submodule(module), parts, limits, tokens, floats[0].dtype)
+        layer = LoRALinear(
+            model.get_submodule(module), parts=parts, limits=limits, tokens=tokens, dtype=floats[0].dtype
+        )
         setattr(model.get_submodule(parent), name, layer)
         layers[module] = layer
     return LoRASlots(limits, targets, layers, tokens)

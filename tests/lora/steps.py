@@ -21,7 +21,9 @@ class Stepper:
 
     def __init__(self, model: CausalLM, executor: Executor, slots: LoRASlots) -> None:
         self.model, self.executor, self.slots = model, executor, slots
-        self.kv_caches = allocate_kv_caches(model.config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, "cpu")
+        self.kv_caches = allocate_kv_caches(
+            model.config, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, dtype=torch.float32, device="cpu"
+        )
         executor.prepare(model, self.kv_caches)
 
     def generate(
