@@ -189,6 +189,7 @@ class RequestOutput:
     error: str | None = None
     error_param: str | None = None  # set: the request's own field made it fail (a grammar), a client error
     num_cached_tokens: int = 0  # prompt tokens it found in the prefix cache (usage.prompt_tokens_details)
+    lora_name: str | None = None  # the LoRA adapter it ran with (None: the base model)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
 
     @property

@@ -79,6 +79,9 @@ def test_adapters_are_models_loaded_and_unloaded_at_run_time(
         assert (await client.post("/v1/unload_lora_adapter", json={"lora_name": "kod"})).status_code == 200
         assert openai_error(await client.post("/v1/completions", json={"model": "kod", "prompt": PROMPT}), 404)
         assert [m["id"] for m in (await client.get("/v1/models")).json()["data"]] == [base_id, "all7"]
+        metrics = (await client.get("/metrics")).text
+        assert 'kiln_lora_requests_total{adapter="all7"} 1.0' in metrics
+        assert f'kiln_lora_generation_tokens_total{{adapter="kod"}} {float(MAX_TOKENS)}' in metrics
 
     serve_engine(core, body, ["--allow-runtime-lora-updating", "--enable-lora"])
 
