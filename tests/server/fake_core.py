@@ -142,7 +142,9 @@ class FakeCore:
         *,
         priority: int = 0,
         group: str | None = None,
+        lora: object = None,
     ) -> FakeRequest:
+        assert lora is None, "the fake core serves no LoRA adapters"
         self.priorities[request_id] = priority
         self.groups[request_id] = group
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
