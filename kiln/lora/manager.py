@@ -67,8 +67,9 @@ class LoRAManager:
         self._keep(request.lora_int_id, adapter)
 
     def by_name(self, name: str) -> LoRARequest | None:
-        """The registered adapter called `name` (None: none is)."""
-        return next((r for r in self.requests.values() if r.lora_name == name), None)
+        """The registered adapter called `name` (None: none is). The server asks from its own thread: the values are
+        copied in one call (atomic under the GIL) before they are read."""
+        return next((r for r in list(self.requests.values()) if r.lora_name == name), None)
 
     def remove(self, lora_id: int) -> None:
         """Forget the adapter: its slot is cleared and its host copy dropped."""

@@ -43,7 +43,7 @@ def adapter_cards(lora: LoRAManager | None, parent: str) -> list[dict[str, Any]]
             "root": r.lora_path,
             "parent": parent,
         }
-        for r in lora.requests.values()
+        for r in list(lora.requests.values())  # copied at once: the engine thread may change it
     ]
 
 
