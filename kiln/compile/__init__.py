@@ -14,7 +14,8 @@ decode_units.py  the full decode graph cut into layer units, each distinct one c
 stamp.py      a uniform decoder stack traced through three layers, the rest stamped from the third
 layer_signature.py  which stacks are uniform (layers that trace to the same nodes)
 modes.py      piece modes and the --piece-modes syntax                counters.py  what graph mode did, as numbers
-fusion_match.py, fusion_flow.py, fusion.py, fusion_check.py: recipe fusion groups found in the pieces, judged
-on the generated code, enforced after compiling (a required group not realised fails the compile at its line).
+fusion_match.py, fusion_flow.py, fusion.py, fusion_check.py: recipe fusion groups found in the pieces (and in the
+full decode graph's layer units), judged on the generated code, enforced after compiling (a required group not
+realised fails the compile at its line).
 artifacts.py, lint.py, kernels.py, diagnose.py: what `kiln compile` writes and how failures read.
 """

@@ -2,10 +2,14 @@
 
 DIR/pieces/piece_K.txt    FX IR of each piece, one node a line with its module path and source line
 DIR/pieces/piece_K.generated.py   the compiler's generated code, when it has any
+DIR/full_decode.txt (+ .generated.py, .nN.generated.py)   the same for the full decode graph, where the graph
+                          mode has one: its IR, and its layer units' code for any num_tokens and per static size
 DIR/graph.dot (+ .svg)    pieces coloured by mode, splitting ops between them, fusion groups outlined
 DIR/lint.txt              nodes that become needless kernels, and graph breaks
-DIR/kernel_profile.json   per piece: ops, generated kernels, static buffer bytes, latency per capture size
-DIR/fusion.json           per recipe fusion group: realised (kiln.compile.fusion), or the op that broke it and why
+DIR/kernel_profile.json   per piece: ops, generated kernels, static buffer bytes, latency per capture size; the
+                          full decode graph's the same, per distinct layer unit (`full_decode_graph`, or null)
+DIR/fusion.json           per recipe fusion group: realised (kiln.compile.fusion), or the op that broke it and why,
+                          in the pieces (`groups`) and in the full decode graph (`full_decode_graph`, or null)
 """
 
 from __future__ import annotations
@@ -21,8 +25,10 @@ from typing import Any, Protocol
 import torch
 
 from kiln.compile.counters import CompileCounters
+from kiln.compile.decode_units import LayerUnits, unit_store_key
 from kiln.compile.diagnose import GraphTraceError
-from kiln.compile.fusion import FusionReport, as_json, fusion_reports
+from kiln.compile.full_graph import FullDecodeGraph
+from kiln.compile.fusion import FusionReport, as_json, fusion_reports, piece_code
 from kiln.compile.kernels import kernels_in
 from kiln.compile.lint import lint_graph
 from kiln.compile.piece import Piece
@@ -43,6 +49,7 @@ class BuiltGraph(Protocol):
     mode: GraphMode
     counters: CompileCounters
     kernel_choices: dict[str, dict[str, object]]
+    full: FullDecodeGraph | None
 
     @property
     def pieces(self) -> list[Piece]: ...
@@ -71,8 +78,13 @@ def write_artifacts(runner: BuiltGraph, out: Path) -> Path:
         for size, compiled in piece.static_compiled.items():
             if compiled.source_code:
                 (pieces_dir / f"piece_{piece.index}.n{size}.generated.py").write_text(compiled.source_code)
-    fusion = fusion_reports(runner.pieces, runner.config.fusion_groups, runner.config.compiler)
-    (out / "fusion.json").write_text(json.dumps({"groups": as_json(fusion)}, indent=1))
+    if runner.full is not None:
+        write_full_decode(runner.full, out)
+    groups, compiler = runner.config.fusion_groups, runner.config.compiler
+    fusion = fusion_reports([piece_code(p) for p in runner.pieces], groups, compiler)
+    full = fusion_reports(runner.full.checked_code(), groups, compiler) if runner.full is not None else None
+    fusion_json = {"groups": as_json(fusion), "full_decode_graph": as_json(full) if full is not None else None}
+    (out / "fusion.json").write_text(json.dumps(fusion_json, indent=1))
     (out / "kernel_profile.json").write_text(json.dumps(kernel_profile(runner), indent=1))
     (out / "lint.txt").write_text(lint_text(runner))
     dot = graph_dot(runner, fusion)
@@ -80,6 +92,16 @@ def write_artifacts(runner: BuiltGraph, out: Path) -> Path:
     _render_svg(out / "graph.dot")
     logger.info("Wrote compile artifacts to %s", out)
     return out
+
+
+def write_full_decode(full: FullDecodeGraph, out: Path) -> None:
+    """The full decode graph's IR and generated code (its layer units', for any num_tokens and per static size)."""
+    (out / "full_decode.txt").write_text(piece_ir(full.piece))
+    for size, variant in full.variants.items():
+        compiled = variant.piece.compiled
+        if compiled is not None and compiled.source_code:
+            name = "full_decode.generated.py" if size is None else f"full_decode.n{size}.generated.py"
+            (out / name).write_text(compiled.source_code)
 
 
 def write_trace_failure(error: GraphTraceError, out: Path) -> None:
@@ -94,7 +116,7 @@ def write_trace_failure(error: GraphTraceError, out: Path) -> None:
 
 def piece_ir(piece: Piece) -> str:
     lines = [
-        f"# piece {piece.index}: {piece.describe()}",
+        f"# {piece.label}: {piece.describe()}",
         f"# mode: {piece.mode.value}   ops: {piece.num_ops}   structure: {piece.info.structure_key}",
         f"# modules: {', '.join(piece.info.module_paths)}",
     ]
@@ -149,7 +171,51 @@ def kernel_profile(runner: BuiltGraph) -> dict[str, Any]:
         "graph_mode": runner.mode.value,
         "counters": runner.counters.as_dict(),
         "pieces": pieces,
+        "full_decode_graph": full_decode_profile(runner, runner.full) if runner.full is not None else None,
     }
+
+
+def full_decode_profile(runner: BuiltGraph, full: FullDecodeGraph) -> dict[str, Any]:
+    """The full decode graph's ops, kernels per step and per distinct layer unit, captures and their latency."""
+    piece, units = full.piece, full.variants[None].units
+    captures = {key: c for p in full.pieces for key, c in p.captures.items()}
+    return {
+        "label": piece.label,
+        "mode": piece.mode.value,
+        "sizes": full.sizes,
+        "static_sizes": sorted(n for n in full.variants if n is not None),
+        "op_count": piece.num_ops,
+        "layer_units": len(units.units) if units is not None else None,
+        "kernel_count": sum(len(kernels_in(s)) for s in units.sources if s) if units is not None else None,
+        "units": _unit_profiles(runner, units) if units is not None else [],
+        "static_buffer_bytes": sum(c.static_bytes for c in captures.values()),
+        # CUDA graphs per (num_tokens, table width in blocks); none on CPU, which calls the compiled graph
+        "latency_us": {f"{n}x{w}": round(c.latency_s * 1e6, 2) for (n, w), c in sorted(captures.items())},
+    }
+
+
+def _unit_profiles(runner: BuiltGraph, units: LayerUnits) -> list[dict[str, Any]]:
+    """One entry per distinct layer unit: which units share its code, and that code's kernels."""
+    layers: dict[str, list[int]] = {}
+    for i, key in enumerate(units.keys):
+        layers.setdefault(key, []).append(i)
+    out = []
+    for key, indices in layers.items():
+        source = units.sources[indices[0]]
+        kernels = kernels_in(source) if source else []
+        out.append(
+            {
+                "structure": key,
+                "layer_units": indices,
+                "kernel_count": len(kernels) if source else None,
+                "generated_kernels": sum(not k.is_extern for k in kernels),
+                "extern_kernels": sum(k.is_extern for k in kernels),
+                "kernels": [k.name for k in kernels],
+                "compile_s": round(runner.compile_seconds.get(unit_store_key(key), 0.0), 4),
+                "compiled_from": runner.cache_sources.get(unit_store_key(key)),
+            }
+        )
+    return out
 
 
 def lint_text(runner: BuiltGraph) -> str:

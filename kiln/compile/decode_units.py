@@ -53,6 +53,11 @@ def unit_assignment(gm: GraphModule) -> dict[Node, int]:
     return units
 
 
+def unit_store_key(structure: str) -> str:
+    """What the compiled-piece store (its memo, cache and compile times) files a unit of this structure under."""
+    return f"decode_unit:{structure}"
+
+
 class _Unit(nn.Module):
     """A unit in the split module's place: runs `fn` (the unit's graph, then its compiled code), which returns a
     sequence, and gives the outer module what the unit's graph returned before (one value or a tuple)."""
@@ -68,7 +73,8 @@ class _Unit(nn.Module):
 
 class LayerUnits:
     """The decode graph `gm` split into layer units: `units` (submodule name, graph returning a tuple) in order,
-    `outer` the module that calls them (eagerly until `compile`)."""
+    `outer` the module that calls them (eagerly until `compile`), and once compiled `sources`, each unit's generated
+    code (None where the compiler generates none): what the fusion check and the artifacts read."""
 
     def __init__(self, gm: GraphModule) -> None:
         units = unit_assignment(gm)
@@ -82,6 +88,7 @@ class LayerUnits:
                 setattr(self.outer, node.target, _Unit(sub.forward, single))
                 self.units.append((node.target, sub))
         self.keys = [structure_key(g) for _, g in self.units]  # what the store caches each unit under
+        self.sources: list[str | None] = [None] * len(self.units)
         self._probes: dict[str, list[Any]] | None = None
 
     @property
@@ -116,7 +123,8 @@ class LayerUnits:
             where = f"{paths[0]} .. {paths[-1]}" if len(paths) > 1 else (paths[0] if paths else "no module")
             unit_label = f"{label}, layer unit {i + 1}/{len(self.units)} ({where})"
             probe = lambda name=name: self.probes(store.device)[name]  # noqa: E731
-            compiled = store.get(graph, unit_label, persistent=persistent, key=f"decode_unit:{skey}", probe=probe)
+            compiled = store.get(graph, unit_label, persistent=persistent, key=unit_store_key(skey), probe=probe)
+            self.sources[i] = compiled.source_code
             if compiled.source_code:
                 sources.setdefault(skey, compiled.source_code)
             getattr(self.outer, name).fn = compiled.fn

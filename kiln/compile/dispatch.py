@@ -1,6 +1,7 @@
 """Run-time dispatch: per step, the full decode graph, the pieces' captures, or the pieces run dynamically.
 
-The dispatcher reads only the graph mode (kiln.graph_mode.GraphMode) and one explicit override, the debugger's
+The dispatcher reads only the graph mode (kiln.graph_mode.GraphMode), the static inputs of the sizes captured so
+far (`add_static_inputs`, from what the capturer returns) and one explicit override, the debugger's
 `use_full_decode_graph(False)`. `pad_to(n)` is the smallest capture size >= n (n itself above the largest). Then,
 in order:
 - a decode-only step at a size the full decode graph has (and a block table it can take) replays it (`full`);
@@ -17,6 +18,7 @@ import logging
 import torch
 
 from kiln.compile.build import PiecewiseForward
+from kiln.compile.capturer import StaticInputs
 from kiln.compile.counters import CompileCounters
 from kiln.compile.full_graph import FullDecodeGraph
 from kiln.graph_mode import GraphMode
@@ -32,13 +34,12 @@ class Dispatcher:
         self,
         mode: GraphMode,
         graph: PiecewiseForward,
-        static_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]],
         counters: CompileCounters,
         full: FullDecodeGraph | None = None,
     ) -> None:
         self.mode = mode
         self.graph = graph
-        self.static_inputs = static_inputs  # owned by the Capturer, filled as sizes are captured
+        self.static_inputs: dict[int, StaticInputs] = {}  # the sizes whose pieces replay captures
         self.counters = counters
         self.full = full if mode.has_full_decode_graph else None
         self.full_enabled = self.full is not None
@@ -48,6 +49,10 @@ class Dispatcher:
         sizes = sorted(set(self.static_inputs) | set(self.full.sizes if self.full is not None else ()))
         i = bisect.bisect_left(sizes, num_tokens)
         return sizes[i] if i < len(sizes) else num_tokens
+
+    def add_static_inputs(self, inputs: dict[int, StaticInputs]) -> None:
+        """Sizes just captured (kiln.compile.capturer): their steps copy into these buffers and replay the pieces."""
+        self.static_inputs.update(inputs)
 
     def use_full_decode_graph(self, enabled: bool) -> None:
         """False: decode-only steps run the pieces too (the debugger's per-piece bisection localizes there)."""
@@ -69,18 +74,18 @@ class Dispatcher:
             else:
                 self.counters.full_replays += 1
                 self.counters.full_verify_replays += bool(batch.num_draft_tokens)
-                self._log(FULL, n, meta.num_actual_tokens, reason, batch.num_draft_tokens)
+                self._log(FULL, n, meta.num_actual_tokens, reason=reason, num_drafts=batch.num_draft_tokens)
                 return self.full.run(batch, n)
         static = self.static_inputs.get(n)
         if static is not None and self.mode.splits_forward:
             self.counters.replays += 1
-            self._log(PIECEWISE, n, meta.num_actual_tokens, reason, batch.num_draft_tokens)
+            self._log(PIECEWISE, n, meta.num_actual_tokens, reason=reason, num_drafts=batch.num_draft_tokens)
             ids, pos = static
             ids.copy_(input_ids)
             pos.copy_(batch.positions)
             return self.graph.run(ids, pos)
         self.counters.dynamic_fallbacks += 1
-        self._log(DYNAMIC, n, meta.num_actual_tokens, reason, batch.num_draft_tokens)
+        self._log(DYNAMIC, n, meta.num_actual_tokens, reason=reason, num_drafts=batch.num_draft_tokens)
         return self.graph.run_dynamic(input_ids, batch.positions)
 
     def _log(self, kind: str, padded: int, real: int, reason: str, num_drafts: int = 0) -> None:

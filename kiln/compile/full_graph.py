@@ -11,7 +11,9 @@ copy, and the graph runs on its views:
 - CPU (no CUDA graphs): the compiled graph called on the same persistent views, at the step's table width.
 
 It is a `Piece` (kiln.compile.piece), so it has the pieces' modes (`eager` runs the traced graph op by op, the
-debugger's reference), hooks and rewrites (taps, faults), and trace-mode logging.
+debugger's reference), hooks and rewrites (taps, faults), and trace-mode logging. It keeps the pieces' contract
+too: `checked_code` hands its layer units' generated code to the fusion check (kiln.compile.fusion_check), and the
+artifacts write its IR, code and kernel profile (kiln.compile.artifacts).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from kiln.compile.capture import make_capture
 from kiln.compile.counters import CompileCounters
 from kiln.compile.decode_buffers import DecodeBuffers
 from kiln.compile.decode_units import LayerUnits
+from kiln.compile.fusion_match import CheckedCode
 from kiln.compile.modes import PieceMode
 from kiln.compile.piece import Piece
 from kiln.compile.split import SplitPiece, module_paths, structure_key
@@ -49,6 +52,8 @@ from kiln.platforms import platform_of
 from kiln.quant.linear import PackedLinear
 
 logger = logging.getLogger("kiln")
+
+FULL_LABEL = "full decode graph"
 
 
 def derive_positions(traced: TracedForward) -> None:
@@ -77,14 +82,23 @@ class DecodeVariant:
     def __init__(self, traced: TracedForward, counters: CompileCounters, static_size: int | None) -> None:
         derive_positions(traced)
         self.traced, self.static_size = traced, static_size
+        self.units: LayerUnits | None = None  # set by compiling
         gm = traced.gm
-        self.piece = Piece(SplitPiece(0, "full_decode", gm, structure_key(gm), module_paths(gm)), counters)
-        self.piece.label = "full decode graph" + ("" if static_size is None else f" (num_tokens={static_size})")
-        if static_size is None:
-            self.piece.size_arg, self.piece.size_is_int = traced.slots.index(NUM_TOKENS), True
         table = traced.slots.index(BLOCK_TABLE)
-        # CUDA graphs are captured per (num_tokens, table width) (DecodeBuffers.widths)
-        self.piece.capture_key = lambda args: (self.piece.num_tokens(args), args[table].shape[1])
+        self.piece = Piece(
+            SplitPiece(
+                index=0,
+                submod_name="full_decode",
+                graph=gm,
+                structure_key=structure_key(gm),
+                module_paths=module_paths(gm),
+            ),
+            counters,
+            label=FULL_LABEL + ("" if static_size is None else f" (num_tokens={static_size})"),
+            size_slot=traced.slots.index(NUM_TOKENS) if static_size is None else None,
+            # CUDA graphs are captured per (num_tokens, table width) (DecodeBuffers.widths)
+            capture_key=lambda piece, args: (piece.num_tokens(args), args[table].shape[1]),
+        )
 
     def args(self, ids: torch.Tensor, decode: DecodeInputs, size: int, width: int) -> list[Any]:
         values = {
@@ -128,7 +142,9 @@ class FullDecodeGraph:
         self.device = device
         self.counters = counters
         self.sizes = sorted(sizes)
-        trace = partial(trace_model, model, kv_caches, device, sample_size, decode=True, decode_kernel=decode_kernel)
+        trace = partial(
+            trace_model, model, kv_caches, device, sample_size=sample_size, decode=True, decode_kernel=decode_kernel
+        )
         self.variants: dict[int | None, DecodeVariant] = {None: DecodeVariant(trace(), counters, None)}
         counters.graphs_traced += 1
         for size in static_sizes(model, self.sizes, gemv_sizes):
@@ -160,9 +176,10 @@ class FullDecodeGraph:
         for v in self.variants.values():
             piece = v.piece
             if piece.compiled is None:
-                units = LayerUnits(piece.compile_source)
-                piece.compiled = units.compile(store, f"the {piece.label}", piece.persistent)
-                logger.info("The %s runs %d layer units (%d distinct)", piece.label, len(units.units), units.distinct)
+                v.units = LayerUnits(piece.compile_source)
+                piece.set_compiled(v.units.compile(store, f"the {piece.label}", piece.persistent))
+                units = v.units.units
+                logger.info("The %s runs %d layer units (%d distinct)", piece.label, len(units), v.units.distinct)
 
     def set_mode(self, mode: PieceMode, store: CompiledPieceStore, pool: Any) -> None:
         """Eager (the traced graph op by op), compiled, or captured (CUDA graphs per size; on CPU, compiled on the
@@ -170,7 +187,7 @@ class FullDecodeGraph:
         if mode is not PieceMode.EAGER:
             self.compile(store)
         for piece in self.pieces:
-            piece.mode = mode
+            piece.set_mode(mode)
         if mode is PieceMode.CAPTURED and platform_of(self.device).records_graphs and not self.piece.captures:
             self._capture(pool)
 
@@ -183,7 +200,8 @@ class FullDecodeGraph:
                 compiled = v.piece.compiled
                 assert compiled is not None
                 args = v.args(*self.buffers.views(size, width), size, width)
-                v.piece.captures[(size, width)] = make_capture(self.device, compiled.fn, args, [], set(), pool)
+                capture = make_capture(self.device, compiled.fn, args, dynamic_args=[], adopt=set(), pool=pool)
+                v.piece.add_capture((size, width), capture)
                 self.counters.full_graphs_captured += 1
         logger.info(
             "Capturing full decode graphs (sizes %s x table widths %s blocks, avail_mem=%.2f GB): 100%%",
@@ -191,6 +209,34 @@ class FullDecodeGraph:
             widths,
             platform_of(self.device).available_memory_gb(self.device),
         )
+
+    def checked_code(self) -> list[CheckedCode]:
+        """What the fusion check reads: each layer unit of the graph for any num_tokens with its generated code and
+        the static-size graphs' code of the same unit; uncompiled (eager), the whole graph without code."""
+        dynamic = self.variants[None]
+        piece, units = dynamic.piece, dynamic.units
+        if piece.compiled is None or units is None:
+            return [
+                CheckedCode(index=0, label=FULL_LABEL, graph=piece.compile_source, source=None, mode=piece.mode.value)
+            ]
+        codes = []
+        for i, (_, graph) in enumerate(units.units):
+            static = {
+                size: source
+                for size, v in self.variants.items()
+                if size is not None and v.units is not None and (source := v.units.sources[i])
+            }
+            codes.append(
+                CheckedCode(
+                    index=i,
+                    label=f"{FULL_LABEL}, layer unit {i + 1}/{len(units.units)}",
+                    graph=graph,
+                    source=units.sources[i],
+                    mode=piece.mode.value,
+                    static_sources=static,
+                )
+            )
+        return codes
 
     def fits(self, batch: ModelInputs, size: int) -> bool:
         return size in self.sizes and self.buffers.fits(batch.metadata)

@@ -14,7 +14,8 @@ A group is *realised* in a piece's generated code when
 The contract binds the code that runs for any num_tokens: the piece's dynamic compile. Static-size compiles are
 reported alongside (`static`). kiln.compile.fusion_match finds the group's instance; identical pieces compile to
 the same code, so one instance stands for all. The eager compiler and eager pieces generate no code: their groups
-are reported unchecked.
+are reported unchecked. What is checked is a list of `CheckedCode`: the pieces (`piece_code`), or the layer units of
+the full decode graph (kiln.compile.full_graph), which hold one decoder layer each.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 from torch.fx import Graph, Node
 
 from kiln.compile.fusion_flow import MATMULS, Flow, token
-from kiln.compile.fusion_match import GroupInstance, locate, node_kind
+from kiln.compile.fusion_match import CheckedCode, GroupInstance, locate, node_kind
 from kiln.compile.kernels import kernels_in
 from kiln.compile.split import node_module_path
 from kiln.config import FusionGroupConfig
@@ -41,7 +42,8 @@ class FusionReport:
     ops: list[str]
     realised: bool
     reason: str
-    piece: int | None = None
+    piece: int | None = None  # index of the piece (or layer unit) holding the instance
+    code: str = ""  # what that is: `piece 1`, `full decode graph, layer unit 1/2`
     scope: str = ""
     kernels: list[str] = field(default_factory=list)  # the group's kernels, products first
     broken_by: str = ""  # the op that broke the group
@@ -49,51 +51,65 @@ class FusionReport:
     static: dict[str, bool] = field(default_factory=dict)  # static num_tokens -> realised in that compile
 
 
-def fusion_reports(pieces: list[Piece], groups: tuple[FusionGroupConfig, ...], compiler: str) -> list[FusionReport]:
-    return [_report(pieces, g, compiler) for g in groups]
+def piece_code(piece: Piece) -> CheckedCode:
+    """A piece's graph and its compiled code for any num_tokens and per static size."""
+    static = {n: c.source_code for n, c in sorted(piece.static_compiled.items()) if c.source_code}
+    source = piece.compiled.source_code if piece.compiled is not None else None
+    return CheckedCode(
+        index=piece.index,
+        label=piece.label,
+        graph=piece.compile_source,
+        source=source,
+        mode=piece.mode.value,
+        static_sources=static,
+    )
+
+
+def fusion_reports(
+    codes: list[CheckedCode], groups: tuple[FusionGroupConfig, ...], compiler: str
+) -> list[FusionReport]:
+    return [_report(codes, g, compiler) for g in groups]
 
 
 def as_json(reports: list[FusionReport]) -> list[dict]:
     return [asdict(r) for r in reports]
 
 
-def _report(pieces: list[Piece], group: FusionGroupConfig, compiler: str) -> FusionReport:
+def _report(codes: list[CheckedCode], group: FusionGroupConfig, compiler: str) -> FusionReport:
     ops = list(group.ops)
-    inst = locate(pieces, group.ops, lambda p: compiler != "eager" and _source(p) is not None)
+    inst = locate(codes, group.ops, lambda c: compiler != "eager" and c.source is not None)
     if inst.piece is None:
-        return FusionReport(group.name, ops, False, f"none of {ops} is in the model's graph", broken_by=ops[0])
-    piece = inst.piece
-    report = FusionReport(group.name, ops, False, "", piece.index, inst.scope)
+        reason = f"none of {ops} is in the model's graph"
+        return FusionReport(name=group.name, ops=ops, realised=False, reason=reason, broken_by=ops[0])
+    code = inst.piece
+    report = FusionReport(
+        name=group.name, ops=ops, realised=False, reason="", piece=code.index, code=code.label, scope=inst.scope
+    )
     missing = [op for op in ops if op not in inst.nodes]
     if missing:
         op, other = missing[0], inst.elsewhere.get(missing[0])
         report.broken_by = op
-        report.reason = f"{op} is not in {inst.scope or 'the graph'} (piece {piece.index})"
+        report.reason = f"{op} is not in {inst.scope or 'the graph'} ({code.label})"
         if other is not None:
-            side = "next" if other > piece.index else "previous"
+            side = "next" if other > code.index else "previous"
             report.reason = f"{op} is in the {side} piece ({other}): attention splits the graph between them"
         return report
-    source = _source(piece) if compiler != "eager" else None
+    source = code.source if compiler != "eager" else None
     if source is None:
         report.checked = False
         report.reason = (
-            f"piece {piece.index} has no generated code to check (compiler {compiler}, mode {piece.mode.value}):"
+            f"{code.label} has no generated code to check (compiler {compiler}, mode {code.mode}):"
             " every op runs as its own kernel"
         )
         return report
-    graph = piece.compile_source.graph
+    graph = code.graph.graph
     report.realised, report.reason, report.kernels, report.broken_by = _Verdict(graph, inst, source).result
-    for size, compiled in sorted(piece.static_compiled.items()):
-        if compiled.source_code:
-            report.static[str(size)] = _Verdict(graph, inst, compiled.source_code).result[0]
+    for size, static in sorted(code.static_sources.items()):
+        report.static[str(size)] = _Verdict(graph, inst, static).result[0]
     if not report.realised and any(report.static.values()):
         sizes = ", ".join(n for n, ok in report.static.items() if ok)
         report.reason += f" (the static num_tokens={sizes} code realises it)"
     return report
-
-
-def _source(piece: Piece) -> str | None:
-    return piece.compiled.source_code if piece.compiled is not None else None
 
 
 class _Verdict:

@@ -1,10 +1,12 @@
 """The fusion contract: after compiling, every fusion group with `required: true` must be realised.
 
 `check_fusion` runs once per engine compile (GraphExecutor.prepare), on the dynamic code of the first piece that
-holds each group (kiln.compile.fusion says what realised means). A realised group logs `Fusion applied: NAME`; an
-unrealised required group fails the compile with a FusionGroupError citing its recipe line; an optional one logs a
-warning. A group with no generated code to check (the eager compiler, eager pieces) is logged as not checked: the
-contract binds code generation, and there is none to bind.
+holds each group (kiln.compile.fusion says what realised means), and again on the full decode graph's code where
+the graph mode has one (its layer units: decode-only steps run it, so it keeps the same contract). A realised group
+logs `Fusion applied: NAME` (`... in the full decode graph`) with the kernels that realise it; an unrealised
+required group fails the compile with a FusionGroupError citing its recipe line; an optional one logs a warning.
+A group with no generated code to check (the eager compiler, eager pieces) is logged as not checked: the contract
+binds code generation, and there is none to bind.
 
 `check_quantized` holds groups to their `all_ops_quantized` claim on the loaded model, in every mode: each weight op
 of the group (gate_proj lives in the fused gate_up_proj) must run packed codes no wider than the claim.
@@ -13,17 +15,14 @@ of the group (gate_proj lives in the fused gate_up_proj) must run packed codes n
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from torch import nn
 
 from kiln.compile.fusion import FusionReport, fusion_reports
+from kiln.compile.fusion_match import CheckedCode
 from kiln.config import FusionGroupConfig, GraphConfig
 from kiln.errors import KilnError
 from kiln.quant.linear import PackedEmbedding, PackedLinear
-
-if TYPE_CHECKING:
-    from kiln.compile.piece import Piece
 
 logger = logging.getLogger("kiln")
 
@@ -36,28 +35,30 @@ class FusionGroupError(KilnError):
         self.problems = problems
 
 
-def check_fusion(pieces: list[Piece], config: GraphConfig) -> list[FusionReport]:
-    """Report every fusion group of `config`; raise FusionGroupError for the required ones not realised."""
-    reports = fusion_reports(pieces, config.fusion_groups, config.compiler)
+def check_fusion(codes: list[CheckedCode], config: GraphConfig, graph: str = "") -> list[FusionReport]:
+    """Report every fusion group of `config` on `codes` (the pieces, or with `graph` naming it, another graph's
+    code: `the full decode graph`); raise FusionGroupError for the required ones not realised."""
+    reports = fusion_reports(codes, config.fusion_groups, config.compiler)
+    where = f" in {graph}" if graph else ""
     problems = []
     for group, report in zip(config.fusion_groups, reports, strict=True):
         if report.realised:
-            logger.info("Fusion applied: %s (%s)", group.name, " -> ".join(report.kernels))
+            logger.info("Fusion applied: %s%s (%s)", group.name, where, " -> ".join(report.kernels))
         elif not report.checked:
-            logger.info("Fusion not checked: %s (%s)", group.name, report.reason)
+            logger.info("Fusion not checked: %s%s (%s)", group.name, where, report.reason)
         elif group.required:
-            problems.append(_problem(group, report))
+            problems.append(_problem(group, report, where))
         else:
-            logger.warning("%s", _problem(group, report))
+            logger.warning("%s", _problem(group, report, where))
     if problems:
         raise FusionGroupError(problems)
     return reports
 
 
-def _problem(group: FusionGroupConfig, report: FusionReport) -> str:
-    where = f"{group.where}: " if group.where else ""
+def _problem(group: FusionGroupConfig, report: FusionReport, where: str) -> str:
+    recipe = f"{group.where}: " if group.where else ""
     kind = "required" if group.required else "optional"
-    text = f"{where}fusion group {group.name} ({kind}) not realised: {report.reason}"
+    text = f"{recipe}fusion group {group.name} ({kind}) not realised{where}: {report.reason}"
     if group.required:
         text += f"; remove {report.broken_by} from the group, or set required: false to compile without it"
     return text

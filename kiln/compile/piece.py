@@ -2,19 +2,26 @@
 
 `eager` runs the traced FX graph, `compiled` the compiler's output for the dynamic num_tokens, `captured`
 the capture for the batch's size (falling back to `compiled` for a size without one). Changing the mode
-is an attribute write: compiled code and captures are kept, so a debugger can bisect over modes freely.
+is one call: compiled code and captures are kept, so a debugger can bisect over modes freely.
 
-Public hooks (set through `GraphExecutor.set_piece_hooks`, used by the debugger's taps and fault injection):
-`before(piece, args) -> args` rewrites a launch's arguments; `after(piece, outputs)` sees every output the
-piece's graph returns, including extra ones a rewrite added (`GraphExecutor.rebuild`). The piece then returns
-its original outputs only, so a rewritten graph with extra outputs is invisible to the rest of the forward.
+A piece changes only through its own methods (`set_mode`, `set_compiled`, `add_capture`, `set_capture_hook`,
+`set_hooks`, `set_trace_level`, `rewrite`); its state is read through read-only properties. Who calls them: the
+graph executor (modes and compiled code, kiln.executor.graph), the capturer (captures, kiln.compile.capturer), the
+full decode graph (its own pieces, kiln.compile.full_graph) and the debugger's controls (hooks, rewrites and trace
+level, kiln.executor.controls).
+
+Hooks (used by the debugger's taps and fault injection): `before(piece, args) -> args` rewrites a launch's
+arguments; `after(piece, outputs)` sees every output the piece's graph returns, including extra ones a rewrite
+added (`GraphControls.rebuild`). The piece then returns its original outputs only, so a rewritten graph with
+extra outputs is invisible to the rest of the forward.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -35,30 +42,105 @@ BeforeHook = Callable[["Piece", tuple[Any, ...]], tuple[Any, ...]]
 AfterHook = Callable[["Piece", Sequence[torch.Tensor]], None]
 
 
+CaptureHook = Callable[["Piece", tuple[Any, ...]], Sequence[torch.Tensor]]
+CaptureKey = Callable[["Piece", Sequence[Any]], Hashable]
+
+
 class Piece(nn.Module):
-    def __init__(self, info: SplitPiece, counters: CompileCounters) -> None:
+    def __init__(
+        self,
+        info: SplitPiece,
+        counters: CompileCounters,
+        label: str | None = None,
+        size_slot: int | None = None,
+        capture_key: CaptureKey | None = None,
+    ) -> None:
+        """`label`: how logs and errors name it (default `piece K`); `size_slot`: the int input that tells num_tokens
+        (default: found in the graph, `_size_argument`); `capture_key(piece, args)`: what captures are keyed by
+        (default num_tokens)."""
         super().__init__()
         self.index = info.index
-        self.label = f"piece {info.index}"  # how logs and errors name it
+        self.label = label or f"piece {info.index}"
         self.info = info
-        self.graph: GraphModule = info.graph  # what eager mode runs
-        self.compile_source: GraphModule = info.graph  # what compiled code is built from (a fault may differ)
-        self.persistent = True  # compiled through the on-disk cache; False once a rewrite changed the graph
         self.counters = counters
-        self.mode = PieceMode.CAPTURED
-        self.compiled: CompiledPiece | None = None
-        self.static_compiled: dict[int, CompiledPiece] = {}  # num_tokens -> compiled for that static size
-        self.captures: dict[Hashable, Capture] = {}  # by `capture_key(args)`: num_tokens unless set otherwise
-        self.capture_key: Callable[[Sequence[Any]], Hashable] = self.num_tokens
-        # set while capturing: called with the real arguments of one forward at that size
-        self.capture_hook: Callable[[Piece, tuple[Any, ...]], Sequence[torch.Tensor]] | None = None
-        self.returns_tuple = make_tuple_output(self.graph)  # every compiler then sees (and returns) a sequence
-        self.size_arg, self.size_is_int = _size_argument(self.graph)
-        self.num_outputs = _num_outputs(self.graph)
-        self.dynamic_args = _dynamic_arguments(self.graph)
-        self.debug = 0  # trace mode (KILN_DEBUG, recipe debug_mode): log every launch, check replay inputs
-        self.before: BeforeHook | None = None
-        self.after: AfterHook | None = None
+        self._graph: GraphModule = info.graph  # what eager mode runs
+        self._compile_source: GraphModule = info.graph  # what compiled code is built from (a fault may differ)
+        self._persistent = True  # compiled through the on-disk cache; False once a rewrite changed the graph
+        self._mode = PieceMode.CAPTURED
+        self._compiled: CompiledPiece | None = None
+        self._static_compiled: dict[int, CompiledPiece] = {}  # num_tokens -> compiled for that static size
+        self._captures: dict[Hashable, Capture] = {}  # by `capture_key(piece, args)`
+        self._capture_key: CaptureKey = capture_key or Piece.num_tokens
+        self._capture_hook: CaptureHook | None = None  # set while capturing: called with one forward's arguments
+        self.returns_tuple = make_tuple_output(self._graph)  # every compiler then sees (and returns) a sequence
+        self.size_arg, self.size_is_int = (size_slot, True) if size_slot is not None else _size_argument(self._graph)
+        self.num_outputs = _num_outputs(self._graph)
+        self.dynamic_args = _dynamic_arguments(self._graph)
+        self._debug = 0  # trace mode (KILN_DEBUG, recipe debug_mode): log every launch, check replay inputs
+        self._before: BeforeHook | None = None
+        self._after: AfterHook | None = None
+
+    # -- state, read-only ------------------------------------------------------------------------------------------
+    @property
+    def graph(self) -> GraphModule:
+        return self._graph
+
+    @property
+    def compile_source(self) -> GraphModule:
+        return self._compile_source
+
+    @property
+    def persistent(self) -> bool:
+        return self._persistent
+
+    @property
+    def mode(self) -> PieceMode:
+        return self._mode
+
+    @property
+    def compiled(self) -> CompiledPiece | None:
+        """The compiled code for any num_tokens (None until compiled)."""
+        return self._compiled
+
+    @property
+    def static_compiled(self) -> Mapping[int, CompiledPiece]:
+        return MappingProxyType(self._static_compiled)
+
+    @property
+    def captures(self) -> Mapping[Hashable, Capture]:
+        return MappingProxyType(self._captures)
+
+    @property
+    def trace_level(self) -> int:
+        return self._debug
+
+    # -- changes ---------------------------------------------------------------------------------------------------
+    def set_mode(self, mode: PieceMode) -> None:
+        """Run `mode` from the next launch; a non-eager mode needs compiled code (`set_compiled`) to run."""
+        self._mode = mode
+
+    def set_compiled(self, compiled: CompiledPiece, static_size: int | None = None) -> None:
+        """The compiled code for any num_tokens, or with `static_size` the code compiled for that size alone."""
+        if static_size is None:
+            self._compiled = compiled
+        else:
+            self._static_compiled[static_size] = compiled
+
+    def add_capture(self, key: Hashable, capture: Capture) -> None:
+        """Replay `capture` for launches whose `capture_key` is `key`."""
+        self._captures[key] = capture
+
+    def set_capture_hook(self, hook: CaptureHook | None) -> None:
+        """While capturing: a captured-mode launch without a capture calls `hook(piece, args)`; None ends it."""
+        self._capture_hook = hook
+
+    def set_hooks(self, before: BeforeHook | None = None, after: AfterHook | None = None) -> None:
+        """Hooks around every launch (module docstring); None removes one."""
+        self._before, self._after = before, after
+
+    def set_trace_level(self, level: int) -> None:
+        """Trace mode (kiln.debug.trace): log every launch and check replay inputs when level >= 1."""
+        self._debug = level
 
     def rewrite(self, graph: GraphModule, compiled_only: bool = False) -> None:
         """Run `graph` from now on (or only build compiled code from it): it must take the same inputs and return
@@ -67,60 +149,61 @@ class Piece(nn.Module):
         if _num_outputs(graph) < self.num_outputs:
             raise ValueError(f"{self.label}: a rewrite must keep the piece's {self.num_outputs} outputs first")
         if not compiled_only:
-            self.graph = graph
-        self.compile_source = graph
-        self.persistent = False
-        self.compiled = None
-        self.static_compiled = {}
-        self.captures = {}
+            self._graph = graph
+        self._compile_source = graph
+        self._persistent = False
+        self._compiled = None
+        self._static_compiled = {}
+        self._captures = {}
 
+    # -- run -------------------------------------------------------------------------------------------------------
     def num_tokens(self, args: Sequence[Any]) -> int:
         value = args[self.size_arg]
         return value if self.size_is_int else value.shape[0]
 
     def forward(self, *args: Any) -> Any:
-        if self.before is not None:
-            args = self.before(self, args)
-        out = self._traced_forward(args) if self.debug else self._launch(args)
-        if self.after is not None:
-            self.after(self, out)
+        if self._before is not None:
+            args = self._before(self, args)
+        out = self._traced_forward(args) if self._debug else self._launch(args)
+        if self._after is not None:
+            self._after(self, out)
         if len(out) != self.num_outputs:
             out = out[: self.num_outputs]
         return out if self.returns_tuple else out[0]
 
     def _launch(self, args: Sequence[Any]) -> Any:
-        mode = self.mode
+        mode = self._mode
         if mode is PieceMode.CAPTURED:
-            capture = self.captures.get(self.capture_key(args))
+            capture = self._captures.get(self._capture_key(self, args))
             if capture is not None:
                 self.counters.piece_replays += 1
                 out = capture(args)
-            elif self.capture_hook is not None:
-                out = self.capture_hook(self, args)
+            elif self._capture_hook is not None:
+                out = self._capture_hook(self, args)
             else:
                 out = self._compiled_fn()(*args)
         elif mode is PieceMode.COMPILED:
             out = self._compiled_fn()(*args)
         else:
-            out = self.graph(*args)
+            out = self._graph(*args)
         return out
 
     def run_dynamic(self, *args: Any) -> Any:
         """The compiled (or, in eager mode, traced) graph for whatever num_tokens, ignoring captures."""
-        out = self.graph(*args) if self.mode is PieceMode.EAGER else self._compiled_fn()(*args)
+        out = self._graph(*args) if self._mode is PieceMode.EAGER else self._compiled_fn()(*args)
         return out[: self.num_outputs] if self.returns_tuple else out[0]
 
     def _traced_forward(self, args: tuple[Any, ...]) -> Any:
         """KILN_DEBUG (trace mode): check a replay's input buffers, run, and log the launch with its time."""
         n = self.num_tokens(args)
-        capture = self.captures.get(self.capture_key(args)) if self.mode is PieceMode.CAPTURED else None
+        capture = self._captures.get(self._capture_key(self, args)) if self._mode is PieceMode.CAPTURED else None
         if capture is not None:
             launch = "replay"
             capture.check_bound_inputs(f"{self.label} ({self.describe()}) num_tokens={n}")
-        elif self.mode is PieceMode.CAPTURED and self.capture_hook is not None:
+        elif self._mode is PieceMode.CAPTURED and self._capture_hook is not None:
             launch = "capture"
         else:
-            launch = "eager" if self.mode is PieceMode.EAGER else "dynamic"
+            launch = "eager" if self._mode is PieceMode.EAGER else "dynamic"
         real = get_forward_context().attn_metadata.num_actual_tokens
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
         platform = platform_of(device)
@@ -132,7 +215,7 @@ class Piece(nn.Module):
             "%s (%s) mode=%s launch=%s num_tokens=%d padded=%d time=%.3f ms",
             self.label,
             self.describe(),
-            self.mode.value,
+            self._mode.value,
             launch,
             real,
             n,
@@ -141,12 +224,12 @@ class Piece(nn.Module):
         return out
 
     def _compiled_fn(self) -> Callable[..., Sequence[torch.Tensor]]:
-        if self.compiled is None:
+        if self._compiled is None:
             raise RuntimeError(
-                f"{self.label} ({self.describe()}) runs mode {self.mode.value} but was never compiled: "
+                f"{self.label} ({self.describe()}) runs mode {self._mode.value} but was never compiled: "
                 "set its mode through GraphExecutor.set_piece_modes, which compiles what is missing"
             )
-        return self.compiled.fn
+        return self._compiled.fn
 
     def describe(self) -> str:
         paths = self.info.module_paths
@@ -156,7 +239,7 @@ class Piece(nn.Module):
 
     @property
     def num_ops(self) -> int:
-        return sum(n.op in ("call_function", "call_method", "call_module") for n in self.graph.graph.nodes)
+        return sum(n.op in ("call_function", "call_method", "call_module") for n in self._graph.graph.nodes)
 
 
 def _num_outputs(graph: GraphModule) -> int:

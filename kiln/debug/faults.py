@@ -1,10 +1,10 @@
 """Fault injection, so users and tests can prove the debugger finds what it claims.
 
 - `layer=K:mlp` (or `layer=K:attn`): a numerical fault in one module — its output scaled by (1 + 1e-2) — built
-  into the *compiled code* of the piece holding it, as a miscompile would be (`GraphExecutor.rebuild` with
-  `compiled_only=True`). Eager pieces and the eager
-  reference stay correct, so `diff` sees the error start at that boundary and `bisect` finds the piece (it fails
-  compiled and captured, passes eager). Identical pieces keep their own, correct compiled code.
+  into the *compiled code* of the piece holding it, as a miscompile would be (`GraphControls.rebuild`
+  with `compiled_only=True`). Eager pieces and the eager reference stay correct, so `diff` sees the error start
+  at that boundary and `bisect` finds the piece (it fails compiled and captured, passes eager). Identical pieces
+  keep their own, correct compiled code.
 - `piece=K:stale-input`: a capture fault — piece K's replays read the input its capture saw on its first replay
   at that size, as when a runner writes a new input somewhere other than the static buffer the graph reads
   (a `before` hook on the piece).
@@ -57,10 +57,10 @@ def parse_fault(spec: str) -> Fault:
 
 
 def inject(session: DebugSession, fault: Fault, scale: float = LAYER_FAULT_SCALE) -> str:
-    """Apply `fault` to the session's graph path through the executor's hooks; a one-line description. A layer
+    """Apply `fault` to the session's graph path through the debugger's controls; a one-line description. A layer
     fault scales its module's output by (1 + scale): tests hold the debugger to faults far smaller than 1e-2."""
-    graph = session.graph
-    pieces = graph.pieces
+    controls = session.controls
+    pieces = session.graph.pieces
     if fault.kind == "layer":
         num_layers = len(session.model.model.layers)
         if not 0 <= fault.index < num_layers:
@@ -72,7 +72,7 @@ def inject(session: DebugSession, fault: Fault, scale: float = LAYER_FAULT_SCALE
         assert boundary.piece is not None
         node = session.tap_nodes[boundary.name]
         target = boundary.piece
-        graph.rebuild(
+        controls.rebuild(
             lambda p: perturbed_graph(p.graph, node, scale) if p.index == target else None,
             compiled_only=True,
         )
@@ -80,7 +80,7 @@ def inject(session: DebugSession, fault: Fault, scale: float = LAYER_FAULT_SCALE
     else:
         if not 0 <= fault.index < len(pieces):
             raise ConfigError(f"--inject-fault {fault}: the graph has pieces 0..{len(pieces) - 1}")
-        graph.set_piece_hooks(fault.index, before=StaleInput(), after=session.probes[fault.index])
+        controls.set_piece_hooks(fault.index, before=StaleInput(), after=session.probes[fault.index])
         text = f"{fault}: piece {fault.index} ({pieces[fault.index].describe()}) replays a stale input buffer"
     session.fault_descriptions.append(text)
     return text

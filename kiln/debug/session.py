@@ -7,9 +7,9 @@ request through `EngineCore.step` (the engine's own scheduler, batch layout, pad
 prefill and N decode steps, optionally teacher-forced (`forced_output`) so two paths see the same tokens.
 
 The graph engine is built by `build_engine` like any other, with every piece eager (`default_piece_mode`);
-the taps go in through the graph executor's public hooks (`rebuild`, `set_piece_hooks`) and the recorder is
-the engine's step observer. The eager paths are engines over the same model (and its float64 copy) with an
-`EagerExecutor` that keeps the weight layout as it is.
+the taps go in through the debugger's controls over the graph executor (kiln.executor.controls: `rebuild`,
+`set_piece_hooks`) and the recorder is the engine's step observer. The eager paths are engines over the same
+model (and its float64 copy) with an `EagerExecutor` that keeps the weight layout as it is.
 
 `--model` is a checkpoint (path or `default`), or `package.module:factory`, a Python callable returning a
 Llama-family module (tests point the debugger at synthetic models this way; nothing is evaluated, the module is
@@ -48,6 +48,7 @@ from kiln.engine.core import EngineCore
 from kiln.engine.setup.args import EngineArgs
 from kiln.engine.setup.build import apply_device_settings, build_engine, engine_role
 from kiln.errors import ConfigError
+from kiln.executor.controls import GraphControls
 from kiln.executor.eager import EagerExecutor
 from kiln.executor.graph import GraphExecutor
 from kiln.model.dtypes import parse_dtype
@@ -112,7 +113,8 @@ class DebugSession:
             )
         self.engine = engine
         self.model = engine.model
-        self.graph: GraphExecutor = graph
+        self.graph: GraphExecutor = graph  # what was built, read-only
+        self.controls = GraphControls(graph)  # every change to it
         self.args = args
         self.tokenizer = engine.tokenizer
         self.recipe = engine.recipe
@@ -132,17 +134,17 @@ class DebugSession:
         names = {p.index: [b.name for b in self.boundaries if b.piece == p.index] for p in graph.pieces}
         self.probes = [TapProbe(names[p.index], p.num_outputs, recorder) for p in graph.pieces]
         taps = {i: [self.tap_nodes[n] for n in mine] for i, mine in names.items() if mine}
-        graph.rebuild(lambda p: with_extra_outputs(p.graph, taps[p.index]) if p.index in taps else None)
+        self.controls.rebuild(lambda p: with_extra_outputs(p.graph, taps[p.index]) if p.index in taps else None)
         for piece, probe in zip(graph.pieces, self.probes, strict=True):
-            graph.set_piece_hooks(piece.index, after=probe)
+            self.controls.set_piece_hooks(piece.index, after=probe)
         if graph.full is not None:  # decode steps run a full decode graph: the same taps, in each of them
-            graph.rebuild_full(self._tap_full)
-        graph.set_trace_level(trace_level(self.recipe))
+            self.controls.rebuild_full(self._tap_full)
+        self.controls.set_trace_level(trace_level(self.recipe))
 
     def _tap_full(self, full: Piece) -> GraphModule:
         located = locate_boundaries([full], model_boundaries(self.model))
         tapped = [b.name for b in self.boundaries if b.name in located]
-        full.after = TapProbe(tapped, full.num_outputs, self.recorder)
+        full.set_hooks(after=TapProbe(tapped, full.num_outputs, self.recorder))
         return with_extra_outputs(full.graph, [located[n][1] for n in tapped])
 
     # -- construction ----------------------------------------------------------------------------------------
@@ -176,11 +178,11 @@ class DebugSession:
         """Every piece in `mode`, then `overrides`; compiles (tapped graphs) and captures what is missing."""
         modes: dict[int, PieceMode] = {p.index: PieceMode(mode) for p in self.graph.pieces}
         modes.update(overrides or {})
-        self.graph.set_piece_modes(dict(modes))
+        self.controls.set_piece_modes(dict(modes))
         if self.graph.full is not None:
             # per-piece overrides localize a problem to pieces: decode steps then run the pieces too
-            self.graph.use_full_decode_graph(not overrides)
-            self.graph.set_full_mode(mode)
+            self.controls.use_full_decode_graph(not overrides)
+            self.controls.set_full_mode(mode)
         return modes
 
     # -- runs --------------------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ Design (the simplest that survives graph capture):
   outputs only, never an op, so the partition and every piece's structure key stay the same. Eager, compiled and
   captured pieces then all *return* the boundary values — from a capture they come back in its static output
   buffers, which is why hooks (and dump ops with side effects) never fire inside captured graphs and outputs do.
-- The session swaps the copies in through `GraphExecutor.rebuild` and hangs a `TapProbe` on each piece as its
-  `after` hook (`GraphExecutor.set_piece_hooks`): it records the extra outputs; the piece itself returns only its
+- The session swaps the copies in through `GraphControls.rebuild` and hangs a `TapProbe` on each piece as its
+  `after` hook (`GraphControls.set_piece_hooks`): it records the extra outputs; the piece itself returns only its
   original ones. Rewritten graphs are compiled outside the on-disk compile cache (the compiled-piece store's
   `persistent=False`), so the cache only ever holds production graphs.
 - The `TapRecorder` is the engine's step observer (`ModelRunner`'s `StepObserver`): it opens a record per step,

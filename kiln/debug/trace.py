@@ -1,7 +1,7 @@
 """Trace mode: every piece launch logged (piece, mode, real and padded size, time) and replays checked.
 
 `KILN_DEBUG=1`, or a recipe with `debug: {debug_mode: true}`, turns it on (the debug session applies it with
-`GraphExecutor.set_trace_level`). The launch log and the replay check
+`GraphControls.set_trace_level`). The launch log and the replay check
 live in `Piece` (kiln/compile/piece.py), the check itself in `Capture.check_bound_inputs`: a replay whose static
 input buffers are not the ones the capture reads (a CUDA graph reads fixed addresses) fails loudly instead of
 silently computing on stale data.

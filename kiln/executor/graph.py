@@ -1,27 +1,29 @@
 """`GraphExecutor`: graph mode behind the `Executor` interface, composed of its roles.
 
 prepare = the kernel plan (static compile sizes, weight layout, one-row head and packed kernels, timed on this
-machine and cached: kiln.kernels.plan) -> build (kiln.compile.build: trace + split)
--> compile every piece through the compiled-piece store (kiln.compile.store: memo, on-disk cache, verification),
-and again per static compile size -> capture per capture size (kiln.compile.capturer) -> the fusion contract
-(kiln.compile.fusion_check: a required recipe fusion group the code does not realise fails here) -> the compiled
-one-row logits head. `forward` is the dispatcher's (kiln.compile.dispatch). Every stage is counted in `counters`.
+machine and cached: kiln.kernels.plan) -> build (kiln.compile.build: trace + split) -> the full decode graph where
+the mode has one (kiln.compile.full_graph) -> compile every piece through the compiled-piece store
+(kiln.compile.store: memo, on-disk cache, verification), and again per static compile size -> capture per capture
+size (kiln.compile.capturer, which returns each size's static inputs; they go to the dispatcher) -> the fusion
+contract on the pieces' code and on the full decode graph's (kiln.compile.fusion_check: a required recipe fusion
+group the code does not realise fails here) -> the compiled one-row logits head. `forward` is the dispatcher's
+(kiln.compile.dispatch). Every stage is counted in `counters`.
 
-Public hooks for the debugger: `set_piece_modes`, `rebuild(transform)` (rewrite piece graphs: taps, faults),
-`set_piece_hooks` (before/after a piece's launch), `recapture`.
+The engine calls `prepare`, `forward`, `pad_to` and `compute_logits`. `set_piece_modes` and `set_full_mode` switch
+modes, compiling and capturing what a mode needs. The debugger's controls (rewrites, launch hooks, trace level, the
+full decode graph override) are a class of their own over this one: kiln.executor.controls.GraphControls.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.fx import GraphModule
 
 from kiln.compile.artifacts import write_artifacts
 from kiln.compile.build import PiecewiseForward, build_graph
@@ -29,10 +31,10 @@ from kiln.compile.capturer import Capturer
 from kiln.compile.compiler import make_compiler
 from kiln.compile.dispatch import Dispatcher
 from kiln.compile.full_graph import FullDecodeGraph
-from kiln.compile.fusion import FusionReport
+from kiln.compile.fusion import FusionReport, piece_code
 from kiln.compile.fusion_check import check_fusion
 from kiln.compile.modes import PieceMode, format_piece_modes
-from kiln.compile.piece import AfterHook, BeforeHook, Piece
+from kiln.compile.piece import Piece
 from kiln.compile.store import CompiledPieceStore
 from kiln.config import DEFAULT_ACTIVATIONS, GraphConfig
 from kiln.distributed.ops import local_collectives
@@ -47,8 +49,6 @@ from kiln.model.forward_context import ModelInputs
 from kiln.platforms import platform_of
 
 logger = logging.getLogger("kiln")
-
-PieceTransform = Callable[[Piece], GraphModule | None]
 
 
 class GraphExecutor(Executor):
@@ -74,6 +74,7 @@ class GraphExecutor(Executor):
         self.full: FullDecodeGraph | None = None  # decode-only steps' full graph (mode.has_full_decode_graph)
         self.build_seconds = 0.0
         self.fusion: list[FusionReport] = []  # per recipe fusion group, checked once the pieces are compiled
+        self.full_fusion: list[FusionReport] = []  # the same groups on the full decode graph's code (if any)
         self.plan = KernelPlan()
 
     # -- prepare -----------------------------------------------------------------------------------------
@@ -84,6 +85,43 @@ class GraphExecutor(Executor):
         cache_root = Path(self.config.cache_dir) if self.config.cache_dir else read_env().cache_dir
         # NOTE: attention reads Python-side metadata, so it cannot live inside a recorded graph.
         self.can_capture = self.mode.splits_forward or not platform_of(self.device).records_graphs
+        self._plan_kernels(model, kv_caches, cache_root)
+        # NOTE: at least 3: a packed model traced at 2 tokens specialises num_tokens (dynamo constraint violation)
+        sample = max(3, min(self.capture_sizes[-1] if self.capture_sizes else 8, 8))
+        self.graph: PiecewiseForward = build_graph(
+            model,
+            kv_caches,
+            self.device,
+            splitting_ops=self.config.splitting_ops,
+            split=self.mode.splits_forward,
+            counters=self.counters,
+            sample_size=sample,
+        )
+        self.capturer = Capturer(self.graph, kv_caches, self.device, self.counters)
+        default = PieceMode(self.config.default_piece_mode)
+        if self.mode.has_full_decode_graph and self.capture_sizes:
+            self.full = self._full_decode_graph(model, kv_caches, sample)
+        for piece in self.all_pieces:
+            piece.set_trace_level(max(read_env().debug, self.config.debug))
+        if self.full is not None:
+            self.full.set_mode(default, self.store, self.capturer.pool)
+        if default is PieceMode.CAPTURED and not self.mode.captures_pieces:
+            default = PieceMode.COMPILED  # full / full_decode_only: mixed steps run the pieces uncaptured
+        self.dispatcher = Dispatcher(self.mode, self.graph, self.counters, self.full)
+        modes = {i: default for i in range(len(self.pieces))}
+        modes.update(self._checked_modes(dict(self.config.piece_modes)))
+        self.set_piece_modes(modes)
+        self.fusion = check_fusion([piece_code(p) for p in self.pieces], self.config)
+        if self.full is not None:
+            self.full_fusion = check_fusion(self.full.checked_code(), self.config, "the full decode graph")
+        self.logits_head = LogitsHead(model, self.plan.head_t, self._compile_logits_head(model))
+        self.build_seconds = time.perf_counter() - start
+        self._log_ready()
+        if self.config.dump_dir:
+            write_artifacts(self, Path(self.config.dump_dir))
+
+    def _plan_kernels(self, model: nn.Module, kv_caches: list[torch.Tensor], cache_root: Path) -> None:
+        """The kernel plan (installed on `model`), its static compile sizes, and the compiled-piece store."""
         self.plan = plan_kernels(
             model,
             cache_root,
@@ -98,40 +136,28 @@ class GraphExecutor(Executor):
         self.plan.install(model)
         self.compile_sizes = self.plan.static_sizes
         self.store = CompiledPieceStore(
-            self.compiler, cache_root, self.config.recipe_hash, kv_caches, self.device, self.counters
+            self.compiler,
+            cache_root,
+            recipe_hash=self.config.recipe_hash,
+            kv_caches=kv_caches,
+            device=self.device,
+            counters=self.counters,
         )
-        # NOTE: at least 3: a packed model traced at 2 tokens specialises num_tokens (dynamo constraint violation)
-        sample = max(3, min(self.capture_sizes[-1] if self.capture_sizes else 8, 8))
-        self.graph: PiecewiseForward = build_graph(
-            model, kv_caches, self.device, self.config.splitting_ops, self.mode.splits_forward, self.counters, sample
+
+    def _full_decode_graph(self, model: nn.Module, kv_caches: list[torch.Tensor], sample: int) -> FullDecodeGraph:
+        return FullDecodeGraph(
+            model,
+            kv_caches,
+            self.device,
+            counters=self.counters,
+            sizes=self.capture_sizes,
+            max_model_len=self.config.max_model_len,
+            sample_size=sample,
+            gemv_sizes=tuple(self.compile_sizes),
+            decode_kernel=self.plan.decode_kernel,
         )
-        self.set_trace_level(max(read_env().debug, self.config.debug))
-        self.capturer = Capturer(self.graph, kv_caches, self.device, self.counters)
-        default = PieceMode(self.config.default_piece_mode)
-        if self.mode.has_full_decode_graph and self.capture_sizes:
-            self.full = FullDecodeGraph(
-                model,
-                kv_caches,
-                self.device,
-                self.counters,
-                self.capture_sizes,
-                self.config.max_model_len,
-                sample,
-                tuple(self.compile_sizes),
-                self.plan.decode_kernel,
-            )
-            for piece in self.full.pieces:
-                piece.debug = self.pieces[0].debug
-            self.full.set_mode(default, self.store, self.capturer.pool)
-        if default is PieceMode.CAPTURED and not self.mode.captures_pieces:
-            default = PieceMode.COMPILED  # full / full_decode_only: mixed steps run the pieces uncaptured
-        self.dispatcher = Dispatcher(self.mode, self.graph, self.capturer.static_inputs, self.counters, self.full)
-        modes = {i: default for i in range(len(self.pieces))}
-        modes.update(self._checked_modes(dict(self.config.piece_modes)))
-        self.set_piece_modes(modes)
-        self.fusion = check_fusion(self.pieces, self.config)
-        self.logits_head = LogitsHead(model, self.plan.head_t, self._compile_logits_head(model))
-        self.build_seconds = time.perf_counter() - start
+
+    def _log_ready(self) -> None:
         logger.info(
             "Graph mode ready in %.2f s (%s): %d pieces (%d distinct), %d compiled, %d from cache, %d captures "
             "[%s]%s%s",
@@ -146,8 +172,6 @@ class GraphExecutor(Executor):
             self._static_summary(),
             self._full_summary(),
         )
-        if self.config.dump_dir:
-            write_artifacts(self, Path(self.config.dump_dir))
 
     def _static_summary(self) -> str:
         if not self.compile_sizes:
@@ -162,13 +186,9 @@ class GraphExecutor(Executor):
         how = "CUDA graphs" if self.full.piece.captures else f"{self.full.mode.value} on persistent buffers"
         return f"; full decode graph for sizes {self.full.sizes} ({how})"
 
-    def use_full_decode_graph(self, enabled: bool) -> None:
-        """The debugger's one override of the graph mode: False runs decode-only steps through the pieces too (so
-        per-piece modes localize a problem there); True restores what the mode asks for."""
-        self.dispatcher.use_full_decode_graph(enabled)
-
     def set_full_mode(self, mode: PieceMode | str) -> None:
-        """The full decode graph's mode (eager: its traced graph op by op); no-op without one."""
+        """The full decode graph's mode (eager: its traced graph op by op), compiled and captured as that mode needs;
+        no-op without one."""
         if self.full is not None:
             with local_collectives():  # as set_piece_modes
                 self.full.set_mode(PieceMode(mode), self.store, self.capturer.pool)
@@ -187,6 +207,11 @@ class GraphExecutor(Executor):
     @property
     def pieces(self) -> list[Piece]:
         return self.graph.pieces
+
+    @property
+    def all_pieces(self) -> list[Piece]:
+        """The pieces, then the full decode graph's (one per variant), if any."""
+        return self.pieces + (self.full.pieces if self.full is not None else [])
 
     @property
     def splitting_submods(self) -> list[str]:
@@ -216,15 +241,15 @@ class GraphExecutor(Executor):
         for idx, mode in checked.items():
             piece = self.pieces[idx]
             if mode is not PieceMode.EAGER and piece.compiled is None:
-                piece.compiled = self._compile(piece)
+                piece.set_compiled(self._compile(piece))
             if mode is PieceMode.CAPTURED:
                 for size in self.compile_sizes:
                     if size not in piece.static_compiled:
-                        piece.static_compiled[size] = self._compile(piece, size)
-            piece.mode = mode
+                        piece.set_compiled(self._compile(piece, size), static_size=size)
+            piece.set_mode(mode)
         missing = [p for i, m in checked.items() if m is PieceMode.CAPTURED and not (p := self.pieces[i]).captures]
         if missing and self.capture_sizes and self.can_capture:
-            self.capturer.capture(missing, self.capture_sizes)
+            self.dispatcher.add_static_inputs(self.capturer.capture(missing, self.capture_sizes))
         elif missing and not self.mode.splits_forward:
             logger.warning(
                 "Full-graph mode on %s runs the compiled graph uncaptured: attention is not capturable",
@@ -235,46 +260,6 @@ class GraphExecutor(Executor):
         label = f"piece {piece.index} ({piece.describe()})"
         key = piece.info.structure_key if piece.persistent else None
         return self.store.get(piece.compile_source, label, static_size, persistent=piece.persistent, key=key)
-
-    def rebuild(self, transform: PieceTransform, compiled_only: bool = False) -> list[int]:
-        """Rewrite piece graphs: `transform(piece)` returns a new graph (same inputs, the piece's outputs first,
-        extra outputs allowed) or None to keep it. With `compiled_only`, eager mode keeps the traced graph and
-        only compiled code comes from the new one (a miscompile). Rewritten pieces are compiled again outside
-        the on-disk cache and captured again in their current modes; returns their indices."""
-        changed = []
-        for piece in self.pieces:
-            new = transform(piece)
-            if new is not None:
-                piece.rewrite(new, compiled_only)
-                changed.append(piece.index)
-        self.set_piece_modes({i: self.pieces[i].mode for i in changed})
-        return changed
-
-    def rebuild_full(self, transform: Callable[[Piece], GraphModule]) -> None:
-        """Rewrite every full decode graph (the one for any size and the static-size ones) with `transform`, as
-        `rebuild` does pieces: compiled again outside the on-disk cache, captured again in its current mode."""
-        assert self.full is not None, "rebuild_full needs a graph mode with a full decode graph"
-        for piece in self.full.pieces:
-            piece.rewrite(transform(piece))
-        self.set_full_mode(self.full.mode)
-
-    def recapture(self, index: int) -> None:
-        """Drop a piece's captures and capture it again if it runs captured."""
-        piece = self.pieces[index]
-        piece.captures = {}
-        self.set_piece_modes({index: piece.mode})
-
-    def set_piece_hooks(self, index: int, before: BeforeHook | None = None, after: AfterHook | None = None) -> None:
-        """Hooks around piece `index`'s launches (see kiln.compile.piece); None removes one."""
-        piece = self.pieces[index]
-        piece.before, piece.after = before, after
-
-    def set_trace_level(self, level: int) -> None:
-        """Trace mode (kiln.debug.trace): log every piece launch and check replay inputs when level >= 1."""
-        for piece in self.pieces:
-            piece.debug = level
-        for piece in self.full.pieces if self.full is not None else ():
-            piece.debug = level
 
     # -- run ---------------------------------------------------------------------------------------------
     @property

@@ -1,7 +1,8 @@
 """Model construction: checkpoint -> kiln model on the requested dtype and device, with load progress.
 
 Weights load in the plain (row-major) layout; the executor that runs the model owns any layout change. With
-`quantization="packed"` a GGUF's block-quantized weights stay packed (kiln.quant).
+`quantization="packed"` a GGUF's block-quantized weights, or a quantized HF checkpoint's integer codes
+(compressed-tensors, GPTQ, AWQ), stay packed (kiln.quant).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from tqdm import tqdm
 
 from kiln.errors import ConfigError, ModelLoadError
 from kiln.model.causal_lm import CausalLM, WeightMismatch
-from kiln.model.loader import Checkpoint, GGUFCheckpoint
+from kiln.model.loader import Checkpoint, GGUFCheckpoint, HFCheckpoint
 from kiln.model.loader.families import family_of
 from kiln.model.tokenizer import KilnTokenizer
 from kiln.quant.gguf_blocks import GROUP, PACKED_TYPES
@@ -44,19 +45,26 @@ def build_model(
     config = checkpoint.config
     start = time.perf_counter()
     model = family_of(config.architecture).model_class()(config, max_positions, checkpoint.rope_freq_factors())
+    held = checkpoint.quantization if isinstance(checkpoint, HFCheckpoint) else None
+    if held is not None:
+        quantization = held.run_mode(quantization, checkpoint.path)
+        logger.info("Checkpoint quantization: %s", held.describe())
+        for note in held.notes():
+            logger.info("%s", note)
     if quantization == "auto":
         quantization = "packed" if _has_blocks(checkpoint) else "none"
         logger.info("Quantization auto: %s", "the file's blocks stay packed" if quantization == "packed" else "none")
     packed = quantization == "packed"
     if packed:
-        if not isinstance(checkpoint, GGUFCheckpoint):
+        if not isinstance(checkpoint, GGUFCheckpoint) and held is None:
             raise ConfigError(
-                "--quantization packed keeps a block-quantized GGUF's weights packed; "
-                f"{checkpoint.path} is not a GGUF file (use --quantization int8 or int4 to quantize it at load)"
+                "--quantization packed keeps a quantized checkpoint's weights packed; "
+                f"{checkpoint.path} holds float weights (no quantization_config in its config.json; use "
+                "--quantization int8 or int4 to quantize it at load)"
             )
         packed_names = pack_model(model, checkpoint.packed_layout)
         logger.info("Keeping %d weights packed as the file stores them", len(packed_names))
-        for kind, count in checkpoint.dequantized_types().items():
+        for kind, count in checkpoint.dequantized_types().items() if held is None else ():
             logger.info("%d %s tensors are not kept packed (kiln packs %s): dequantized", count, kind, PACKED_NAMES)
     elif quantization in ("int8", "int4"):
         if group_size < 2 or group_size % 2:

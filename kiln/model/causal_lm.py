@@ -71,21 +71,37 @@ class CausalLM(nn.Module):
             if self._is_ignored(name):
                 continue
             _check_tensor(slots, seen, name, tuple(tensor.shape))
-            slot = slots[name]
-            tensor = slot.take(tensor)  # this rank's shard under tensor parallelism (the whole tensor otherwise)
-            with torch.no_grad():
-                if slot.param in packed:
-                    layer = packed[slot.param]
-                    scheme = getattr(layer, "scheme", "gguf")
-                    if not isinstance(tensor, PackedTensor) and scheme == "gguf":
-                        raise WeightMismatch(name, "is not block-quantized, but its layer was built packed")
-                    part = tensor if isinstance(tensor, PackedTensor) else quantize(tensor, scheme, layer.group)
-                    layer.load_rows(slot.offset, part)
-                else:
-                    value = tensor.dequantize() if isinstance(tensor, PackedTensor) else tensor
-                    slot.view(params[slot.param]).copy_(value)
+            self._load_one(name, slots[name], tensor, params, packed)
             seen.add(name)
         _check_all_seen(slots, seen)
+
+    def _load_one(
+        self,
+        name: str,
+        slot: WeightSlot,
+        tensor: torch.Tensor | PackedTensor,
+        params: dict[str, nn.Parameter],
+        packed: dict[str, PackedLinear | PackedEmbedding],
+    ) -> None:
+        """Copy checkpoint tensor `name` (or this rank's part of it) into its slot."""
+        try:
+            tensor = slot.take(tensor)  # this rank's shard under tensor parallelism (the whole tensor otherwise)
+        except ValueError as exc:  # packed columns that do not split: act-ordered, or a shard between groups
+            raise WeightMismatch(name, str(exc)) from None
+        with torch.no_grad():
+            if slot.param in packed:
+                layer = packed[slot.param]
+                scheme = getattr(layer, "scheme", "gguf")
+                if not isinstance(tensor, PackedTensor) and scheme == "gguf":
+                    raise WeightMismatch(name, "is not block-quantized, but its layer was built packed")
+                part = tensor if isinstance(tensor, PackedTensor) else quantize(tensor, scheme, layer.group)
+                try:
+                    layer.load_rows(slot.offset, part)
+                except ValueError as exc:  # parts of one fused layer that differ in act order
+                    raise WeightMismatch(name, str(exc)) from None
+            else:
+                value = tensor.dequantize() if isinstance(tensor, PackedTensor) else tensor
+                slot.view(params[slot.param]).copy_(value)
 
     def check_tensors(self, shapes: dict[str, tuple[int, ...]]) -> None:
         """The checks of `load_weights` on a checkpoint's tensor names and shapes alone (read from its headers),

@@ -12,16 +12,22 @@ code i in its low nibble and code i + group/2 in its high nibble), wider codes o
 | Q4_K | 144 per 256     | 32    | q in 0..15      | d * sc_j    | -dmin * m_j    |
 | Q5_K | 176 per 256     | 32    | q in 0..31      | d * sc_j    | -dmin * m_j    |
 | Q6_K | 210 per 256     | 16    | q - 32 (int8)   | d * sc_j    | 0              |
+| TQ1_0 | 54 per 256     | 256   | -1, 0, 1 (int8) | d           | 0              |
+| TQ2_0 | 66 per 256     | 256   | -1, 0, 1 (int8) | d           | 0              |
+| MXFP4 | 17 per 32      | 32    | 2 x e2m1 (int8, -12..12) | 2^(e-128) | 0        |
 
 Every product and sum above is exact in float32 or is the one rounding ggml itself makes, so `code * scale +
 offset`, computed as a multiply and then an add, gives the weights ggml's dequantization gives, bit for bit. The
 K-quants' 6-bit sub-block scales and mins (Q4_K, Q5_K) and int8 scales (Q6_K) are folded into per-group floats.
+The ternary types and MXFP4 take their codes from gguf-py's own dequantization divided by the block's scale (a
+power of two for MXFP4, the code's own multiplier for the ternary ones: exact).
 """
 
 from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
+from gguf.quants import MXFP4, dequantize
 
 GROUP = 32
 SUPER = 256  # weights per K-quant super-block
@@ -33,6 +39,9 @@ PACKED_TYPES = {
     T.Q4_K: (144, SUPER, 32, 4),
     T.Q5_K: (176, SUPER, 32, 5),
     T.Q6_K: (210, SUPER, 16, 6),
+    T.TQ1_0: (54, SUPER, SUPER, 2),
+    T.TQ2_0: (66, SUPER, SUPER, 2),
+    T.MXFP4: (17, 32, 32, 5),  # codes -12..12 need 5 bits as integers
 }
 
 Parts = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -119,4 +128,24 @@ def _q6_k(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
     return q, _f16(blocks, 208) * sc, np.zeros_like(sc)
 
 
+def _codes_over(kind: T, d: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(codes, d, 0) of blocks whose weights gguf-py dequantizes to integer codes times d [blocks, 1]."""
+    weights = np.asarray(dequantize(blocks, kind), dtype=np.float32).reshape(len(blocks), -1)
+    codes = np.rint(weights / np.where(d == 0, 1, d)).astype(np.int8)
+    return codes, d, np.zeros_like(d)
+
+
+def _tq1_0(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    return _codes_over(T.TQ1_0, _f16(blocks, 52), blocks)
+
+
+def _tq2_0(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    return _codes_over(T.TQ2_0, _f16(blocks, 64), blocks)
+
+
+def _mxfp4(blocks: np.ndarray) -> tuple[np.ndarray, ...]:
+    return _codes_over(T.MXFP4, MXFP4.e8m0_to_fp32_half(blocks[:, :1].copy()), blocks)
+
+
 _DECODERS = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
+_DECODERS |= {T.TQ1_0: _tq1_0, T.TQ2_0: _tq2_0, T.MXFP4: _mxfp4}

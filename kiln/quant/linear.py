@@ -24,12 +24,16 @@ from kiln.quant.ops import Kernel, bind_kernels, dequantize_codes, reduction, ro
 @dataclass(frozen=True)
 class PackedTensor:
     """A packed [rows, cols] weight as the loader yields it: codes [rows, groups, group or group/2], scale and
-    offset [rows, groups, 1] float32; `bits` is the width of a code in its source format (4, 5, 6 or 8)."""
+    offset [rows, groups, 1] float32; `bits` is the width of a code in its source format (4, 5, 6 or 8).
+
+    `input_order` (act-ordered GPTQ groups): the codes' column j is the weight's column input_order[j], so that
+    each group's columns are contiguous; the layer multiplies x[:, input_order] by them."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor
     bits: int = 8
+    input_order: torch.Tensor | None = None
 
     @property
     def group(self) -> int:
@@ -40,12 +44,21 @@ class PackedTensor:
         return self.codes.shape[0], self.codes.shape[1] * self.group
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize_codes(self.codes, self.scale, self.offset).reshape(self.shape)
+        """The [rows, cols] weight, its columns in the checkpoint's order."""
+        weight = dequantize_codes(self.codes, self.scale, self.offset).reshape(self.shape)
+        if self.input_order is None:
+            return weight
+        unordered = torch.empty_like(weight)
+        unordered[:, self.input_order] = weight
+        return unordered
 
     def narrow(self, dim: int, start: int, length: int) -> PackedTensor:
         """Rows (dim 0) or whole groups of columns (dim 1) of this weight: a tensor-parallel rank's shard."""
         if dim == 0:
-            return PackedTensor(*(t.narrow(0, start, length) for t in (self.codes, self.scale, self.offset)), self.bits)
+            parts = (t.narrow(0, start, length) for t in (self.codes, self.scale, self.offset))
+            return PackedTensor(*parts, self.bits, self.input_order)
+        if self.input_order is not None:
+            raise ValueError("act-ordered columns (GPTQ desc_act) cannot be split across tensor-parallel ranks")
         if start % self.group or length % self.group:
             raise ValueError(f"columns [{start}, {start + length}) do not fall on groups of {self.group} values")
         g0, n = start // self.group, length // self.group
@@ -63,7 +76,7 @@ class PackedTensor:
             split = self.group // group
             codes = codes.reshape(codes.shape[0], -1, group)
             scale, offset = scale.repeat_interleave(split, dim=1), offset.repeat_interleave(split, dim=1)
-        return PackedTensor(codes, scale, offset, self.bits)
+        return PackedTensor(codes, scale, offset, self.bits, self.input_order)
 
 
 class _Packed(nn.Module):
@@ -120,9 +133,26 @@ class PackedLinear(_Packed):
         self.scheme = scheme
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.tied = False  # shares an embedding's buffers (a tied logits head): not a checkpoint slot of its own
+        # act-ordered codes (PackedTensor.input_order): the input's columns in the codes' order; None: as they come
+        self.register_buffer("input_order", None)
+        self.parts_loaded = 0
         # static row counts whose bound kernel is the fused reduction: a graph traced for one of them writes the
         # reduction inline (inductor compiles it into the graph: no op call, no Python between kernels)
         self.inline_rows: frozenset[int] = frozenset()
+
+    def load_rows(self, offset: int, packed: PackedTensor) -> None:
+        """As `_Packed.load_rows`; the parts of a fused layer must order their input columns alike (GPTQ's act
+        order derives from the shared input, so q, k and v, or gate and up, get the same)."""
+        order = packed.input_order
+        if self.parts_loaded == 0:
+            self.input_order = None if order is None else order.clone()
+        elif (order is None) != (self.input_order is None) or (order is not None and not order.equal(self.input_order)):
+            raise ValueError(
+                "its input columns are act-ordered (g_idx) unlike the other parts of the fused layer it loads into; "
+                "load the checkpoint with --quantization none"
+            )
+        super().load_rows(offset, packed)
+        self.parts_loaded += 1
 
     def use_kernels(self, kernels: dict[int, Kernel], inline_rows: frozenset[int] = frozenset()) -> None:
         """Run `kernels` (by row class, kiln.quant.ops.row_class) for this layer's products, and write the
@@ -145,6 +175,8 @@ class PackedLinear(_Packed):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
+        if self.input_order is not None:
+            flat = flat.index_select(1, self.input_order)
         rows = flat.shape[0]
         # NOTE: through row_class: a symbolic row count is compared (a guard), never hashed (which specialises it)
         if torch.compiler.is_compiling() and isinstance(rows, int) and row_class(rows) in self.inline_rows:

@@ -15,10 +15,11 @@ from kiln.recipe.constraints import Constraint
 from kiln.recipe.diagnostics import Diagnostic
 from kiln.recipe.evaluate import evaluate
 from kiln.recipe.expr import ExprError
-from kiln.recipe.schema import RecipeSpec
+from kiln.recipe.schema import GGUF_QUANTIZATIONS, HF_QUANTIZATIONS, RecipeSpec
 from kiln.recipe.source import SourceDoc
 
-QUANTIZED = {t: t.lower() for t in ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q2_K", "Q3_K")}
+# stored type (a GGUF tensor type; a quantized HF layer's "INT4" ...) -> what weights.source_quantization calls it
+QUANTIZED = {t.upper(): t for t in (*GGUF_QUANTIZATIONS, *HF_QUANTIZATIONS)}
 FLOATS = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 

@@ -14,7 +14,7 @@ from kiln.model.loader import CheckpointHeader
 from kiln.quant.gguf_blocks import GROUP
 from kiln.recipe.diagnostics import Diagnostic
 from kiln.recipe.machine import CPU_ARCHES, CUDA_ARCH, Machine
-from kiln.recipe.schema import RecipeSpec
+from kiln.recipe.schema import HF_QUANTIZATIONS, RecipeSpec
 from kiln.recipe.source import SourceDoc
 
 # A size written in a model name ("135m", "7b", "1.5B") may differ from the parameter count by this factor
@@ -28,7 +28,7 @@ def quantization_mode(spec: RecipeSpec) -> str:
     weights, source = spec.quantization.weights, spec.weights.source_quantization
     if weights == "none":
         return "none"
-    same = {"int4": ("q4_0", "q4_1", "q4_k"), "int8": ("q8_0", "q5_k", "q6_k")}[weights]
+    same = {"int4": ("q4_0", "q4_1", "q4_k", "int4"), "int8": ("q8_0", "q5_k", "q6_k", "int8")}[weights]
     return "packed" if source in same else weights
 
 
@@ -36,8 +36,19 @@ def check_refused(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
     """Fields whose value kiln would silently not honour."""
     out = []
     q = spec.quantization
-    file_group = 16 if spec.weights.source_quantization == "q6_k" else GROUP
-    if quantization_mode(spec) == "packed" and q.group_size != file_group:
+    source = spec.weights.source_quantization
+    file_group = 16 if source == "q6_k" else GROUP
+    # NOTE: a quantized HF checkpoint's own groups run packed (any size); quantization.group_size is not theirs
+    from_hf = source in HF_QUANTIZATIONS
+    if from_hf and q.weights not in ("none", source):
+        keep = source if source != "fp8" else "none"
+        message = (
+            f"quantization.weights: {q.weights} contradicts weights.source_quantization: {source} (what the "
+            f"checkpoint's quantization_config says it holds): kiln runs a quantized checkpoint's weights as stored "
+            f"or dequantized, never quantized again; set quantization.weights: {keep}"
+        )
+        out.append(doc.diagnostic("error", message, ("quantization", "weights")))
+    elif quantization_mode(spec) == "packed" and not from_hf and q.group_size != file_group:
         message = (
             f"quantization.group_size {q.group_size} is not what runs: the file's {spec.weights.source_quantization} "
             f"blocks stay packed in their own groups of {file_group}; set group_size: {file_group}"

@@ -65,11 +65,21 @@ class InputConstraints(Section):
     )
 
 
+# GGUF block types (kiln.model.loader.gguf_loader.SUPPORTED_TYPES, lower case), then what a quantized HF checkpoint
+# holds (kiln.model.loader.hf_quant: CheckpointQuantization.weights)
+GGUF_QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q2_k", "q3_k")
+GGUF_QUANTIZATIONS += ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "tq1_0", "tq2_0", "mxfp4")
+HF_QUANTIZATIONS = ("int4", "int8", "fp8")
+SOURCE_QUANTIZATIONS = ("none", *GGUF_QUANTIZATIONS, *HF_QUANTIZATIONS)
+
+
 class Weights(Section):
     dtype: DType = Field("float32", description="The dtype weights are materialised in at run time.")
-    source_quantization: Literal[
-        "none", "q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k", "q5_0", "q5_1", "q2_k", "q3_k"
-    ] = Field("none", description="What the checkpoint really holds for its layer weights (none = float tensors).")
+    source_quantization: Literal[SOURCE_QUANTIZATIONS] = Field(  # type: ignore[valid-type]
+        "none",
+        description="What the checkpoint really holds for its layer weights (none = float tensors): a GGUF block "
+        "type, or int4 / int8 / fp8 for an HF checkpoint's quantization_config (compressed-tensors, GPTQ, AWQ).",
+    )
 
 
 class Quantization(Section):

@@ -90,3 +90,27 @@ def test_artifacts_are_written_and_parse(model: torch.nn.Module, shared_cache: P
     assert fusion[0]["kernels"] == ["extern_kernels.mm", "cpp_fused_mul_silu_split_1"]  # gate_up_proj, then SiLU * up
     lint = (out / "lint.txt").read_text()
     assert "graph breaks: 0" in lint and "no-op" in lint
+    # graph mode piecewise (tests/compile/tiny.py): no full decode graph to dump
+    assert not (out / "full_decode.txt").exists() and profile["full_decode_graph"] is None
+    assert json.loads((out / "fusion.json").read_text())["full_decode_graph"] is None
+
+
+def test_the_full_decode_graph_is_dumped(model: torch.nn.Module, shared_cache: Path, tmp_path: Path) -> None:
+    """Decode-only steps run the full decode graph (graph mode full_and_piecewise): its IR, its layer units' code,
+    its kernel profile and its fusion reports are written beside the pieces'."""
+    out = tmp_path / "dump"
+    graph_runner(model, shared_cache, compiler="inductor", dump_dir=str(out), mode="full_and_piecewise")
+    ir = (out / "full_decode.txt").read_text()
+    assert ir.startswith("# full decode graph:") and "model.layers.2.mlp.down_proj" in ir
+    code = (out / "full_decode.generated.py").read_text()
+    assert code.count("# layer unit ") == 3 and code.count("def call(") == 3  # first, middle and last layer
+    profile = json.loads((out / "kernel_profile.json").read_text())["full_decode_graph"]
+    assert profile["sizes"] == [1, 2, 4] and profile["layer_units"] == 3 and profile["op_count"] > 0
+    units = profile["units"]
+    assert [u["layer_units"] for u in units] == [[0], [1], [2]]
+    assert all(u["kernel_count"] > 0 and u["compiled_from"] in ("compiled", "cache") for u in units)
+    assert profile["kernel_count"] == sum(u["kernel_count"] for u in units)
+    assert any("silu" in k for k in units[1]["kernels"]) and "extern_kernels.mm" in units[1]["kernels"]
+    (fusion,) = json.loads((out / "fusion.json").read_text())["full_decode_graph"]
+    assert fusion["name"] == "mlp_fusion" and fusion["realised"] and fusion["code"].startswith("full decode graph")
+    assert fusion["kernels"] == ["extern_kernels.mm", "cpp_fused_mul_silu_split_3"]

@@ -1,7 +1,8 @@
 """The fusion contract: which recipe fusion groups the generated code realises, and what happens when it does not.
 
 One compile of the default model (kiln's default mlp_fusion, which the shipped recipe asks for, with logits against
-eager); the rest runs on the tiny model, whose pieces compile to the same kernels (tests/compile/tiny.py).
+eager); the rest runs on the tiny model, whose pieces compile to the same kernels (tests/compile/tiny.py). The full
+decode graph (graph mode full_and_piecewise) is held to the same groups on its layer units' code.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from kiln import LLM
 from kiln.compile.fusion import FusionReport
-from kiln.compile.fusion_check import FusionGroupError
+from kiln.compile.fusion_check import FusionGroupError, check_fusion
 from kiln.compile.kernels import kernels_in
 from kiln.compile.settings import graph_config_from
 from kiln.config import FusionGroupConfig
@@ -85,10 +86,28 @@ def tiny_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reports(tiny_cache: Path) -> dict[str, FusionReport]:
-    """The GROUPS on the tiny model, compiled for dynamic num_tokens and for one static token."""
-    _, graph = graph_runner(tiny_model(), tiny_cache, compiler="inductor", compile_sizes=(1,), fusion_groups=GROUPS)
-    return {r.name: r for r in graph.fusion}
+def tiny_graph(tiny_cache: Path) -> GraphExecutor:
+    """The GROUPS on the tiny model, compiled for dynamic num_tokens and for one static token, with a full decode
+    graph (the default graph mode)."""
+    _, graph = graph_runner(
+        tiny_model(),
+        tiny_cache,
+        compiler="inductor",
+        compile_sizes=(1,),
+        fusion_groups=GROUPS,
+        mode="full_and_piecewise",
+    )
+    return graph
+
+
+@pytest.fixture(scope="module")
+def reports(tiny_graph: GraphExecutor) -> dict[str, FusionReport]:
+    return {r.name: r for r in tiny_graph.fusion}
+
+
+@pytest.fixture(scope="module")
+def full_reports(tiny_graph: GraphExecutor) -> dict[str, FusionReport]:
+    return {r.name: r for r in tiny_graph.full_fusion}
 
 
 def test_silu_mul_is_applied_where_the_fused_kernel_exists(reports: dict[str, FusionReport]) -> None:
@@ -123,11 +142,37 @@ def test_reports_name_the_op_that_broke_the_group(reports: dict[str, FusionRepor
     assert "silu" not in o_mlp.reason.split(" reaches ")[0]  # the other four ops are not blamed
 
 
+def test_the_full_decode_graph_is_checked_on_its_layer_units(full_reports: dict[str, FusionReport]) -> None:
+    """The same groups on the full decode graph's code: each judged in one layer unit (a whole decoder layer, attention
+    included), so no group is split by attention there."""
+    silu_mul, norm, rope = full_reports["silu_mul"], full_reports["norm"], full_reports["rope"]
+    assert silu_mul.realised and silu_mul.code == "full decode graph, layer unit 1/2"
+    assert silu_mul.kernels == ["cpp_fused_mul_silu_split_3"] and silu_mul.scope == "model.layers.0.mlp"
+    # the layer's two RMSNorms: the group means the one the residual add feeds, which shares its kernel
+    assert norm.realised and {"add", "mean", "rsqrt"} <= set(norm.kernels[0].split("_"))
+    assert rope.realised and rope.kernels[0] == "extern_kernels.mm"
+    tail, q_o = full_reports["tail"], full_reports["q_o"]
+    assert (tail.realised, tail.broken_by) == (False, "down_proj")
+    assert tail.reason.startswith("down_proj is an extern BLAS GEMM; nothing fuses into its input")
+    assert (q_o.realised, q_o.broken_by, q_o.reason) == (False, "o_proj", "o_proj is a separate product (o_proj)")
+
+
+def test_a_required_group_the_full_decode_graph_misses_fails(tiny_graph: GraphExecutor) -> None:
+    assert tiny_graph.full is not None
+    config = replace(tiny_graph.config, fusion_groups=(FusionGroupConfig("tail", ("silu", "mul", "down_proj")),))
+    with pytest.raises(FusionGroupError) as info:
+        check_fusion(tiny_graph.full.checked_code(), config, "the full decode graph")
+    assert str(info.value).startswith(
+        "fusion group tail (required) not realised in the full decode graph: down_proj is an extern BLAS GEMM"
+    )
+
+
 @pytest.mark.parametrize("required", [True, False])
 def test_unrealisable_group_from_a_recipe(
     tmp_path: Path, tiny_cache: Path, kiln_log: pytest.LogCaptureFixture, required: bool
 ) -> None:
-    path, line = recipe_with(tmp_path, f"  - {{name: mlp_tail, ops: [silu, mul, down_proj], required: {required}}}\n")
+    tail = f"  - {{name: mlp_tail, ops: [silu, mul, down_proj], required: {required}}}\n"
+    path, line = recipe_with(tmp_path, tail + "  - {name: mlp, ops: [gate_proj, up_proj, silu, mul]}\n")
     config = graph_config_from(load_recipe(path), cache_dir=str(tiny_cache), capture_sizes=(1, 2), compile_sizes=())
     expected = f"{path}:{line}: fusion group mlp_tail ({'required' if required else 'optional'}) not realised: "
     expected += "down_proj is an extern BLAS GEMM; nothing fuses into its input"
@@ -137,18 +182,27 @@ def test_unrealisable_group_from_a_recipe(
         assert str(info.value).startswith(expected)
         assert str(info.value).endswith("remove down_proj from the group, or set required: false to compile without it")
         return
-    make_runner(tiny_model(), GraphExecutor(config))
+    graph = GraphExecutor(config)
+    make_runner(tiny_model(), graph)
     warnings = [r.getMessage() for r in kiln_log.records if r.levelno == logging.WARNING]
     assert [w for w in warnings if w.startswith(expected)], warnings
+    assert graph.full is not None  # the recipe's graph mode (full_and_piecewise): its full decode graph too
+    full = expected.replace("not realised: ", "not realised in the full decode graph: ")
+    assert [w for w in warnings if w.startswith(full)], warnings
+    assert "Fusion applied: mlp in the full decode graph (extern_kernels.mm -> cpp_fused_mul_silu" in kiln_log.text
     assert "Graph mode ready" in kiln_log.text
 
 
 def test_eager_compiler_leaves_groups_unchecked(tmp_path: Path, kiln_log: pytest.LogCaptureFixture) -> None:
     groups = [{"name": "mlp_tail", "ops": ["silu", "mul", "down_proj"]}]  # required, but there is no code to check
-    _, graph = graph_runner(tiny_model(), tmp_path, compiler="eager", fusion_groups=groups)
-    (report,) = graph.fusion
-    assert not report.checked and not report.realised
+    _, graph = graph_runner(tiny_model(), tmp_path, compiler="eager", fusion_groups=groups, mode="full_and_piecewise")
+    (report,), (full,) = graph.fusion, graph.full_fusion
+    assert not report.checked and not report.realised and not full.checked and not full.realised
     assert "Fusion not checked: mlp_tail (piece 1 has no generated code to check (compiler eager" in kiln_log.text
+    assert (
+        "Fusion not checked: mlp_tail in the full decode graph (full decode graph, layer unit 1/2 has no generated "
+        "code to check (compiler eager"
+    ) in kiln_log.text
 
 
 WRAPPER = """

@@ -11,6 +11,7 @@ import torch
 
 from kiln.compile.modes import PieceMode
 from kiln.compile.piece import Piece
+from kiln.executor.controls import GraphControls
 from kiln.model.forward_context import ForwardContext, ModelInputs, set_forward_context
 from tests.compile.tiny import generate, graph_runner, make_runner, prefill_metadata, random_prompts, tiny_model
 
@@ -96,8 +97,10 @@ def test_logits_match_eager_in_fp32(model: torch.nn.Module, cache_dir: Path) -> 
 def test_rebuild_and_hooks_are_the_public_seams(
     model: torch.nn.Module, expected: list[list[int]], tmp_path: Path
 ) -> None:
-    """What the debugger builds on: rewritten graphs (extra outputs, compiled-only changes) and launch hooks."""
+    """What the debugger builds on (its controls): rewritten graphs (extra outputs, compiled-only changes) and launch
+    hooks."""
     runner, graph = graph_runner(model, tmp_path, compiler="inductor", capture_sizes=(1, 2, 4))
+    controls = GraphControls(graph)
     entries = set((tmp_path / "compile").iterdir())
     seen: list[int] = []
 
@@ -108,9 +111,9 @@ def test_rebuild_and_hooks_are_the_public_seams(
         gm.recompile()
         return gm
 
-    changed = graph.rebuild(lambda p: with_copy_of_first_output(p) if p.index == 1 else None)
+    changed = controls.rebuild(lambda p: with_copy_of_first_output(p) if p.index == 1 else None)
     assert changed == [1] and not graph.pieces[1].persistent and graph.pieces[0].persistent
-    graph.set_piece_hooks(1, after=lambda piece, outs: seen.append(len(outs)))
+    controls.set_piece_hooks(1, after=lambda piece, outs: seen.append(len(outs)))
     assert generate(runner, PROMPTS, MAX_TOKENS) == expected  # the extra output never leaves the piece
     assert seen and set(seen) == {graph.pieces[1].num_outputs + 1}
     assert set((tmp_path / "compile").iterdir()) == entries  # rewritten graphs stay out of the on-disk cache
@@ -124,12 +127,36 @@ def test_rebuild_and_hooks_are_the_public_seams(
         gm.recompile()
         return gm if piece.index == 2 else None
 
-    graph.rebuild(scaled, compiled_only=True)
+    controls.rebuild(scaled, compiled_only=True)
     assert generate(runner, PROMPTS, MAX_TOKENS) != expected  # compiled and captured code changed
-    graph.set_piece_modes({2: PieceMode.EAGER})
+    controls.set_piece_modes({2: PieceMode.EAGER})
     assert generate(runner, PROMPTS, MAX_TOKENS) == expected  # eager still runs the traced graph
 
     calls: list[int] = []
-    graph.set_piece_hooks(0, before=lambda piece, args: calls.append(piece.num_tokens(args)) or args)
+    controls.set_piece_hooks(0, before=lambda piece, args: calls.append(piece.num_tokens(args)) or args)
     generate(runner, PROMPTS[:1], 2)
     assert calls and calls[0] >= len(PROMPTS[0])
+
+
+def test_a_piece_changes_through_its_own_methods(model: torch.nn.Module, cache_dir: Path) -> None:
+    _, graph = graph_runner(model, cache_dir, compiler="eager")
+    piece = graph.pieces[3]
+    for name in ("graph", "compile_source", "persistent", "mode", "compiled", "static_compiled", "captures"):
+        with pytest.raises(AttributeError):
+            setattr(piece, name, None)
+    with pytest.raises(TypeError):
+        piece.captures[8] = piece.captures[4]  # type: ignore[index]  # a read-only view
+    piece.set_mode(PieceMode.EAGER)
+    assert piece.mode is PieceMode.EAGER and graph.piece_modes[3] is PieceMode.EAGER
+
+
+def test_the_capturer_returns_each_sizes_static_inputs(model: torch.nn.Module, cache_dir: Path) -> None:
+    _, graph = graph_runner(model, cache_dir, compiler="eager", capture_sizes=(1, 2, 4), piece_modes="3:compiled")
+    graph.counters.expect(pieces_captured=9)
+    graph.pieces[3].set_mode(PieceMode.CAPTURED)
+    inputs = graph.capturer.capture([graph.pieces[3]], [4, 2])
+    assert list(inputs) == [4, 2] and all(v.input_ids.shape == v.positions.shape == (n,) for n, v in inputs.items())
+    graph.counters.expect(pieces_captured=11)
+    assert set(graph.pieces[3].captures) == {4, 2}
+    # a size keeps its buffers (the first piece's captures read them), so the dispatcher's copy target never moves
+    assert graph.capturer.capture([graph.pieces[3]], [4])[4].input_ids is inputs[4].input_ids

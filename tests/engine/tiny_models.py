@@ -151,8 +151,17 @@ def add_toy_gguf_tokenizer(w: Any, vocab_size: int) -> None:
     w.add_eos_token_id(vocab_size - 1)
 
 
-# byte offsets of the fp16 scales in one block, for the types gguf-py dequantizes but cannot quantize
-RANDOM_BLOCK_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+# byte offsets of the fp16 scales in one block, for the types gguf-py dequantizes but cannot quantize (IQ1_M's
+# scale is spread over four nibbles: `_iq1_m_scale` sets it)
+RANDOM_BLOCK_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ1_M": ()}
+RANDOM_BLOCK_SCALES |= {t: (0,) for t in ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S")}
+
+
+def _iq1_m_scale(blocks: np.ndarray) -> None:
+    """IQ1_M's fp16 super-block scale is the top nibbles of its four uint16 sub-scales (bytes 48-55): set it to
+    2^-8 (0x1C00), nibbles 0, 0, 0xC, 0x1 from the lowest."""
+    for byte, nibble in zip((49, 51, 53, 55), (0x0, 0x0, 0xC, 0x1), strict=True):
+        blocks[:, byte] = (blocks[:, byte] & 0x0F) | (nibble << 4)
 
 
 def add_gguf_tensor(w: Any, name: str, data: np.ndarray, qtype: Any, rng: np.random.Generator | None = None) -> None:
@@ -172,6 +181,8 @@ def add_gguf_tensor(w: Any, name: str, data: np.ndarray, qtype: Any, rng: np.ran
         for at in RANDOM_BLOCK_SCALES[qtype.name]:
             scales = rng.uniform(1e-4, 1e-2, (len(blocks), 1)).astype(np.float16)
             blocks[:, at : at + 2] = scales.view(np.uint8)
+        if qtype.name == "IQ1_M":
+            _iq1_m_scale(blocks)
         w.add_tensor(name, blocks.reshape(data.shape[0], -1), raw_dtype=qtype)
     else:
         w.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)

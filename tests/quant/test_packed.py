@@ -46,9 +46,10 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about
 
 def random_blocks(kind: GGMLQuantizationType, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """`kind` blocks for a [rows, cols] weight: the quantized weights of random floats where gguf-py quantizes the
-    type, random codes and sub-block scales otherwise (K-quants), with sane fp16 super-block scales."""
+    type (Q8_0, Q4_0, Q4_1, the ternary types, MXFP4), random codes and sub-block scales otherwise (K-quants), with
+    sane fp16 super-block scales."""
     weights = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 3.0, (rows, 1))).astype(np.float32)
-    if kind in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+    if kind.name in ("Q8_0", "Q4_0", "Q4_1", "TQ1_0", "TQ2_0", "MXFP4"):
         return quantize(weights, kind)
     size, per_block, _, _ = PACKED_TYPES[kind]
     blocks = rng.integers(0, 256, (rows * cols // per_block, size), dtype=np.uint8)
@@ -285,8 +286,11 @@ def test_packed_graph_mode_with_only_batch_1_captured(llm: LLM) -> None:
     assert graph.engine.executor.counters.replays == 3
 
 
-def test_packed_needs_a_gguf(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="--quantization packed keeps a block-quantized GGUF's weights packed"):
+def test_packed_needs_a_quantized_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"--quantization packed keeps a quantized checkpoint's weights packed; .* holds float weights",
+    ):
         LLM(str(_tiny_hf_dir(tmp_path)), quantization="packed", graph_mode="eager")
 
 

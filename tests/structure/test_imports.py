@@ -31,6 +31,8 @@ LAZY_IMPORTS = {
         "llguidance",
     ): "only a constrained request needs it (a GPU box may lack it)",
     ("kiln/engine/structured/grammar_build.py", "llguidance.gbnf_to_lark"): "same",
+    ("kiln/model/loader/hf_quant.py", "kiln.quant.compressed"): "compressed-tensors imports transformers (~3 s): "
+    "only a compressed-tensors checkpoint pays it",
 }
 
 

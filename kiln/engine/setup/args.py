@@ -58,9 +58,10 @@ class EngineArgs:
     device: str = _arg("cpu", "where the model runs", choices=("cpu", "cuda"))
     quantization: str = _arg(
         "auto",
-        "auto: packed for a block-quantized GGUF, else none; none: dequantize weights to --dtype (the reference); "
-        "packed: keep a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks packed; int8/int4: quantize the decoder's "
-        "linear weights at load (groups of 32)",
+        "auto: packed for a block-quantized GGUF or a quantized HF checkpoint, else none; none: dequantize weights "
+        "to --dtype (the reference); packed: keep a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks, or the int codes of "
+        "a compressed-tensors/GPTQ/AWQ checkpoint, packed; int8/int4: quantize the decoder's linear weights at load "
+        "(groups of 32; over a quantized checkpoint, only the width it holds, which keeps its codes packed)",
         choices=QUANTIZATION_NAMES,
     )
     quantization_group_size: int = _arg(

@@ -17,6 +17,8 @@ gguf_rope.py      rope scaling in GGUF files: linear (metadata), llama 3.1's `ro
 hf_config.py      an HF config.json read into kiln's ModelConfig; a bad value is a ModelLoadError naming the field
 hf_rope.py        rope settings as config.json spells them: rope_parameters or rope_theta + rope_scaling, per layer kind
 hf_loader.py      HF model directories: config.json + *.safetensors + tokenizer.json
+hf_quant.py       an HF checkpoint's quantization_config (compressed-tensors, GPTQ, AWQ): its quantized layers' tensors
+hf_quant_layers.py  the quantized layers of one HF checkpoint: names, shapes, packed layouts, each layer read
 """
 
 from __future__ import annotations

@@ -33,6 +33,8 @@ from kiln.quant.linear import PackedTensor
 # quantized types outside PACKED_TYPES load dequantized (and the log says so)
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 SUPPORTED_TYPES += ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS")
+# i-quants (codebook lattices: dequantized at load by gguf-py, no packed kiln form), ternary and MXFP4 (packed)
+SUPPORTED_TYPES += ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4")
 FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 

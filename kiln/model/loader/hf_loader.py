@@ -2,6 +2,8 @@
 
 Construction reads config.json and every safetensors header, checking each header against its file (types,
 offsets, size) so a cut or corrupt shard fails before any weight is read; `weights()` then reads one tensor at a time.
+A quantized checkpoint (`quantization_config`: compressed-tensors, GPTQ, AWQ; kiln.model.loader.hf_quant) yields
+each quantized layer as one `<layer>.weight`: packed codes (kiln.quant.linear.PackedTensor) or a float weight.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from kiln.config import ModelConfig
 from kiln.errors import ModelLoadError
 from kiln.model.loader.base import CheckpointHeader
 from kiln.model.loader.hf_config import parse_config, read_config_json
+from kiln.model.loader.hf_quant import CheckpointQuantization, Layout, read_quantization
+from kiln.model.loader.hf_quant_layers import QuantizedLayers
+from kiln.quant.linear import PackedTensor
 
 SUPPORTED_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}  # safetensors dtype -> bytes per element
 
@@ -137,10 +142,16 @@ class HFCheckpoint:
                     other = self.file_by_tensor[name].name
                     raise ModelLoadError(str(f), f"tensor {name} is also in {other}; each tensor must be stored once")
                 self.file_by_tensor[name] = f
+        self.quantization: CheckpointQuantization | None = read_quantization(str(self.config_path), self.hf_config)
+        self.quantized = QuantizedLayers(self.quantization, self._stored_shapes(), self._read)
 
     @cached_property
     def tensor_types(self) -> dict[str, str]:
-        return {name: e.dtype for h in self.headers.values() for name, e in h.items()}
+        """Tensor name -> storage type; a quantized layer's weight by what it holds ("INT4", "FP8", ...)."""
+        types = {name: e.dtype for h in self.headers.values() for name, e in h.items()}
+        types = {name: t for name, t in types.items() if name not in self.quantized.stored_names}
+        kind = self.quantization.weights().upper() if self.quantization is not None else ""
+        return types | {name: kind for name in self.quantized.weight_shapes()}
 
     @cached_property
     def config(self) -> ModelConfig:
@@ -162,11 +173,31 @@ class HFCheckpoint:
         return self._shapes()
 
     def _shapes(self) -> dict[str, tuple[int, ...]]:
+        plain = {n: s for n, s in self._stored_shapes().items() if n not in self.quantized.stored_names}
+        return plain | self.quantized.weight_shapes()
+
+    def _stored_shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: e.shape for h in self.headers.values() for name, e in h.items()}
 
+    def _read(self, name: str) -> torch.Tensor:
+        path = self.file_by_tensor[name]
+        try:
+            with safe_open(str(path), framework="pt") as st:
+                return st.get_tensor(name)
+        except SafetensorError as exc:
+            raise ModelLoadError(str(path), f"corrupt safetensors file ({exc})") from None
+
+    def packed_layout(self, hf_name: str) -> Layout | None:
+        """(bits per code, group size) when `weights()` yields this tensor packed (a quantized layer kiln keeps
+        packed), else None."""
+        return self.quantized.layout(hf_name)
+
     def file_of(self, name: str) -> str:
-        """The shard that stores tensor `name`; the directory for a tensor no shard has."""
-        return str(self.file_by_tensor.get(name, self.dir))
+        """The shard that stores tensor `name` (a quantized layer's weight: its marker tensor); the directory for a
+        tensor no shard has."""
+        parts = self.quantized.parts.get(name.removesuffix(".weight"), {})
+        stored = next(iter(parts.values()), name)
+        return str(self.file_by_tensor.get(stored, self.dir))
 
     def tensor_label(self, name: str) -> str:
         return name
@@ -178,22 +209,31 @@ class HFCheckpoint:
     def num_tensors(self) -> int:
         return len(self.tensor_types)
 
-    def weights(self, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | TensorReader]]:
+    def weights(self, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor | TensorReader | PackedTensor]]:
         """Yield (HF name, tensor) pairs, one shard and one tensor at a time; with `lazy`, a `TensorReader` instead,
         which reads the tensor, or only the part of it a tensor-parallel rank holds, when asked (valid until the next
-        pair is taken)."""
+        pair is taken). Quantized layers come last, each as `<layer>.weight`: a PackedTensor or a float32 tensor."""
         self._check_dtypes()
         for f in self.files:
             try:
                 with safe_open(str(f), framework="pt") as st:
                     for name in st.keys():  # noqa: SIM118  (safe_open is not a dict)
-                        yield name, TensorReader(st, name) if lazy else st.get_tensor(name)
+                        if name not in self.quantized.stored_names:
+                            yield name, TensorReader(st, name) if lazy else st.get_tensor(name)
             except SafetensorError as exc:
                 raise ModelLoadError(str(f), f"corrupt safetensors file ({exc})") from None
+        for layer in self.quantized.parts:
+            try:
+                weight = self.quantized.load(layer)
+            except (ValueError, RuntimeError) as exc:
+                method = self.quantization.method if self.quantization is not None else ""
+                raise ModelLoadError(self.file_of(f"{layer}.weight"), f"{method} layer {layer}: {exc}") from None
+            yield f"{layer}.weight", weight
 
     def _check_dtypes(self) -> None:
+        quantized = self.quantized.stored_names
         for f, header in self.headers.items():
-            bad = [(n, e.dtype) for n, e in header.items() if e.dtype not in SUPPORTED_DTYPES]
+            bad = [(n, e.dtype) for n, e in header.items() if e.dtype not in SUPPORTED_DTYPES and n not in quantized]
             if bad:
                 (name, dtype), more = bad[0], f" and {len(bad) - 1} more" if len(bad) > 1 else ""
                 raise ModelLoadError(
