@@ -5,16 +5,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutput", "__version__"]
+__all__ = ["LLM", "LoRARequest", "RequestOutput", "SamplingParams", "StructuredOutput", "__version__"]
 
 if TYPE_CHECKING:
     from kiln.engine.request import RequestOutput
     from kiln.engine.sampling.sampling_params import SamplingParams
     from kiln.engine.serving.llm import LLM
     from kiln.engine.structured.structured_output import StructuredOutput
+    from kiln.lora.request import LoRARequest
 
 _LAZY = {
     "LLM": "kiln.engine.serving.llm",
+    "LoRARequest": "kiln.lora.request",
     "RequestOutput": "kiln.engine.request",
     "SamplingParams": "kiln.engine.sampling.sampling_params",
     "StructuredOutput": "kiln.engine.structured.structured_output",

@@ -232,6 +232,23 @@ class PoolingConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (kiln.lora), vLLM's flags: off unless `enabled`; `max_loras` adapters in one step (their slots),
+    each of rank at most `max_lora_rank`; `max_cpu_loras` read adapters kept in host memory (None: max_loras);
+    `modules`: (name, path) adapters registered at start (`--lora-modules name=path`)."""
+
+    enabled: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    modules: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True)
 class FusionGroupConfig:
     """Ops a recipe expects in one kernel: module names (`gate_proj`) and functional ops (`silu`, `mul`)."""
 
@@ -351,6 +368,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     grammar_cache_bytes: int = 256 << 20  # structured outputs' compiled grammars (kiln.engine.structured.grammar_cache)
     pooling: PoolingConfig = field(default_factory=PoolingConfig)  # embedding requests' vectors
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # LoRA adapters (off by default)
     # the options the user gave (EngineArgs field names): each must act, which is checked again once the checkpoint
     # decides what its weights run with (kiln.engine.setup.inert_options); empty where a command derived them
     must_act: frozenset[str] = field(default=frozenset(), compare=False)

@@ -23,6 +23,15 @@ class ModelLoadError(KilnError):
         self.problem = problem
 
 
+class AdapterError(ModelLoadError):
+    """A LoRA adapter that cannot be used with this model: `path` is the adapter's file at fault, `field` the config
+    field or tensor name (kiln.lora.checkpoint)."""
+
+    def __init__(self, path: str, field: str, problem: str) -> None:
+        super().__init__(path, f"{field}: {problem}")
+        self.field = field
+
+
 class RequestError(KilnError):
     """A request that cannot be served (too long, bad sampling parameters, ...); fails only that request."""
 

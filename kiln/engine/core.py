@@ -37,8 +37,10 @@ from kiln.engine.scheduling.scheduler_output import SchedulerOutput
 from kiln.engine.scheduling.step_shape import StepShaper
 from kiln.engine.speculation.speculation import Speculator
 from kiln.engine.structured.structured_output import Grammars
-from kiln.errors import RequestError
+from kiln.errors import ConfigError, RequestError
 from kiln.executor.base import Executor
+from kiln.lora.manager import LoRAManager
+from kiln.lora.request import LoRARequest
 from kiln.model.kv_format import kv_dtype_name, kv_storage_dtype
 from kiln.model.tokenizer import KilnTokenizer
 
@@ -64,10 +66,13 @@ class EngineCore:
         observer: StepObserver | None = None,
         role: RankRole = SINGLE_DEVICE,
         make_speculator: MakeSpeculator | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         """`role`: this rank's part in a multi-device engine (kiln.engine.running.rank_role), which also chooses the
         step loop (kiln.engine.loop); `make_speculator`: the step's proposer (default: n-gram speculation when the
-        config asks for it). All fixed here."""
+        config asks for it); `lora`: the model's LoRA adapter slots (kiln.lora; None: the base model alone). All
+        fixed here."""
+        self.lora = lora
         self.config = config
         self.recipe = config.recipe
         self.checkpoint_path = checkpoint_path
@@ -76,10 +81,7 @@ class EngineCore:
         mc: ModelConfig = model.config
         self.model_config = mc
         self.max_model_len = config.max_model_len or self.default_max_model_len(mc)
-        eos = set(mc.eos_token_ids)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos.add(tokenizer.eos_token_id)
-        self.eos_token_ids = tuple(sorted(eos))
+        self.eos_token_ids = self._eos_token_ids(mc, tokenizer)
         kv_dtype = kv_storage_dtype(config.cache.dtype, next(model.parameters()).dtype)  # "auto" resolved
         blocks, budget_reason = self._kv_blocks(model, kv_dtype)
         self.pool = BlockPool(blocks[0], config.cache.block_size)
@@ -98,6 +100,7 @@ class EngineCore:
             role=role,
             head_rows=config.sampled_rows,
             pooling=config.pooling,
+            lora=lora,
         )
         self.scheduler = self._scheduler(role, kv_dtype)
         log_kv_cache(
@@ -121,6 +124,18 @@ class EngineCore:
             speculator=self.speculator,
         )
         self.workers: Workers | None = role.workers  # the other ranks, when this is rank 0 of a multi-device engine
+        self.loop = self._step_loop(role)
+        self.admission = self._admission(role)
+
+    @staticmethod
+    def _eos_token_ids(mc: ModelConfig, tokenizer: KilnTokenizer | None) -> tuple[int, ...]:
+        eos = set(mc.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        return tuple(sorted(eos))
+
+    def _step_loop(self, role: RankRole) -> PlainSteps | PipelinedSteps:
+        """The step loop `role` calls for, over the parts built: steps in flight on a pipeline, else one at a time."""
         parts = StepParts(
             scheduler=self.scheduler,
             runner=self.runner,
@@ -128,10 +143,7 @@ class EngineCore:
             speculator=self.speculator,
             workers=self.workers,
         )
-        self.loop: PlainSteps | PipelinedSteps = (
-            PipelinedSteps(parts, role.steps_in_flight) if role.defers_heads else PlainSteps(parts)
-        )
-        self.admission = self._admission(role)
+        return PipelinedSteps(parts, role.steps_in_flight) if role.defers_heads else PlainSteps(parts)
 
     def _kv_blocks(self, model: nn.Module, kv_dtype: torch.dtype) -> tuple[tuple[int, int], str]:
         """The KV blocks of every layer's pool and of a hybrid's sliding layers' (0: none), within the budget, and
@@ -153,6 +165,7 @@ class EngineCore:
             steps_in_flight=role.steps_in_flight,
             prefix_keys=prefix_keys_for(config.cache, mc, namespace),
             attention_tokens=attention_tokens_of(mc),
+            max_loras=self.lora.slots.limits.max_loras if self.lora is not None else 0,
         )
 
     def _ngram_speculator(self, _: ModelConfig, max_model_len: int, __: int) -> Speculator | None:
@@ -205,7 +218,8 @@ class EngineCore:
     def make_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, options: RequestOptions | None = None
     ) -> Request:
-        """Tokenize and validate; raises RequestError (naming the request) without touching engine state."""
+        """Tokenize and validate; raises RequestError (naming the request) without touching engine state. A LoRA
+        adapter (`options.lora`) is registered (read and checked) on first use: AdapterError when it does not fit."""
         if request_id in self.requests:
             raise RequestError(f"duplicate request id {request_id!r}", request_id)
         priority = options.priority if options is not None else 0
@@ -216,6 +230,15 @@ class EngineCore:
                 request_id,
                 "priority",
             )
+        lora = options.lora if options is not None else None
+        if lora is not None:
+            if self.lora is None:
+                raise RequestError(
+                    f"adapter {lora.lora_name}: this engine serves no LoRA adapters (start it with --enable-lora)",
+                    request_id,
+                    "lora_request",
+                )
+            self.lora.add(lora)
         return self.admission.make_request(request_id, prompt, params, options)
 
     def add_request(
@@ -228,16 +251,39 @@ class EngineCore:
         priority: int = 0,
         group: str | None = None,
         keeps_probs: bool = False,
+        lora: LoRARequest | None = None,
     ) -> Request:
         """Queue a request, held as kiln.engine.request.RequestOptions says: `forced_output` teacher-forces its output
         tokens, `priority` orders it under the priority scheduling policy (lower first), `group` names the client
-        request it belongs to (n > 1), `keeps_probs` marks a draft engine's request."""
+        request it belongs to (n > 1), `keeps_probs` marks a draft engine's request, `lora` is its adapter."""
         forced = tuple(forced_output) if forced_output is not None else None
-        options = RequestOptions(forced, priority, group, keeps_probs)
+        options = RequestOptions(
+            forced_output=forced, priority=priority, group=group, keeps_probs=keeps_probs, lora=lora
+        )
         req = self.make_request(request_id, prompt, params, options)
         self.updater.track(req)
         self.scheduler.add(req)
         return req
+
+    def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Register adapter `name` from `path` (read and checked now: AdapterError, and nothing changes, when it does
+        not fit) under the next free id; ConfigError without LoRA or when the name is taken."""
+        if self.lora is None:
+            raise ConfigError("this engine serves no LoRA adapters (start it with --enable-lora)")
+        if self.lora.by_name(name) is not None:
+            raise ConfigError(f"adapter {name!r} is loaded already: unload it first, or choose another name")
+        lora = LoRARequest(name, max(self.lora.requests, default=0) + 1, path)
+        self.lora.add(lora)
+        return lora
+
+    def unload_lora(self, name: str) -> None:
+        """Forget adapter `name` (its slot cleared); ConfigError when it is unknown or a request still runs with it."""
+        found = self.lora.by_name(name) if self.lora is not None else None
+        if found is None:
+            raise ConfigError(f"no adapter {name!r} is loaded")
+        if any(r.lora_id == found.lora_int_id for r in self.requests.values()):
+            raise ConfigError(f"adapter {name!r} serves requests now: unload it once they finish")
+        self.lora.remove(found.lora_int_id)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         return self.updater.abort(request_id)

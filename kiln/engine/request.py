@@ -10,6 +10,7 @@ import torch
 
 from kiln.engine.sampling.sampling_params import SamplingParams
 from kiln.engine.structured.structured_output import GrammarState
+from kiln.lora.request import LoRARequest
 
 
 @dataclass(frozen=True)
@@ -57,12 +58,14 @@ class RequestOptions:
     scheduling policy `priority` admits lower values first and preempts higher ones first (vLLM's); `group`: the
     client request this sequence belongs to (its prompts x n share one), for the scheduler's per-request cap on
     running sequences (None: a request of its own); `keeps_probs`: a draft engine's sampled request keeps the
-    distribution each token was drawn from (kiln.engine.speculation.draft)."""
+    distribution each token was drawn from (kiln.engine.speculation.draft); `lora`: the LoRA adapter it runs with
+    (kiln.lora; None: the base model): its rows use the adapter's slot and its prefix-cache blocks are keyed on it."""
 
     forced_output: tuple[int, ...] | None = None
     priority: int = 0
     group: str | None = None
     keeps_probs: bool = False
+    lora: LoRARequest | None = None
 
 
 class Request:
@@ -83,6 +86,7 @@ class Request:
         self.forced_output = list(options.forced_output) if options.forced_output is not None else None
         self.prompt = prompt
         self.group = options.group
+        self.lora = options.lora
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         # NOTE: its seed alone is used: each output position draws from its own generator (`generator_at`)
@@ -142,6 +146,10 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def lora_id(self) -> int | None:
+        return self.lora.lora_int_id if self.lora is not None else None
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
@@ -181,6 +189,7 @@ class RequestOutput:
     error: str | None = None
     error_param: str | None = None  # set: the request's own field made it fail (a grammar), a client error
     num_cached_tokens: int = 0  # prompt tokens it found in the prefix cache (usage.prompt_tokens_details)
+    lora_name: str | None = None  # the LoRA adapter it ran with (None: the base model)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.monotonic()))
 
     @property

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: routes (api.py), request/response shapes (protocol.py, formats.py,
 responses.py), errors for clients (errors.py), Prometheus metrics, the serving loop and its launcher.
 
+adapters.py    LoRA adapters over HTTP: /v1/models entries, /v1/load_lora_adapter and /v1/unload_lora_adapter
 api.py         the FastAPI app: OpenAI routes, /health, /metrics, the middleware stack, error handlers, engine lifespan
 cli.py         parsers of `kiln serve` and `kiln loadtest` (handlers: launcher.py, kiln.bench.loadtest)
 connection_table.py  the open connections: idle ones closed (oldest first) for room, a per-peer cap, refusals counted

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kiln import __version__
 from kiln.engine.serving.async_engine import AsyncEngine
+from kiln.server.adapters import LoadAdapterRequest, UnloadAdapterRequest, load_adapter, unload_adapter
 from kiln.server.connection_table import ConnectionTable
 from kiln.server.embeddings import EmbeddingEndpoint, EmbeddingRequest
 from kiln.server.errors import install_error_handlers
@@ -44,6 +45,7 @@ class AppSettings:
     reasoning_parser: str | None = None  # None: chosen by the chat template; "none": off (kiln.server.reasoning)
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)  # structured outputs' size and deadline
     grammar_compile_threads: int = GRAMMAR_COMPILE_THREADS
+    runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter allowed
 
 
 def create_app(engine: AsyncEngine, settings: AppSettings, connections: ConnectionTable | None = None) -> FastAPI:
@@ -82,6 +84,7 @@ def create_app(engine: AsyncEngine, settings: AppSettings, connections: Connecti
     install_error_handlers(app)
     _add_server_routes(app, engine, settings, metrics)
     _add_openai_routes(app, serving)
+    _add_adapter_routes(app, engine, settings)
     _add_tokenizer_routes(app, serving)
     return app
 
@@ -139,6 +142,18 @@ def _add_server_routes(app: FastAPI, engine: AsyncEngine, settings: AppSettings,
         if not engine.stats().prefix_caching:
             return {"prefix_caching": False, "dropped_blocks": 0}
         return {"prefix_caching": True, "dropped_blocks": await engine.reset_prefix_cache()}
+
+
+def _add_adapter_routes(app: FastAPI, engine: AsyncEngine, settings: AppSettings) -> None:
+    """vLLM's runtime LoRA routes: /v1/load_lora_adapter and /v1/unload_lora_adapter (kiln.server.adapters)."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadAdapterRequest) -> dict[str, Any]:
+        return await load_adapter(engine, body, settings.runtime_lora_updating)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadAdapterRequest) -> dict[str, Any]:
+        return await unload_adapter(engine, body, settings.runtime_lora_updating)
 
 
 def _add_openai_routes(app: FastAPI, serving: OpenAIServing) -> None:

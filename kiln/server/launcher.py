@@ -192,6 +192,7 @@ def build_app(core: EngineCore, args: argparse.Namespace, api_key: str | None) -
         grammar_limits=grammar_limits,
         grammar_compile_threads=args.grammar_compile_threads,
         reasoning_parser=args.reasoning_parser,
+        runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     return create_app(engine, settings, app_connections)
 
@@ -231,6 +232,8 @@ def check_server_args(args: argparse.Namespace, api_key: str | None) -> None:
         raise ConfigError(
             "--allowed-hosts does nothing beside an API key: the key is checked instead of the Host header; drop it"
         )
+    if args.allow_runtime_lora_updating and not args.enable_lora:
+        raise ConfigError("--allow-runtime-lora-updating does nothing without --enable-lora: drop it or enable LoRA")
     capacity = args.max_num_seqs + args.max_queue
     if args.max_seqs_per_request > capacity:
         raise ConfigError(

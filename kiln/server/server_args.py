@@ -88,6 +88,9 @@ class ServerArgs:
         "none otherwise; the start-up log names it)",
         choices=[*sorted(REASONING_PARSERS), "none"],
     )
+    allow_runtime_lora_updating: bool = option(
+        False, "allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the API key; needs --enable-lora)"
+    )
 
     api_key: str | None = option(
         None,

@@ -29,6 +29,8 @@ from kiln.engine.sampling.sampling_params import SamplingParams
 from kiln.engine.serving.async_engine import AsyncEngine
 from kiln.engine.serving.request_stream import RequestStream
 from kiln.errors import RequestError
+from kiln.lora.request import LoRARequest
+from kiln.server.adapters import adapter_cards
 from kiln.server.answers import EngineStreamingResponse, raise_if_failed, unless_disconnected
 from kiln.server.errors import CLIENT_CLOSED, APIError, error_body, expected_error, internal_error
 from kiln.server.formats import ChatFormat, CompletionFormat, Echo, ResponseFormat
@@ -101,7 +103,7 @@ class OpenAIServing:
     # -- endpoints --------------------------------------------------------------------------------
     async def completions(self, request: Request, body: CompletionRequest) -> Response:
         arrival = time.monotonic()
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         body.check_supported()
         body.check_stream_options()
         self.limits.check_stop(body.stop_strings())
@@ -114,7 +116,7 @@ class OpenAIServing:
         rid = f"cmpl-{uuid.uuid4().hex}"
         fmt = CompletionFormat(
             rid,
-            self.served_model_name,
+            lora.lora_name if lora is not None else self.served_model_name,
             self.logprobs,
             body.logprobs,
             with_prompt_logprobs=body.prompt_logprobs is not None,
@@ -131,11 +133,12 @@ class OpenAIServing:
             max_tokens=max_tokens,
             num_logprobs=body.logprobs,
             arrival=arrival,
+            lora=lora,
         )
 
     async def chat(self, request: Request, body: ChatCompletionRequest) -> Response:
         arrival = time.monotonic()
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         body.check_stream_options()
         self.limits.check_stop(body.stop_strings())
         self.limits.check_num_seqs(1, body.n)
@@ -144,7 +147,7 @@ class OpenAIServing:
         num_logprobs = body.num_logprobs
         fmt = ChatFormat(
             f"chatcmpl-{uuid.uuid4().hex}",
-            self.served_model_name,
+            lora.lora_name if lora is not None else self.served_model_name,
             self.logprobs,
             num_logprobs,
             tools=tools,
@@ -165,6 +168,7 @@ class OpenAIServing:
             num_logprobs=num_logprobs,
             arrival=arrival,
             keep_special_tokens=keep_special,
+            lora=lora,
         )
 
     def chat_prompt(self, body: ChatPrompt, add_generation_prompt: bool = True) -> Callable[[], list[list[int]]]:
@@ -189,7 +193,7 @@ class OpenAIServing:
             "owned_by": "kiln",
             "max_model_len": self.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card, *adapter_cards(self.engine.core.lora, self.served_model_name)]}
 
     # -- shared -----------------------------------------------------------------------------------
     async def _serve(
@@ -203,6 +207,7 @@ class OpenAIServing:
         num_logprobs: int | None,
         arrival: float,
         keep_special_tokens: bool = False,
+        lora: LoRARequest | None = None,
     ) -> Response:
         # NOTE: the room is held while the tokenizer works, so a flood is answered 429 before it is tokenized
         constraint = body.structured_output()
@@ -231,7 +236,7 @@ class OpenAIServing:
                         keep_special_tokens=keep_special_tokens,
                     )
                     jobs.append((f"{fmt.response_id}-{p * body.n + c}", ids, params))
-            stream = await self.engine.add_requests(jobs, reservation, body.priority)
+            stream = await self.engine.add_requests(jobs, reservation, body.priority, lora)
         index = {rid: i for i, (rid, _, _) in enumerate(jobs)}
         firsts = frozenset(rid for rid, i in index.items() if i % body.n == 0)
         counts = Usage(sum(len(ids) for ids in prompt_ids), firsts)
@@ -326,9 +331,13 @@ class OpenAIServing:
         """`fn()` run on the one tokenizer thread (see `__init__`)."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn)
 
-    def check_model(self, model: str | None) -> None:
-        """APIError 404 unless `model` (a request's field) is None or a name this server answers to."""
-        if model is not None and model not in self.model_names:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` (a request's field) names (None: the base model); APIError 404 unless it is
+        None, a name of the base model or a loaded adapter's (kiln.server.adapters)."""
+        if model is None or model in self.model_names:
+            return None
+        lora = self.engine.core.lora.by_name(model) if self.engine.core.lora is not None else None
+        if lora is None:
             shown = repr(model) if len(model) <= 100 else f"{model[:100]!r}... ({len(model)} characters)"
             raise APIError(
                 404,
@@ -336,6 +345,7 @@ class OpenAIServing:
                 "model",
                 "model_not_found",
             )
+        return lora
 
     def _tokenize(self, prompts: list[str | list[int]]) -> list[list[int]]:
         return [self.encode_text(p) if isinstance(p, str) else list(p) for p in prompts]

@@ -30,6 +30,7 @@ hardware: {device: cpu}
 NGRAM = {"speculative_method": "ngram"}
 TWO_RANKS = {"tensor_parallel_size": 2}
 PIPELINE = {"pipeline_parallel_size": 2}
+LORA = {"enable_lora": True}
 
 # each option: a value, and the other options that make a setting where it acts
 ACTS: dict[str, tuple[Any, dict[str, Any]]] = {
@@ -78,6 +79,11 @@ ACTS: dict[str, tuple[Any, dict[str, Any]]] = {
     "prompt_lookup_max": (3, NGRAM),
     "prompt_lookup_min": (1, NGRAM),
     "speculative_policy": ("always", NGRAM),
+    "enable_lora": (True, {}),
+    "lora_modules": (["a=/adapters/a"], LORA),
+    "max_loras": (2, LORA),
+    "max_lora_rank": (8, LORA),
+    "max_cpu_loras": (4, LORA),
     "tensor_parallel_size": (2, {}),
     "pipeline_parallel_size": (2, {}),
     "pipeline_micro_batches": (2, PIPELINE),
@@ -132,6 +138,8 @@ REFUSED: dict[str, tuple[dict[str, Any], str]] = {
         {"speculative_method": "draft", "speculative_model": "default", "prompt_lookup_min": 1},
         "--prompt-lookup-min",
     ),
+    "adapter slots without LoRA": ({"max_loras": 2}, "--max-loras does nothing without --enable-lora"),
+    "adapters without LoRA": ({"lora_modules": ["a=/x"]}, "--lora-modules does nothing without --enable-lora"),
     "a group size on packed blocks": ({"quantization": "packed", "quantization_group_size": 64}, "group-size"),
     "activations without quantized weights": ({"quantization": "none", "activations": "int8"}, "--activations"),
     "second forms without quantized weights": ({"quantization": "none", "second_form_memory_gb": 1.0}, "second-form"),

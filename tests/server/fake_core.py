@@ -121,6 +121,7 @@ class FakeCore:
         self.runner = SimpleNamespace(counters=SimpleNamespace(replays=7, dynamic_fallbacks=2))
         self.requests: dict[str, FakeRequest] = {}
         self.grammars = None  # its fake tokens follow no grammar: structured outputs are refused
+        self.lora = None  # no LoRA adapters (kiln.server.adapters)
         self.num_steps = 0
         self.gate = threading.Event()
         self.gate.set()
@@ -141,7 +142,9 @@ class FakeCore:
         *,
         priority: int = 0,
         group: str | None = None,
+        lora: object = None,
     ) -> FakeRequest:
+        assert lora is None, "the fake core serves no LoRA adapters"
         self.priorities[request_id] = priority
         self.groups[request_id] = group
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)

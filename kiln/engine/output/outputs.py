@@ -62,5 +62,6 @@ def request_output(req: Request, detok: IncrementalDetokenizer, num_new: int) ->
         error=req.error,
         error_param=req.error_param,
         num_cached_tokens=req.num_cached_tokens or 0,
+        lora_name=req.lora.lora_name if req.lora is not None else None,
         metrics=req.metrics,
     )

@@ -30,6 +30,7 @@ from kiln.engine.sampling.sampler import Sampler
 from kiln.engine.scheduling.scheduler_output import SchedulerOutput
 from kiln.engine.scheduling.step_shape import StepShaper
 from kiln.executor.base import Executor
+from kiln.lora.manager import LoRAManager
 from kiln.model.attention import allocate_kv_caches, kv_cache_block_size
 from kiln.model.forward_context import AttentionMetadata, ForwardContext, ModelInputs, set_forward_context
 from kiln.model.parallel import held_layers, local_kv_heads
@@ -63,11 +64,14 @@ class ModelRunner:
         role: RankRole = SINGLE_DEVICE,
         head_rows: int = SLICE_ROWS,
         pooling: PoolingConfig | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         """`window_blocks` > 0: a hybrid model's sliding layers keep that many blocks of their own (their block table
         is each request's second, kiln.engine.scheduling.kv_window). `head_rows`: the most rows the logits head's
         kernels were timed for (EngineConfig.sampled_rows), the size of the slices prompt rows are scored in; `pooling`:
-        which rows embedding requests pool."""
+        which rows embedding requests pool; `lora`: the adapters' slots (kiln.lora), set per step from each request's
+        adapter (None: the engine serves the base model alone)."""
+        self.lora = lora
         self.model = model
         self.head_rows = head_rows
         self.num_blocks, self.window_blocks = num_blocks, window_blocks
@@ -137,6 +141,7 @@ class ModelRunner:
         bs = self.block_size
         num_decodes = 0
         requests = []  # per sequence of the step: a verification's rows are one each
+        token_counts: list[int] = []  # per scheduled request: its tokens in the step
         prompt_rows: list[PromptRows] = []
         pool_rows: list[PoolRows] = []
         for s in sched.scheduled:
@@ -148,7 +153,9 @@ class ModelRunner:
                 pooled := pool_rows_of(req=req, start=start, end=end, first_row=len(input_ids), mode=self.pooling_mode)
             ):
                 pool_rows.append(pooled)
-            input_ids += req.all_token_ids[start:end] + s.spec_token_ids
+            new_tokens = req.all_token_ids[start:end] + s.spec_token_ids
+            input_ids += new_tokens
+            token_counts.append(len(new_tokens))
             positions += range(start, end)
             slots += kv_slots(req.block_ids, start, end, bs)
             if self.window_blocks:
@@ -185,7 +192,15 @@ class ModelRunner:
             num_draft_tokens=sum(len(s.spec_token_ids) for s in sched.scheduled),
             prompt_rows=prompt_rows,
             pool_rows=pool_rows,
+            lora_slots=self._lora_slots(sched, token_counts),
         )
+
+    def _lora_slots(self, sched: SchedulerOutput, token_counts: list[int]) -> list[int]:
+        """Each token's adapter slot (its request's adapter copied into one now if it holds none); [] without LoRA."""
+        if self.lora is None:
+            return []
+        slots = self.lora.step_slots([s.request.lora_id for s in sched.scheduled])
+        return [slot for slot, count in zip(slots, token_counts, strict=True) for _ in range(count)]
 
     def prepare(self, sched: SchedulerOutput) -> ModelInputs:
         return self.inputs(self.plan(sched))
@@ -254,6 +269,7 @@ class ModelRunner:
             return StepLogits(self._heads(self._forwards(plan)))
         self.copy_blocks(plan.block_copies)
         inputs = self.inputs(plan)
+        self._set_lora_slots(plan)
         if self.observer is not None:
             self.observer.begin_step(inputs)
         hidden = self.forward(inputs)
@@ -278,11 +294,16 @@ class ModelRunner:
         self.copy_blocks(plan.block_copies)
         split = self.micro_batches > 1 and len(plan.seq_lens) > 1
         for part in split_plan(plan, self.micro_batches, self.executor.pad_to) if split else [plan]:
+            self._set_lora_slots(part)
             hidden = self.forward(self.inputs(part))
             if self.head_each_part:
                 hidden = self.logits(hidden, part.sample_indices) if part.sample_indices else None
             done.append((part, hidden))
         return done
+
+    def _set_lora_slots(self, plan: StepPlan) -> None:
+        if self.lora is not None:
+            self.lora.slots.set_token_slots(plan.lora_slots)
 
     def _heads(self, parts: list[tuple[StepPlan, torch.Tensor | None]]) -> torch.Tensor | None:
         """The step's logits from `_forwards`' parts: their hidden states through the head (or, on the last stage,

@@ -66,6 +66,8 @@ class StepPlan:
     prompt_rows: list[PromptRows] = field(default_factory=list)
     # embedding requests' prefill chunks, the rows each pools (a single device's steps only, as prompt_rows)
     pool_rows: list[PoolRows] = field(default_factory=list)
+    # each token's LoRA slot (kiln.lora; -1: the base model), when the engine serves adapters; empty otherwise
+    lora_slots: list[int] = field(default_factory=list)
 
 
 def split_plan(plan: StepPlan, parts: int, pad_to: Callable[[int], int]) -> list[StepPlan]:
@@ -102,6 +104,7 @@ def _part(plan: StepPlan, first: int, end: int, pad_to: Callable[[int], int]) ->
         window_slots=plan.window_slots[lo:hi],
         window_tables=plan.window_tables[first:end],
         block_copies=plan.block_copies if first == 0 else [],
+        lora_slots=plan.lora_slots[lo:hi],
     )
 
 

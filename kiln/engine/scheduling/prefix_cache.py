@@ -1,11 +1,11 @@
 """Automatic prefix caching: the keys that name a full KV block by everything before it, and the cache's counters.
 
 A full block's key chains the key of the block before it (the first block's: the cache's root, which names the model,
-the KV dtype and the request's `cache_salt`) with the block's token ids, so equal keys mean equal prefixes. The key
-only finds a candidate: `BlockPool.match` (kiln.engine.scheduling.kv_cache) then compares the block's token ids and the
-exact cache entry it was computed after, so even two sequences whose keys collide never share a block. sha256 is the
-default key (vLLM's too); `builtin` (Python's hash of a tuple) is cheaper and, thanks to that check, still safe: a
-collision costs a miss, never a wrong block.
+the KV dtype, the request's `cache_salt` and its LoRA adapter) with the block's token ids, so equal keys mean equal
+prefixes. The key only finds a candidate: `BlockPool.match` (kiln.engine.scheduling.kv_cache) then compares the
+block's token ids and the exact cache entry it was computed after, so even two sequences whose keys collide never share
+a block. sha256 is the default key (vLLM's too); `builtin` (Python's hash of a tuple) is cheaper and, thanks to that
+check, still safe: a collision costs a miss, never a wrong block.
 """
 
 from __future__ import annotations
@@ -39,9 +39,11 @@ def builtin_key(parent: Key, tokens: tuple[int, ...]) -> Key:
 KEY_FUNCTIONS: dict[str, KeyFunction] = {"sha256": sha256_key, "builtin": builtin_key}
 
 
-def cache_root(namespace: str, salt: str | None) -> str:
-    """The parent of a sequence's first block: the engine's namespace (model, KV dtype) and the request's salt."""
-    return f"{namespace}\x00{salt or ''}"
+def cache_root(namespace: str, salt: str | None, lora_id: int | None = None) -> str:
+    """The parent of a sequence's first block: the engine's namespace (model, KV dtype), the request's salt and its
+    LoRA adapter (two adapters compute different K/V for one prompt: they never share a block)."""
+    adapter = f"\x00lora{lora_id}" if lora_id is not None else ""
+    return f"{namespace}\x00{salt or ''}{adapter}"
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ class PrefixKeys:
     key_function: KeyFunction
 
     def root(self, req: Request) -> str:
-        return cache_root(self.namespace, req.params.cache_salt)
+        return cache_root(self.namespace, req.params.cache_salt, req.lora_id)
 
     def extend(self, req: Request, num_blocks: int, block_size: int) -> list[Key]:
         """`req.block_keys` for at least its first `num_blocks` full blocks (each key is computed once)."""

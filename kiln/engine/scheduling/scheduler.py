@@ -63,6 +63,7 @@ class Scheduler:
         steps_in_flight: int = 1,
         prefix_keys: PrefixKeys | None = None,
         attention_tokens: float | None = None,
+        max_loras: int = 0,
     ) -> None:
         """`window` > 0: the layers slide with this window, so blocks behind it are released: every layer's, or with
         `window_pool`, only the sliding layers' (their own pool; `block_pool` then holds the global layers').
@@ -70,8 +71,9 @@ class Scheduler:
         `prefix_keys`: prefix caching on (kiln.engine.scheduling.prefix_sharing), for models without a sliding window.
         `attention_tokens`: the context at which a token's attention costs as much as its weight products, so a
         prefill chunk shrinks as its context grows (kiln.engine.scheduling.prefill_budget; None: chunks counted in
-        tokens)."""
+        tokens). `max_loras`: the most LoRA adapters the running requests may use at once (each step's slots)."""
         self.config = config
+        self.max_loras = max_loras
         self.by_priority = config.policy == "priority"
         self.pool = block_pool
         self.shaper = shaper
@@ -171,12 +173,16 @@ class Scheduler:
         return out
 
     def _next_waiting(self, running_by_group: Counter[str]) -> Request | None:
-        """The first waiting request whose client request is under its cap of running sequences and that need not
-        wait for a block another request is computing (kiln.engine.scheduling.prefix_sharing)."""
+        """The first waiting request whose client request is under its cap of running sequences, whose LoRA adapter
+        (if any) is running or has a free slot, and that need not wait for a block another request is computing
+        (kiln.engine.scheduling.prefix_sharing)."""
         cap = self.config.running_per_request
+        adapters = {r.lora_id for r in self.running} - {None}
         for r in self.waiting:
             if r.group is not None and running_by_group[r.group] >= cap:
                 continue
+            if r.lora_id is not None and r.lora_id not in adapters and len(adapters) >= self.max_loras:
+                continue  # every adapter slot is taken by running requests: it waits for one to finish
             if self.prefix is None or not self.prefix.waits(r, self.running):
                 return r
         return None

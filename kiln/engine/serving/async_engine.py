@@ -26,6 +26,7 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import replace
+from typing import TypeVar
 
 from kiln.engine.core import EngineCore
 from kiln.engine.request import RequestOutput
@@ -40,7 +41,9 @@ from kiln.engine.serving.request_stream import (
     settle,
 )
 from kiln.errors import INTERNAL_ERROR, KilnError, WorkerFailure
+from kiln.lora.request import LoRARequest
 
+T = TypeVar("T")
 logger = logging.getLogger("kiln")
 
 Prompt = str | list[int]
@@ -161,9 +164,11 @@ class AsyncEngine:
         requests: Sequence[tuple[str, Prompt, SamplingParams]],
         reservation: Reservation | None = None,
         priority: int = 0,
+        lora: LoRARequest | None = None,
     ) -> RequestStream:
         """Add requests (id, prompt, params) all-or-nothing; return the stream of their outputs. With a
-        `reservation` (see `reserve`) they take its room; `priority` is every one's (the scheduling policy's).
+        `reservation` (see `reserve`) they take its room; `priority` is every one's (the scheduling policy's), and
+        `lora` the adapter every one runs with (None: the base model).
 
         Raises RequestError for a request the engine rejects (nothing is added then), QueueFullError when the
         server is full, EngineStoppedError while shutting down.
@@ -182,7 +187,7 @@ class AsyncEngine:
         assert self._loop is not None
         added: asyncio.Future[None] = self._loop.create_future()
         self._adding.add(added)
-        self._submit(lambda: self._add_all(requests, added, priority))
+        self._submit(lambda: self._add_all(requests, added, priority, lora))
         try:
             await added
         except BaseException:
@@ -211,6 +216,23 @@ class AsyncEngine:
         assert self._loop is not None
         done: asyncio.Future[int] = self._loop.create_future()
         self._submit(lambda: self._call_in_loop(settle, done, None, self.core.reset_prefix_cache()))
+        return await done
+
+    async def in_engine(self, command: Callable[[], T]) -> T:
+        """`command()` run on the engine thread between two steps (loading or unloading a LoRA adapter); its
+        exception, if any, is raised here."""
+        assert self._loop is not None
+        done: asyncio.Future[T] = self._loop.create_future()
+
+        def run() -> None:
+            try:
+                result = command()
+            except Exception as exc:  # handed to the caller, which answers the client
+                self._call_in_loop(settle, done, exc)
+                return
+            self._call_in_loop(settle, done, None, result)
+
+        self._submit(run)
         return await done
 
     @property
@@ -245,14 +267,18 @@ class AsyncEngine:
                 logger.exception("engine command failed")
 
     def _add_all(
-        self, requests: Sequence[tuple[str, Prompt, SamplingParams]], added: asyncio.Future[None], priority: int
+        self,
+        requests: Sequence[tuple[str, Prompt, SamplingParams]],
+        added: asyncio.Future[None],
+        priority: int,
+        lora: LoRARequest | None,
     ) -> None:
         done: list[str] = []
         error: BaseException | None = None
         group = requests[0][0] if len(requests) > 1 else None  # siblings (prompts x n) share a running cap
         for rid, prompt, params in requests:
             try:
-                self.core.add_request(rid, prompt, params, priority=priority, group=group)
+                self.core.add_request(rid, prompt, params, priority=priority, group=group, lora=lora)
             except Exception as exc:  # RequestError for bad input; anything else reaches the client as a 500
                 error = exc
                 break

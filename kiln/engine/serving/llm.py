@@ -17,6 +17,7 @@ from kiln.engine.setup.build import build_engine
 from kiln.engine.setup.resolve import resolve_engine_config
 from kiln.errors import RequestError
 from kiln.log import setup_logging
+from kiln.lora.request import LoRARequest
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]
@@ -61,22 +62,25 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`. A list of ints is one tokenized prompt. `priority`: one per prompt,
-        under the priority scheduling policy (lower runs first; vLLM's)."""
+        under the priority scheduling policy (lower runs first; vLLM's). `lora_request`: the LoRA adapter every
+        prompt runs with, or one per prompt (None: the base model); the engine needs `enable_lora=True`."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         params_list = _broadcast(params, len(prompts))
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts: give one per prompt")
+        adapters = _per_prompt(lora_request, len(prompts))
         order: list[str] = []
         results: dict[str, RequestOutput] = {}
-        for prompt, p, rank in zip(prompts, params_list, priorities, strict=True):
+        for prompt, p, rank, lora in zip(prompts, params_list, priorities, adapters, strict=True):
             rid = str(next(self._ids))
             order.append(rid)
             try:
-                self.engine.add_request(rid, prompt, p, priority=rank)
+                self.engine.add_request(rid, prompt, p, priority=rank, lora=lora)
             except RequestError as exc:
                 results[rid] = _error_output(rid, prompt, str(exc))
         bar = tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm)
@@ -147,6 +151,15 @@ class EmbeddingRequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+
+
+def _per_prompt(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    adapters = list(lora)
+    if len(adapters) != n:
+        raise ValueError(f"{len(adapters)} LoRA requests for {n} prompts: give one, or one per prompt")
+    return adapters
 
 
 def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

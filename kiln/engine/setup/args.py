@@ -26,6 +26,7 @@ from kiln.config import (
     POOLING_NAMES,
     QUANTIZATION_NAMES,
     SCHEDULING_POLICIES,
+    LoRAConfig,
     SpeculativeConfig,
 )
 from kiln.engine.scheduling.prefix_cache import HASH_ALGOS
@@ -212,6 +213,22 @@ class EngineArgs:
         choices=SPECULATIVE_POLICIES,
     )
 
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT checkpoints) beside the base model", "LoRA")
+    lora_modules: Sequence[str] | None = option(
+        None,
+        "adapters registered at start, as name=path (a PEFT adapter directory); a request selects one by name",
+        "LoRA",
+        nargs="+",
+    )
+    max_loras: int = option(1, "most adapters in one step (one slot each)", "LoRA", type=int_at_least(1))
+    max_lora_rank: int = option(16, "highest adapter rank accepted (the buffers' size)", "LoRA", type=int_at_least(1))
+    max_cpu_loras: int | None = option(
+        None,
+        "adapters kept read in host memory, least recently used out (default: --max-loras)",
+        "LoRA",
+        type=int_at_least(1),
+    )
+
     tensor_parallel_size: int = option(
         1,
         "ranks that split every layer (heads, MLP, vocabulary) over torch.distributed",
@@ -280,3 +297,25 @@ class EngineArgs:
         if problem := config.problem():
             raise ConfigError(problem)
         return config
+
+    def lora_config(self) -> LoRAConfig:
+        """LoRA as the flags set it: `--lora-modules name=path ...` read here (ConfigError naming a bad entry)."""
+        modules = []
+        for entry in self.lora_modules or ():
+            name, sep, path = entry.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"--lora-modules {entry!r}: expected name=path (a PEFT adapter directory)")
+            modules.append((name, path))
+        names = [name for name, _ in modules]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ConfigError(f"--lora-modules names adapter {twice[0]} twice: give each name once")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"--max-cpu-loras {self.max_cpu_loras} is below --max-loras {self.max_loras}")
+        return LoRAConfig(
+            enabled=self.enable_lora,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras,
+            modules=tuple(modules),
+        )

@@ -29,6 +29,7 @@ from kiln.errors import ConfigError
 from kiln.executor.base import Executor
 from kiln.executor.eager import EagerExecutor
 from kiln.executor.graph import GraphExecutor
+from kiln.lora import LoRALimits, LoRAManager, LoRARequest, attach_lora
 from kiln.model.build import build_model, load_tokenizer, run_quantization
 from kiln.model.dtypes import parse_dtype
 from kiln.model.loader import Checkpoint, open_checkpoint
@@ -195,6 +196,7 @@ def build_core(
     engine (None: a single device); `make_speculator` None: `speculator_maker(config)`."""
     config = resolve_for_model(config, model.config)
     check_quantized(model, config.graph.fusion_groups)
+    lora = lora_manager(config, model)  # before the executor prepares: the graphs take the adapters' buffers
     executor = executor or make_executor(config)
     core = EngineCore(
         config,
@@ -205,5 +207,30 @@ def build_core(
         observer=observer,
         role=engine_role(config, model, executor, state=state, workers=workers),
         make_speculator=make_speculator or speculator_maker(config),
+        lora=lora,
     )
     return core.prepare()
+
+
+def lora_manager(config: EngineConfig, model: nn.Module) -> LoRAManager | None:
+    """The model's LoRA adapter slots (kiln.lora) with `--lora-modules` registered (ids 1, 2, ... in order); None
+    unless --enable-lora. Each module is read and checked now: a bad one stops the start with its AdapterError."""
+    lora = config.lora
+    if not lora.enabled:
+        return None
+    if config.parallel.is_distributed:
+        raise ConfigError("LoRA adapters run on one device for now: drop --enable-lora or the parallel layout")
+    # NOTE: a step's padded size: its token budget, or a capture size above it
+    max_tokens = config.scheduler.max_num_batched_tokens + max(config.graph.capture_sizes, default=0)
+    limits = LoRALimits(max_loras=lora.max_loras, max_rank=lora.max_lora_rank, max_num_tokens=max_tokens)
+    manager = LoRAManager(attach_lora(model, limits), lora.cpu_loras)
+    for i, (name, path) in enumerate(lora.modules, start=1):
+        manager.add(LoRARequest(name, i, path))
+    logger.info(
+        "LoRA: %d adapter slots of rank <= %d, %d host copies; %d adapters registered",
+        lora.max_loras,
+        lora.max_lora_rank,
+        lora.cpu_loras,
+        len(lora.modules),
+    )
+    return manager

@@ -23,6 +23,7 @@ NGRAM_ONLY = ("prompt_lookup_max", "prompt_lookup_min")
 PIPELINE_OPTIONS = ("pipeline_micro_batches", "pipeline_steps_in_flight")
 RENDEZVOUS_OPTIONS = ("nnodes", "node_rank", "master_addr", "master_port")
 CHUNK_BUDGET = ("long_prefill_token_threshold", "long_prefill_step_seconds")
+LORA_OPTIONS = ("lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras")
 
 Rule = Callable[[set[str], EngineConfig], Iterable[str]]
 
@@ -99,7 +100,14 @@ def _scheduler(given: set[str], config: EngineConfig) -> Iterable[str]:
         yield "--prefix-caching-hash-algo does nothing without prefix caching (--no-enable-prefix-caching): drop one"
 
 
-RULES: tuple[Rule, ...] = (_graph, _speculation, _quantization, _kv_cache, _parallel, _scheduler)
+def _lora(given: set[str], config: EngineConfig) -> Iterable[str]:
+    if not config.lora.enabled:
+        for name in LORA_OPTIONS:
+            if name in given:
+                yield f"{flag(name)} does nothing without --enable-lora (adapters are off): drop it or enable them"
+
+
+RULES: tuple[Rule, ...] = (_graph, _speculation, _quantization, _kv_cache, _parallel, _scheduler, _lora)
 
 
 def inert_options(given: set[str], config: EngineConfig) -> list[str]:

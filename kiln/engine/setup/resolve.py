@@ -85,6 +85,7 @@ def resolve_engine_config(args: EngineArgs, refuse_inert_options: bool = True, e
         speculative=args.speculative_config(),
         grammar_cache_bytes=args.grammar_cache_mb << 20,
         pooling=PoolingConfig(args.pooling, args.normalize_embeddings),
+        lora=args.lora_config(),
     )
     if recipe is not None:
         # NOTE: lazy, as the recipe: pydantic and z3 load only when a recipe is used

@@ -24,7 +24,7 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Protocol
 
-from kiln.config import EngineConfig, ModelConfig, SpeculativeConfig
+from kiln.config import EngineConfig, LoRAConfig, ModelConfig, SpeculativeConfig
 from kiln.engine.request import Request, position_seed
 from kiln.engine.sampling.sampling_params import SamplingParams
 from kiln.engine.speculation.speculation import COST_EMA, Proposals
@@ -80,6 +80,7 @@ def draft_engine_config(
         max_model_len=max_model_len,
         cache=cache,
         speculative=SpeculativeConfig(),
+        lora=LoRAConfig(),  # the draft proposes from its base model; the target verifies with each request's adapter
     )
 
 

@@ -1,0 +1,24 @@
+"""`LoRALimits`: what the adapters' static buffers are sized for (kiln.lora.slots), fixed when an engine starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LoRALimits:
+    """`max_loras` adapters held at once (slots 0 .. max_loras - 1, vLLM's `--max-loras`), each of rank at most
+    `max_rank` (`--max-lora-rank`), in steps of at most `max_num_tokens` tokens (the step's token budget, padding to
+    a capture size included). The buffers never grow: a step or an adapter past a limit is refused."""
+
+    max_loras: int = 1
+    max_rank: int = 16
+    max_num_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_rank", "max_num_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"LoRA {name} = {value!r}: expected a positive whole number")
