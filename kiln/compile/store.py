@@ -19,7 +19,7 @@ import torch
 from torch.fx import GraphModule
 
 from kiln.compile.backend import padding_context
-from kiln.compile.cache import CompileCache, make_key
+from kiln.compile.cache import CacheKey, CompileCache, make_key
 from kiln.compile.compiler import CompiledPiece, PieceCompiler
 from kiln.compile.counters import CompileCounters
 from kiln.compile.split import structure_key
@@ -78,6 +78,16 @@ class CompiledPieceStore:
             self._memo[memo] = compiled
         return self._memo[memo]
 
+    def _key(self, skey: str, static_size: int | None) -> CacheKey:
+        """The cache key of a piece of structure `skey` compiled at `static_size` (None: the dynamic shape)."""
+        return make_key(
+            structure=skey,
+            compiler=self.compiler.name,
+            options=self.compiler.options(static_size),
+            recipe_hash=self.recipe_hash,
+            device=self.device,
+        )
+
     def _load(
         self,
         graph: GraphModule,
@@ -89,13 +99,7 @@ class CompiledPieceStore:
         if self.cache is None:
             return None
         start = time.perf_counter()
-        key = make_key(
-            structure=skey,
-            compiler=self.compiler.name,
-            options=self.compiler.options(static_size),
-            recipe_hash=self.recipe_hash,
-            device=self.device,
-        )
+        key = self._key(skey, static_size)
         path = self.cache.lookup(key)
         if path is None:
             return None
@@ -136,12 +140,6 @@ class CompiledPieceStore:
         if persistent and self.cache is not None:
             if static_size is None:
                 self.counters.cache_misses += 1
-            key = make_key(
-                structure=skey,
-                compiler=self.compiler.name,
-                options=self.compiler.options(static_size),
-                recipe_hash=self.recipe_hash,
-                device=self.device,
-            )
+            key = self._key(skey, static_size)
             self.cache.store(key, lambda p: self.compiler.save(compiled, p))
         return compiled
