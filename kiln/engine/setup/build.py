@@ -222,7 +222,12 @@ def lora_manager(config: EngineConfig, model: nn.Module) -> LoRAManager | None:
         raise ConfigError("LoRA adapters run on one device for now: drop --enable-lora or the parallel layout")
     # NOTE: a step's padded size: its token budget, or a capture size above it
     max_tokens = config.scheduler.max_num_batched_tokens + max(config.graph.capture_sizes, default=0)
-    limits = LoRALimits(max_loras=lora.max_loras, max_rank=lora.max_lora_rank, max_num_tokens=max_tokens)
+    limits = LoRALimits(
+        max_loras=lora.max_loras,
+        max_rank=lora.max_lora_rank,
+        max_num_tokens=max_tokens,
+        target_modules=lora.target_modules,
+    )
     manager = LoRAManager(attach_lora(model, limits), lora.cpu_loras)
     for i, (name, path) in enumerate(lora.modules, start=1):
         manager.add(LoRARequest(name, i, path))
