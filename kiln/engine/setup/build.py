@@ -189,14 +189,18 @@ def build_core(
     state: RankState | None = None,
     workers: Workers | None = None,
     make_speculator: MakeSpeculator | None = None,
+    lora: LoRAManager | None = None,
 ) -> EngineCore:
     """An engine over a loaded `model`, prepared: the one place an `EngineCore` is made, for `build_engine` and the
     debugger's engines alike. `config` is resolved for the model here (a no-op when it already is);
     `executor` None: the registry's for `config` (EXECUTORS); `state`/`workers`: this rank's part in a multi-device
-    engine (None: a single device); `make_speculator` None: `speculator_maker(config)`."""
+    engine (None: a single device); `make_speculator` None: `speculator_maker(config)`; `lora`: the adapter slots
+    `model` already holds (another engine over the same model, the debugger's eager reference; None:
+    `lora_manager(config, model)` attaches them)."""
     config = resolve_for_model(config, model.config)
     check_quantized(model, config.graph.fusion_groups)
-    lora = lora_manager(config, model)  # before the executor prepares: the graphs take the adapters' buffers
+    # NOTE: before the executor prepares: the graphs take the adapters' buffers
+    lora = lora if lora is not None else lora_manager(config, model)
     executor = executor or make_executor(config)
     core = EngineCore(
         config,
