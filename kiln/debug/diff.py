@@ -236,7 +236,9 @@ def run_diff(
     piece_modes: dict | None = None,
 ) -> DiffReport:
     """Run `test_mode` teacher-forced to the reference and compare."""
-    run = session.run(test_mode, reference.prompt, reference.num_decode, reference.tokens, piece_modes)
+    run = session.run(
+        test_mode, reference.prompt, num_decode=reference.num_decode, forced=reference.tokens, piece_modes=piece_modes
+    )
     report = compare(reference, run, session.boundaries, [ref_mode, test_mode])
     report.faults = list(session.fault_descriptions)
     return report

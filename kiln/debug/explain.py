@@ -72,7 +72,14 @@ def hint_for(op: str, reason: str) -> str:
 
 
 def _finding(kind: str, err: GraphTraceError) -> Finding:
-    return Finding(kind, err.module_path, err.op, err.location, err.reason, hint_for(err.op, err.reason))
+    return Finding(
+        kind,
+        module_path=err.module_path,
+        op=err.op,
+        location=err.location,
+        reason=err.reason,
+        hint=hint_for(err.op, err.reason),
+    )
 
 
 @dataclass
@@ -137,7 +144,14 @@ def explain_model(model: nn.Module, kv_caches: list[torch.Tensor], splitting_ops
         frame = br.user_stack[-1] if br.user_stack else None
         if frame is None:
             continue
-        err = explain_graph_break(br.reason, frame.filename, frame.lineno or 0, frame.line, model, run_eager)
+        err = explain_graph_break(
+            br.reason,
+            frame.filename,
+            lineno=frame.lineno or 0,
+            source_line=frame.line,
+            model=model,
+            run_eager=run_eager,
+        )
         if failure is None or err.location != failure.location:
             findings.append(_finding("graph break", err))
     if failure is not None:
@@ -146,7 +160,7 @@ def explain_model(model: nn.Module, kv_caches: list[torch.Tensor], splitting_ops
     if findings:
         return Explanation(findings, None)
     try:
-        traced = trace_forward(model, model, kv_caches, device, SAMPLE_TOKENS)
+        traced = trace_forward(model, model, kv_caches=kv_caches, device=device, sample_size=SAMPLE_TOKENS)
     except GraphTraceError as err:
         return Explanation([_finding("trace failure", err)], None)
     num_pieces = len(split_graph(traced.gm, splitting_ops).pieces)

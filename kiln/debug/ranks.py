@@ -75,8 +75,10 @@ def report_per_rank(args: argparse.Namespace, given: EngineArgs, report: Report)
     else:
         for rank, out in enumerate(results):
             where = _where(rank, parallel)
-            print(f"== rank {rank}: tensor slice {where['tensor_rank']} of {parallel.tensor}, pipeline stage "
-                  f"{where['stage']} of {parallel.pipeline} ==")  # fmt: skip
+            print(
+                f"== rank {rank}: tensor slice {where['tensor_rank']} of {parallel.tensor}, pipeline stage "
+                f"{where['stage']} of {parallel.pipeline} =="
+            )
             print(out.text)
         if line := _first_across(results, parallel):
             print(line)
@@ -116,7 +118,7 @@ def stage_culprits(session: DebugSession, culprits: list[int], reference: Refere
     kept = []
     for idx in culprits:
         modes = {p.index: PieceMode.EAGER for p in session.graph.pieces} | {idx: PieceMode.CAPTURED}
-        first = run_diff(session, reference, "captured", "eager", modes).first_divergence
+        first = run_diff(session, reference, test_mode="captured", ref_mode="eager", piece_modes=modes).first_divergence
         if first is not None and first.name != LOGITS:
             kept.append(idx)
     return kept

@@ -69,8 +69,9 @@ class DebugRuns:
         """Prefill `prompt` then decode `num_decode` tokens through `engine`, feeding `forced` tokens when given."""
         self._check(engine, prompt, num_decode, forced)
         if forced is None and engine.speculator is not None:
-            forced = self._tokens(path, engine, prompt, num_decode, None)  # the greedy tokens, for the forced run
-        self._tokens(path, engine, prompt, num_decode, forced)
+            # the greedy tokens, for the forced run
+            forced = self._tokens(path, engine, prompt, num_decode=num_decode, forced=None)
+        self._tokens(path, engine, prompt, num_decode=num_decode, forced=forced)
         return PathRun.from_steps(path, self.recorder.take())
 
     def _check(self, engine: EngineCore, prompt: Sequence[int], num_decode: int, forced: Sequence[int] | None) -> None:
@@ -108,7 +109,8 @@ class DebugRuns:
             engine.reset_prefix_cache(quiet=True)
             self._run(engine, f"debug-{path}-prefix-{next(self._request_ids)}", prompt[: self.cached_prefix], 0)
         self.recorder.take()
-        return self._run(engine, f"debug-{path}-{next(self._request_ids)}", prompt, num_decode, forced)
+        request_id = f"debug-{path}-{next(self._request_ids)}"
+        return self._run(engine, request_id, prompt, num_decode=num_decode, forced=forced)
 
     def _run(
         self,

@@ -211,11 +211,11 @@ class DebugSession:
         if path in (EAGER, EAGER_FP64):
             engine = self._eager_engine(path)
             with eager_taps(engine.model, self.boundaries, self.recorder):
-                return self.runs.generate(path, engine, prompt, num_decode, forced)
+                return self.runs.generate(path, engine, prompt, num_decode=num_decode, forced=forced)
         if path not in PATHS:
             raise ConfigError(f"unknown path {path!r}: expected one of {', '.join(PATHS)}")
         self.set_modes(PieceMode.EAGER if path == TRACED else path, piece_modes)
-        return self.runs.generate(path, self.engine, prompt, num_decode, forced)
+        return self.runs.generate(path, self.engine, prompt, num_decode=num_decode, forced=forced)
 
     def _eager_engine(self, path: str) -> EngineCore:
         """An engine over the session's model (or its float64 copy) running the model's own forward."""

@@ -56,7 +56,7 @@ class PackedTensor:
         """Rows (dim 0) or whole groups of columns (dim 1) of this weight: a tensor-parallel rank's shard."""
         if dim == 0:
             parts = (t.narrow(0, start, length) for t in (self.codes, self.scale, self.offset))
-            return PackedTensor(*parts, self.bits, self.input_order)
+            return PackedTensor(*parts, bits=self.bits, input_order=self.input_order)
         if self.input_order is not None:
             raise ValueError("act-ordered columns (GPTQ desc_act) cannot be split across tensor-parallel ranks")
         if start % self.group or length % self.group:
@@ -76,7 +76,7 @@ class PackedTensor:
             split = self.group // group
             codes = codes.reshape(codes.shape[0], -1, group)
             scale, offset = scale.repeat_interleave(split, dim=1), offset.repeat_interleave(split, dim=1)
-        return PackedTensor(codes, scale, offset, self.bits, self.input_order)
+        return PackedTensor(codes, scale, offset, bits=self.bits, input_order=self.input_order)
 
 
 class _Packed(nn.Module):
@@ -163,12 +163,20 @@ class PackedLinear(_Packed):
 
     @classmethod
     def like(cls, linear: nn.Linear, scheme: str = "gguf", bits: int = 8, group: int = GROUP) -> PackedLinear:
-        return cls(linear.in_features, linear.out_features, linear.bias is not None, scheme, bits, group)
+        bias = linear.bias is not None
+        return cls(linear.in_features, linear.out_features, bias=bias, scheme=scheme, bits=bits, group=group)
 
     @classmethod
     def tied_to(cls, embedding: PackedEmbedding) -> PackedLinear:
         """A logits head over the embedding's own buffers (tied word embeddings)."""
-        head = cls(embedding.in_features, embedding.out_features, False, "gguf", embedding.bits, embedding.group)
+        head = cls(
+            embedding.in_features,
+            embedding.out_features,
+            bias=False,
+            scheme="gguf",
+            bits=embedding.bits,
+            group=embedding.group,
+        )
         head.codes, head.scale, head.offset = embedding.codes, embedding.scale, embedding.offset
         head.tied = True
         return head

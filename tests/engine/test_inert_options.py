@@ -212,5 +212,7 @@ def test_an_option_the_checkpoint_leaves_inert_is_refused_once_it_decides() -> N
     with pytest.raises(ConfigError, match="--activations does nothing without quantized weights"):
         resolve_for_model(asked, model_config, lambda quantization: "none")
     assert resolve_for_model(asked, model_config, lambda quantization: "packed").activations == "int8"
+    plain = config(activations="float32")  # what unquantized weights run with anyway: a script may ask it everywhere
+    assert resolve_for_model(plain, model_config, lambda quantization: "none").activations == "float32"
     derived = resolve_engine_config(EngineArgs(activations="int8"), refuse_inert_options=False)
     assert resolve_for_model(derived, model_config, lambda quantization: "none").quantization == "none"

@@ -11,8 +11,7 @@ by keyword instead. Exempt, because the callee is not kiln's and its arguments r
 - a method whose name is a `torch.Tensor` method (`x.view(a, b, c, d, e)`): a shape reads by position;
 - the calls listed in `FOREIGN_CALLEES` by file and callee, each with its reason.
 
-Every other call, kiln's own functions and classes included, is checked. Violations in files that another change
-owns right now are listed in `OWNED_ELSEWHERE` until that change merges.
+Every other call, kiln's own functions and classes included, is checked.
 """
 
 from __future__ import annotations
@@ -37,25 +36,6 @@ TENSOR_METHODS = {name for name in dir(torch.Tensor) if not name.startswith("_")
 FOREIGN_CALLEES = {
     ("kiln/kernels/attention.py", "self.op"): "a torch.ops handle of the native tier; its schema is positional",
     ("kiln/bench/report.py", "table.add_row"): "rich's Table: one cell per column, in the columns' order",
-}
-
-# file -> why its violations wait: the files another change owns right now. The lead shrinks this after merging.
-OWNED_ELSEWHERE = {
-    "kiln/compile/capture.py": "owned by the graph executor change, fixed at merge",
-    "kiln/debug/commands.py": "owned by the graph executor change, fixed at merge",
-    "kiln/debug/diff.py": "owned by the graph executor change, fixed at merge",
-    "kiln/debug/explain.py": "owned by the graph executor change, fixed at merge",
-    "kiln/debug/ranks.py": "owned by the graph executor change, fixed at merge",
-    "kiln/debug/runs.py": "owned by the graph executor change, fixed at merge",
-    "kiln/debug/session.py": "owned by the graph executor change, fixed at merge",
-    "kiln/model/loader/config_reader.py": "owned by the checkpoint change, fixed at merge",
-    "kiln/model/loader/config_view.py": "owned by the checkpoint change, fixed at merge",
-    "kiln/model/loader/families.py": "owned by the checkpoint change, fixed at merge",
-    "kiln/model/loader/gguf_layout.py": "owned by the checkpoint change, fixed at merge",
-    "kiln/model/loader/gguf_loader.py": "owned by the checkpoint change, fixed at merge",
-    "kiln/model/loader/gguf_rope.py": "owned by the checkpoint change, fixed at merge",
-    "kiln/model/loader/hf_rope.py": "owned by the checkpoint change, fixed at merge",
-    "kiln/quant/linear.py": "owned by the checkpoint change, fixed at merge",
 }
 
 
@@ -122,9 +102,8 @@ def test_fmt_skip_is_rare() -> None:
         for i, line in enumerate(path.read_text().splitlines(), 1)
         if re.search(r"#\s*fmt:\s*skip", line)
     ]
-    waiting = [s for s in skips if s.rsplit(":", 1)[0] in OWNED_ELSEWHERE]
-    assert len(skips) - len(waiting) <= MAX_FMT_SKIPS, (
-        f"{len(skips) - len(waiting)} '# fmt: skip' in kiln/ (at most {MAX_FMT_SKIPS}, for tables that read "
+    assert len(skips) <= MAX_FMT_SKIPS, (
+        f"{len(skips)} '# fmt: skip' in kiln/ (at most {MAX_FMT_SKIPS}, for tables that read "
         f"better aligned); let ruff format the rest: {skips}"
     )
 
@@ -132,8 +111,6 @@ def test_fmt_skip_is_rare() -> None:
 def test_no_function_over_80_lines() -> None:
     long = []
     for path in _files():
-        if _rel(path) in OWNED_ELSEWHERE:
-            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 lines = node.end_lineno - node.lineno + 1
@@ -146,7 +123,6 @@ def test_long_calls_use_keywords() -> None:
     found = [
         f"{_rel(path)}:{line} {callee}(...) with {count} positional arguments"
         for path in _files()
-        if _rel(path) not in OWNED_ELSEWHERE
         for line, callee, count in long_positional_calls(path)
     ]
     assert not found, f"pass five or more arguments by keyword (or list a foreign callee with its reason): {found}"
@@ -171,20 +147,7 @@ def test_the_call_rule_sees_what_it_should(tmp_path: Path) -> None:
     assert [(line, callee) for line, callee, _ in found] == [(4, "make"), (5, "self.build"), (6, "make")]
 
 
-def _breaks_a_rule(path: Path) -> bool:
-    text = path.read_text()
-    functions = [n for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    return (
-        bool(re.search(r"#\s*fmt:\s*skip", text))
-        or any(n.end_lineno - n.lineno + 1 > MAX_FUNCTION_LINES for n in functions)
-        or bool(long_positional_calls(path))
-    )
-
-
-def test_allow_lists_are_not_stale() -> None:
-    """An entry for a file that is gone or now keeps the rules, or a callee no longer called there: remove it."""
-    for path in OWNED_ELSEWHERE:
-        assert (ROOT / path).is_file(), f"OWNED_ELSEWHERE names {path}, which does not exist"
-        assert _breaks_a_rule(ROOT / path), f"{path} keeps the rules now: remove it from OWNED_ELSEWHERE"
+def test_allow_list_is_not_stale() -> None:
+    """A callee no longer called where FOREIGN_CALLEES says: remove its entry."""
     for path, callee in FOREIGN_CALLEES:
         assert f"{callee}(" in (ROOT / path).read_text(), f"FOREIGN_CALLEES: {path} no longer calls {callee}"

@@ -58,7 +58,9 @@ def _quantization(given: set[str], config: EngineConfig) -> Iterable[str]:
             f"--quantization-group-size does nothing with --quantization {quantization}: it sizes the groups of "
             "weights kiln quantizes at load (int8, int4); a GGUF's packed blocks keep their own"
         )
-    if "activations" in given and (quantization == "none" or config.device != "cpu"):
+    # NOTE: float32 activations are what unquantized weights run with anyway: asking for them is never refused
+    quantized_activations = config.activations != "float32"
+    if "activations" in given and quantized_activations and (quantization == "none" or config.device != "cpu"):
         where = "without quantized weights (--quantization none)" if quantization == "none" else "off the CPU"
         yield f"--activations does nothing {where}: it sets the activations of kiln's CPU kernels for quantized weights"
     if "second_form_memory_gb" in given and (quantization == "none" or config.device != "cpu"):

@@ -81,6 +81,7 @@ def draft_engine_config(
         cache=cache,
         speculative=SpeculativeConfig(),
         lora=LoRAConfig(),  # the draft proposes from its base model; the target verifies with each request's adapter
+        must_act=frozenset(),  # derived: the options the user gave act on the target's engine
     )
 
 

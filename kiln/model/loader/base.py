@@ -175,8 +175,10 @@ class ConfigFields:
             raise self.error(key, f"must be a list of {length} values from {', '.join(allowed)}, found {value!r:.80}")
         return tuple(value)
 
-    def head_dim(self, hidden_key: str, hidden: int, heads_key: str, heads: int, head_dim_key: str) -> int:
-        """`head_dim_key` when present, else hidden / heads, which must then divide evenly."""
+    def head_dim(self) -> int:
+        """`head_dim` when present, else hidden_size / num_attention_heads, which must then divide evenly."""
+        hidden_key, heads_key, head_dim_key = "hidden_size", "num_attention_heads", "head_dim"
+        hidden, heads = self.positive_int(hidden_key), self.positive_int(heads_key)
         if self.lookup(head_dim_key) is not None:
             return self.positive_int(head_dim_key)
         if hidden % heads:

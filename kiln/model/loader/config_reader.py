@@ -24,7 +24,7 @@ def read_model_config(view: ConfigView, family: Family) -> ModelConfig:
         num_layers=view.positive_int("num_hidden_layers"),
         num_heads=num_heads,
         num_kv_heads=view.kv_heads("num_attention_heads", num_heads, "num_key_value_heads"),
-        head_dim=view.head_dim("hidden_size", hidden, "num_attention_heads", num_heads, "head_dim"),
+        head_dim=view.head_dim(),
         rms_norm_eps=view.positive_float("rms_norm_eps", 1e-5),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,

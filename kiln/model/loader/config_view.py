@@ -121,15 +121,11 @@ class GGUFConfigView(ConfigView):
 
     def rope(self, default_theta: float = 10000.0) -> tuple[float, dict | None]:
         raw = ConfigFields(self.path, self.field)  # NOTE: the scaling keys are read under the file's own names
-        head_dim = self.head_dim(
-            "hidden_size",
-            self.positive_int("hidden_size"),
-            "num_attention_heads",
-            self.positive_int("num_attention_heads"),
-            "head_dim",
-        )
+        head_dim = self.head_dim()
         longest = self.positive_int("max_position_embeddings", 2048)
-        scaling = read_rope_scaling(raw, self.arch, self.tensors, head_dim, longest, self.layout.long_rope)
+        scaling = read_rope_scaling(
+            raw, self.arch, tensors=self.tensors, head_dim=head_dim, longest=longest, long_rope=self.layout.long_rope
+        )
         return self.positive_float("rope_theta", default_theta), scaling
 
     def rope_by_layer_kind(self, default_theta: float, default_local: float) -> tuple[float, dict | None, float]:

@@ -71,30 +71,41 @@ _MIXTRAL = GGUFLayout("llama", MIXTRAL_NAMES, permuted_qk=True, experts=MIXTRAL_
 FAMILIES: dict[str, Family] = {
     "LlamaForCausalLM": Family("llama", _LLAMA, gguf=GGUFLayout("llama", permuted_qk=True)),
     "MistralForCausalLM": Family(
-        "mistral", _LLAMA, _READ + "read_mistral", GGUFLayout("mistral", implied=mistral_implied, permuted_qk=True)
+        "mistral",
+        _LLAMA,
+        read_config=_READ + "read_mistral",
+        gguf=GGUFLayout("mistral", implied=mistral_implied, permuted_qk=True),
     ),
-    "Qwen2ForCausalLM": Family("qwen2", _LLAMA, _READ + "read_qwen2", GGUFLayout("qwen2"), _BIASED),
-    "Qwen3ForCausalLM": Family("qwen3", _LLAMA, _READ + "read_qwen3", GGUFLayout("qwen3", LAYER_NAMES | QK_NORM_NAMES)),
-    "Phi3ForCausalLM": Family("phi3", _LLAMA, _READ + "read_phi3", GGUFLayout("phi3", PHI3_NAMES, long_rope=True)),
-    "MixtralForCausalLM": Family("mixtral", _LLAMA, _READ + "read_mixtral", _MIXTRAL),
-    "Qwen2MoeForCausalLM": Family("qwen2_moe", _LLAMA, _READ + "read_qwen2_moe", _QWEN_MOE, _BIASED),
+    "Qwen2ForCausalLM": Family(
+        "qwen2", _LLAMA, read_config=_READ + "read_qwen2", gguf=GGUFLayout("qwen2"), hf_fixed=_BIASED
+    ),
+    "Qwen3ForCausalLM": Family(
+        "qwen3", _LLAMA, read_config=_READ + "read_qwen3", gguf=GGUFLayout("qwen3", LAYER_NAMES | QK_NORM_NAMES)
+    ),
+    "Phi3ForCausalLM": Family(
+        "phi3", _LLAMA, read_config=_READ + "read_phi3", gguf=GGUFLayout("phi3", PHI3_NAMES, long_rope=True)
+    ),
+    "MixtralForCausalLM": Family("mixtral", _LLAMA, read_config=_READ + "read_mixtral", gguf=_MIXTRAL),
+    "Qwen2MoeForCausalLM": Family(
+        "qwen2_moe", _LLAMA, read_config=_READ + "read_qwen2_moe", gguf=_QWEN_MOE, hf_fixed=_BIASED
+    ),
     "Qwen3MoeForCausalLM": Family(
         "qwen3_moe",
         _LLAMA,
-        _READ + "read_qwen3_moe",
-        GGUFLayout("qwen3moe", MOE_NAMES | QK_NORM_NAMES, qwen3_moe_implied, experts=QWEN_EXPERT_NAMES),
+        read_config=_READ + "read_qwen3_moe",
+        gguf=GGUFLayout("qwen3moe", MOE_NAMES | QK_NORM_NAMES, qwen3_moe_implied, experts=QWEN_EXPERT_NAMES),
     ),
     "Gemma2ForCausalLM": Family(
         "gemma2",
         _GEMMA,
-        _READ_GEMMA + "read_gemma2",
-        GGUFLayout("gemma2", GEMMA_NAMES, gemma2_implied, norm_plus_one=True),
+        read_config=_READ_GEMMA + "read_gemma2",
+        gguf=GGUFLayout("gemma2", GEMMA_NAMES, gemma2_implied, norm_plus_one=True),
     ),
     "Gemma3ForCausalLM": Family(
         "gemma3",
         _GEMMA,
-        _READ_GEMMA + "read_gemma3",
-        GGUFLayout("gemma3", GEMMA_NAMES | QK_NORM_NAMES, gemma3_implied, norm_plus_one=True),
+        read_config=_READ_GEMMA + "read_gemma3",
+        gguf=GGUFLayout("gemma3", GEMMA_NAMES | QK_NORM_NAMES, gemma3_implied, norm_plus_one=True),
     ),
 }
 
@@ -109,7 +120,7 @@ def register(
     """Run checkpoints whose config.json names `hf_architecture` with `model_class` (see kiln.models)."""
     if not isinstance(hf_architecture, str) or not hf_architecture:
         raise ConfigError(f"register: the HF architecture name must be a non-empty string, got {hf_architecture!r}")
-    family = Family(architecture or hf_architecture, model_class, read_config)
+    family = Family(architecture or hf_architecture, model_class, read_config=read_config)
     taken = {f.architecture: name for name, f in FAMILIES.items() if name != hf_architecture}
     owner = taken.get(family.architecture)
     if owner is not None and FAMILIES[owner].model != model_class:

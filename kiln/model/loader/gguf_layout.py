@@ -96,7 +96,7 @@ def _stored_or(stored: ConfigFields, key: str, default: object) -> object:
 def _gemma(stored: ConfigFields, layers_27b: int) -> dict[str, object]:
     layers = stored.positive_int("num_hidden_layers")
     hidden, heads = stored.positive_int("hidden_size"), stored.positive_int("num_attention_heads")
-    head_dim = stored.head_dim("hidden_size", hidden, "num_attention_heads", heads, "head_dim")
+    head_dim = stored.head_dim()
     # NOTE: llama.cpp scales queries by head_dim**-0.5, except for the 27B models (told apart by their layer
     # count), where it is (hidden / heads)**-0.5: their configs' query_pre_attn_scalar; GGUF does not store it
     scalar = hidden // heads if layers == layers_27b else head_dim

@@ -119,10 +119,10 @@ class GGUFCheckpoint:
         view = GGUFConfigView(
             self.path,
             self.architecture,
-            self.field,
-            {t.name: t for t in self.reader.tensors},
-            self.family,
-            self._vocab_from_tokens(),
+            field=self.field,
+            tensors={t.name: t for t in self.reader.tensors},
+            layout=self.family,
+            num_tokens=self._vocab_from_tokens(),
         )
         return read_model_config(view, self.kiln_family)
 

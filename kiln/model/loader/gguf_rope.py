@@ -43,7 +43,7 @@ def read_rope_scaling(
     if scaling_type not in (None, *kinds):
         raise fields.error(key, f"is {scaling_type!r}; kiln runs {', '.join(kinds)} (or {ROPE_FREQS}) for {arch}")
     if found or scaling_type == "longrope":
-        return _long_rope(fields, arch, tensors, head_dim, longest)
+        return _long_rope(fields, arch, tensors=tensors, head_dim=head_dim, longest=longest)
     if scaling_type == "linear":
         return {"rope_type": "linear", "factor": fields.positive_float(f"{arch}.rope.scaling.factor", 1.0)}
     return None

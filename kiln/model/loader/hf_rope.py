@@ -39,10 +39,7 @@ def hf_rope(fields: ConfigFields, default_theta: float = 10000.0) -> tuple[float
 
 def _longrope(fields: ConfigFields, scaling: ConfigFields, rope: dict) -> dict:
     """Phi-3's long-rope: per-frequency short and long factors, an attention factor from the context ratio."""
-    heads = fields.positive_int("num_attention_heads")
-    head_dim = fields.head_dim(
-        "hidden_size", fields.positive_int("hidden_size"), "num_attention_heads", heads, "head_dim"
-    )
+    head_dim = fields.head_dim()
     if fields.lookup("partial_rotary_factor") not in (None, 1, 1.0):
         raise fields.error("partial_rotary_factor", "must be 1.0: kiln rotates whole heads")
     factors = {}
@@ -61,10 +58,10 @@ def _longrope(fields: ConfigFields, scaling: ConfigFields, rope: dict) -> dict:
     return longrope_scaling(
         int(original),
         longest,
-        factors["short_factor"],
-        factors["long_factor"],
-        rope.get("factor"),
-        rope.get("attention_factor"),
+        short_factor=factors["short_factor"],
+        long_factor=factors["long_factor"],
+        factor=rope.get("factor"),
+        attention_factor=rope.get("attention_factor"),
     )
 
 
