@@ -176,7 +176,8 @@ class DebugSession:
                 "start the ranks themselves"
             )
         if not is_factory_spec(args.model):
-            return cls(build_engine(config, observer=recorder), args, recorder, cached_prefix, lora)
+            engine = build_engine(config, observer=recorder)
+            return cls(engine, args, recorder, cached_prefix=cached_prefix, lora=lora)
         if args.recipe:
             raise ConfigError("--recipe needs a checkpoint model: a recipe is validated against checkpoint headers")
         apply_device_settings(config)
@@ -184,7 +185,7 @@ class DebugSession:
         model = load_factory(args.model).to(device=args.device, dtype=parse_dtype(args.dtype))
         model.eval().requires_grad_(False)
         engine = build_core(config, model, checkpoint_path=args.model, observer=recorder)
-        return cls(engine, args, recorder, cached_prefix, lora)
+        return cls(engine, args, recorder, cached_prefix=cached_prefix, lora=lora)
 
     # -- piece modes -------------------------------------------------------------------------------------------
     def set_modes(self, mode: PieceMode | str, overrides: dict[int, PieceMode] | None = None) -> dict[int, PieceMode]:
