@@ -28,6 +28,7 @@ def add_debug_subcommand(sub: argparse._SubParsersAction) -> None:
     EngineArgs.add_cli_args(d)
     _add_run_args(d)
     d.add_argument("--case", default=None, help="take inputs, reference and thresholds from a saved debug case")
+    _add_lora_arg(d)
     d.add_argument(
         "--modes",
         default="eager,captured",
@@ -43,6 +44,7 @@ def add_debug_subcommand(sub: argparse._SubParsersAction) -> None:
     how.add_argument(
         "--check", default=None, help="the failure: CMD exits non-zero ({piece_modes} in CMD is substituted)"
     )
+    _add_lora_arg(b)
     b.set_defaults(handler=f"{_HANDLERS}:cmd_bisect")
 
     s = cmds.add_parser("save-case", help="save inputs, expected outputs and per-boundary thresholds as a case")
@@ -67,6 +69,15 @@ def add_debug_subcommand(sub: argparse._SubParsersAction) -> None:
     e = cmds.add_parser("explain", help="list graph breaks and trace failures with module path, op and a hint")
     EngineArgs.add_cli_args(e)
     e.set_defaults(handler=f"{_HANDLERS}:cmd_explain")
+
+
+def _add_lora_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--lora",
+        default=None,
+        metavar="NAME=PATH",
+        help="run the request with this LoRA adapter (a PEFT directory; turns --enable-lora on): every path runs it",
+    )
 
 
 def _add_run_args(p: argparse.ArgumentParser) -> None:

@@ -25,6 +25,7 @@ from kiln.engine.setup.args import EngineArgs
 from kiln.engine.setup.resolve import resolve_engine_config
 from kiln.errors import ConfigError
 from kiln.log import setup_logging
+from kiln.lora.request import LoRARequest
 from kiln.model.attention import allocate_kv_caches
 from kiln.model.build import build_model
 from kiln.model.dtypes import parse_dtype
@@ -46,7 +47,7 @@ def _open(args: argparse.Namespace, case: Case | None = None) -> DebugSession:
     setup_logging()
     faults = [parse_fault(spec) for spec in args.inject_fault]
     cached = case.meta.get("cached_prefix", 0) if case is not None else getattr(args, "cached_prefix", 0)
-    session = DebugSession.open(engine_args(args, case), cached)
+    session = DebugSession.open(engine_args(args, case), cached, lora_request(getattr(args, "lora", None)))
     if case is not None:
         check_names(case, session)
         for change in fingerprint_changes(case, session):
@@ -54,6 +55,16 @@ def _open(args: argparse.Namespace, case: Case | None = None) -> DebugSession:
     for fault in faults:
         print(f"Injected fault {inject(session, fault)}", file=sys.stderr)
     return session
+
+
+def lora_request(spec: str | None) -> LoRARequest | None:
+    """`--lora NAME=PATH` as the adapter the debug request runs with (id 1); ConfigError for another form."""
+    if spec is None:
+        return None
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise ConfigError(f"--lora {spec!r}: expected NAME=PATH (a PEFT adapter directory)")
+    return LoRARequest(name, 1, path)
 
 
 def _prompt(session: DebugSession, args: argparse.Namespace) -> list[int]:

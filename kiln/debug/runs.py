@@ -8,6 +8,7 @@ teacher forcing, speculative decoding's two passes, and a cached prefix primed f
   run's own prefill finds them in the prefix cache and computes only the rest over that context, on every path:
   the prefill over a cached prefix is what the diff holds to the reference. The cache is emptied before each run,
   so no run finds another's blocks.
+- `lora`: every request (the priming one too) runs with that adapter, registered with the engine on first use.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kiln.debug.taps import LOGITS, StepRecord, TapRecorder
 from kiln.engine.core import EngineCore
 from kiln.engine.sampling.sampling_params import SamplingParams
 from kiln.errors import ConfigError
+from kiln.lora.request import LoRARequest
 
 
 @dataclass
@@ -54,10 +56,11 @@ class PathRun:
 
 
 class DebugRuns:
-    """Runs one greedy debug request at a time through an engine; `recorder` holds the taps of its steps."""
+    """Runs one greedy debug request at a time through an engine; `recorder` holds the taps of its steps; `lora`:
+    the adapter every request runs with (None: the base model)."""
 
-    def __init__(self, recorder: TapRecorder, cached_prefix: int = 0) -> None:
-        self.recorder, self.cached_prefix = recorder, cached_prefix
+    def __init__(self, recorder: TapRecorder, cached_prefix: int = 0, lora: LoRARequest | None = None) -> None:
+        self.recorder, self.cached_prefix, self.lora = recorder, cached_prefix, lora
         self._request_ids = itertools.count()
 
     def generate(
@@ -109,12 +112,17 @@ class DebugRuns:
         request_id = f"debug-{path}-{next(self._request_ids)}"
         return self._run(engine, request_id, prompt, num_decode=num_decode, forced=forced)
 
-    @staticmethod
     def _run(
-        engine: EngineCore, request_id: str, prompt: Sequence[int], num_decode: int, forced: Sequence[int] | None = None
+        self,
+        engine: EngineCore,
+        request_id: str,
+        prompt: Sequence[int],
+        num_decode: int,
+        forced: Sequence[int] | None = None,
     ) -> list[int]:
         params = SamplingParams(temperature=0.0, max_tokens=num_decode + 1, ignore_eos=True)
-        engine.add_request(request_id, list(prompt), params, list(forced) if forced is not None else None)
+        forced_output = list(forced) if forced is not None else None
+        engine.add_request(request_id, list(prompt), params, forced_output, lora=self.lora)
         tokens: list[int] = []
         try:
             while engine.has_unfinished:

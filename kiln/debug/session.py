@@ -11,6 +11,10 @@ the taps go in through the debugger's controls over the graph executor (kiln.exe
 `set_piece_hooks`) and the recorder is the engine's step observer. The eager paths are engines over the same
 model (and its float64 copy) with an `EagerExecutor` that keeps the weight layout as it is.
 
+With `lora` (`kiln debug diff --lora name=path`) every run is a request with that adapter: the eager engines share
+the graph engine's adapter slots (the same model), the float64 copy gets a copy of them, so each path runs the
+adapter and the diff holds graph mode to eager for it.
+
 `--model` is a checkpoint (path or `default`), or `package.module:factory`, a Python callable returning a
 Llama-family module (tests point the debugger at synthetic models this way; nothing is evaluated, the module is
 imported and the callable called).
@@ -52,6 +56,7 @@ from kiln.errors import ConfigError
 from kiln.executor.controls import GraphControls
 from kiln.executor.eager import EagerExecutor
 from kiln.executor.graph import GraphExecutor
+from kiln.lora.request import LoRARequest
 from kiln.model.dtypes import parse_dtype
 
 logger = logging.getLogger("kiln")
@@ -105,7 +110,14 @@ def debug_engine_args(args: EngineArgs, prefix_caching: bool = False) -> EngineA
 
 
 class DebugSession:
-    def __init__(self, engine: EngineCore, args: EngineArgs, recorder: TapRecorder, cached_prefix: int = 0) -> None:
+    def __init__(
+        self,
+        engine: EngineCore,
+        args: EngineArgs,
+        recorder: TapRecorder,
+        cached_prefix: int = 0,
+        lora: LoRARequest | None = None,
+    ) -> None:
         graph = engine.executor
         if not isinstance(graph, GraphExecutor) or not graph.mode.splits_forward:
             raise ConfigError(
@@ -121,7 +133,7 @@ class DebugSession:
         self.recipe = engine.recipe
         self.recorder = recorder
         self._eager_engines: dict[str, EngineCore] = {}
-        self.runs = DebugRuns(recorder, cached_prefix)
+        self.runs = DebugRuns(recorder, cached_prefix, lora)
         self.fault_descriptions: list[str] = []
         self.base_keys = [p.info.structure_key for p in graph.pieces]
         try:
@@ -150,10 +162,13 @@ class DebugSession:
 
     # -- construction ----------------------------------------------------------------------------------------
     @classmethod
-    def open(cls, args: EngineArgs, cached_prefix: int = 0) -> DebugSession:
+    def open(cls, args: EngineArgs, cached_prefix: int = 0, lora: LoRARequest | None = None) -> DebugSession:
         """Load the model and build its graph engine (traced once; every piece eager, nothing compiled); with
-        `cached_prefix`, every run prefills over that many prompt tokens found in the prefix cache (DebugRuns)."""
+        `cached_prefix`, every run prefills over that many prompt tokens found in the prefix cache (DebugRuns); with
+        `lora`, every run is a request with that adapter (LoRA turned on)."""
         recorder = TapRecorder()
+        if lora is not None:
+            args = replace(args, enable_lora=True)
         config = resolve_engine_config(debug_engine_args(args, cached_prefix > 0), refuse_inert_options=False)
         if config.parallel.is_distributed and rank_state() is None:
             raise ConfigError(
@@ -161,7 +176,8 @@ class DebugSession:
                 "start the ranks themselves"
             )
         if not is_factory_spec(args.model):
-            return cls(build_engine(config, observer=recorder), args, recorder, cached_prefix)
+            engine = build_engine(config, observer=recorder)
+            return cls(engine, args, recorder, cached_prefix=cached_prefix, lora=lora)
         if args.recipe:
             raise ConfigError("--recipe needs a checkpoint model: a recipe is validated against checkpoint headers")
         apply_device_settings(config)
@@ -169,7 +185,7 @@ class DebugSession:
         model = load_factory(args.model).to(device=args.device, dtype=parse_dtype(args.dtype))
         model.eval().requires_grad_(False)
         engine = build_core(config, model, checkpoint_path=args.model, observer=recorder)
-        return cls(engine, args, recorder, cached_prefix)
+        return cls(engine, args, recorder, cached_prefix=cached_prefix, lora=lora)
 
     # -- piece modes -------------------------------------------------------------------------------------------
     def set_modes(self, mode: PieceMode | str, overrides: dict[int, PieceMode] | None = None) -> dict[int, PieceMode]:
@@ -206,9 +222,10 @@ class DebugSession:
         """An engine over the session's model (or its float64 copy) running the model's own forward."""
         if path not in self._eager_engines:
             config: EngineConfig = self.engine.config
-            model = self.model
+            model, lora = self.model, self.engine.lora  # the same model holds the same adapter slots
             if path == EAGER_FP64:
-                model = copy.deepcopy(self.model).to(torch.float64)
+                model, lora = copy.deepcopy((self.model, self.engine.lora))  # the copy's slots with it
+                model = model.to(torch.float64)
                 config = replace(config, cache=replace(config.cache, dtype="auto"))
             engine = build_core(
                 config,
@@ -218,6 +235,7 @@ class DebugSession:
                 checkpoint_path=self.engine.checkpoint_path,
                 observer=self.recorder,
                 state=rank_state(),  # this rank's shard, in a debug command every rank runs
+                lora=lora,
             )
             self._eager_engines[path] = engine
         return self._eager_engines[path]

@@ -11,11 +11,14 @@ from kiln.errors import ConfigError
 class LoRALimits:
     """`max_loras` adapters held at once (slots 0 .. max_loras - 1, vLLM's `--max-loras`), each of rank at most
     `max_rank` (`--max-lora-rank`), in steps of at most `max_num_tokens` tokens (the step's token budget, padding to
-    a capture size included). The buffers never grow: a step or an adapter past a limit is refused."""
+    a capture size included). The buffers never grow: a step or an adapter past a limit is refused. `target_modules`:
+    the only HF module names (q_proj, ...) an adapter may adapt (a recipe's lora.target_modules); None: any kiln
+    adapts."""
 
     max_loras: int = 1
     max_rank: int = 16
     max_num_tokens: int = 2048
+    target_modules: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_loras", "max_rank", "max_num_tokens"):

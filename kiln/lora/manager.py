@@ -114,7 +114,8 @@ class LoRAManager:
 
     def _read(self, request: LoRARequest) -> LoRAAdapter:
         adapter = self.read(request.lora_path)
-        check_adapter(adapter, self.slots.targets, self.slots.limits.max_rank)
+        limits = self.slots.limits
+        check_adapter(adapter, self.slots.targets, limits.max_rank, allowed=limits.target_modules)
         self.counters.host_reads += 1
         return adapter
 

@@ -1,6 +1,7 @@
 """Whether a LoRA adapter fits a model and the engine's limits, checked before any buffer changes (a bad adapter
 leaves the adapters already loaded untouched): every target a layer kiln adapts in this model, every shape the
-base layer's, every rank within `max_rank`. Each failure is an AdapterError naming the file and the field."""
+base layer's, every rank within `max_rank`, every module among the allowed ones (a recipe's lora.target_modules).
+Each failure is an AdapterError naming the file and the field."""
 
 from __future__ import annotations
 
@@ -9,9 +10,16 @@ from kiln.lora.checkpoint import PEFT_PREFIX, LoRAAdapter
 from kiln.lora.targets import TARGET_MODULES, LoRATarget
 
 
-def check_adapter(adapter: LoRAAdapter, targets: dict[str, LoRATarget], max_rank: int) -> None:
+def check_adapter(
+    adapter: LoRAAdapter,
+    targets: dict[str, LoRATarget],
+    max_rank: int,
+    allowed: tuple[str, ...] | None = None,
+) -> None:
     """AdapterError for the first thing in `adapter` that does not fit `targets` (kiln.lora.targets.lora_targets of
-    the model) or `max_rank`."""
+    the model), `max_rank` or `allowed` (the HF module names adapters may adapt; None: any in `targets`)."""
+    if allowed is not None:
+        check_allowed(adapter, allowed)
     known = sorted({name.rpartition(".")[2] for name in targets})
     if isinstance(adapter.target_modules, tuple):
         for name in adapter.target_modules:
@@ -53,6 +61,19 @@ def check_adapter(adapter: LoRAAdapter, targets: dict[str, LoRATarget], max_rank
             adapter.other_tensors[0],
             "not a LoRA tensor (expected <module>.lora_A.weight or <module>.lora_B.weight)",
         )
+
+
+def check_allowed(adapter: LoRAAdapter, allowed: tuple[str, ...]) -> None:
+    """AdapterError naming the adapter's file and the first module it adapts outside `allowed`."""
+    for module in adapter.layers:
+        short = module.rpartition(".")[2]
+        if short not in allowed:
+            raise AdapterError(
+                adapter.weights_file,
+                f"{PEFT_PREFIX}{module}.lora_A.weight",
+                f"the adapter adapts {short} ({module}), outside the engine's LoRA target modules "
+                f"({', '.join(allowed)}: the recipe's lora.target_modules); adapt only those or widen the list",
+            )
 
 
 def _unknown(name: str, known: list[str]) -> str:

@@ -18,6 +18,8 @@ evaluate.py       a whitelisted constraint evaluated on integers with Python's o
 expr.py           the constraint language: Python syntax parsed with `ast`, checked against a whitelist, never run
 guards.py         run-time enforcement of the constraints: a violation fails only its request (or step)
 init_recipe.py    `kiln recipe init`: a valid, commented recipe for a checkpoint, derived from its header
+lora_checks.py    the lora section against the placement, the checkpoint's layers, the memory budget and the
+                  solver's batch bound
 machine.py        what the machine running kiln offers: CPU ISA features and the CUDA device's compute capability
 migrate.py        `kiln recipe migrate`: a recipe in the community shape rewritten in kiln's schema
 migrate_retired.py  `kiln recipe migrate` on a kiln recipe: retired keys (graph.piecewise) rewritten in place

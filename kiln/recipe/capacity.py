@@ -54,7 +54,7 @@ def check_kv_capacity(
         out.append(doc.diagnostic("error", message, CONSTRAINTS_PATH, key=True))
     elif seq_len > capacity:
         message = (
-            f"seq_len can reach {seq_len} ({_bounded_by(analysis, 'seq_len')}) but the KV cache "
+            f"seq_len can reach {seq_len} ({bounded_by(analysis, 'seq_len')}) but the KV cache "
             f"holds {capacity} tokens ({where})"
         )
         out.append(_at_bound(doc, analysis, name="seq_len", severity="error", message=message))
@@ -89,7 +89,7 @@ def _bounding_facts(analysis: Analysis, name: str) -> list[Fact]:
     return [f for f in sorted(outcome.core, key=_line) if f.constraint is not None] if outcome.status == "unsat" else []
 
 
-def _bounded_by(analysis: Analysis, name: str) -> str:
+def bounded_by(analysis: Analysis, name: str) -> str:
     labels = [f.label for f in _bounding_facts(analysis, name)]
     return f"bounded by {' and '.join(labels)}" if labels else "its largest allowed value"
 

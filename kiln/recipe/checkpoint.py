@@ -131,9 +131,14 @@ def check_model_constraints(
     return diagnostics
 
 
+def checkpoint_modules(header: CheckpointHeader) -> set[str]:
+    """Module names the checkpoint's tensors belong to (q_proj, gate_proj, norm, ...), by their HF names."""
+    return {_module(header, name) for name in header.tensor_types} - {""}
+
+
 def model_ops(header: CheckpointHeader) -> set[str]:
     """Module names the checkpoint has (q_proj, gate_proj, norm, ...), plus kiln's fused ones."""
-    ops = {_module(header, name) for name in header.tensor_types} - {""}
+    ops = checkpoint_modules(header)
     if header.config.tie_word_embeddings:
         ops.add("lm_head")
     if {"q_proj", "k_proj", "v_proj"} <= ops:

@@ -11,16 +11,31 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
-from kiln.config import SpeculativeConfig
+from kiln.config import LoRAConfig, SpeculativeConfig
 from kiln.graph_mode import GraphMode
 from kiln.model.loader import CheckpointHeader
 from kiln.recipe.analysis import analyze
 from kiln.recipe.capacity import check_capture_sizes, check_kv_capacity
-from kiln.recipe.checkpoint import check_model_constraints, check_weights, model_ops, model_symbols, open_header
+from kiln.recipe.checkpoint import (
+    check_model_constraints,
+    check_weights,
+    checkpoint_modules,
+    model_ops,
+    model_symbols,
+    open_header,
+)
 from kiln.recipe.constraints import CONSTRAINTS_PATH, Constraint, parse_constraints
 from kiln.recipe.contract import check_hardware, check_identity, check_inert, check_refused, quantization_mode
 from kiln.recipe.diagnostics import Diagnostic, RecipeError, has_errors, sort_diagnostics
 from kiln.recipe.guards import RecipeGuards
+from kiln.recipe.lora_checks import (
+    check_lora_placement,
+    check_lora_rank,
+    check_lora_slots,
+    check_lora_targets,
+    has_lora,
+    lora_buffer_bytes,
+)
 from kiln.recipe.machine import this_machine
 from kiln.recipe.schema import FusionGroup, RecipeSpec
 from kiln.recipe.schema_check import validate_schema
@@ -99,6 +114,15 @@ class Recipe:
         if "speculative" not in self.spec.model_fields_set:
             return None
         return self.spec.speculative.config()
+
+    @property
+    def lora(self) -> LoRAConfig | None:
+        """The recipe's LoRA adapters, on (None: the recipe has no `lora` section; adapters are then the flags')."""
+        if "lora" not in self.spec.model_fields_set:
+            return None
+        lora = self.spec.lora
+        modules = None if lora.target_modules is None else tuple(lora.target_modules)
+        return LoRAConfig(enabled=True, max_loras=lora.max_loras, max_lora_rank=lora.max_rank, target_modules=modules)
 
     @property
     def prefix_caching(self) -> bool:
@@ -203,13 +227,18 @@ def load_recipe_text(
     broken = _sections_of(doc, schema_diagnostics)
     if not broken & {"parallel", "device_affinity"}:
         diagnostics += check_parallel(doc, spec, header.config.num_layers if header else None)
+        diagnostics += check_lora_placement(doc, spec)
     if header is not None:
         diagnostics += check_weights(doc, spec, header) + check_model_constraints(doc, constraints, values, header)
         diagnostics += check_identity(doc, spec, header)
         if not broken & {"quantization"}:
             diagnostics += check_group_size(doc, spec, header.config)
-        if not broken & {"memory_plan", "hardware", "weights", "quantization"}:
-            diagnostics += check_memory(doc, spec, header.config)
+        modules = checkpoint_modules(header)
+        if not broken & {"lora"}:
+            diagnostics += check_lora_targets(doc, spec, modules) + check_lora_rank(doc, spec, header.config)
+        if not broken & {"memory_plan", "hardware", "weights", "quantization", "lora"}:
+            lora_bytes = lora_buffer_bytes(spec, header.config, modules) if has_lora(spec) else 0
+            diagnostics += check_memory(doc, spec, header.config, lora_bytes=lora_bytes)
         if not broken & {"memory_plan"}:
             diagnostics += check_kv_dtype(doc, spec, header.config)
     witness: dict[str, int] = {}
@@ -260,6 +289,8 @@ def _prove(
             found += check_capture_sizes(doc, spec, analysis)
         if "memory_plan" not in broken:
             found += check_kv_capacity(doc, spec, analysis, header.config if header else None)
+        if "lora" not in broken:
+            found += check_lora_slots(doc, spec, analysis)
     except SolverBudgetExceeded as exc:
         message = (
             f"could not finish proving the constraints: {exc}; simplify the constraints (products or divisions "
@@ -289,6 +320,8 @@ def recipe_hash(spec: RecipeSpec, constraints: list[Constraint]) -> str:
     # NOTE: the placement as it runs (pipeline derived, stages by device_id); one device adds nothing, so recipes
     # written before `parallel` existed keep their hash (and their compile-cache entries).
     del data["parallel"], data["device_affinity"]
+    if "lora" not in spec.model_fields_set:
+        del data["lora"]  # NOTE: recipes without adapters keep the hash they had before the section existed
     stages = stage_layers_of(spec)
     if spec.parallel.tensor > 1 or pipeline_size(spec) > 1 or stages is not None:
         data["parallel"] = {

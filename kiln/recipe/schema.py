@@ -12,6 +12,7 @@ from kiln.config import (
     SpeculativeConfig,
 )
 from kiln.graph_mode import DEFAULT_GRAPH_MODE, GRAPH_MODES
+from kiln.lora.targets import TARGET_MODULES
 from kiln.speculative_config import SPECULATIVE_METHODS, SPECULATIVE_POLICIES
 
 DType = Literal["float32", "float16", "bfloat16"]
@@ -202,6 +203,22 @@ class Speculative(Section):
         )
 
 
+class LoRA(Section):
+    """LoRA adapters (kiln.lora), vLLM's --enable-lora: the section's presence turns them on and sizes their static
+    buffers (max_loras x max_rank per adapted layer), fixed when the engine starts."""
+
+    max_loras: PositiveInt = Field(1, description="Adapters held at once, one buffer slot each (--max-loras).")
+    max_rank: PositiveInt = Field(
+        16, description="Highest adapter rank accepted: the buffers' width (--max-lora-rank)."
+    )
+    target_modules: list[Literal[TARGET_MODULES]] | None = Field(  # type: ignore[valid-type]
+        None,
+        description="The only layers adapters may adapt (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+        "down_proj; qkv_proj, gate_up_proj where the checkpoint stores them fused); an adapter of another layer is "
+        "refused. null: every layer kiln adapts.",
+    )
+
+
 class Hardware(Section):
     device: Literal["cpu", "cuda"] = Field(description="The device the engine runs on; it must exist here.")
     arch: str | None = Field(
@@ -252,6 +269,7 @@ class RecipeSpec(Section):
     memory_plan: MemoryPlan = Field(default_factory=MemoryPlan)
     graph: Graph = Field(default_factory=Graph)
     speculative: Speculative = Field(default_factory=Speculative)
+    lora: LoRA = Field(default_factory=LoRA)
     hardware: Hardware
     parallel: Parallel = Field(default_factory=Parallel)
     device_affinity: list[DeviceAffinity] | None = Field(

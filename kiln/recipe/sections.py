@@ -177,8 +177,9 @@ def check_group_size(doc: SourceDoc, spec: RecipeSpec, config: ModelConfig) -> l
     return [doc.diagnostic("error", message, ("quantization", "group_size"))]
 
 
-def check_memory(doc: SourceDoc, spec: RecipeSpec, config: ModelConfig) -> list[Diagnostic]:
-    """KV cache (max_pages * block_size * bytes per token) plus weights must fit hardware.memory_budget_gb."""
+def check_memory(doc: SourceDoc, spec: RecipeSpec, config: ModelConfig, lora_bytes: int = 0) -> list[Diagnostic]:
+    """KV cache (max_pages * block_size * bytes per token) plus weights plus `lora_bytes` (the LoRA adapters' static
+    buffers, kiln.recipe.lora_checks.lora_buffer_bytes) must fit hardware.memory_budget_gb."""
     kv = spec.memory_plan.kv_cache
     if kv.dtype != "auto" and kv.dtype not in STORAGE:
         return []  # refused by kiln.recipe.contract.check_refused
@@ -187,15 +188,16 @@ def check_memory(doc: SourceDoc, spec: RecipeSpec, config: ModelConfig) -> list[
     kv_bytes = kv.max_pages * kv.block_size * per_token
     weight_bytes = weights_bytes(spec, config)
     budget = spec.hardware.memory_budget_gb
-    if kv_bytes + weight_bytes <= budget * GB:
+    if kv_bytes + weight_bytes + lora_bytes <= budget * GB:
         return []
     stored = kv_dtype_name(kv_dtype)
     message = (
         f"memory_budget_gb {budget:g} is too small: the KV cache needs {kv_bytes / GB:.2f} GB "
         f"(max_pages {kv.max_pages} x block_size {kv.block_size} x {per_token} bytes per token as {stored}) "
         f"and the weights {weight_bytes / GB:.2f} GB ({spec.weights.dtype}, quantization "
-        f"{spec.quantization.weights}): {(kv_bytes + weight_bytes) / GB:.2f} GB in all; "
-        "lower max_pages or raise the budget"
+        f"{spec.quantization.weights})"
+        + (f" and the LoRA buffers {lora_bytes / GB:.2f} GB (lora.max_loras x lora.max_rank)" if lora_bytes else "")
+        + f": {(kv_bytes + weight_bytes + lora_bytes) / GB:.2f} GB in all; lower max_pages or raise the budget"
     )
     return [doc.diagnostic("error", message, ("hardware", "memory_budget_gb"))]
 

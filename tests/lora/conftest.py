@@ -3,11 +3,13 @@ downloaded)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import transformers
 
+from tests.engine.tiny_models import default_tokenizer_json
 from tests.lora.adapters import SEVEN, write_adapter, write_base
 
 # name -> (targets, rank, extra LoraConfig fields): several ranks, target subsets, alphas and rsLoRA
@@ -39,3 +41,12 @@ def adapters(hf_base: transformers.LlamaForCausalLM, lora_dir: Path) -> dict[str
         name: write_adapter(hf_base, lora_dir / name, targets, rank, seed=i, **extra)
         for i, (name, (targets, rank, extra)) in enumerate(ADAPTERS.items())
     }
+
+
+@pytest.fixture(scope="package")
+def base_dir(lora_dir: Path, hf_base: transformers.LlamaForCausalLM) -> Path:
+    """The tiny base with a tokenizer (an engine loads one; prompts are token ids here)."""
+    base = lora_dir / "base"
+    (base / "tokenizer.json").write_text(default_tokenizer_json())
+    (base / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": None}))
+    return base

@@ -5,7 +5,6 @@ adapters."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -13,22 +12,12 @@ import transformers
 
 from kiln import LLM, LoRARequest, SamplingParams
 from kiln.errors import AdapterError, ConfigError
-from tests.engine.tiny_models import default_tokenizer_json
 from tests.lora.adapters import reference, reference_greedy
 
 PROMPTS = [[3, 17, 5, 99, 42, 7], [11, 2], [64, 65, 66, 67, 68, 1, 2, 3, 4], [90, 91, 92]]
 NAMES = [None, "all7-r4", "qv-r8-rslora", "kod-r2"]
 MAX_TOKENS = 5
 COMPILE_COUNTERS = ("graphs_traced", "pieces_compiled", "static_compiles", "pieces_captured", "full_graphs_captured")
-
-
-@pytest.fixture(scope="module")
-def base_dir(lora_dir: Path) -> Path:
-    """The tiny base with a tokenizer (the engine loads one; prompts are token ids here)."""
-    base = lora_dir / "base"
-    (base / "tokenizer.json").write_text(default_tokenizer_json())
-    (base / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": None}))
-    return base
 
 
 def _llm(base_dir: Path, cache_dir: Path, graph_mode: str, **options: object) -> LLM:

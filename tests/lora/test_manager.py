@@ -3,6 +3,7 @@ move counted; a step naming more adapters than slots, or a bad adapter, is refus
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,19 @@ def test_bad_additions_change_nothing(manager: LoRAManager, adapters: dict[str, 
         LoRAManager(manager.slots, max_cpu_loras=1)
     with pytest.raises(ConfigError, match="lora_int_id 0, expected 1 or more"):
         LoRARequest("zero", 0, "x")
+
+
+def test_an_adapter_outside_the_target_modules_is_refused_naming_its_file_and_module(
+    lora_dir: Path, adapters: dict[str, Path]
+) -> None:
+    limits = LoRALimits(max_loras=1, max_rank=8, max_num_tokens=16, target_modules=("q_proj", "v_proj"))
+    manager = LoRAManager(attach_lora(kiln_model(lora_dir / "base"), limits), max_cpu_loras=1)
+    manager.add(LoRARequest("qv", 1, str(adapters["qv-r8-rslora"])))  # inside the list: served
+    assert manager.step_slots([1]) == [0]
+    with pytest.raises(AdapterError) as info:
+        manager.add(LoRARequest("kod", 2, str(adapters["kod-r2"])))
+    message = str(info.value)
+    assert str(adapters["kod-r2"] / "adapter_model.safetensors") in message
+    assert re.search(r"adapts (k_proj|o_proj|down_proj) \(model\.layers\.\d+\.", message), message
+    assert "outside the engine's LoRA target modules (q_proj, v_proj" in message
+    assert list(manager.requests) == [1]

@@ -189,14 +189,18 @@ def build_core(
     state: RankState | None = None,
     workers: Workers | None = None,
     make_speculator: MakeSpeculator | None = None,
+    lora: LoRAManager | None = None,
 ) -> EngineCore:
     """An engine over a loaded `model`, prepared: the one place an `EngineCore` is made, for `build_engine` and the
     debugger's engines alike. `config` is resolved for the model here (a no-op when it already is);
     `executor` None: the registry's for `config` (EXECUTORS); `state`/`workers`: this rank's part in a multi-device
-    engine (None: a single device); `make_speculator` None: `speculator_maker(config)`."""
+    engine (None: a single device); `make_speculator` None: `speculator_maker(config)`; `lora`: the adapter slots
+    `model` already holds (another engine over the same model, the debugger's eager reference; None:
+    `lora_manager(config, model)` attaches them)."""
     config = resolve_for_model(config, model.config)
     check_quantized(model, config.graph.fusion_groups)
-    lora = lora_manager(config, model)  # before the executor prepares: the graphs take the adapters' buffers
+    # NOTE: before the executor prepares: the graphs take the adapters' buffers
+    lora = lora if lora is not None else lora_manager(config, model)
     executor = executor or make_executor(config)
     core = EngineCore(
         config,
@@ -222,7 +226,12 @@ def lora_manager(config: EngineConfig, model: nn.Module) -> LoRAManager | None:
         raise ConfigError("LoRA adapters run on one device for now: drop --enable-lora or the parallel layout")
     # NOTE: a step's padded size: its token budget, or a capture size above it
     max_tokens = config.scheduler.max_num_batched_tokens + max(config.graph.capture_sizes, default=0)
-    limits = LoRALimits(max_loras=lora.max_loras, max_rank=lora.max_lora_rank, max_num_tokens=max_tokens)
+    limits = LoRALimits(
+        max_loras=lora.max_loras,
+        max_rank=lora.max_lora_rank,
+        max_num_tokens=max_tokens,
+        target_modules=lora.target_modules,
+    )
     manager = LoRAManager(attach_lora(model, limits), lora.cpu_loras)
     for i, (name, path) in enumerate(lora.modules, start=1):
         manager.add(LoRARequest(name, i, path))

@@ -8,7 +8,8 @@ default) that disagrees with the recipe:
   logged once ("Graph setting compiler=eager overrides the recipe's inductor"): the recipe's checks still hold;
 - on a bound (max_num_seqs, max_num_batched_tokens, max_model_len): may narrow it (logged), never raise it;
 - on a fact the recipe was checked against (device, dtype, quantization, its group size and activations, the KV
-  cache plan, the parallel layout): is refused, naming the flag, the recipe and both values.
+  cache plan, the parallel layout, the LoRA buffers: --enable-lora, --max-loras, --max-lora-rank): is refused,
+  naming the flag, the recipe and both values.
 Every value the recipe changes is logged once ("Recipe r.yaml sets max_model_len=256 (was None)").
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from kiln.config import EngineConfig
+from kiln.config import EngineConfig, LoRAConfig
 from kiln.errors import ConfigError
 from kiln.recipe import Recipe
 
@@ -63,6 +64,7 @@ def overlay_recipe(config: EngineConfig, recipe: Recipe) -> EngineConfig:
             speculative = recipe.speculative
     resolved = replace(
         config,
+        lora=_lora(config, recipe),
         model=recipe.model_path,  # the checkpoint the recipe was checked against is the one that runs
         device=recipe.device,
         quantization=recipe.quantization,
@@ -102,6 +104,21 @@ def _refuse_contradictions(given: EngineConfig, resolved: EngineConfig, recipe: 
         )
 
 
+def _lora(config: EngineConfig, recipe: Recipe) -> LoRAConfig:
+    """The recipe's lora section sizes the adapters' buffers (a fact the graphs are captured over): --enable-lora,
+    --max-loras and --max-lora-rank given otherwise are refused; --lora-modules and --max-cpu-loras stay the flags'."""
+    lora = recipe.lora
+    if lora is None:
+        return config.lora
+    return replace(
+        config.lora,
+        enabled=True,
+        max_loras=lora.max_loras,
+        max_lora_rank=lora.max_lora_rank,
+        target_modules=lora.target_modules,
+    )
+
+
 def _narrowest(flag: float | None, recipe: float | None) -> float | None:
     """A bound the flag may narrow but not raise: the smaller of the two given (None: not given)."""
     given = [v for v in (flag, recipe) if v is not None]
@@ -135,4 +152,8 @@ def _fields(before: EngineConfig, after: EngineConfig) -> list[tuple[str, str | 
         ("parallel.pipeline", "--pipeline-parallel-size", b.parallel.pipeline, a.parallel.pipeline),
         ("parallel.stage_layers", None, b.parallel.stage_layers, a.parallel.stage_layers),
         ("speculative", None, b.speculative, a.speculative),
+        ("lora.enabled", "--enable-lora", b.lora.enabled, a.lora.enabled),
+        ("lora.max_loras", "--max-loras", b.lora.max_loras, a.lora.max_loras),
+        ("lora.max_rank", "--max-lora-rank", b.lora.max_lora_rank, a.lora.max_lora_rank),
+        ("lora.target_modules", None, b.lora.target_modules, a.lora.target_modules),
     ]
