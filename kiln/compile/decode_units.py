@@ -128,5 +128,8 @@ class LayerUnits:
             if compiled.source_code:
                 sources.setdefault(skey, compiled.source_code)
             getattr(self.outer, name).fn = compiled.fn
+        # NOTE: the probe run's arguments hold a whole set of KV caches (probe inputs): kept, they doubled the
+        # cache's memory for as long as the engine lived
+        self._probes = None
         source = "\n".join(f"# layer unit {k}\n{s}" for k, s in sources.items()) or None
         return CompiledPiece(self.outer.forward, source)

@@ -55,3 +55,6 @@ def test_units_compile_once_per_structure_give_the_whole_graph_and_load_from_the
     again, second = graph_runner(model, cache_dir, compiler="inductor", mode="full_and_piecewise")
     second.counters.expect(pieces_compiled=0, cache_hits=6, cache_rejected=0)
     assert generate(again, prompts, 6) == want
+    # the probe run that checked the cached units held a whole set of KV caches: nothing keeps it past the compile
+    units = second.full.variants[None].units
+    assert units is not None and units._probes is None

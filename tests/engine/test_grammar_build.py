@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from kiln.engine import structured_output
+from kiln.engine.structured import structured_output
 from kiln.engine.structured.grammar_build import GrammarRefused, short_reason
 from kiln.engine.structured.grammar_cache import estimated_bytes
 from kiln.engine.structured.structured_output import Grammars, StructuredOutput

@@ -43,7 +43,7 @@ ACTS: dict[str, tuple[Any, dict[str, Any]]] = {
     "second_form_memory_gb": (1.0, {}),
     "max_model_len": (256, {}),
     "seed": (1, {}),
-    "num_threads": (1, {}),
+    "num_threads": (3, {}),  # not the suite's KILN_NUM_THREADS, which resolution reads when the flag is not given
     "recipe": ("RECIPE", {}),
     "block_size": (32, {}),
     "num_kv_blocks": (8, {}),
