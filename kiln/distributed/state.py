@@ -61,10 +61,10 @@ def _collective_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
 
 
-def hold_rendezvous(addr: str) -> dist.TCPStore:
-    """The rendezvous store of ranks that all run on this node, served by rank 0 on a port the system picks and
-    holds from now on (a port picked, released and bound again later could be taken in between)."""
-    return dist.TCPStore(addr, 0, is_master=True, wait_for_workers=False, timeout=_collective_timeout())
+def hold_rendezvous(addr: str, port: int = 0) -> dist.TCPStore:
+    """The rendezvous store served by rank 0 on `port` (0: one the system picks), held from now on: a port checked
+    or picked, released and bound again later could be taken in between."""
+    return dist.TCPStore(addr, port, is_master=True, wait_for_workers=False, timeout=_collective_timeout())
 
 
 def join_rendezvous(addr: str, port: int) -> dist.TCPStore:
@@ -75,8 +75,9 @@ def join_rendezvous(addr: str, port: int) -> dist.TCPStore:
 def init_distributed(
     parallel: ParallelConfig, rank: int, device: str, port: int, store: dist.Store | None = None
 ) -> RankState:
-    """Join the process group of `parallel.world_size` ranks as `rank`, and make the groups: through `store` when
-    every rank of this node holds one (`hold_rendezvous`, `join_rendezvous`), else at master_addr:port."""
+    """Join the process group of `parallel.world_size` ranks as `rank`, and make the groups: through `store` (node
+    0's held rendezvous store, or a client of it: `hold_rendezvous`, `join_rendezvous`), else at master_addr:port
+    as a launcher such as torchrun expects."""
     global _STATE
     platform = platform_of(device)
     backend = platform.collective_backend

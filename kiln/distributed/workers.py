@@ -17,7 +17,6 @@ import atexit
 import logging
 import multiprocessing.connection
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -52,9 +51,11 @@ class Placement:
     first: int
     count: int
     port: int
-    # rank 0's rendezvous store when every rank runs on this node and the port was left to the system: held from
-    # the moment the port is picked, so no other process can take it before the ranks meet
+    # node 0's rendezvous store, held from the moment the port is checked, so no other process can take it before
+    # the ranks meet; every other rank joins it as a client (`join_rendezvous`)
     store: dist.TCPStore | None = None
+    # started by a launcher such as torchrun: each rank meets the others at tcp://MASTER_ADDR:MASTER_PORT itself
+    launched: bool = False
 
 
 def placement(config: EngineConfig) -> Placement:
@@ -67,7 +68,8 @@ def placement(config: EngineConfig) -> Placement:
                 f"WORLD_SIZE={env_world} from the launcher, but --tensor-parallel-size {p.tensor} x "
                 f"--pipeline-parallel-size {p.pipeline} needs {p.world_size} ranks; start {p.world_size} processes"
             )
-        return Placement(int(os.environ["RANK"]), 1, int(os.environ.get("MASTER_PORT", p.master_port or 29500)))
+        port = int(os.environ.get("MASTER_PORT", p.master_port or 29500))
+        return Placement(int(os.environ["RANK"]), 1, port, launched=True)
     if p.world_size % p.nnodes:
         raise ConfigError(f"{p.world_size} ranks do not split evenly over --nnodes {p.nnodes}")
     if not 0 <= p.node_rank < p.nnodes:
@@ -79,25 +81,23 @@ def placement(config: EngineConfig) -> Placement:
             f"{platform.name} devices"
         )
     per_node = p.world_size // p.nnodes
-    if p.master_port == 0 and p.nnodes == 1:
-        store = hold_rendezvous(p.master_addr)
-        return Placement(0, per_node, store.port, store)
-    return Placement(p.node_rank * per_node, per_node, _rendezvous_port(config))
+    if p.node_rank > 0:  # node 0 holds the rendezvous; this node's ranks meet there
+        return Placement(p.node_rank * per_node, per_node, p.master_port or 29500)
+    store = _hold_rendezvous_port(config)
+    return Placement(0, per_node, store.port, store)
 
 
-def _rendezvous_port(config: EngineConfig) -> int:
-    """--master-port (29500 when 0 on several nodes), checked free on rank 0's node."""
+def _hold_rendezvous_port(config: EngineConfig) -> dist.TCPStore:
+    """Node 0's rendezvous store, bound at once: on --master-port (29500 when 0 on several nodes), or on a port the
+    system picks when every rank runs here and the port was left at 0."""
     p = config.parallel
-    port = p.master_port or 29500
-    if p.node_rank == 0:
-        with socket.socket() as s:
-            try:
-                s.bind((p.master_addr, port))
-            except OSError as exc:
-                raise ConfigError(
-                    f"--master-port {port} on {p.master_addr} is in use ({exc.strerror}): pick a free port, or 0"
-                ) from None
-    return port
+    port = 0 if p.master_port == 0 and p.nnodes == 1 else p.master_port or 29500
+    try:
+        return hold_rendezvous(p.master_addr, port)
+    except dist.DistNetworkError as exc:
+        reason = "Address already in use" if "EADDRINUSE" in str(exc) else str(exc).splitlines()[0]
+        where = f"--master-port {port} on {p.master_addr}"
+        raise ConfigError(f"{where} is in use ({reason}): pick a free port, or 0") from None
 
 
 class Workers:
@@ -193,7 +193,7 @@ def start_ranks(config: EngineConfig, build: Callable[[EngineConfig], Any]) -> t
     try:
         for rank in range(where.first + 1, where.first + where.count):
             errors[rank], report = ctx.Pipe(duplex=False)
-            args = (config, build, rank, where.port, where.store is not None, report)
+            args = (config, build, rank, where.port, report)
             procs[rank] = ctx.Process(target=_worker_main, args=args, name=f"kiln-rank{rank}")
             procs[rank].start()
     finally:
@@ -206,8 +206,11 @@ def start_ranks(config: EngineConfig, build: Callable[[EngineConfig], Any]) -> t
     workers.threads_before = torch.get_num_threads()  # restored when the ranks stop
     torch.set_num_threads(threads)
     try:
+        store = where.store
+        if store is None and not where.launched:  # a later node's first rank: a client of node 0's store
+            store = join_rendezvous(config.parallel.master_addr, where.port)
         state = init_distributed(
-            parallel=config.parallel, rank=where.first, device=config.device, port=where.port, store=where.store
+            parallel=config.parallel, rank=where.first, device=config.device, port=where.port, store=store
         )
     except Exception as exc:  # the rendezvous timed out or a rank died on the way
         reason = workers.blame(exc)
@@ -228,14 +231,13 @@ def _worker_main(
     build: Callable[[EngineConfig], Any],
     rank: int,
     port: int,
-    held_store: bool,
     report: Connection,
 ) -> None:
     setup_logging(prefix=f"(rank {rank}) ")
     torch.set_num_threads(config.num_threads or 1)
     _exit_with_parent()
     try:
-        store = join_rendezvous(config.parallel.master_addr, port) if held_store else None
+        store = join_rendezvous(config.parallel.master_addr, port)
         state = init_distributed(parallel=config.parallel, rank=rank, device=config.device, port=port, store=store)
         engine = build(config)
         if engine is not None:  # None: `build` ran a program of its own on this rank (kiln.distributed.spmd)
