@@ -59,13 +59,22 @@ def check_refused(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
         message = f"quantization.group_size {q.group_size} is odd: kiln stores 4-bit codes two to a byte; pick 32"
         out.append(doc.diagnostic("error", message, ("quantization", "group_size")))
     elif q.weights == "none" and ("quantization", "group_size") in doc.values:
-        message = "quantization.group_size has no effect without quantized weights (quantization.weights is none)"
+        message = (
+            "quantization.group_size does nothing without quantized weights (quantization.weights is none): it sizes "
+            "the groups of weights kiln quantizes at load; remove it"
+        )
         out.append(doc.diagnostic("error", message, ("quantization", "group_size")))
-    if ("quantization", "activations") in doc.values and (q.weights == "none" or spec.hardware.device != "cpu"):
+    # NOTE: float32 activations are what unquantized weights run with anyway: never refused (as --activations)
+    quantized_activations = q.activations != "float32"
+    if (
+        ("quantization", "activations") in doc.values
+        and quantized_activations
+        and (q.weights == "none" or spec.hardware.device != "cpu")
+    ):
         why = "without quantized weights (quantization.weights is none)" if q.weights == "none" else "on cuda"
         message = (
-            f"quantization.activations has no effect {why}: it sets the activations of kiln's CPU kernels for "
-            "packed products"
+            f"quantization.activations does nothing {why}: it sets the activations of kiln's CPU kernels for "
+            "packed products; remove it"
         )
         out.append(doc.diagnostic("error", message, ("quantization", "activations")))
     kv = spec.memory_plan.kv_cache
@@ -120,14 +129,23 @@ NGRAM_ONLY = ("prompt_lookup_max", "prompt_lookup_min")
 
 def check_inert(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
     """Fields written in the recipe that would do nothing, as the engine flags of the same names are refused
-    (kiln.engine.setup.inert_options): the graphs' sizes and compiler under graph.mode eager, speculation's tuning with
-    no method (or the ngram method's with another)."""
+    (kiln.engine.setup.inert_options): the graphs' sizes and compiler under graph.mode eager, the second forms' memory
+    without packed or quantized weights on the CPU, speculation's tuning with no method (or the ngram method's with
+    another). graph.splitting_ops where nothing is split is refused beside the other graph checks (sections.py)."""
     out = []
     if spec.graph.mode == "eager":
         for name in GRAPH_ONLY_FIELDS:
             if ("graph", name) in doc.values:
                 message = f"graph.{name} does nothing under graph.mode eager (no piece is traced): remove it"
                 out.append(doc.diagnostic("error", message, ("graph", name)))
+    if ("memory_plan", "second_form_memory_gb") in doc.values and (
+        quantization_mode(spec) == "none" or spec.hardware.device != "cpu"
+    ):
+        message = (
+            "memory_plan.second_form_memory_gb does nothing without packed or quantized weights on the CPU "
+            "(quantization.weights is none, or a cuda device): remove it"
+        )
+        out.append(doc.diagnostic("error", message, ("memory_plan", "second_form_memory_gb")))
     method = spec.speculative.method
     tuned = [name for name in SPECULATION_TUNING if ("speculative", name) in doc.values]
     for name in tuned:

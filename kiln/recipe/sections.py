@@ -47,8 +47,8 @@ def check_graph(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
         )
         out.append(doc.diagnostic("error", message, ("graph", "splitting_ops")))
     if not splits and graph.splitting_ops and ("graph", "splitting_ops") in doc.values:
-        message = f"graph.splitting_ops is ignored because graph.mode {mode} runs no pieces"
-        out.append(doc.diagnostic("warning", message, ("graph", "splitting_ops"), key=True))
+        message = f"graph.splitting_ops does nothing under graph.mode {mode} (no piece is split): remove it"
+        out.append(doc.diagnostic("error", message, ("graph", "splitting_ops"), key=True))
     seen: dict[int, int] = {}
     for i, size in enumerate(graph.capture_sizes):
         if size in seen:

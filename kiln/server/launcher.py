@@ -21,12 +21,14 @@ import signal
 import socket
 import threading
 from collections.abc import Iterator
+from dataclasses import fields
 from pathlib import Path
 from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
 
+from kiln.config import EngineConfig
 from kiln.engine.core import EngineCore
 from kiln.engine.serving.async_engine import AsyncEngine
 from kiln.engine.setup.args import EngineArgs
@@ -40,11 +42,13 @@ from kiln.server.connection_table import ConnectionTable
 from kiln.server.connections import http_config
 from kiln.server.grammar_limits import GrammarLimits
 from kiln.server.limits import ServerLimits
+from kiln.server.server_args import ServerArgs
 
 logger = logging.getLogger("kiln")
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 API_KEY_ENV = "KILN_API_KEY"
+_SERVE_DEFAULTS = {f.name: f.default for f in fields(ServerArgs)}  # a serve flag is given when it differs
 
 
 class KilnServer(uvicorn.Server):
@@ -97,28 +101,16 @@ def run_server(args: argparse.Namespace) -> int:
     setup_logging()
     _configure_uvicorn_logging(args.access_log)
     api_key = resolve_api_key(args, read_env().api_key)
-    check_server_args(args, api_key)
+    # NOTE: built exactly as `kiln generate` builds its engine, so every engine flag means the same in both.
+    config = resolve_engine_config(EngineArgs.from_cli_args(args))
+    check_server_args(args, api_key, config)
     if not _is_loopback(args.host) and api_key is None:
         logger.warning("Binding %s without an API key: anyone who can reach this port can use the model", args.host)
     logger.info("Loading model %s", args.model)
-    # NOTE: built exactly as `kiln generate` builds its engine, so every engine flag means the same in both.
-    core = build_engine(resolve_engine_config(EngineArgs.from_cli_args(args)))
+    core = build_engine(config)
     app = build_app(core, args, api_key)
     engine: AsyncEngine = app.state.engine
-    model_name = app.state.settings.served_model_name
-    uv_config = http_config(
-        app,
-        args.host,
-        args.port,
-        header_timeout=args.header_timeout,
-        keep_alive_timeout=args.keep_alive_timeout,
-        connections=app.state.connections,
-        log_config=None,
-        access_log=args.access_log,
-        timeout_graceful_shutdown=args.shutdown_timeout,
-        lifespan="on",
-    )
-    server = KilnServer(uv_config, model_name, args.shutdown_timeout)
+    server = http_server(app, args)
     failure: list[SystemExit] = []
 
     def serve_http() -> None:
@@ -197,6 +189,24 @@ def build_app(core: EngineCore, args: argparse.Namespace, api_key: str | None) -
     return create_app(engine, settings, app_connections)
 
 
+def http_server(app: FastAPI, args: argparse.Namespace) -> KilnServer:
+    """The HTTP server `kiln serve` runs `app` in (nothing bound yet): address, timeouts, connection limits and the
+    access log, as the serve flags set them."""
+    uv_config = http_config(
+        app,
+        args.host,
+        args.port,
+        header_timeout=args.header_timeout,
+        keep_alive_timeout=args.keep_alive_timeout,
+        connections=app.state.connections,
+        log_config=None,
+        access_log=args.access_log,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        lifespan="on",
+    )
+    return KilnServer(uv_config, app.state.settings.served_model_name, args.shutdown_timeout)
+
+
 def resolve_api_key(args: argparse.Namespace, env_api_key: str | None) -> str | None:
     """The API key from --api-key-file, --api-key or KILN_API_KEY (a flag wins over the variable); None: no key.
 
@@ -224,16 +234,13 @@ def resolve_api_key(args: argparse.Namespace, env_api_key: str | None) -> str | 
     return key
 
 
-def check_server_args(args: argparse.Namespace, api_key: str | None) -> None:
-    """ConfigError for serve flags that contradict each other."""
+def check_server_args(args: argparse.Namespace, api_key: str | None, config: EngineConfig) -> None:
+    """ConfigError for serve flags that contradict each other, or that would do nothing beside the others and the
+    engine's resolved `config` (its recipe included), as kiln.engine.setup.inert_options refuses engine flags."""
     if args.metrics_auth and api_key is None:
         raise ConfigError(f"--metrics-auth needs an API key to check; give --api-key-file, --api-key or {API_KEY_ENV}")
-    if args.allowed_hosts is not None and api_key is not None:
-        raise ConfigError(
-            "--allowed-hosts does nothing beside an API key: the key is checked instead of the Host header; drop it"
-        )
-    if args.allow_runtime_lora_updating and not args.enable_lora:
-        raise ConfigError("--allow-runtime-lora-updating does nothing without --enable-lora: drop it or enable LoRA")
+    if lines := inert_serve_flags(args, api_key, config):
+        raise ConfigError("; ".join(lines))
     capacity = args.max_num_seqs + args.max_queue
     if args.max_seqs_per_request > capacity:
         raise ConfigError(
@@ -241,6 +248,30 @@ def check_server_args(args: argparse.Namespace, api_key: str | None) -> None:
             f"(--max-num-seqs={args.max_num_seqs} + --max-queue={args.max_queue} = {capacity}), so such requests "
             "would be refused with 429 forever; lower it or raise --max-queue"
         )
+
+
+def inert_serve_flags(args: argparse.Namespace, api_key: str | None, config: EngineConfig) -> list[str]:
+    """Why each serve flag given (a value other than its default) does nothing in this setting: one line each."""
+    given = {name for name, default in _SERVE_DEFAULTS.items() if getattr(args, name) != default}
+    lines = []
+    if "allowed_hosts" in given and api_key is not None:
+        lines.append(
+            "--allowed-hosts does nothing beside an API key: the key is checked instead of the Host header; drop it"
+        )
+    if "allow_runtime_lora_updating" in given and not config.lora.enabled:
+        lines.append(
+            "--allow-runtime-lora-updating does nothing without --enable-lora (or a recipe's lora section): drop it "
+            "or enable LoRA"
+        )
+    if "max_stop_chars" in given and args.max_stop_strings == 0:
+        lines.append("--max-stop-chars does nothing with --max-stop-strings 0 (every stop string is refused): drop one")
+    if "keep_alive_timeout" in given and args.keep_alive_timeout >= args.header_timeout:
+        lines.append(
+            f"--keep-alive-timeout {args.keep_alive_timeout:g} does nothing at or above --header-timeout "
+            f"{args.header_timeout:g}: an idle kept-alive connection meets the header deadline first (408, closed); "
+            "lower it or raise --header-timeout"
+        )
+    return lines
 
 
 def _default_model_name(checkpoint_path: str) -> str:

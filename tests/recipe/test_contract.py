@@ -28,8 +28,8 @@ BOUNDS = "input_constraints: {constraints: [num_tokens <= 2048, seq_len <= 2048]
             "quantization.group_size 64 is not what runs: the file's q4_1 blocks stay packed in their own groups of 32",
         ),
         ("quantization: {weights: int8, group_size: 3}", 43, "quantization.group_size 3 is odd: kiln stores 4-bit"),
-        ("quantization: {group_size: 64}", 28, "quantization.group_size has no effect without quantized weights"),
-        ("quantization: {activations: float32}", 29, "quantization.activations has no effect without quantized"),
+        ("quantization: {group_size: 64}", 28, "quantization.group_size does nothing without quantized weights"),
+        ("quantization: {activations: int8}", 29, "quantization.activations does nothing without quantized"),
         ("memory_plan: {kv_cache: {layout: contiguous}}", 34, "memory_plan.kv_cache.layout: contiguous is not"),
         (
             "memory_plan: {kv_cache: {dtype: fp8_e5m2}}",

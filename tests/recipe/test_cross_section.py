@@ -140,9 +140,10 @@ def test_piecewise_needs_a_splitting_op(header, write, only_error) -> None:
     )
 
 
-def test_splitting_ops_ignored_without_piecewise(header, write) -> None:
-    recipe = load_recipe(write(header + BOUNDS + "graph: {mode: full, splitting_ops: ['kiln::attention']}\n"))
-    assert [d.message for d in recipe.diagnostics] == [
-        "graph.splitting_ops is ignored because graph.mode full runs no pieces"
-    ]
-    assert recipe.graph_mode == "full"  # no split: the whole forward
+def test_splitting_ops_are_refused_where_nothing_is_split(header, write, only_error) -> None:
+    """graph.mode full runs the whole forward as one graph (and eager no graph): split points would do nothing."""
+    for mode in ("full", "eager"):
+        err = only_error(write(header + BOUNDS + f"graph: {{mode: {mode}, splitting_ops: ['kiln::attention']}}\n"))
+        assert err.line == 8
+        assert err.message == f"graph.splitting_ops does nothing under graph.mode {mode} (no piece is split): remove it"
+    assert load_recipe(write(header + BOUNDS + "graph: {mode: full}\n")).graph_mode == "full"

@@ -38,7 +38,7 @@ def build_served_app(core: FakeCore, argv: Sequence[str] = (), environ: Mapping[
     """What `kiln serve ARGV` builds over `core` (the API key read from `environ`, not the real environment)."""
     args = build_parser().parse_args(list(argv))
     api_key = resolve_api_key(args, (environ or {}).get("KILN_API_KEY", "").strip() or None)
-    check_server_args(args, api_key)
+    check_server_args(args, api_key, core.config)
     return build_app(core, args, api_key)  # type: ignore[arg-type]
 
 

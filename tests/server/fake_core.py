@@ -49,6 +49,9 @@ class FakeTokenizer:
         self.gate.wait(timeout=30)
         return [ord(c) % 256 for c in text]
 
+    def encode_as_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.encode(text, add_special_tokens)  # no special tokens: text is always text
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids)
 
