@@ -33,8 +33,8 @@ def quantization_mode(spec: RecipeSpec) -> str:
     return "packed" if source in same else weights
 
 
-def check_refused(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
-    """Fields whose value kiln would silently not honour."""
+def _check_quantization(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
+    """The quantization section against the checkpoint's weights and the device."""
     out = []
     q = spec.quantization
     source = spec.weights.source_quantization
@@ -77,6 +77,12 @@ def check_refused(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
             "packed products; remove it"
         )
         out.append(doc.diagnostic("error", message, ("quantization", "activations")))
+    return out
+
+
+def check_refused(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
+    """Fields whose value kiln would silently not honour."""
+    out = _check_quantization(doc, spec)
     kv = spec.memory_plan.kv_cache
     if kv.dtype in ("fp8", "fp8_e5m2"):
         message = (

@@ -4,7 +4,9 @@ Shutdown order: stop accepting connections, let in-flight requests finish for up
 seconds (then cancel them), abort whatever is left in the engine, let the engine loop return, exit 0. If the
 engine loop dies instead, the server stops and exits 1.
 
-The serve flags are checked before the model loads (a bad API-key source fails in a second, not after the load).
+The serve flags are checked before the model loads (a bad API-key source fails in a second, not after the load);
+one that would do nothing beside the others or the engine's resolved config is refused (`inert_serve_flags`), as
+kiln.engine.setup.inert_options refuses the engine's.
 
 Threads: the engine loop runs on the main thread, where the model was loaded and compiled, and uvicorn's
 event loop in a `kiln-http` thread (see kiln/engine/serving/async_engine.py for why: OpenMP is ~2x slower on a

@@ -4,7 +4,8 @@ A flag given (a value other than its default) is checked against the resolved `E
 options of the graphs under `--graph-mode eager`, speculation's tuning without a method, a group size or
 activations where no quantized product runs, a KV cache size that other settings override, the pipeline's and the
 rendezvous' options on one process, the prefill chunk's budget without chunked prefill, the prefix cache's hash
-without the prefix cache. The recipe refuses the same settings in its own terms (kiln.recipe.contract).
+without the prefix cache. The recipe refuses the same settings in its own terms (kiln.recipe.contract), and
+`kiln serve` its own flags (kiln.server.launcher.inert_serve_flags).
 
 This module must stay light (no torch): it runs while the flags are read.
 """
