@@ -18,10 +18,17 @@ from kiln.errors import ConfigError
 from kiln.launch import build_parser
 from kiln.server.launcher import check_server_args, http_server
 from kiln.server.server_args import ServerArgs
-from tests.engine.test_inert_options import RECIPE
 from tests.server.app_harness import build_served_app
 from tests.server.fake_core import FakeCore
 
+RECIPE = """\
+recipe_version: 1
+model: {name: smollm2-135m-instruct}
+weights: {source_quantization: q4_1}
+input_constraints:
+  constraints: [seq_len <= 1024, num_tokens <= 32]
+hardware: {device: cpu}
+"""
 SERVE_ONLY = sorted({f.name for f in fields(ServerArgs)} - {f.name for f in fields(EngineArgs)})
 KEY = ["--api-key", "walk-key"]
 KEY_FILE = "KEY_FILE"  # replaced by a file holding a key
@@ -99,6 +106,13 @@ def test_every_serve_flag_changes_what_is_built_where_it_applies(name: str, key_
     value, context = ACTS[name]
     value = [str(key_file) if word == KEY_FILE else word for word in value]
     assert built([*context, flag(name), *value]) != built(context)
+
+
+def test_the_probe_sees_no_change_in_flags_given_their_defaults() -> None:
+    """The walk's comparison can fail: flags given at their defaults build the same server."""
+    defaults = {f.name: f.default for f in fields(ServerArgs)}
+    argv = ["--port", str(defaults["port"]), "--max-queue", str(defaults["max_queue"]), "--host", defaults["host"]]
+    assert built(argv) == built([])
 
 
 REFUSED: dict[str, tuple[list[str], str]] = {
