@@ -14,7 +14,11 @@ product in a form that reads fewer bytes, beside the weight as loaded, and are t
   and where the matrix unit's probe passed.
 The head weight itself is never changed: a tied embedding keeps looking up the float32 table, and every other user of
 the head (prompt logprobs, the debugger) computes on it. Only `LogitsHead` (kiln.kernels.head) runs a won form, for
-the row classes it won; its bytes count against the engine's budget for second forms and are logged.
+the row classes it won; its bytes count against the engine's budget for second forms and are logged. The table is
+made for a head beside packed layers alone (kiln.kernels.plan): a float model's head computes as its user loaded it.
+
+On the W4A16 default model (scripts/compress_w4a16.py, int8x2 activations) the bf16 head against the float32 one over
+1,200 positions (the source of difflib, as tests/quant/test_int8_accuracy.py scores): mean KL 5.4e-5, top-1 99.25 %.
 """
 
 from __future__ import annotations

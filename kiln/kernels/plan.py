@@ -197,10 +197,11 @@ def _head_forms(
     head_rows: int | None,
     second_forms: bool,
 ) -> HeadFormTable | None:
-    """The timed second forms of a float32 head (None where no candidate with one is admitted here); one row is not
-    timed where the head is compiled for it (static size 1)."""
+    """The timed second forms of a float32 head beside packed layers (a quantized checkpoint that left its head
+    unquantized; a float model's head stays as loaded), None where no candidate with one is admitted here; one row
+    is not timed where the head is compiled for it (static size 1)."""
     head = float_head(model)
-    if head is None:
+    if head is None or plan.packed is None:
         return None
     candidates = head_candidates(head.weight, activations, second_forms, cache)
     if not any(c.second_form for c in candidates.values()):
