@@ -164,7 +164,8 @@ class HeadFormTable:
             "native": source_hash() if brgemm_bf16_op() is not None else None,
             "race": RULES,
         }
-        self.record = cache.choose("head_forms", key, partial(_time, self.weight, rows, candidates, column_major))
+        measure = partial(_time, self.weight, rows_timed=rows, candidates=candidates, column_major=column_major)
+        self.record = cache.choose("head_forms", key, measure)
 
     def winners(self) -> dict[int, str]:
         """Row count timed -> the candidate that won it (the reference where it was not timed)."""

@@ -182,7 +182,9 @@ def plan_kernels(
         plan.choices["dense_kernels"] = plan.dense.records
     if 1 not in plan.static_sizes and isinstance(model.lm_head, nn.Linear):
         plan.head_t, plan.choices["lm_head"] = one_row_head(model.lm_head.weight, cache)
-    plan.head_forms = _head_forms(model, plan, cache, activations, head_rows, second_forms=second_form_gb != 0)
+    plan.head_forms = _head_forms(
+        model, plan, cache=cache, activations=activations, head_rows=head_rows, second_forms=second_form_gb != 0
+    )
     if plan.head_forms is not None:
         plan.choices["head_forms"] = plan.head_forms.record
     _log(plan, isinstance(model.lm_head, nn.Linear))
@@ -207,7 +209,7 @@ def _head_forms(
     if not any(c.second_form for c in candidates.values()):
         return None
     rows = tuple(r for r in timed_rows(head_rows) if r != 1 or 1 not in plan.static_sizes)
-    return HeadFormTable(model, cache, rows, candidates, column_major=plan.head_t is not None)
+    return HeadFormTable(model, cache=cache, rows=rows, candidates=candidates, column_major=plan.head_t is not None)
 
 
 def _log(plan: KernelPlan, linear_head: bool) -> None:
