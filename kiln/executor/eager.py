@@ -64,7 +64,7 @@ class EagerExecutor(Executor):
                 second_form_gb=self.second_form_gb,
             )
             self.plan.install(model)
-        self._head = LogitsHead(model, self.plan.head_t)
+        self._head = LogitsHead(model, self.plan.head_t, forms=self.plan.head_forms)
 
     def forward(self, batch: ModelInputs) -> torch.Tensor:
         assert self._model is not None, "EagerExecutor.prepare was not called"

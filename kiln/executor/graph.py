@@ -113,7 +113,7 @@ class GraphExecutor(Executor):
         self.fusion = check_fusion([piece_code(p) for p in self.pieces], self.config)
         if self.full is not None:
             self.full_fusion = check_fusion(self.full.checked_code(), self.config, "the full decode graph")
-        self.logits_head = LogitsHead(model, self.plan.head_t, self._compile_logits_head(model))
+        self.logits_head = LogitsHead(model, self.plan.head_t, self._compile_logits_head(model), self.plan.head_forms)
         self.build_seconds = time.perf_counter() - start
         self._log_ready()
         if self.config.dump_dir:

@@ -33,6 +33,7 @@ from kiln.kernels.attention import TORCH, choose_decode_attention, decode_kernel
 from kiln.kernels.candidates import FLOAT32
 from kiln.kernels.choices import KernelChoiceCache
 from kiln.kernels.dense import DenseKernelTable, dense_layers, prepacking_runs
+from kiln.kernels.head_forms import AS_LOADED, HeadFormTable, float_head, head_candidates
 from kiln.kernels.inductor_isa import trust_recorded_probe
 from kiln.kernels.layout import (
     ROW_MAJOR,
@@ -61,6 +62,7 @@ class KernelPlan:
     head_t: torch.Tensor | None = None  # [hidden, vocab] head copy for one-row logits, when BLAS gains that way
     packed: PackedKernelTable | None = None
     dense: DenseKernelTable | None = None  # bf16 decoder layers' prepacked oneDNN products, where they run
+    head_forms: HeadFormTable | None = None  # a float32 head's timed second form, where one was a candidate
     decode_attention: str = TORCH  # its kernel's name: the torch form or a native one (kiln.kernels.attention)
     # the most memory second forms of packed weights may take (kiln.kernels.compute_forms); None: SECOND_FORM_SHARE
     # of the memory free when the plan is installed (after the weights and the KV cache)
@@ -79,33 +81,39 @@ class KernelPlan:
         return [s for s in self.static_sizes if s <= GEMV_MAX_ROWS]
 
     def install(self, model: nn.Module) -> None:
-        """Lay out `model`'s decoder weights (strides only, never values) and bind the packed winners."""
+        """Lay out `model`'s decoder weights (strides only, never values) and bind the packed winners and the head's
+        second form."""
         if self.decoder_layout not in (None, PACKED):
             set_layer_weight_layout(model, self.decoder_layout)
         cpu = torch.device("cpu")  # (second forms and prepacked products are CPU copies)
         free = platform_of(cpu).available_memory_gb(cpu) * 1e9
+        budget = SECOND_FORM_SHARE * free if self.second_form_gb is None else self.second_form_gb * 1e9
         if self.packed is not None:
-            budget = SECOND_FORM_SHARE * free if self.second_form_gb is None else self.second_form_gb * 1e9
-            spent = self.packed.install(budget)
-            self.second_form_bytes = spent
-            free -= spent
+            self.second_form_bytes = self.packed.install(budget)
             if self.packed.second_forms or self.packed.over_budget:
-                how = (
-                    "--second-form-memory-gb"
-                    if self.second_form_gb is not None
-                    else (f"{SECOND_FORM_SHARE:.0%} of the memory free after the weights and the KV cache")
-                )
                 logger.info(
                     "Second forms: %s; %.1f MB of a %.0f MB budget (%s)",
                     self.packed.second_form_summary(),
-                    spent / 2**20,
+                    self.second_form_bytes / 2**20,
                     budget / 2**20,
-                    how,
+                    self._budget_source(),
                 )
+        if self.head_forms is not None:
+            spent = self.head_forms.install(budget - self.second_form_bytes)
+            self.second_form_bytes += spent
+            if self.head_forms.kernel(1) is not None:
+                self.head_t = None  # one row runs the second form: no column-major copy is kept
+            logger.info("Logits head: %s (second forms budget: %s)", self.head_forms.summary(), self._budget_source())
+        free -= self.second_form_bytes
         if self.dense is not None:
             copies = self.dense.install(free)
             if copies:
                 logger.info("Dense kernels: %s (prepacked copies: %.1f MB)", self.dense.summary(), copies / 2**20)
+
+    def _budget_source(self) -> str:
+        if self.second_form_gb is not None:
+            return "--second-form-memory-gb"
+        return f"{SECOND_FORM_SHARE:.0%} of the memory free after the weights and the KV cache"
 
 
 def plan_kernels(
@@ -174,17 +182,45 @@ def plan_kernels(
         plan.choices["dense_kernels"] = plan.dense.records
     if 1 not in plan.static_sizes and isinstance(model.lm_head, nn.Linear):
         plan.head_t, plan.choices["lm_head"] = one_row_head(model.lm_head.weight, cache)
+    plan.head_forms = _head_forms(
+        model, plan, cache=cache, activations=activations, head_rows=head_rows, second_forms=second_form_gb != 0
+    )
+    if plan.head_forms is not None:
+        plan.choices["head_forms"] = plan.head_forms.record
     _log(plan, isinstance(model.lm_head, nn.Linear))
     return plan
 
 
-def _log(plan: KernelPlan, float_head: bool) -> None:
+def _head_forms(
+    model: nn.Module,
+    plan: KernelPlan,
+    cache: KernelChoiceCache,
+    activations: str,
+    head_rows: int | None,
+    second_forms: bool,
+) -> HeadFormTable | None:
+    """The timed second forms of a float32 head beside packed layers (a quantized checkpoint that left its head
+    unquantized; a float model's head stays as loaded), None where no candidate with one is admitted here; one row
+    is not timed where the head is compiled for it (static size 1)."""
+    head = float_head(model)
+    if head is None or plan.packed is None:
+        return None
+    candidates = head_candidates(head.weight, activations, second_forms, cache)
+    if not any(c.second_form for c in candidates.values()):
+        return None
+    rows = tuple(r for r in timed_rows(head_rows) if r != 1 or 1 not in plan.static_sizes)
+    return HeadFormTable(model, cache=cache, rows=rows, candidates=candidates, column_major=plan.head_t is not None)
+
+
+def _log(plan: KernelPlan, linear_head: bool) -> None:
     sources = [c.get("source") for c in plan.choices.values() if "source" in c]
     if plan.packed is not None:
         sources += [r.get("source") for r in plan.packed.records.values()]
     how = "timed" if "timed" in sources else "timed earlier on this machine" if sources else "configured"
-    if not float_head:
+    if not linear_head:
         head = "packed"
+    elif plan.head_forms is not None and plan.head_forms.winners().get(1, AS_LOADED) != AS_LOADED:
+        head = f"{plan.head_forms.winners()[1]} second form"
     else:
         head = "column-major copy" if plan.head_t is not None else "compiled" if 1 in plan.static_sizes else "as loaded"
     logger.info(

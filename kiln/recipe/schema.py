@@ -133,9 +133,9 @@ class MemoryPlan(Section):
     second_form_memory_gb: float | None = Field(
         None,
         ge=0,
-        description="GB that second forms of packed weights may take (a bf16 copy for the matrix unit, used by the "
-        "row counts where it was timed fastest); default: half the memory free after the weights and the KV cache; "
-        "0: none.",
+        description="GB that second forms of packed weights (and of an unquantized logits head beside them) may "
+        "take (a bf16 copy for the matrix unit, used by the row counts where it was timed fastest); default: half the "
+        "memory free after the weights and the KV cache; 0: none.",
     )
 
 

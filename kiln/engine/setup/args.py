@@ -66,8 +66,9 @@ class EngineArgs:
     )
     second_form_memory_gb: float | None = option(
         None,
-        "GB that second forms of packed weights may take (a bf16 copy for the matrix unit, used by the row counts "
-        "where it was timed fastest; default: half the memory free after the weights and the KV cache; 0: none)",
+        "GB that second forms of packed weights (and of an unquantized logits head beside them) may take (a bf16 "
+        "copy for the matrix unit, used by the row counts where it was timed fastest; default: half the memory free "
+        "after the weights and the KV cache; 0: none)",
         type=non_negative,
     )
     max_model_len: int | None = option(None, "longest prompt + output in tokens (default: min(model context, 8192))")
