@@ -178,7 +178,7 @@ def probe_amx_int8() -> dict[str, object]:
         int8 = torch.randint(-128, 128, (out_features, groups, 32), generator=generator, dtype=torch.int8)
         for codes, digits in itertools.product((nibbles, int8), ops):
             got = ops[digits](x, codes, scale, offset)
-            want = q8_linear(x, codes, scale, offset, digits)
+            want = q8_linear(x, codes, scale, offset, digits=digits)
             worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
     return {"ok": worst <= PROBE_TOLERANCE, "worst_relative_error": worst}
 

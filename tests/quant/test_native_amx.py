@@ -47,7 +47,7 @@ def test_amx_ops_equal_the_reference_arithmetic(name: str, op_name: str) -> None
         x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)) * 3
         got = op(x, weight.codes, weight.scale, weight.offset)
         assert got.shape == (rows, 72)  # 4 blocks of 16 outputs and a tail of 8
-        assert_within(got, q8_linear(x, weight.codes, weight.scale, weight.offset, AMX_OPS[op_name]), 1e-5)
+        assert_within(got, q8_linear(x, weight.codes, weight.scale, weight.offset, digits=AMX_OPS[op_name]), 1e-5)
 
 
 @needs_amx
@@ -60,7 +60,7 @@ def test_amx_ops_over_codes_at_their_ends_and_a_strided_x(op_name: str) -> None:
     scale, offset = torch.rand(40, 3, 1, generator=generator), torch.randn(40, 3, 1, generator=generator)
     x = (torch.randn(96, 5, generator=generator) * 100).t()
     got = native_op("avx512", op_name)(x, codes, scale, offset)
-    assert_within(got, q8_linear(x.contiguous(), codes, scale, offset, AMX_OPS[op_name]), 1e-5)
+    assert_within(got, q8_linear(x.contiguous(), codes, scale, offset, digits=AMX_OPS[op_name]), 1e-5)
 
 
 @pytest.mark.parametrize("candidate", [NATIVE_INT8_AMX, NATIVE_INT8X2_AMX])
