@@ -27,7 +27,12 @@ int8 / int8x2:
   shared by the rows;
 - `native-int8-streamed` / `native-int8x2-streamed` (up to STREAMED_MAX_ROWS rows, where the blocked form runs): the
   blocked arithmetic with the codes transposed in registers as they are used, no scratch: the weight streams as
-  the lane kernel streams it at one row, and one unpacking serves up to 8 rows.
+  the lane kernel streams it at one row, and one unpacking serves up to 8 rows;
+- `native-int8-amx` / `native-int8x2-amx` (3 to AMX_MAX_ROWS rows, where the CPU's AMX-INT8 tiles passed their probe
+  in a child process, kiln.kernels.compute_forms): the same arithmetic, each group's integer sums of every row and
+  digit (up to 16 tile rows) by one tile multiply of the streamed form's transposed codes; the vector units keep the
+  transposition and the float epilogue. For a speculative verification step's 5 rows with two digits, where the
+  VNNI forms are compute-bound (packed_q8_amx.cpp).
 The native candidates run the widest ISA tier this CPU can run (what cpuid allows; timing picks the kernel).
 bf16 (a second form of the weight, kiln.kernels.compute_forms; timed for int8 and int8x2 engines, whose arithmetic
 is approximate too, where the engine allows second forms and the matrix unit's probe passed):
@@ -63,6 +68,9 @@ BLOCKED_MAX_GROUP = 512  # packed_q8_blocked.cpp's MAX_SHIFTED_GROUP: the same f
 STREAMED_MAX_ROWS = 16  # the streamed forms are timed up to this many rows (the scratch form wins many more)
 BLOCKED_OPS = {INT8: "packed_linear_q8_blocked", INT8X2: "packed_linear_q8x2_blocked"}
 STREAMED_OPS = {INT8: "packed_linear_q8_streamed", INT8X2: "packed_linear_q8x2_streamed"}
+AMX_OPS = {INT8: "packed_linear_q8_amx", INT8X2: "packed_linear_q8x2_amx"}
+AMX_MAX_ROWS = 16  # the AMX forms are timed up to this many rows (the scratch form and bf16 win more)
+AMX_MAX_GROUP = 64  # packed_q8_amx.cpp's AMX_MAX_K: a group's codes are one tile row of x's digits
 
 
 class PackedCandidate(ABC):
@@ -254,6 +262,29 @@ class NativeInt8x2Streamed(NativeInt8Streamed):
     activations = INT8X2
 
 
+class NativeInt8Amx(PackedCandidate):
+    name = "native-int8-amx"
+    activations = INT8
+
+    def applies(self, layer: PackedLinear, rows: int) -> bool:
+        """Where the matrix unit's probe passed (the packed kernel table drops this candidate otherwise)."""
+        on_cpu = layer.codes.device.type == "cpu"
+        # a group's codes in whole 16-byte runs, at most one tile row (nibbles: 32 or 64 values, int8: 16 to 64)
+        code_bytes = layer.group // 2 if layer.codes.dtype == torch.uint8 else layer.group
+        fits = layer.group <= AMX_MAX_GROUP and code_bytes % 16 == 0 and layer.scale.dtype == torch.float32
+        runs = native_op("avx512", AMX_OPS[self.activations]) is not None
+        return GEMV_ROWS < rows <= AMX_MAX_ROWS and on_cpu and fits and runs
+
+    def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
+        # chosen on an earlier run but not built now: the float32 reference runs (the build logged why)
+        return native_op("avx512", AMX_OPS[self.activations]) or dequant_blas
+
+
+class NativeInt8x2Amx(NativeInt8Amx):
+    name = "native-int8x2-amx"
+    activations = INT8X2
+
+
 def widest_native(name: str) -> Kernel | None:
     """Native op `name` of the widest tier this CPU runs and that builds here (a tier whose build fails gives way
     to the next), None where none does."""
@@ -295,6 +326,8 @@ CANDIDATES: dict[str, PackedCandidate] = {
         NativeInt8x2Blocked(),
         NativeInt8Streamed(),
         NativeInt8x2Streamed(),
+        NativeInt8Amx(),
+        NativeInt8x2Amx(),
     )
 }
 DEQUANT_BLAS, COMPILED_DEQUANT, TILED = DequantBlas.name, CompiledDequantBlas.name, TiledDequantBlas.name
@@ -302,6 +335,8 @@ FUSED, INT4PACK, NATIVE, BRGEMM_BF16 = FusedReduction.name, Int4PackMM.name, Nat
 NATIVE_INT8, NATIVE_INT8X2 = NativeInt8.name, NativeInt8x2.name
 NATIVE_INT8_BLOCKED, NATIVE_INT8X2_BLOCKED = NativeInt8Blocked.name, NativeInt8x2Blocked.name
 NATIVE_INT8_STREAMED, NATIVE_INT8X2_STREAMED = NativeInt8Streamed.name, NativeInt8x2Streamed.name
+NATIVE_INT8_AMX, NATIVE_INT8X2_AMX = NativeInt8Amx.name, NativeInt8x2Amx.name
+AMX_CANDIDATES = (NATIVE_INT8_AMX, NATIVE_INT8X2_AMX)
 
 
 # the arithmetics an engine's activations admit besides float32 (which computes the same product more exactly): its

@@ -17,11 +17,13 @@ and 87.8 %: not a candidate.
 
 Whether the matrix unit computes correctly here is probed once per machine in a child process (a fault there
 cannot take the engine down; a VM that lists AMX but loses tile state would show as wrong sums) and cached with
-the kernel choices; where the probe fails, no bf16 form is timed.
+the kernel choices; where the probe fails, no bf16 form is timed. kiln's own AMX-INT8 products of the packed codes
+(packed_q8_amx.cpp, no second form: the `native-int8*-amx` candidates) are probed the same way (`amx_int8_works`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import subprocess
@@ -33,6 +35,7 @@ import torch
 
 from kiln.kernels.choices import KernelChoiceCache
 from kiln.kernels.native.build import native_op, source_hash
+from kiln.kernels.native.reference import q8_linear
 from kiln.quant.ops import dequantize_codes
 
 logger = logging.getLogger("kiln")
@@ -153,8 +156,48 @@ def matrix_unit_works(cache: KernelChoiceCache) -> bool:
     return bool(record.get("ok"))
 
 
-def _probe_in_child() -> dict[str, object]:
-    script = "import json, kiln.kernels.compute_forms as f; print(json.dumps(f.probe_matrix_unit()))"
+# rows, outputs, inputs: a tail of outputs (not a multiple of 16), one A tile, two (rows past 16 / digits)
+AMX_INT8_PROBE_SHAPES = ((1, 40, 64), (5, 96, 128), (7, 200, 576), (33, 64, 96))
+AMX_INT8_OPS = {1: "packed_linear_q8_amx", 2: "packed_linear_q8x2_amx"}  # by digits of x
+
+
+def probe_amx_int8() -> dict[str, object]:
+    """Run kiln's AMX-INT8 products on 4-bit and int8 codes against their plain-torch reference in this process (what
+    the child runs)."""
+    ops = {digits: native_op("avx512", name) for digits, name in AMX_INT8_OPS.items()}
+    if any(op is None for op in ops.values()):
+        return {"ok": False, "why": "the native avx512 tier does not load here"}
+    generator = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for rows, out_features, in_features in AMX_INT8_PROBE_SHAPES:
+        groups = in_features // 32
+        x = torch.randn(rows, in_features, generator=generator)
+        scale = torch.rand(out_features, groups, 1, generator=generator) + 0.5
+        offset = torch.randn(out_features, groups, 1, generator=generator)
+        nibbles = torch.randint(0, 256, (out_features, groups, 16), generator=generator, dtype=torch.uint8)
+        int8 = torch.randint(-128, 128, (out_features, groups, 32), generator=generator, dtype=torch.int8)
+        for codes, digits in itertools.product((nibbles, int8), ops):
+            got = ops[digits](x, codes, scale, offset)
+            want = q8_linear(x, codes, scale, offset, digits=digits)
+            worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+    return {"ok": worst <= PROBE_TOLERANCE, "worst_relative_error": worst}
+
+
+def amx_int8_works(cache: KernelChoiceCache) -> bool:
+    """Whether kiln's AMX-INT8 products compute correctly here: probed once per machine, native sources and torch in
+    a child process (a fault there, a refused tile state or a wrong sum says no), then read from the cache."""
+    if any(native_op("avx512", name) is None for name in AMX_INT8_OPS.values()):
+        return False
+    key = {"native": source_hash(), "shapes": AMX_INT8_PROBE_SHAPES}
+    record = cache.choose("amx_int8_probe", key, lambda: _probe_in_child("probe_amx_int8"))
+    if not record.get("ok"):
+        logger.info("AMX-INT8 products: off, their probe failed here (%s)", record.get("why", record))
+    return bool(record.get("ok"))
+
+
+def _probe_in_child(probe: str = "probe_matrix_unit") -> dict[str, object]:
+    """Run this module's function `probe` in a child process; its record, or why there is none."""
+    script = f"import json, kiln.kernels.compute_forms as f; print(json.dumps(f.{probe}()))"
     command = [sys.executable, "-c", script]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False)

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from kiln.compile.compiler import CompileOnce, PieceCompiler
 from kiln.config import DEFAULT_ACTIVATIONS
 from kiln.kernels.candidates import (
+    AMX_CANDIDATES,
     BRGEMM_BF16,
     CANDIDATES,
     DEQUANT_BLAS,
@@ -40,7 +41,7 @@ from kiln.kernels.candidates import (
     native_packed_linear,
 )
 from kiln.kernels.choices import KernelChoiceCache, stream_count
-from kiln.kernels.compute_forms import matrix_unit_works
+from kiln.kernels.compute_forms import amx_int8_works, matrix_unit_works
 from kiln.kernels.native.build import install_native_dispatch, source_hash
 from kiln.kernels.race import RULES, Entrant, time_candidates, time_us
 from kiln.kernels.torch_kernels import layer_weight
@@ -114,6 +115,10 @@ class PackedKernelTable:
         self.candidates = candidates_for(activations, second_forms)
         if BRGEMM_BF16 in self.candidates and not matrix_unit_works(cache):
             del self.candidates[BRGEMM_BF16]
+        amx = [name for name in AMX_CANDIDATES if name in self.candidates]
+        if amx and not amx_int8_works(cache):  # kiln's own AMX-INT8 products: only where they ran in a child
+            for name in amx:
+                del self.candidates[name]
         # int8 activations asked for and an int8 kernel runs here (else the float32 candidates alone are timed)
         self.int8_runs = activations in INT8_OPS and native_int8_linear(activations) is not None
         self.layers = packed_layers(model)

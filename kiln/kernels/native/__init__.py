@@ -13,6 +13,9 @@ packed_q8_blocked.cpp
                    `packed_linear_q8_blocked` / `packed_linear_q8x2_blocked` (AVX-512 VNNI, AVX2 for 4-bit codes):
                    the same arithmetic with 16 (8) outputs' codes transposed per call into one word per lane, for
                    many rows; `_streamed` forms: transposed in registers as used, for one to a few rows
+packed_q8_amx.cpp  `packed_linear_q8_amx` / `packed_linear_q8x2_amx` (avx512 tier, CPUs with AMX-INT8): the same
+                   arithmetic, a group's integer sums of every row and digit by one tile multiply, for a few rows
+                   (a speculative verification step); asks Linux for the tile state, probed in a child first
 paged_attention.cpp
                    `paged_decode_attention`: decode attention over the paged KV cache where the blocks lie, GQA
                    heads together, keys split across threads and merged (flash-decoding); float32 or bf16 KV

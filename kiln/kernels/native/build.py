@@ -12,8 +12,10 @@ make the next build wait forever, is removed under it.
 `native_op(tier, name)` is the tier's op `name` (`packed_linear`: float32 activations; `packed_linear_q8` and
 `packed_linear_q8x2`: one or two int8 digits; their `_blocked` and `_streamed` forms, avx512 and avx2 tiers: the
 same arithmetic with 16 or 8 outputs a vector (codes transposed into a scratch, or in registers), int8 codes on
-avx512 only; `paged_decode_attention`: decode attention over the paged KV cache; `brgemm_bf16_linear`, avx512 tier:
-a bf16 copy of a weight times x on oneDNN's brgemm ukernel (the matrix unit where there is one, dense_brgemm.cpp);
+avx512 only; their `_amx` forms, avx512 tier: the same arithmetic with a group's integer sums of every row on the
+matrix unit (packed_q8_amx.cpp; callable only where the CPU has AMX-INT8 and Linux grants the tiles);
+`paged_decode_attention`: decode attention over the paged KV cache; `brgemm_bf16_linear`, avx512 tier: a bf16 copy
+of a weight times x on oneDNN's brgemm ukernel (the matrix unit where there is one, dense_brgemm.cpp);
 `bind_packed` / `install_packed_dispatch`: the C++ CPU kernel of `kiln::packed_linear`, dispatch.cpp, installed by
 `install_native_dispatch`; `bind_dense` / `install_dense_dispatch`: that of `kiln::dense_linear`, by
 `native_dense_binder`), or None where the CPU lacks the tier, the tier has no such op, or the build failed (no
@@ -48,6 +50,7 @@ SOURCES = tuple(
         "packed_linear.cpp",
         "packed_q8.cpp",
         "packed_q8_blocked.cpp",
+        "packed_q8_amx.cpp",
         "paged_attention.cpp",
         "dispatch.cpp",
         "dense_brgemm.cpp",
@@ -127,6 +130,8 @@ OPS = (
     "packed_linear_q8x2_blocked",
     "packed_linear_q8_streamed",
     "packed_linear_q8x2_streamed",
+    "packed_linear_q8_amx",
+    "packed_linear_q8x2_amx",
     "paged_decode_attention",
     "bind_packed",
     "install_packed_dispatch",
@@ -138,6 +143,7 @@ OPS = (
 # (oneDNN's bf16 brgemm needs AVX-512: every tier's object has the op, the avx512 tier's alone is looked up)
 TIER_OPS = {name: ("avx512", "avx2") for name in OPS if name.endswith(("_blocked", "_streamed"))}
 TIER_OPS["brgemm_bf16_linear"] = ("avx512",)
+TIER_OPS |= {"packed_linear_q8_amx": ("avx512",), "packed_linear_q8x2_amx": ("avx512",)}  # AMX-INT8 tiles
 
 
 def native_op(tier_name: str, name: str = "packed_linear") -> Callable[..., torch.Tensor] | None:
