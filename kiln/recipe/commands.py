@@ -54,10 +54,10 @@ def init_command(args: argparse.Namespace) -> int:
 def _init_lora(args: argparse.Namespace) -> LoRAConfig | None:
     """`recipe init`'s LoRA flags as the section's sizes (None without --enable-lora; a size flag without it is a
     ConfigError naming the flag)."""
-    sizes = {"--max-loras": args.max_loras, "--max-lora-rank": args.max_lora_rank}
-    sizes["--lora-target-modules"] = args.lora_target_modules
     if not args.enable_lora:
-        given = [flag for flag, value in sizes.items() if value is not None]
+        flags = ("--max-loras", "--max-lora-rank", "--lora-target-modules")
+        values = (args.max_loras, args.max_lora_rank, args.lora_target_modules)
+        given = [flag for flag, value in zip(flags, values, strict=True) if value is not None]
         if given:
             raise ConfigError(f"{', '.join(given)} without --enable-lora: add --enable-lora to write a lora: section")
         return None
