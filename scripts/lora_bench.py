@@ -9,8 +9,11 @@
 2. A running server (`kiln serve --enable-lora --allow-runtime-lora-updating`) streams one request while a rank-16
    adapter is loaded through POST /v1/load_lora_adapter: the load's latency (bar: <= 1 s) and the stream's largest
    gap between tokens against its median (bar: no pause longer than one step).
-3. `--vllm`: vLLM's CPU build (.venv-vllm, `make vllm`) on the same adapters and requests, with its LoRA support
-   (its bf16 HF copy of the default model, kiln.bench.vllm_runner.hf_dir_for), the same threads.
+3. `--vllm`: vLLM's CPU build (.venv-vllm, `make vllm`, or $KILN_VLLM_PYTHON) runs the same four timings on the same
+   adapters and prompts with its LoRA support (`enable_lora`, one `LoRARequest` per adapter: scripts/lora_vllm_worker.py
+   in vLLM's own environment), on its bf16 HF copy of the default model (kiln.bench.vllm_runner.hf_dir_for), bound to
+   as many CPUs as `--threads` (default: all this process may use). A vLLM that fails is reported as refused, with
+   its last error line.
 
 The adapters are random PEFT checkpoints written here for the base's HF architecture (peft, B scaled small so the
 outputs stay finite); kiln reads them as any PEFT directory.
@@ -33,11 +36,12 @@ from pathlib import Path
 import httpx
 
 from kiln import LLM, SamplingParams
-from kiln.bench.vllm_runner import hf_dir_for, vllm_python, worker_env
+from kiln.bench.vllm_runner import DTYPE, check_vllm, hf_dir_for, vllm_python, worker_env
 from kiln.lora import LoRARequest
 from kiln.model.loader import resolve_model_path
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+VOCAB = 49152  # the default model's: both engines get the same prompts
 
 
 def write_adapters(folder: Path, count: int, rank: int) -> list[Path]:
@@ -68,7 +72,9 @@ def prompts_of(n: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams, loras: list[LoRARequest | None] | None) -> float:
-    """Output tokens per second of one batch (all requests at once, the engine's continuous batching)."""
+    """Output tokens per second of one batch (all requests at once, the engine's continuous batching), from an empty
+    prefix cache (as vLLM's side: no pass finds another's prompts cached)."""
+    llm.engine.reset_prefix_cache(quiet=True)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, lora_request=loras) if loras else llm.generate(prompts, params)
     seconds = time.perf_counter() - start
@@ -77,8 +83,8 @@ def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams, loras: lis
 
 def offline(args: argparse.Namespace, adapters: list[Path]) -> dict[str, float]:
     params = SamplingParams(max_tokens=args.len, temperature=0.0, ignore_eos=True)
-    base = LLM("default", max_num_seqs=args.requests)
-    prompts = prompts_of(args.requests, args.len, base.engine.model_config.vocab_size)
+    base = LLM("default", max_num_seqs=args.requests, num_threads=args.threads or None)
+    prompts = prompts_of(args.requests, args.len, VOCAB)
     requests = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)]
     spread = [requests[i % len(requests)] for i in range(args.requests)]
     timed(base, prompts[:2], params, None)  # warm-up: kernel choices, captures
@@ -88,17 +94,32 @@ def offline(args: argparse.Namespace, adapters: list[Path]) -> dict[str, float]:
         enable_lora=True,
         max_loras=len(adapters),
         max_lora_rank=args.rank,
+        num_threads=args.threads or None,
     )
     timed(lora, prompts[:4], params, spread[:4])
+    n = args.requests
     results = {
-        "base 32 req tok/s": timed(base, prompts, params, None),
-        "lora 32 req tok/s": timed(lora, prompts, params, spread),
+        f"base {n} req tok/s": timed(base, prompts, params, None),
+        f"lora {n} req tok/s": timed(lora, prompts, params, spread),
         "base bs1 tok/s": timed(base, prompts[:1], params, None),
         "lora bs1 tok/s": timed(lora, prompts[:1], params, spread[:1]),
     }
-    results["32 req ratio"] = results["lora 32 req tok/s"] / results["base 32 req tok/s"]
-    results["bs1 ratio"] = results["lora bs1 tok/s"] / results["base bs1 tok/s"]
-    return results
+    return with_ratios(results, n)
+
+
+def with_ratios(results: dict, n: int) -> dict:
+    """`results` with LoRA's throughput over the base's, for the batch and for one request."""
+    if f"lora {n} req tok/s" not in results:
+        return results
+    ratios = {
+        f"{n} req ratio": results[f"lora {n} req tok/s"] / results[f"base {n} req tok/s"],
+        "bs1 ratio": results["lora bs1 tok/s"] / results["base bs1 tok/s"],
+    }
+    return results | ratios
+
+
+def threads_of(args: argparse.Namespace) -> int:
+    return args.threads or len(os.sched_getaffinity(0))
 
 
 def served(args: argparse.Namespace, adapters: list[Path]) -> dict[str, float]:
@@ -140,52 +161,35 @@ def served(args: argparse.Namespace, adapters: list[Path]) -> dict[str, float]:
         server.wait(timeout=60)
 
 
-VLLM_WORKER = """
-import json, sys, time
-from vllm import LLM, SamplingParams
-from vllm.lora.request import LoRARequest
-req = json.load(open(sys.argv[1]))
-llm = LLM(model=req["model_dir"], dtype="bfloat16", enable_lora=True, max_loras=len(req["adapters"]),
-          max_lora_rank=req["rank"], max_num_seqs=len(req["prompts"]), max_model_len=2 * req["len"] + 16)
-params = SamplingParams(max_tokens=req["len"], temperature=0.0, ignore_eos=True)
-loras = [LoRARequest(f"a{i}", i + 1, p) for i, p in enumerate(req["adapters"])]
-prompts = [{"prompt_token_ids": p} for p in req["prompts"]]
-spread = [loras[i % len(loras)] for i in range(len(prompts))]
-def run(ps, lr):
-    start = time.perf_counter()
-    outs = llm.generate(ps, params, lora_request=lr, use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
-run(prompts[:4], spread[:4])
-out = {"base 32 req tok/s": run(prompts, None), "lora 32 req tok/s": run(prompts, spread),
-       "base bs1 tok/s": run(prompts[:1], None), "lora bs1 tok/s": run(prompts[:1], spread[:1])}
-json.dump(out, open(sys.argv[2], "w"))
-"""
+VLLM_WORKER = Path(__file__).with_name("lora_vllm_worker.py")
 
 
-def vllm(args: argparse.Namespace, adapters: list[Path]) -> dict[str, float]:
+def vllm(args: argparse.Namespace, adapters: list[Path]) -> dict[str, float | str]:
+    """The same timings on vLLM's CPU build (scripts/lora_vllm_worker.py in vLLM's own environment: .venv-vllm, or
+    $KILN_VLLM_PYTHON) on its bf16 HF copy of the default model; {"refused": its last error line} if it fails."""
+    check_vllm()
     with tempfile.TemporaryDirectory(prefix="kiln-vllm-lora-") as tmp:
-        request, result, worker = Path(tmp) / "req.json", Path(tmp) / "out.json", Path(tmp) / "worker.py"
-        worker.write_text(VLLM_WORKER)
-        request.write_text(
-            json.dumps(
-                {
-                    "model_dir": str(hf_dir_for(resolve_model_path("default"))),
-                    "adapters": [str(p) for p in adapters],
-                    "rank": args.rank,
-                    "len": args.len,
-                    "prompts": prompts_of(args.requests, args.len, 49152),
-                }
-            )
-        )
-        threads = args.threads or os.cpu_count() or 1
+        request, result = Path(tmp) / "request.json", Path(tmp) / "result.json"
+        spec = {
+            "model_dir": str(hf_dir_for(resolve_model_path("default"))),
+            "dtype": DTYPE,
+            "adapters": [str(p) for p in adapters],
+            "rank": args.rank,
+            "len": args.len,
+            "prompts": prompts_of(args.requests, args.len, VOCAB),
+        }
+        request.write_text(json.dumps(spec))
         proc = subprocess.run(
-            [str(vllm_python()), str(worker), str(request), str(result)],
-            env=worker_env(threads),
+            [str(vllm_python()), str(VLLM_WORKER), str(request), str(result)],
+            env=worker_env(threads_of(args)),
             capture_output=True,
             text=True,
+            timeout=3600,
         )
-        if proc.returncode != 0:
-            return {"refused": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "no output"}
+        if proc.returncode != 0 or not result.exists():
+            lines = proc.stderr.strip().splitlines() or ["(no output)"]
+            print("\n".join(lines[-40:]), file=sys.stderr)
+            return {"refused": lines[-1]}
         return json.loads(result.read_text())
 
 
@@ -195,7 +199,7 @@ def main() -> None:
     ap.add_argument("--len", type=int, default=128)
     ap.add_argument("--adapters", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="both engines' threads (default: every CPU allowed)")
     ap.add_argument("--vllm", action="store_true")
     ap.add_argument("--skip-server", action="store_true")
     args = ap.parse_args()
@@ -205,7 +209,7 @@ def main() -> None:
         if not args.skip_server:
             report["kiln server load"] = served(args, adapters)
         if args.vllm:
-            report["vllm"] = vllm(args, adapters)
+            report["vllm"] = with_ratios(vllm(args, adapters), args.requests)
     print(json.dumps(report, indent=1))
 
 

@@ -10,6 +10,7 @@ diff.py           per-boundary metrics against a float64 noise floor; the first 
 bisect.py         the minimal set of pieces whose mode causes a failure, about log2(N) rounds per piece found; a final
                   compiled round tells a miscompile from a capture/replay fault
 cases.py          saved inputs, expectations and thresholds (safetensors + JSON), replayed as regression checks
+case_adapter.py   the LoRA adapter a case was saved with (name, directory, rank, files' SHA-256), checked at replay
 faults.py         injected faults (a miscompiled layer, a stale capture input) that prove the debugger right
 trace.py          trace mode (KILN_DEBUG=1 / recipe debug_mode): every piece launch logged, replay inputs checked
 explain.py        graph breaks and trace failures with module path, op, source line and a hint

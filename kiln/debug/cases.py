@@ -4,7 +4,8 @@ A case directory holds
 - `case.json`: model spec, recipe, dtype, compiler and capture sizes; prompt ids, decode steps, sampling (greedy),
   seed, speculation and the cached prefix (kiln.debug.runs); expected tokens; per boundary: module, piece, noise
   floor, threshold and the statistics of the path under test when the case was saved; an environment fingerprint
-  (torch version, device, recipe hash, kiln version).
+  (torch version, device, recipe hash, kiln version); with `--lora`, the adapter (kiln.debug.case_adapter: name,
+  directory, rank, `--max-lora-rank`, its files' SHA-256), which a replay runs again once its files are checked.
 - `tensors.safetensors`: input ids and positions as fed (prefill then decodes), the expected tokens and each
   boundary's reference values (`boundary.<name>`, logits included).
 
@@ -26,10 +27,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import kiln
+from kiln.debug.case_adapter import adapter_record, case_lora_request
 from kiln.debug.diff import NOISE_FLOOR, NOISE_RATIO, DiffReport, Reference
 from kiln.debug.session import DebugSession
 from kiln.engine.setup.args import EngineArgs
 from kiln.errors import ConfigError
+from kiln.lora.request import LoRARequest
 
 logger = logging.getLogger("kiln")
 
@@ -52,6 +55,7 @@ class Case:
         """The engine arguments the case was saved with."""
         m = self.meta
         spec = m.get("speculative") or {}
+        lora = m.get("lora")
         return EngineArgs(
             model=m["model"],
             recipe=m.get("recipe"),
@@ -64,7 +68,12 @@ class Case:
             # a case saved with speculation replays its verification steps (teacher-forced drafts: no proposer runs)
             speculative_method="ngram" if spec.get("method") and not m.get("recipe") else None,
             num_speculative_tokens=spec.get("num_tokens") or 4,
+            **({"enable_lora": True, "max_lora_rank": lora["max_lora_rank"]} if lora is not None else {}),
         )
+
+    def lora_request(self) -> LoRARequest | None:
+        """The adapter the case was saved with (None: the base model), its files checked against the record."""
+        return case_lora_request(self.meta.get("lora"), self.directory / CASE_FILE)
 
 
 def fingerprint(session: DebugSession) -> dict[str, Any]:
@@ -110,6 +119,7 @@ def save_case(directory: Path, session: DebugSession, reference: Reference, repo
         "logit_rows": reference.logit_rows,
         "cached_prefix": session.runs.cached_prefix,
         "speculative": {"method": spec.method, "num_tokens": spec.num_speculative_tokens},
+        "lora": adapter_record(session.runs.lora, session.engine.config.lora.max_lora_rank),
         "noise_ratio": NOISE_RATIO,
         "noise_floor": NOISE_FLOOR,
         "boundaries": [

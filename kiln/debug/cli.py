@@ -3,7 +3,8 @@
 - accuracy drift: `diff` (which boundary first leaves the noise floor), `bisect` (which pieces' mode causes it)
 - capture failure: `bisect` tells a capture/replay fault from a miscompile; KILN_DEBUG=1 checks replay addresses
 - compile failure: `explain` (graph breaks and trace failures with module path, op, source line and a hint)
-- regressions: `save-case` / `check-case` (exit 1 naming the boundary); cases run under pytest too
+- regressions: `save-case` / `check-case` (exit 1 naming the boundary); cases run under pytest too; a case saved
+  with `--lora` records the adapter and replays it
 
 Every subcommand takes the engine flags `EngineArgs` defines (`--seed` also seeds a random prompt for models
 without a tokenizer).
@@ -52,12 +53,13 @@ def add_debug_subcommand(sub: argparse._SubParsersAction) -> None:
     _add_run_args(s)
     s.add_argument("--out", required=True, help="directory to write case.json and tensors.safetensors into")
     s.add_argument("--mode", default="captured", help="the path the case tests (compiled, captured)")
+    _add_lora_arg(s)
     s.set_defaults(handler=f"{_HANDLERS}:cmd_save_case")
 
     c = cmds.add_parser(
         "check-case",
         help="replay a debug case; exit 1 naming the first regressed boundary (engine flags left at their "
-        "defaults take the case's values)",
+        "defaults take the case's values; a case saved with --lora replays that adapter, its files checked)",
     )
     EngineArgs.add_cli_args(c)
     c.add_argument("case_dir", help="a directory written by `kiln debug save-case`")

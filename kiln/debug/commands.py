@@ -13,6 +13,7 @@ import torch
 from kiln.compile.modes import PieceMode, parse_piece_modes
 from kiln.compile.split import op_name
 from kiln.debug.bisect import Bisector, command_check, format_indices
+from kiln.debug.case_adapter import DEBUG_LORA_ID
 from kiln.debug.cases import Case, check_names, fingerprint_changes, load_case, save_case
 from kiln.debug.cli import DEFAULT_PROMPT
 from kiln.debug.diff import Reference, build_reference, format_report, run_diff
@@ -47,7 +48,7 @@ def _open(args: argparse.Namespace, case: Case | None = None) -> DebugSession:
     setup_logging()
     faults = [parse_fault(spec) for spec in args.inject_fault]
     cached = case.meta.get("cached_prefix", 0) if case is not None else getattr(args, "cached_prefix", 0)
-    session = DebugSession.open(engine_args(args, case), cached, lora_request(getattr(args, "lora", None)))
+    session = DebugSession.open(engine_args(args, case), cached, _lora(args, case))
     if case is not None:
         check_names(case, session)
         for change in fingerprint_changes(case, session):
@@ -58,13 +59,29 @@ def _open(args: argparse.Namespace, case: Case | None = None) -> DebugSession:
 
 
 def lora_request(spec: str | None) -> LoRARequest | None:
-    """`--lora NAME=PATH` as the adapter the debug request runs with (id 1); ConfigError for another form."""
+    """`--lora NAME=PATH` as the adapter the debug request runs with; ConfigError for another form."""
     if spec is None:
         return None
     name, sep, path = spec.partition("=")
     if not sep or not name or not path:
         raise ConfigError(f"--lora {spec!r}: expected NAME=PATH (a PEFT adapter directory)")
-    return LoRARequest(name, 1, path)
+    return LoRARequest(name, DEBUG_LORA_ID, path)
+
+
+def _lora(args: argparse.Namespace, case: Case | None) -> LoRARequest | None:
+    """The adapter of the session: `--lora`, or with a case the one it was saved with (its files checked); a
+    `--lora` naming another adapter than the case's is refused."""
+    given = lora_request(getattr(args, "lora", None))
+    if case is None:
+        return given
+    saved = case.lora_request()
+    if given is not None and (saved is None or Path(given.lora_path).resolve() != Path(saved.lora_path)):
+        was = f"LoRA adapter {saved.lora_path}" if saved is not None else "no LoRA adapter"
+        raise ConfigError(
+            f"--lora {args.lora}: the case {case.directory} was saved with {was}; leave --lora out (a case replays "
+            "the adapter it was saved with)"
+        )
+    return saved
 
 
 def _prompt(session: DebugSession, args: argparse.Namespace) -> list[int]:

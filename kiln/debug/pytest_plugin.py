@@ -36,7 +36,7 @@ class DebugCaseFile(pytest.File):
 class DebugCaseItem(pytest.Item):
     def runtest(self) -> None:
         case = load_case(self.path.parent)
-        session = DebugSession.open(case.engine_args())
+        session = DebugSession.open(case.engine_args(), lora=case.lora_request())
         check_names(case, session)
         report = run_diff(session, case.reference, case.test_mode)
         first = report.first_divergence

@@ -23,6 +23,7 @@ def add_recipe_subcommand(subparsers: argparse._SubParsersAction) -> None:
     init = commands.add_parser("init", help="write a valid recipe for a checkpoint")
     init.add_argument("--model", default="default", help='a .gguf file, an HF directory or "default"')
     init.add_argument("--out", help="write here instead of stdout")
+    _add_lora_flags(init)
     init.set_defaults(handler="kiln.recipe.commands:init_command")
     migrate = commands.add_parser(
         "migrate",
@@ -35,6 +36,38 @@ def add_recipe_subcommand(subparsers: argparse._SubParsersAction) -> None:
     schema = commands.add_parser("schema", help="print the recipe JSON Schema (for editors)")
     schema.add_argument("--out", help="write here instead of stdout")
     schema.set_defaults(handler="kiln.recipe.commands:schema_command")
+
+
+def _add_lora_flags(init: argparse.ArgumentParser) -> None:
+    """`recipe init`'s LoRA flags, named as `kiln serve`'s: with --enable-lora the recipe gets a `lora:` section."""
+    lora = init.add_argument_group("LoRA")
+    lora.add_argument("--enable-lora", action="store_true", help="write a lora: section (LoRA adapters turned on)")
+    lora.add_argument("--max-loras", type=_positive_int, default=None, help="lora.max_loras (default 1)")
+    lora.add_argument("--max-lora-rank", type=_positive_int, default=None, help="lora.max_rank (default 16)")
+    lora.add_argument(
+        "--lora-target-modules",
+        type=_names,
+        default=None,
+        metavar="NAME,...",
+        help="lora.target_modules, e.g. q_proj,v_proj (default: every layer kiln adapts)",
+    )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated module names, got {text!r}")
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,8 @@ import os
 import sys
 from dataclasses import asdict
 
-from kiln.errors import KilnError
+from kiln.config import LoRAConfig
+from kiln.errors import ConfigError, KilnError
 from kiln.recipe.diagnostics import Diagnostic, RecipeError
 from kiln.recipe.init_recipe import init_recipe_text
 from kiln.recipe.migrate import migrate_text
@@ -43,11 +44,30 @@ def validate_command(args: argparse.Namespace) -> int:
 
 def init_command(args: argparse.Namespace) -> int:
     try:
-        text = init_recipe_text(args.model, args.out)
+        text = init_recipe_text(args.model, args.out, _init_lora(args))
     except KilnError as exc:
         print(f"kiln recipe init: {exc}", file=sys.stderr)
         return EXIT_INVALID
     return _emit(text, args.out)
+
+
+def _init_lora(args: argparse.Namespace) -> LoRAConfig | None:
+    """`recipe init`'s LoRA flags as the section's sizes (None without --enable-lora; a size flag without it is a
+    ConfigError naming the flag)."""
+    if not args.enable_lora:
+        flags = ("--max-loras", "--max-lora-rank", "--lora-target-modules")
+        values = (args.max_loras, args.max_lora_rank, args.lora_target_modules)
+        given = [flag for flag, value in zip(flags, values, strict=True) if value is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} without --enable-lora: add --enable-lora to write a lora: section")
+        return None
+    defaults = LoRAConfig()
+    return LoRAConfig(
+        enabled=True,
+        max_loras=args.max_loras or defaults.max_loras,
+        max_lora_rank=args.max_lora_rank or defaults.max_lora_rank,
+        target_modules=args.lora_target_modules,
+    )
 
 
 def migrate_command(args: argparse.Namespace) -> int:
