@@ -11,11 +11,14 @@ The rows are scored in slices of at most the rows the logits head's kernels were
 rows: above them its packed head would run the untimed reference, 3x slower), and never more than `SLICE_ROWS` (a
 1,024-token prompt's logits over a 150k vocabulary would be 600 MB at once), on the model's device; no log-softmax
 tensor is made (a row's logsumexp is subtracted from the few logits it keeps), and only those few numbers come to
-the host.
+the host. A slice's logsumexps, target logits, ranks and largest logits come from kiln's native kernel in two passes
+over each row (`row_scores`; torch ops, where it does not build, take 5-10 passes and ran 20-40x slower: the
+scoring cost 1.5x a plain prefill with them); a top-k runs only for requests that ask for more than one alternative.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,8 +26,11 @@ import torch
 
 from kiln.engine.request import Logprob, PromptLogprobs, Request
 from kiln.engine.running.step_plan import PromptRows
+from kiln.kernels.candidates import widest_native
 
 SLICE_ROWS = 256  # prompt rows whose logits exist at once
+# per row: logsumexp, the target's logit, its rank, the largest logit and its first index (`row_scores`)
+RowScores = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -70,14 +76,16 @@ def score_prompt_rows(
         logits = head(hidden, rows[at : at + step])
         assert logits is not None, "prompt logprobs are computed on a single device"
         logits = logits.float()
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        target = torch.tensor(targets[at : at + step], device=logits.device).unsqueeze(1)
-        chosen = logits.gather(1, target)
-        picked.append((chosen - lse).squeeze(1).cpu())
-        ranks.append(((logits > chosen).sum(dim=1) + 1).cpu())
-        top = _likeliest(logits, num_top)
-        top_lp.append((top.values - lse).cpu() if top is not None else None)
-        top_ids.append(top.indices.cpu() if top is not None else None)
+        lse, chosen, rank, top_value, top_index = row_scores(logits, torch.tensor(targets[at : at + step]))
+        picked.append((chosen - lse).cpu())
+        ranks.append(rank.cpu())
+        if num_top == 1:
+            top_lp.append((top_value - lse).unsqueeze(1).cpu())
+            top_ids.append(top_index.unsqueeze(1).cpu())
+        elif num_top > 1:
+            top = logits.topk(num_top, dim=1)
+            top_lp.append((top.values - lse.unsqueeze(1)).cpu())
+            top_ids.append(top.indices.cpu())
     return _entries(
         chunks,
         picked=torch.cat(picked).tolist(),
@@ -87,13 +95,29 @@ def score_prompt_rows(
     )
 
 
-def _likeliest(logits: torch.Tensor, num_top: int) -> torch.return_types.topk | torch.return_types.max | None:
-    """Each row's `num_top` largest logits and their ids (one: a max, a single pass; none: None)."""
-    if num_top == 0:
-        return None
-    if num_top == 1:
-        return logits.max(dim=1, keepdim=True)
-    return logits.topk(num_top, dim=1)
+def row_scores(logits: torch.Tensor, targets: torch.Tensor) -> RowScores:
+    """Of each row of `logits` [rows, vocab] (float32) and its target id: the row's logsumexp, the target's logit,
+    its rank (1 + the logits greater than it), and the row's largest logit with its first index. kiln's native
+    kernel on a CPU where it builds (two passes over a row, kiln/kernels/native/row_scores.cpp); torch ops elsewhere.
+    """
+    op = native_row_scores() if logits.device.type == "cpu" else None
+    if op is not None:
+        return op(logits, targets)
+    return torch_row_scores(logits, targets.to(logits.device))
+
+
+def torch_row_scores(logits: torch.Tensor, targets: torch.Tensor) -> RowScores:
+    """`row_scores` by torch ops (5-10 passes over the logits, on any device)."""
+    chosen = logits.gather(1, targets.unsqueeze(1))
+    top = logits.max(dim=1)
+    rank = (logits > chosen).sum(dim=1) + 1
+    return torch.logsumexp(logits, dim=1), chosen.squeeze(1), rank, top.values, top.indices
+
+
+@functools.cache
+def native_row_scores() -> Callable[[torch.Tensor, torch.Tensor], RowScores] | None:
+    """The native `prompt_row_scores` op of the widest tier that builds here (None where none does)."""
+    return widest_native("prompt_row_scores")
 
 
 def _entries(

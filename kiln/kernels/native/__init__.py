@@ -21,6 +21,8 @@ paged_attention.cpp
                    heads together, keys split across threads and merged (flash-decoding); float32 or bf16 KV
 dense_brgemm.cpp   `brgemm_bf16_linear`: x times a bf16 copy of a weight in oneDNN's VNNI order on ATen's
                    `cpublas::brgemm` (oneDNN's ukernel: AMX tiles where the CPU has them), float32 sums and output
+row_scores.cpp     `prompt_row_scores`: a row of float32 logits' logsumexp, its target's logit and rank, and its largest
+                   logit with its index, in two vectorized passes (prompt logprobs, kiln.engine.running.prompt_logprobs)
 dispatch.cpp       the C++ CPU kernels of `kiln::packed_linear` (native bindings and second forms called without
                    Python) and `kiln::dense_linear`
 packed_operands.h  the operand checks every product shares, and the prefetch of the next outputs' rows

@@ -16,6 +16,7 @@ avx512 only; their `_amx` forms, avx512 tier: the same arithmetic with a group's
 matrix unit (packed_q8_amx.cpp; callable only where the CPU has AMX-INT8 and Linux grants the tiles);
 `paged_decode_attention`: decode attention over the paged KV cache; `brgemm_bf16_linear`, avx512 tier: a bf16 copy
 of a weight times x on oneDNN's brgemm ukernel (the matrix unit where there is one, dense_brgemm.cpp);
+`prompt_row_scores`: the numbers prompt logprobs keep of each row of logits (row_scores.cpp);
 `bind_packed` / `install_packed_dispatch`: the C++ CPU kernel of `kiln::packed_linear`, dispatch.cpp, installed by
 `install_native_dispatch`; `bind_dense` / `install_dense_dispatch`: that of `kiln::dense_linear`, by
 `native_dense_binder`), or None where the CPU lacks the tier, the tier has no such op, or the build failed (no
@@ -54,6 +55,7 @@ SOURCES = tuple(
         "paged_attention.cpp",
         "dispatch.cpp",
         "dense_brgemm.cpp",
+        "row_scores.cpp",
     )
 )
 # included by the sources: part of their hash
@@ -138,6 +140,7 @@ OPS = (
     "bind_dense",
     "install_dense_dispatch",
     "brgemm_bf16_linear",
+    "prompt_row_scores",
 )
 # ops only some tiers define (the blocked and streamed products: zmm and ymm forms, none in the plain tier) or run
 # (oneDNN's bf16 brgemm needs AVX-512: every tier's object has the op, the avx512 tier's alone is looked up)
