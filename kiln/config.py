@@ -236,7 +236,8 @@ class LoRAConfig:
     """LoRA adapters (kiln.lora), vLLM's flags: off unless `enabled`; `max_loras` adapters in one step (their slots),
     each of rank at most `max_lora_rank`; `max_cpu_loras` read adapters kept in host memory (None: max_loras);
     `modules`: (name, path) adapters registered at start (`--lora-modules name=path`); `target_modules`: the HF
-    module names adapters may adapt (a recipe's lora.target_modules; None: any kiln adapts)."""
+    module names adapters may adapt (a recipe's lora.target_modules; None: any kiln adapts); `dtype`: the adapters'
+    buffers' dtype (`--lora-dtype`, kiln.lora.config.LORA_DTYPES; auto: the model's)."""
 
     enabled: bool = False
     max_loras: int = 1
@@ -244,6 +245,7 @@ class LoRAConfig:
     max_cpu_loras: int | None = None
     modules: tuple[tuple[str, str], ...] = ()
     target_modules: tuple[str, ...] | None = None
+    dtype: str = "auto"
 
     @property
     def cpu_loras(self) -> int:

@@ -1,11 +1,13 @@
 """What LoRA adapters cost (issue 54's performance bars), side by side in one run on the default model.
 
   .venv/bin/python scripts/lora_bench.py [--requests 32] [--len 128] [--adapters 4] [--rank 16] [--vllm]
+      [--lora-dtype auto|float32|bfloat16] [--repeats 1] [--skip-server]
 
 1. Offline, kiln's default graph mode: 32 requests of 128 prompt / 128 output tokens (greedy, EOS ignored) on an
    engine without LoRA, then on an engine with `--enable-lora --max-loras 4 --max-lora-rank 16`, the requests spread
    over 4 rank-16 adapters on all seven targets (q, k, v, o, gate, up, down); output tokens per second of each and
    their ratio (bar: >= 0.8x). Batch-1 decode with an adapter against the engine without LoRA (bar: >= 0.85x).
+   `--repeats N` times each side N times, base and LoRA in turn, and reports the medians (a shared machine).
 2. A running server (`kiln serve --enable-lora --allow-runtime-lora-updating`) streams one request while a rank-16
    adapter is loaded through POST /v1/load_lora_adapter: the load's latency (bar: <= 1 s) and the stream's largest
    gap between tokens against its median (bar: no pause longer than one step).
@@ -95,15 +97,17 @@ def offline(args: argparse.Namespace, adapters: list[Path]) -> dict[str, float]:
         max_loras=len(adapters),
         max_lora_rank=args.rank,
         num_threads=args.threads or None,
+        lora_dtype=args.lora_dtype,
     )
     timed(lora, prompts[:4], params, spread[:4])
     n = args.requests
-    results = {
-        f"base {n} req tok/s": timed(base, prompts, params, None),
-        f"lora {n} req tok/s": timed(lora, prompts, params, spread),
-        "base bs1 tok/s": timed(base, prompts[:1], params, None),
-        "lora bs1 tok/s": timed(lora, prompts[:1], params, spread[:1]),
-    }
+    runs: dict[str, list[float]] = {}
+    for _ in range(args.repeats):  # base and LoRA in turn: the machine's other load falls on both alike
+        runs.setdefault(f"base {n} req tok/s", []).append(timed(base, prompts, params, None))
+        runs.setdefault(f"lora {n} req tok/s", []).append(timed(lora, prompts, params, spread))
+        runs.setdefault("base bs1 tok/s", []).append(timed(base, prompts[:1], params, None))
+        runs.setdefault("lora bs1 tok/s", []).append(timed(lora, prompts[:1], params, spread[:1]))
+    results = {name: statistics.median(times) for name, times in runs.items()}
     return with_ratios(results, n)
 
 
@@ -200,6 +204,8 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--threads", type=int, default=0, help="both engines' threads (default: every CPU allowed)")
+    ap.add_argument("--lora-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--vllm", action="store_true")
     ap.add_argument("--skip-server", action="store_true")
     args = ap.parse_args()

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kiln.errors import ConfigError
+
+# --lora-dtype (vLLM's): the adapters' buffers' dtype; auto: the model's (float32 keeps HF + PEFT's numbers, bfloat16
+# halves what the products read, computed in float32 where the form allows: kiln.lora.forms)
+LORA_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -13,15 +19,22 @@ class LoRALimits:
     `max_rank` (`--max-lora-rank`), in steps of at most `max_num_tokens` tokens (the step's token budget, padding to
     a capture size included). The buffers never grow: a step or an adapter past a limit is refused. `target_modules`:
     the only HF module names (q_proj, ...) an adapter may adapt (a recipe's lora.target_modules); None: any kiln
-    adapts."""
+    adapts. `dtype`: the buffers' dtype, one of LORA_DTYPES (auto: the model's floats')."""
 
     max_loras: int = 1
     max_rank: int = 16
     max_num_tokens: int = 2048
     target_modules: tuple[str, ...] | None = None
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.dtype not in LORA_DTYPES:
+            raise ConfigError(f"LoRA dtype {self.dtype!r}: expected one of {', '.join(LORA_DTYPES)}")
         for name in ("max_loras", "max_rank", "max_num_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"LoRA {name} = {value!r}: expected a positive whole number")
+
+    def buffer_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the adapters' buffers in a model of `model_dtype` floats."""
+        return LORA_DTYPES[self.dtype] or model_dtype

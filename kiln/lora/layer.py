@@ -10,9 +10,12 @@ B matrices in another), so a step multiplies by every slot at once and keeps, pe
 
 A fused module (qkv_proj, gate_up_proj) has one block of A rows per part, and each part's output rows take the
 product of their own block only (one expand per part, concatenated): B is never stored block-diagonal.
-The products are plain `F.linear`s over buffers that the compiled pieces take as inputs by reference (kiln.compile
-never freezes them), so loading an adapter is a copy into the buffers: nothing recompiles or recaptures. They are
-not kiln.kernels candidates yet (a native shrink/expand kernel is not written): torch's GEMMs run them.
+That is the `stacked` form (kiln.lora.forms); few rows run the `gathered` form instead (Punica's bgmv: each token
+reads its own slot's A and B only), over the same buffers. The forms read buffers that the compiled pieces take as
+inputs by reference (kiln.compile never freezes them), so loading an adapter is a copy into the buffers: nothing
+recompiles or recaptures. Which form a step runs (`form_for`) follows its rows: an eager step or a graph traced for
+a static row count gathers up to GATHERED_MAX_ROWS rows; a full decode graph (decode steps only, a symbolic row
+count up to its largest capture size) gathers; pieces traced for a symbolic row count (prefill chunks) stack.
 """
 
 from __future__ import annotations
@@ -21,13 +24,18 @@ from itertools import accumulate
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from kiln.lora.checkpoint import LoRALayer
 from kiln.lora.config import LoRALimits
+from kiln.lora.forms import FORMS, GATHERED, STACKED, LoRAForm
 from kiln.lora.targets import LoRATarget
+from kiln.model.forward_context import get_forward_context
 
 BASE_ONLY = -1  # a token's slot when its request runs without an adapter (and padding tokens')
+# NOTE: the gathered form's work grows with rows x one slot's weights, the stacked one's with max_loras slots' once;
+# a decode step of 64 rows reads at most 64 slot blocks of a few hundred kB (they stay in cache across the step's
+# rows of one adapter), and an eager gathered step materializes them, which a 2,048-token prefill chunk must not
+GATHERED_MAX_ROWS = 64
 
 
 class TokenSlots(nn.Module):
@@ -74,16 +82,14 @@ class LoRALinear(nn.Module):
         self.register_buffer("column_slot", column_slot, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        n = x.shape[0]
-        shrunk = F.linear(x, self.lora_a)
-        shrunk = shrunk * (self.tokens.index[:n, None] == self.column_slot).to(shrunk.dtype)
-        if len(self.parts) == 1:
-            return self.base(x) + F.linear(shrunk, self.lora_b)
-        expanded = [
-            F.linear(shrunk[:, i * self.block : (i + 1) * self.block], self.lora_b[offset : offset + rows])
-            for i, (offset, rows) in enumerate(self.parts)
-        ]
-        return self.base(x) + torch.cat(expanded, dim=-1)
+        return self.base(x) + self.form_for(x.shape[0]).delta(self, x)
+
+    def form_for(self, rows: int | torch.SymInt) -> LoRAForm:
+        """The form a step of `rows` rows runs (module docstring): decided while tracing, never guarded on."""
+        if not isinstance(rows, torch.SymInt):  # eager, or traced for a static row count
+            return FORMS[GATHERED if rows <= GATHERED_MAX_ROWS else STACKED]
+        # NOTE: a full decode graph runs decode steps only (one row per sequence, up to its largest capture size)
+        return FORMS[GATHERED if get_forward_context().decode is not None else STACKED]
 
     def rows(self, slot: int, part: int) -> slice:
         """Slot `slot`'s rows of A for part `part` (its columns of B are `rows(slot, 0)`)."""

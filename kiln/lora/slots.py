@@ -79,14 +79,12 @@ def attach_lora(model: CausalLM, limits: LoRALimits) -> LoRASlots:
     if not targets:
         raise ConfigError(f"{model.config.architecture}: the model has no layer kiln can adapt with LoRA")
     floats = [p for p in model.parameters() if p.is_floating_point()]
-    device = floats[0].device
+    device, dtype = floats[0].device, limits.buffer_dtype(floats[0].dtype)
     tokens = TokenSlots(limits.max_num_tokens, device)
     layers: dict[str, LoRALinear] = {}
     for module, parts in parts_by_module(targets).items():
         parent, _, name = module.rpartition(".")
-        layer = LoRALinear(
-            model.get_submodule(module), parts=parts, limits=limits, tokens=tokens, dtype=floats[0].dtype
-        )
+        layer = LoRALinear(model.get_submodule(module), parts=parts, limits=limits, tokens=tokens, dtype=dtype)
         setattr(model.get_submodule(parent), name, layer)
         layers[module] = layer
     return LoRASlots(limits, targets, layers, tokens)

@@ -84,6 +84,7 @@ ACTS: dict[str, tuple[Any, dict[str, Any]]] = {
     "max_loras": (2, LORA),
     "max_lora_rank": (8, LORA),
     "max_cpu_loras": (4, LORA),
+    "lora_dtype": ("bfloat16", LORA),
     "tensor_parallel_size": (2, {}),
     "pipeline_parallel_size": (2, {}),
     "pipeline_micro_batches": (2, PIPELINE),

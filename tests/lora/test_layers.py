@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln.errors import ConfigError
 from kiln.lora import BASE_ONLY, LoRAAdapter, LoRALimits, LoRASlots, attach_lora, read_adapter
-from kiln.lora.layer import LoRALinear
+from kiln.lora.forms import FORMS, GATHERED, STACKED
+from kiln.lora.layer import GATHERED_MAX_ROWS, LoRALinear
 from kiln.model.build import build_model
 from kiln.model.loader.hf_loader import HFCheckpoint
 from kiln.quant.linear import PackedLinear
@@ -44,6 +46,44 @@ def test_each_part_adds_its_own_product(quantization: str, lora_dir: Path, adapt
             want = torch.cat([_product(adapter, slots, f"model.layers.0.{p}", inputs[row]) for p in parts])
             torch.testing.assert_close(delta[row], want, rtol=0, atol=1e-5)
         assert not delta[1:3].any()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_forms_compute_the_same_products(dtype: str, lora_dir: Path, adapters: dict[str, Path]) -> None:
+    """The stacked form (every slot, masked) and the gathered one (each token's slot only) over the same buffers, in
+    either buffer dtype: the same product per token, nothing for BASE_ONLY tokens and empty slots."""
+    model = build_model(HFCheckpoint(str(lora_dir / "base")), torch.float32, MAX_POSITIONS)
+    slots = attach_lora(model, LoRALimits(max_loras=3, max_rank=8, max_num_tokens=16, dtype=dtype))
+    slots.load(0, read_adapter(adapters["all7-r4"]))
+    slots.load(2, read_adapter(adapters["gate-up-patterns"]))
+    slots.set_token_slots([2, BASE_ONLY, 0, 1, 0])
+    x = torch.randn(5, 96)
+    tolerance = 1e-5 if dtype == "float32" else 2e-2  # bf16 stacked GEMMs round x too
+    for module in FUSED:
+        layer = model.get_submodule(f"model.layers.0.{module}")
+        assert layer.lora_a.dtype == getattr(torch, dtype)
+        inputs = x[:, : layer.in_features]
+        stacked, gathered = (FORMS[name].delta(layer, inputs) for name in (STACKED, GATHERED))
+        assert stacked.dtype == gathered.dtype == torch.float32
+        torch.testing.assert_close(gathered, stacked, rtol=0, atol=tolerance * max(1.0, float(stacked.abs().max())))
+        assert not gathered[[1, 3]].any() and not stacked[[1, 3]].any()
+        assert gathered[2].any()  # all7-r4 adapts every layer, gate-up-patterns gate and up only
+        assert bool(gathered[0].any()) == (module == "mlp.gate_up_proj")
+
+
+def test_a_step_runs_the_form_of_its_rows(lora_dir: Path) -> None:
+    model = build_model(HFCheckpoint(str(lora_dir / "base")), torch.float32, MAX_POSITIONS)
+    attach_lora(model, LoRALimits(max_loras=2, max_rank=4, max_num_tokens=128))
+    layer = model.get_submodule("model.layers.0.mlp.down_proj")
+    assert layer.form_for(1).name == layer.form_for(GATHERED_MAX_ROWS).name == GATHERED
+    assert layer.form_for(GATHERED_MAX_ROWS + 1).name == STACKED
+
+
+def test_lora_dtype_is_checked_and_auto_keeps_the_models() -> None:
+    with pytest.raises(ConfigError, match="LoRA dtype 'float16'"):
+        LoRALimits(dtype="float16")
+    assert LoRALimits().buffer_dtype(torch.float32) is torch.float32
+    assert LoRALimits(dtype="bfloat16").buffer_dtype(torch.float32) is torch.bfloat16
 
 
 def _product(adapter: LoRAAdapter, slots: LoRASlots, module: str, x: torch.Tensor) -> torch.Tensor:

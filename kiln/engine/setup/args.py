@@ -34,6 +34,7 @@ from kiln.engine.setup.arg_types import add_flags, fraction, int_at_least, non_n
 from kiln.engine.structured.grammar_cache import GRAMMAR_CACHE_BYTES
 from kiln.errors import ConfigError
 from kiln.graph_mode import GRAPH_MODES
+from kiln.lora.config import LORA_DTYPES
 from kiln.speculative_config import SPECULATIVE_METHODS, SPECULATIVE_POLICIES
 
 SPEC = "speculative decoding"  # the flags' group
@@ -229,6 +230,12 @@ class EngineArgs:
         "LoRA",
         type=int_at_least(1),
     )
+    lora_dtype: str = option(
+        "auto",
+        "the adapters' buffers: auto (the model's dtype), float32, or bfloat16 (half the bytes; products in float32)",
+        "LoRA",
+        choices=tuple(LORA_DTYPES),
+    )
 
     tensor_parallel_size: int = option(
         1,
@@ -319,4 +326,5 @@ class EngineArgs:
             max_lora_rank=self.max_lora_rank,
             max_cpu_loras=self.max_cpu_loras,
             modules=tuple(modules),
+            dtype=self.lora_dtype,
         )

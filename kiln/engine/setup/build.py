@@ -230,6 +230,7 @@ def lora_manager(config: EngineConfig, model: nn.Module) -> LoRAManager | None:
         max_rank=lora.max_lora_rank,
         max_num_tokens=max_tokens,
         target_modules=lora.target_modules,
+        dtype=lora.dtype,
     )
     manager = LoRAManager(attach_lora(model, limits), lora.cpu_loras)
     for i, (name, path) in enumerate(lora.modules, start=1):

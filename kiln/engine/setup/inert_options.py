@@ -24,7 +24,7 @@ NGRAM_ONLY = ("prompt_lookup_max", "prompt_lookup_min")
 PIPELINE_OPTIONS = ("pipeline_micro_batches", "pipeline_steps_in_flight")
 RENDEZVOUS_OPTIONS = ("nnodes", "node_rank", "master_addr", "master_port")
 CHUNK_BUDGET = ("long_prefill_token_threshold", "long_prefill_step_seconds")
-LORA_OPTIONS = ("lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras")
+LORA_OPTIONS = ("lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype")
 
 Rule = Callable[[set[str], EngineConfig], Iterable[str]]
 
