@@ -40,6 +40,8 @@ DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16"
 # the KV cache's dtypes, vLLM's names (kiln.model.kv_format: how each is stored). auto: AUTO_KV_CACHE_DTYPE for a
 # float32 model, else the model's own dtype
 KV_CACHE_DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3")
+# --lora-dtype (vLLM's): the LoRA adapters' buffers' dtype (kiln.lora.config); auto: the model's
+LORA_DTYPE_NAMES = ("auto", "float32", "bfloat16")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 # how an embedding request's final hidden states become one vector (kiln.engine.running.pooling): the last prompt
 # token's (vLLM's default for decoder models), the mean over the prompt's tokens, or the first token's
@@ -237,7 +239,7 @@ class LoRAConfig:
     each of rank at most `max_lora_rank`; `max_cpu_loras` read adapters kept in host memory (None: max_loras);
     `modules`: (name, path) adapters registered at start (`--lora-modules name=path`); `target_modules`: the HF
     module names adapters may adapt (a recipe's lora.target_modules; None: any kiln adapts); `dtype`: the adapters'
-    buffers' dtype (`--lora-dtype`, kiln.lora.config.LORA_DTYPES; auto: the model's)."""
+    buffers' dtype (`--lora-dtype`, LORA_DTYPE_NAMES; auto: the model's)."""
 
     enabled: bool = False
     max_loras: int = 1

@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.config import LORA_DTYPE_NAMES
 from kiln.errors import ConfigError
 
-# --lora-dtype (vLLM's): the adapters' buffers' dtype; auto: the model's (float32 keeps HF + PEFT's numbers, bfloat16
-# halves what the products read, computed in float32 where the form allows: kiln.lora.forms)
-LORA_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+# the dtype of each of LORA_DTYPE_NAMES; auto: the model's (float32 keeps HF + PEFT's numbers, bfloat16 halves what
+# the products read, computed in float32 where the form allows: kiln.lora.forms)
+LORA_DTYPES = dict(zip(LORA_DTYPE_NAMES, (None, torch.float32, torch.bfloat16), strict=True))
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,31 @@ symbolic row count takes the form of the rows it serves (kiln.lora.layer).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 from torch.nn import functional as F
 
-if TYPE_CHECKING:
-    from kiln.lora.layer import LoRALinear
+
+class TokenSlots(Protocol):
+    """The step's slot per token (kiln.lora.layer.TokenSlots)."""
+
+    index: torch.Tensor
+
+
+class LoRALinear(Protocol):
+    """What a form reads of its layer (kiln.lora.layer.LoRALinear): the static buffers and their shape."""
+
+    tokens: TokenSlots
+    in_features: int
+    out_features: int
+    max_loras: int
+    max_rank: int
+    parts: tuple[tuple[int, int], ...]
+    block: int
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    column_slot: torch.Tensor
 
 
 class LoRAForm(ABC):

@@ -23,6 +23,7 @@ from kiln.config import (
     DEFAULT_ACTIVATIONS,
     DTYPE_NAMES,
     KV_CACHE_DTYPE_NAMES,
+    LORA_DTYPE_NAMES,
     POOLING_NAMES,
     QUANTIZATION_NAMES,
     SCHEDULING_POLICIES,
@@ -34,7 +35,6 @@ from kiln.engine.setup.arg_types import add_flags, fraction, int_at_least, non_n
 from kiln.engine.structured.grammar_cache import GRAMMAR_CACHE_BYTES
 from kiln.errors import ConfigError
 from kiln.graph_mode import GRAPH_MODES
-from kiln.lora.config import LORA_DTYPES
 from kiln.speculative_config import SPECULATIVE_METHODS, SPECULATIVE_POLICIES
 
 SPEC = "speculative decoding"  # the flags' group
@@ -234,7 +234,7 @@ class EngineArgs:
         "auto",
         "the adapters' buffers: auto (the model's dtype), float32, or bfloat16 (half the bytes; products in float32)",
         "LoRA",
-        choices=tuple(LORA_DTYPES),
+        choices=LORA_DTYPE_NAMES,
     )
 
     tensor_parallel_size: int = option(
