@@ -13,8 +13,10 @@ def eager_recipe(tmp_path: Path, seq_len_bound: int) -> Path:
     text = RECIPE.read_text()
     text = text.replace("seq_len <= 2048", f"seq_len <= {seq_len_bound}")
     text = text.replace("mode: full_and_piecewise", "mode: eager")
-    # nothing is captured or compiled under eager: the sizes and the compiler would do nothing (refused)
-    text = text.replace(", capture_sizes: [1, 2, 4, 8, 16, 32], compiler: inductor", "")
+    # nothing is split, captured or compiled under eager: the splitting ops, sizes and compiler would do nothing
+    # (refused)
+    graph_only = ", splitting_ops: [kiln.attention], capture_sizes: [1, 2, 4, 8, 16, 32], compiler: inductor"
+    text = text.replace(graph_only, "")
     text = text.replace("silu, mul]}", "silu, mul], required: false}")  # eager runs generate no code to fuse
     path = tmp_path / "recipe.yaml"
     path.write_text(text)

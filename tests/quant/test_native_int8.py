@@ -15,9 +15,11 @@ from kiln.kernels.candidates import (
     BRGEMM_BF16,
     CANDIDATES,
     NATIVE_INT8,
+    NATIVE_INT8_AMX,
     NATIVE_INT8_BLOCKED,
     NATIVE_INT8_STREAMED,
     NATIVE_INT8X2,
+    NATIVE_INT8X2_AMX,
     NATIVE_INT8X2_BLOCKED,
     NATIVE_INT8X2_STREAMED,
     candidates_for,
@@ -133,6 +135,8 @@ def test_int8_candidates_are_timed_only_for_int8_activations(tmp_path) -> None:
     one = {NATIVE_INT8, NATIVE_INT8_BLOCKED, NATIVE_INT8_STREAMED}
     two = {NATIVE_INT8X2, NATIVE_INT8X2_BLOCKED, NATIVE_INT8X2_STREAMED}
     bf16 = {BRGEMM_BF16}  # the second form for the matrix unit: admitted by int8 engines (test_compute_forms.py)
+    one |= {NATIVE_INT8_AMX}  # the matrix unit's integer sums (test_native_amx.py)
+    two |= {NATIVE_INT8X2_AMX}
     assert not floats & (one | two | bf16)
     assert set(candidates_for("int8")) == floats | one | bf16
     assert set(candidates_for("int8x2")) == floats | two | bf16
