@@ -102,12 +102,16 @@ def _two_nodes(port: int) -> tuple[subprocess.CompletedProcess[str], int | None,
             text=True,
             timeout=300,
         )
-        node1_log = node1.communicate(timeout=60)[1]
+        try:
+            node1_log = node1.communicate(timeout=60)[1]
+        except subprocess.TimeoutExpired as late:  # node 0's output says why node 1 is still waiting
+            node1.kill()
+            node1_log = f"still running 60 s after node 0 ended; node 0 said:\n{node0.stderr}\nnode 1: {late.stderr}"
         return node0, node1.returncode, node1_log
     finally:
         if node1.poll() is None:
             node1.kill()
-            print("node 1, killed:", node1.communicate()[1])
+            node1.communicate()
 
 
 def test_two_nodes_on_one_machine(llm: LLM) -> None:
@@ -119,4 +123,5 @@ def test_two_nodes_on_one_machine(llm: LLM) -> None:
     expected = llm.generate([PROMPT], SamplingParams(max_tokens=8, temperature=0))[0].text
     assert node0.returncode == 0, node0.stderr
     assert node0.stdout.strip() == expected.strip()
-    assert node1_code == 0 and "Rank 1 of 2" in node1_log and "WARNING" not in node1_log
+    assert node1_code == 0, node1_log
+    assert "Rank 1 of 2" in node1_log and "WARNING" not in node1_log
