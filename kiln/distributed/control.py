@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Callable
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -103,6 +104,13 @@ class StepChannel:
         for rank in range(1, self.state.world_size):
             for t in (size, payload):
                 self._sending.append((dist.isend(t, rank, group=self.state.control_group), t))
+
+    def drain(self, timeout: timedelta) -> None:
+        """Wait until every plan sent has left (the stop above all: a process that leaves the group with it still
+        queued never sends it, and a rank on another node would wait for it forever)."""
+        for work, _ in self._sending:
+            work.wait(timeout)
+        self._sending = []
 
     def recv(self) -> object | None:
         size = torch.empty(1, dtype=torch.long)

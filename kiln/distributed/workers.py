@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -42,6 +43,8 @@ from kiln.log import setup_logging
 from kiln.platforms import platform_of
 
 logger = logging.getLogger("kiln")
+
+STOP_SEND_TIMEOUT = timedelta(seconds=10)  # the stop reaching every rank; a dead one is then ended by signal
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,7 @@ class Workers:
         if self.failure is None and driver and all(p.is_alive() for p in self.procs.values()):
             try:
                 self.channel.send(None)  # type: ignore[union-attr]
+                self.channel.drain(STOP_SEND_TIMEOUT)  # type: ignore[union-attr]
             except RuntimeError as exc:
                 logger.warning("could not tell the workers to stop: %s", exc)
         for p in self.procs.values():
