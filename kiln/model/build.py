@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from tqdm import tqdm
 
 from kiln.errors import ConfigError, ModelLoadError
@@ -26,6 +28,21 @@ from kiln.quant.quantize import BITS
 
 logger = logging.getLogger("kiln")
 PACKED_NAMES = ", ".join(kind.name for kind in PACKED_TYPES)
+
+
+class _NoRandomInit(TorchFunctionMode):
+    """While a model for a checkpoint is built, its layers' random initial values are not drawn: `load_weights`
+    overwrites every parameter and fails when one does not arrive (drawing them took 0.6 s of the default model's
+    2.6 s build). A TorchFunctionMode is this thread's alone, so a model built elsewhere meanwhile is untouched."""
+
+    DRAWS = frozenset(
+        {nn.init.kaiming_uniform_, nn.init.uniform_, nn.init.normal_, torch.Tensor.uniform_, torch.Tensor.normal_}
+    )
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        if func in self.DRAWS:  # the tensor it would have filled, as it is
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
 
 
 def build_model(
@@ -44,7 +61,8 @@ def build_model(
     """
     config = checkpoint.config
     start = time.perf_counter()
-    model = family_of(config.architecture).model_class()(config, max_positions, checkpoint.rope_freq_factors())
+    with _NoRandomInit():
+        model = family_of(config.architecture).model_class()(config, max_positions, checkpoint.rope_freq_factors())
     held = checkpoint.quantization if isinstance(checkpoint, HFCheckpoint) else None
     if held is not None:
         logger.info("Checkpoint quantization: %s", held.describe())

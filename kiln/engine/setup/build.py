@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch._inductor import config as inductor_config
 
 from kiln.compile.fusion_check import check_quantized
 from kiln.config import EngineConfig, ModelConfig
@@ -61,11 +62,13 @@ def make_executor(config: EngineConfig) -> Executor:
 
 def apply_device_settings(config: EngineConfig) -> None:
     """Check the device exists and set torch's thread count (resolved: --num-threads, else KILN_NUM_THREADS; None:
-    torch's own, all cores)."""
+    torch's own, all cores). Inductor compiles with no more workers than that: with one thread it compiles in this
+    process instead of starting a pool of compile processes (2 s of every graph-mode start, cached or not)."""
     if not platform_of(config.device).is_available():
         raise ConfigError(f"device {config.device!r} was asked for but torch sees no such device; use --device cpu")
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
+        inductor_config.compile_threads = min(inductor_config.compile_threads, config.num_threads)
 
 
 def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> EngineCore:
