@@ -1,7 +1,11 @@
-"""Shared fixtures: the default model loaded once per session (CPU, fp32); kernel choices made afresh."""
+"""Shared fixtures: the default model loaded once per session (CPU, fp32); kernel choices made afresh; each test
+file's memory handed back after it."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import logging
 import os
 from collections.abc import Iterator
@@ -26,6 +30,24 @@ def share_cores_between_workers() -> None:
 
 
 share_cores_between_workers()
+
+
+def _libc_trim() -> None:
+    """Hand the heap's free pages back to the system (glibc keeps them for the next allocation otherwise)."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def free_each_files_memory() -> Iterator[None]:
+    """A worker runs test files one after another: after each, what its fixtures held (engines in reference cycles
+    wait for the collector) is collected and the freed heap returned, so the files' peaks do not add up (a worker
+    grew past 11 GB and two of them past the machine's 24 GB; the debugger's file alone left 5.2 GB, 0.7 GB after)."""
+    yield
+    gc.collect()
+    _libc_trim()
 
 
 @pytest.fixture(scope="session")
