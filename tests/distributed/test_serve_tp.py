@@ -102,6 +102,8 @@ def _two_nodes(port: int) -> tuple[subprocess.CompletedProcess[str], int | None,
             text=True,
             timeout=300,
         )
+        if "is in use" in node0.stderr:  # node 0 never started: node 1 would wait for it until its timeout
+            node1.kill()
         try:
             node1_log = node1.communicate(timeout=60)[1]
         except subprocess.TimeoutExpired as late:  # node 0's output says why node 1 is still waiting
