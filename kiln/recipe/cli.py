@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from kiln.command import run_command
+from kiln.config import LORA_DTYPE_NAMES
 
 EXIT_USAGE = 2
 
@@ -50,6 +51,12 @@ def _add_lora_flags(init: argparse.ArgumentParser) -> None:
         default=None,
         metavar="NAME,...",
         help="lora.target_modules, e.g. q_proj,v_proj (default: every layer kiln adapts)",
+    )
+    lora.add_argument(
+        "--lora-dtype",
+        choices=LORA_DTYPE_NAMES,
+        default=None,
+        help="lora.dtype, the buffers' dtype (default auto: the weights')",
     )
 
 

@@ -55,8 +55,8 @@ def _init_lora(args: argparse.Namespace) -> LoRAConfig | None:
     """`recipe init`'s LoRA flags as the section's sizes (None without --enable-lora; a size flag without it is a
     ConfigError naming the flag)."""
     if not args.enable_lora:
-        flags = ("--max-loras", "--max-lora-rank", "--lora-target-modules")
-        values = (args.max_loras, args.max_lora_rank, args.lora_target_modules)
+        flags = ("--max-loras", "--max-lora-rank", "--lora-target-modules", "--lora-dtype")
+        values = (args.max_loras, args.max_lora_rank, args.lora_target_modules, args.lora_dtype)
         given = [flag for flag, value in zip(flags, values, strict=True) if value is not None]
         if given:
             raise ConfigError(f"{', '.join(given)} without --enable-lora: add --enable-lora to write a lora: section")
@@ -67,6 +67,7 @@ def _init_lora(args: argparse.Namespace) -> LoRAConfig | None:
         max_loras=args.max_loras or defaults.max_loras,
         max_lora_rank=args.max_lora_rank or defaults.max_lora_rank,
         target_modules=args.lora_target_modules,
+        dtype=args.lora_dtype or defaults.dtype,
     )
 
 

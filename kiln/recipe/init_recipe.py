@@ -56,6 +56,7 @@ lora:  # LoRA adapters (kiln serve --enable-lora): static buffers of {lora_gb:.3
   max_loras: {max_loras}  # adapters held at once, one buffer slot each (--max-loras)
   max_rank: {max_rank}  # highest adapter rank accepted: the buffers' width (--max-lora-rank)
   target_modules: {targets}  # {targets_note}
+  dtype: {dtype}  # the buffers' dtype (--lora-dtype; auto: the weights')
 """
 
 
@@ -115,7 +116,7 @@ def _lora_section(header: CheckpointHeader, lora: LoRAConfig) -> tuple[str, int]
             raise ConfigError(
                 f"--lora-target-modules: {name} is not a layer of {header.path} (it has {', '.join(has)})"
             )
-    section = {"max_loras": lora.max_loras, "max_rank": lora.max_lora_rank}
+    section = {"max_loras": lora.max_loras, "max_rank": lora.max_lora_rank, "dtype": lora.dtype}
     if lora.target_modules is not None:
         section["target_modules"] = list(lora.target_modules)
     spec = RecipeSpec.model_validate(
@@ -127,6 +128,7 @@ def _lora_section(header: CheckpointHeader, lora: LoRAConfig) -> tuple[str, int]
         lora_gb=lora_bytes / GB,
         max_loras=lora.max_loras,
         max_rank=lora.max_lora_rank,
+        dtype=lora.dtype,
         targets=f"[{', '.join(lora.target_modules or ())}]" if given else "null",
         targets_note="the only layers adapters may adapt" if given else f"any of this checkpoint's: {', '.join(has)}",
     )

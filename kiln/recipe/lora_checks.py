@@ -65,11 +65,11 @@ LORA_DIMS = {
 
 def lora_buffer_bytes(spec: RecipeSpec, config: ModelConfig, modules: set[str]) -> int:
     """Bytes of the adapters' static buffers: per adapted layer max_loras x max_rank x (inputs + outputs) in the
-    weights' dtype (kiln.lora.layer.LoRALinear's A and B)."""
+    section's dtype (auto: the weights'; kiln.lora.layer.LoRALinear's A and B)."""
     lora = spec.lora
     names = modules & set(lora.target_modules if lora.target_modules is not None else LORA_DIMS)
     widths = sum(sum(LORA_DIMS[name](config)) for name in names)
-    itemsize = parse_dtype(spec.weights.dtype).itemsize
+    itemsize = parse_dtype(spec.weights.dtype if lora.dtype == "auto" else lora.dtype).itemsize
     return config.num_layers * lora.max_loras * lora.max_rank * widths * itemsize
 
 

@@ -122,7 +122,13 @@ class Recipe:
             return None
         lora = self.spec.lora
         modules = None if lora.target_modules is None else tuple(lora.target_modules)
-        return LoRAConfig(enabled=True, max_loras=lora.max_loras, max_lora_rank=lora.max_rank, target_modules=modules)
+        return LoRAConfig(
+            enabled=True,
+            max_loras=lora.max_loras,
+            max_lora_rank=lora.max_rank,
+            target_modules=modules,
+            dtype=lora.dtype,
+        )
 
     @property
     def prefix_caching(self) -> bool:

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kiln.config import (
     ACTIVATION_NAMES,
     DEFAULT_ACTIVATIONS,
+    LORA_DTYPE_NAMES,
     SpeculativeConfig,
 )
 from kiln.graph_mode import DEFAULT_GRAPH_MODE, GRAPH_MODES
@@ -216,6 +217,11 @@ class LoRA(Section):
         description="The only layers adapters may adapt (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
         "down_proj; qkv_proj, gate_up_proj where the checkpoint stores them fused); an adapter of another layer is "
         "refused. null: every layer kiln adapts.",
+    )
+    dtype: Literal[LORA_DTYPE_NAMES] = Field(  # type: ignore[valid-type]
+        "auto",
+        description="The buffers' dtype (--lora-dtype): auto is the weights' dtype; float32 keeps HF + PEFT's "
+        "numbers; bfloat16 halves the buffers' bytes and what each step reads of them.",
     )
 
 

@@ -35,7 +35,7 @@ ENGINE_COMMANDS = {
     "debug check-case",
     "debug explain",
 }
-RECIPE_INIT_LORA = {"--enable-lora", "--max-loras", "--max-lora-rank"}
+RECIPE_INIT_LORA = {"--enable-lora", "--max-loras", "--max-lora-rank", "--lora-dtype"}
 
 
 def _leaf_parsers(parser: argparse.ArgumentParser, prefix: str = "") -> dict[str, argparse.ArgumentParser]:

@@ -135,6 +135,7 @@ ACTS: dict[str, Sets | Checks] = {
     "lora.max_loras": Sets({"lora": {"max_loras": 2}}, {"lora": {}}),
     "lora.max_rank": Sets({"lora": {"max_rank": 8}}, {"lora": {}}),
     "lora.target_modules": Sets({"lora": {"target_modules": ["q_proj"]}}, {"lora": {}}),
+    "lora.dtype": Sets({"lora": {"dtype": "bfloat16"}}, {"lora": {}}),
     "hardware.device": Checks({"hardware": {"device": "cuda"}}, "this recipe asks for cuda"),
     "hardware.arch": Checks(
         {"hardware": {"arch": OTHER_ARCH}},

@@ -33,6 +33,8 @@ def test_without_targets_every_layer_and_the_budget_holds_the_buffers(capsys: py
     assert "target_modules: null  # any of this checkpoint's: q_proj, k_proj, v_proj, o_proj, gate_proj" in text
     Path("default.yaml").write_text(text)
     assert load_recipe("default.yaml").lora == LoRAConfig(enabled=True, max_loras=1, max_lora_rank=16)
+    assert main(["init", "--enable-lora", "--lora-dtype", "bfloat16", "--out", "half.yaml"]) == 0
+    assert load_recipe("half.yaml").lora == LoRAConfig(enabled=True, dtype="bfloat16")
     # 64 slots of rank 512 on every layer: ~40 GB of buffers, which the budget written must cover
     assert main(["init", "--enable-lora", "--max-loras", "64", "--max-lora-rank", "512", "--out", "big.yaml"]) == 0
     big = load_recipe("big.yaml")
@@ -44,6 +46,7 @@ def test_without_targets_every_layer_and_the_budget_holds_the_buffers(capsys: py
     ("flags", "message"),
     [
         (["--max-lora-rank", "8"], "kiln recipe init: --max-lora-rank without --enable-lora: add --enable-lora"),
+        (["--lora-dtype", "bfloat16"], "kiln recipe init: --lora-dtype without --enable-lora: add --enable-lora"),
         (
             ["--enable-lora", "--lora-target-modules", "q_proj,qkv_proj"],
             "--lora-target-modules: qkv_proj is not a layer of ",

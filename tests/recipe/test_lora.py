@@ -38,6 +38,15 @@ def test_a_flag_that_contradicts_the_lora_section_is_refused(header, write) -> N
     assert (kept.enabled, kept.max_loras) == (True, 2)
 
 
+def test_the_section_sets_the_buffers_dtype_and_a_contradicting_flag_is_refused(header, write) -> None:
+    recipe = load_recipe(write(header + BOUNDS + "lora: {max_loras: 2, dtype: bfloat16}\n"))
+    assert recipe.lora is not None and recipe.lora.dtype == "bfloat16"
+    assert overlay_recipe(EngineConfig(), recipe).lora.dtype == "bfloat16"
+    with pytest.raises(ConfigError, match=r"--lora-dtype float32 \(the recipe's lora.dtype is bfloat16\)"):
+        overlay_recipe(EngineConfig(lora=LoRAConfig(enabled=True, max_loras=2, dtype="float32")), recipe)
+    assert load_recipe(write(header + BOUNDS + "lora: {}\n")).lora.dtype == "auto"  # type: ignore[union-attr]
+
+
 def test_without_a_section_the_flags_stay(header, write) -> None:
     recipe = load_recipe(write(header + BOUNDS))
     given = LoRAConfig(enabled=True, max_loras=3, max_lora_rank=64)
@@ -75,6 +84,8 @@ def test_the_lora_buffers_count_against_the_memory_budget(header, write, only_er
     assert "the LoRA buffers" in err.message and "(lora.max_loras x lora.max_rank)" in err.message
     # 30 layers x 64 slots x rank 512 x (q 1152 + k 768 + v 768 + o 1152 + gate, up, down 2112 each) x 4 bytes
     assert f"the LoRA buffers {30 * 64 * 512 * 10176 * 4 / 1e9:.2f} GB" in err.message
+    half = only_error(write(header + BOUNDS + hardware + "lora: {max_loras: 64, max_rank: 512, dtype: bfloat16}\n"))
+    assert f"the LoRA buffers {30 * 64 * 512 * 10176 * 2 / 1e9:.2f} GB" in half.message  # bfloat16: half the bytes
 
 
 def test_more_slots_than_a_step_holds_warns_with_the_solver_bound(header, write) -> None:

@@ -106,7 +106,8 @@ def _refuse_contradictions(given: EngineConfig, resolved: EngineConfig, recipe: 
 
 def _lora(config: EngineConfig, recipe: Recipe) -> LoRAConfig:
     """The recipe's lora section sizes the adapters' buffers (a fact the graphs are captured over): --enable-lora,
-    --max-loras and --max-lora-rank given otherwise are refused; --lora-modules and --max-cpu-loras stay the flags'."""
+    --max-loras, --max-lora-rank and --lora-dtype given otherwise are refused; --lora-modules and --max-cpu-loras
+    stay the flags'."""
     lora = recipe.lora
     if lora is None:
         return config.lora
@@ -116,6 +117,7 @@ def _lora(config: EngineConfig, recipe: Recipe) -> LoRAConfig:
         max_loras=lora.max_loras,
         max_lora_rank=lora.max_lora_rank,
         target_modules=lora.target_modules,
+        dtype=lora.dtype,
     )
 
 
@@ -156,4 +158,5 @@ def _fields(before: EngineConfig, after: EngineConfig) -> list[tuple[str, str | 
         ("lora.max_loras", "--max-loras", b.lora.max_loras, a.lora.max_loras),
         ("lora.max_rank", "--max-lora-rank", b.lora.max_lora_rank, a.lora.max_lora_rank),
         ("lora.target_modules", None, b.lora.target_modules, a.lora.target_modules),
+        ("lora.dtype", "--lora-dtype", b.lora.dtype, a.lora.dtype),
     ]
