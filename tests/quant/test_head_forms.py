@@ -3,7 +3,8 @@ statement of its arithmetic; the kernel plan offers it for the head of a compres
 where the engine computes in float32 or allows no second forms); where it is bound, greedy tokens equal the float32
 head's where the top-2 gap allows, the tied embedding still reads the float32 table, and the start-up log names the
 form and its bytes; past the budget the head runs as loaded. Timings are faked (no test depends on which candidate
-this machine picks), in a kernel cache of the test's own."""
+this machine picks), in a kernel cache of the test's own. Where oneDNN's bf16 brgemm does not load (no AVX-512), each
+test asserts the refusal instead: the form is never offered and the head runs as loaded."""
 
 from __future__ import annotations
 
@@ -19,16 +20,19 @@ import kiln.kernels.packed as packed
 import kiln.kernels.race as race
 from kiln import LLM, SamplingParams
 from kiln.kernels.choices import KernelChoiceCache
-from kiln.kernels.compute_forms import PROBE_TOLERANCE, bf16_form_bytes, reference_bf16
-from kiln.kernels.head_forms import AS_LOADED, BRGEMM_BF16_HEAD, Bf16Head, HeadFormTable, head_candidates
-from kiln.kernels.native.build import runnable_tiers
+from kiln.kernels.compute_forms import PROBE_TOLERANCE, bf16_form_bytes, brgemm_bf16_op, reference_bf16
+from kiln.kernels.head_forms import (
+    AS_LOADED,
+    BRGEMM_BF16_HEAD,
+    HEAD_CANDIDATES,
+    Bf16Head,
+    HeadFormTable,
+    head_candidates,
+)
 from tests.model.quantized_models import write_compressed_model
 
-AVX512 = "avx512" in {t.name for t in runnable_tiers()}
-pytestmark = [
-    pytest.mark.usefixtures("fresh_kernel_choices"),
-    pytest.mark.skipif(not AVX512, reason="oneDNN's bf16 brgemm needs AVX-512 (this CPU lacks it)"),
-]
+BF16_LOADS = brgemm_bf16_op() is not None  # oneDNN's bf16 brgemm through kiln's avx512 tier
+pytestmark = pytest.mark.usefixtures("fresh_kernel_choices")
 PROMPT = [5, 17, 42, 7, 99, 3, 61, 250, 11, 8]
 GAP = 1e-3  # greedy tokens are compared up to the first step whose reference top-2 logprobs are closer than this
 
@@ -36,6 +40,9 @@ GAP = 1e-3  # greedy tokens are compared up to the first step whose reference to
 def test_the_bf16_head_equals_its_reference_arithmetic() -> None:
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(72, 64, generator=generator)  # two blocks of 32 outputs and a tail of 8
+    assert HEAD_CANDIDATES[BRGEMM_BF16_HEAD].runs(weight) == BF16_LOADS
+    if not BF16_LOADS:  # refused here: never a candidate
+        return
     kernel = Bf16Head([weight])
     for rows in (1, 2, 7, 32):
         x = torch.randn(rows, 64, generator=generator)
@@ -80,6 +87,9 @@ def test_the_plan_offers_the_bf16_form_for_a_w4a16_head(
 ) -> None:
     _fake_timings(monkeypatch, bf16_wins=False)
     table = _llm(w4a16, tmp_path).engine.executor.plan.head_forms
+    if not BF16_LOADS:  # nothing to race the head as loaded against
+        assert table is None or set(table.candidates) == {AS_LOADED}
+        return
     assert table is not None and set(table.candidates) == {AS_LOADED, BRGEMM_BF16_HEAD}
     for rows in table.rows:  # raced at every row count timed (or ruled out by its time at fewer rows)
         seen = table.record["times_us"][str(rows)] | table.record["ruled_out_us"].get(str(rows), {})
@@ -98,6 +108,10 @@ def test_greedy_tokens_equal_the_float32_heads_and_the_log_names_the_form(
     kiln_log.clear()
     llm = _llm(w4a16, tmp_path / "forms")
     plan, model = llm.engine.executor.plan, llm.engine.model
+    if not BF16_LOADS:  # the head runs as loaded: the reference's own arithmetic, token for token
+        assert plan.head_forms is None or plan.head_forms.kernel(1) is None
+        assert llm.generate([PROMPT], params)[0].token_ids == reference.token_ids
+        return
     assert plan.head_forms is not None and plan.head_forms.kernel(1) is not None and plan.head_t is None
     assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.dtype == torch.float32
     got = llm.generate([PROMPT], params)[0].token_ids
@@ -125,6 +139,9 @@ def test_past_the_budget_the_head_runs_as_loaded(tmp_path: Path, monkeypatch: py
     _fake_timings(monkeypatch, bf16_wins=True)
     model, cache = _TiedModel(), KernelChoiceCache(tmp_path)
     candidates = head_candidates(model.lm_head.weight, "int8x2", second_forms=True, cache=cache)
+    if not BF16_LOADS:
+        assert set(candidates) == {AS_LOADED}
+        return
     table = HeadFormTable(model, cache, (1, 16), candidates)
     assert table.winners() == {1: BRGEMM_BF16_HEAD, 16: BRGEMM_BF16_HEAD}
     assert table.install(budget_bytes=bf16_form_bytes(96, 64) - 1) == 0

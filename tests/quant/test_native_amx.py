@@ -2,8 +2,8 @@
 equal the plain-torch statement of the same arithmetic (kiln.kernels.native.reference) within 1e-5, for every packed
 layout whose groups fit a tile row (the others are refused with the reason), at 1, 2, 5, 7, 32 and 100 rows (more
 than one A tile past 16 / digits rows), with whole blocks of 16 outputs and a tail; the kernel table times them for
-3 to AMX_MAX_ROWS rows, and only where their probe passed in a child process. Skipped where this CPU has no AMX-INT8
-(or Linux refuses the tiles)."""
+3 to AMX_MAX_ROWS rows, and only where their probe passed in a child process. Where this CPU has no AMX-INT8 (or the
+avx512 tier does not load), each test asserts the refusal instead: the AMX forms are never timed and no probe runs."""
 
 from __future__ import annotations
 
@@ -15,15 +15,24 @@ import torch
 from kiln.kernels import compute_forms
 from kiln.kernels.candidates import AMX_MAX_GROUP, AMX_MAX_ROWS, CANDIDATES, NATIVE_INT8_AMX, NATIVE_INT8X2_AMX
 from kiln.kernels.choices import KernelChoiceCache, forget_process_choices
-from kiln.kernels.native.build import cpu_flags, native_op
+from kiln.kernels.native.build import AMX_INT8_FLAGS, cpu_flags, native_op
 from kiln.kernels.native.reference import q8_linear
 from kiln.quant.linear import PackedLinear
 from tests.quant.test_native_int8 import WEIGHTS, assert_within
 
 AMX_OPS = {"packed_linear_q8_amx": 1, "packed_linear_q8x2_amx": 2}  # op -> int8 digits of x
 ROWS = (1, 2, 5, 7, 32, 100)
-HAS_AMX = {"amx_tile", "amx_int8"} <= cpu_flags() and native_op("avx512", "packed_linear_q8_amx") is not None
-needs_amx = pytest.mark.skipif(not HAS_AMX, reason="no AMX-INT8 (or no avx512 tier) on this CPU")
+HAS_AMX = cpu_flags() >= AMX_INT8_FLAGS and native_op("avx512", "packed_linear_q8_amx") is not None
+
+
+def refused_here() -> bool:
+    """True where this CPU cannot run the AMX forms, after asserting that the packed kernel table never times them
+    there; False where it can."""
+    if HAS_AMX:
+        return False
+    layer = PackedLinear(512, 72, bits=8)
+    assert not any(CANDIDATES[c].applies(layer, rows) for c in (NATIVE_INT8_AMX, NATIVE_INT8X2_AMX) for rows in (3, 6))
+    return True
 
 
 def fits(codes: torch.Tensor, group: int) -> bool:
@@ -31,10 +40,11 @@ def fits(codes: torch.Tensor, group: int) -> bool:
     return group <= AMX_MAX_GROUP and code_bytes % 16 == 0
 
 
-@needs_amx
 @pytest.mark.parametrize("op_name", list(AMX_OPS))
 @pytest.mark.parametrize("name", list(WEIGHTS))
 def test_amx_ops_equal_the_reference_arithmetic(name: str, op_name: str) -> None:
+    if refused_here():
+        return
     op = native_op("avx512", op_name)
     assert op is not None
     weight = WEIGHTS[name]
@@ -50,11 +60,12 @@ def test_amx_ops_equal_the_reference_arithmetic(name: str, op_name: str) -> None
         assert_within(got, q8_linear(x, weight.codes, weight.scale, weight.offset, digits=AMX_OPS[op_name]), 1e-5)
 
 
-@needs_amx
 @pytest.mark.parametrize("op_name", list(AMX_OPS))
 def test_amx_ops_over_codes_at_their_ends_and_a_strided_x(op_name: str) -> None:
     """Int8 codes -128 and 127 with activations at their largest (the two digits' sums near their widest), a
     transposed x, 40 outputs."""
+    if refused_here():
+        return
     generator = torch.Generator().manual_seed(1)
     codes = torch.where(torch.rand(40, 3, 32, generator=generator) < 0.5, 127, -128).to(torch.int8)
     scale, offset = torch.rand(40, 3, 1, generator=generator), torch.randn(40, 3, 1, generator=generator)
@@ -74,7 +85,6 @@ def test_the_table_times_the_amx_forms_for_a_few_rows_of_layouts_that_fit(candid
     assert not c.applies(PackedLinear(512, 72, bits=4, group=128), 6)  # a group wider than a tile row
 
 
-@needs_amx
 def test_the_amx_probe_runs_once_in_a_child_and_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     forget_process_choices()
     children = []
@@ -85,6 +95,12 @@ def test_the_amx_probe_runs_once_in_a_child_and_is_cached(tmp_path: Path, monkey
         return real(probe)
 
     monkeypatch.setattr(compute_forms, "_probe_in_child", counted)
+    if not cpu_flags() >= AMX_INT8_FLAGS:  # no tiles: no, without a child (it would only die of SIGILL)
+        assert not compute_forms.amx_int8_works(KernelChoiceCache(tmp_path)) and children == []
+        return
+    if not HAS_AMX:  # the avx512 tier did not load: no, without a child
+        assert not compute_forms.amx_int8_works(KernelChoiceCache(tmp_path))
+        return
     assert compute_forms.amx_int8_works(KernelChoiceCache(tmp_path))
     forget_process_choices()  # a new process: read from the file, not probed again
     assert compute_forms.amx_int8_works(KernelChoiceCache(tmp_path))

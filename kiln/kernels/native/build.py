@@ -84,6 +84,9 @@ TIERS = (
 TIER_NAMES = tuple(t.name for t in TIERS)
 
 
+AMX_INT8_FLAGS = frozenset({"amx_tile", "amx_int8"})  # what the `_amx` ops' instructions need of the CPU
+
+
 def cpu_flags() -> frozenset[str]:
     return frozenset(cpu_info().get("flags", "").split())
 
