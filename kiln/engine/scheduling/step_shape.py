@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from functools import lru_cache
 
 from kiln.config import EngineConfig
 from kiln.recipe.guards import RecipeGuards, RecipeViolation
 
 Shape = tuple[int, int]  # (num_tokens, batch_size) a step runs with
+MAX_SHAPES = 4096  # (num_tokens, batch_size) pairs whose shape is remembered
 
 
 class StepShaper:
@@ -30,7 +30,8 @@ class StepShaper:
         self.shapes = guards is not None and bool(guards.step_constraints)  # else a step is (pad_to(n), b)
         self.pad_to = pad_to
         self.max_num_tokens, self.max_batch_size = max_num_tokens, max_batch_size
-        self.shape = lru_cache(maxsize=4096)(self._shape)
+        self._shapes: dict[tuple[int, int], Shape | None] = {}  # (n, b) -> shape; an lru_cache over a bound method
+        # would hold this object in a reference cycle, and with it the executor whose pad_to it holds
         self._allowed_by_batch: dict[int, tuple[list[int], frozenset[int]]] = {}
 
     @classmethod
@@ -90,6 +91,15 @@ class StepShaper:
             if self.fits(before + k, batch_size):
                 return k
         return 0
+
+    def shape(self, n: int, b: int) -> Shape | None:
+        """`_shape(n, b)`, remembered (up to MAX_SHAPES pairs: a step's counts repeat)."""
+        key = (n, b)
+        if key not in self._shapes:
+            if len(self._shapes) >= MAX_SHAPES:
+                self._shapes.clear()
+            self._shapes[key] = self._shape(n, b)
+        return self._shapes[key]
 
     def _shape(self, n: int, b: int) -> Shape | None:
         if not self.shapes:
