@@ -135,7 +135,7 @@ def test_probes_of_a_draft_that_does_not_pay_back_off() -> None:
 
 
 def test_a_failing_draft_round_costs_only_the_speedup(
-    models: dict[str, Path], caplog: pytest.LogCaptureFixture
+    models: dict[str, Path], kiln_log: pytest.LogCaptureFixture
 ) -> None:
     reference = run(draft_llm(models["target"], None), PROMPTS[:2], GREEDY)
     llm = draft_llm(models["target"], models["target"], **ALWAYS)
@@ -151,7 +151,7 @@ def test_a_failing_draft_round_costs_only_the_speedup(
 
     draft_engine.step = flaky_step
     assert run(llm, PROMPTS[:2], GREEDY) == reference
-    assert "draft model round failed" in caplog.text and not draft_engine.requests
+    assert "draft model round failed" in kiln_log.text and not draft_engine.requests
     assert llm.engine.speculator.stats.num_accepted_tokens > 0  # the rounds that ran still helped
 
 
