@@ -39,6 +39,7 @@ from kiln.model.tokenizer import KilnTokenizer
 from kiln.platforms import platform_of
 
 logger = logging.getLogger("kiln")
+INDUCTOR_COMPILE_THREADS = inductor_config.compile_threads  # inductor's own choice (the cores), before any engine
 
 EXECUTORS: dict[str, Callable[[EngineConfig], Executor]] = {
     "eager": lambda config: EagerExecutor(
@@ -68,7 +69,7 @@ def apply_device_settings(config: EngineConfig) -> None:
         raise ConfigError(f"device {config.device!r} was asked for but torch sees no such device; use --device cpu")
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-        inductor_config.compile_threads = min(inductor_config.compile_threads, config.num_threads)
+        inductor_config.compile_threads = min(INDUCTOR_COMPILE_THREADS, config.num_threads)
 
 
 def build_engine(config: EngineConfig, observer: StepObserver | None = None) -> EngineCore:
