@@ -142,7 +142,7 @@ class CompileCache:
         try:
             tmp = Path(tempfile.mkdtemp(dir=self.root, prefix=entry.name + TEMP_MARK))
             write_artifact(tmp / ARTIFACT)
-            manifest = {**key.as_dict(), "sha256": _sha256(tmp / ARTIFACT)}
+            manifest = {**key.as_dict(), "sha256": file_sha256(tmp / ARTIFACT)}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
             with self._locked():
                 _discard(entry)
@@ -187,12 +187,13 @@ class CompileCache:
         artifact = entry / ARTIFACT
         if not artifact.is_file():
             return f"no {ARTIFACT}"
-        if _sha256(artifact) != manifest.get("sha256"):
+        if file_sha256(artifact) != manifest.get("sha256"):
             return f"{ARTIFACT} checksum mismatch"
         return None
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The hex SHA-256 of a file's bytes."""
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 

@@ -8,10 +8,10 @@ were computed with the adapter as it was saved.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
+from kiln.compile.cache import file_sha256
 from kiln.errors import ConfigError
 from kiln.lora.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_adapter
 from kiln.lora.request import LoRARequest
@@ -30,7 +30,7 @@ def adapter_record(lora: LoRARequest | None, max_lora_rank: int) -> dict[str, An
         "path": str(directory),
         "rank": read_adapter(directory).rank,
         "max_lora_rank": max_lora_rank,
-        "sha256": {name: _sha256(directory / name) for name in ADAPTER_FILES},
+        "sha256": {name: file_sha256(directory / name) for name in ADAPTER_FILES},
     }
 
 
@@ -47,15 +47,10 @@ def case_lora_request(record: dict[str, Any] | None, case_file: Path) -> LoRAReq
                 f"{case_file}: the case was saved with LoRA adapter {record['name']!r} but {path} is missing: "
                 "restore the adapter there, or save the case again"
             )
-        if _sha256(path) != saved:
+        if file_sha256(path) != saved:
             raise ConfigError(
                 f"{case_file}: {path} differs from the file LoRA adapter {record['name']!r} had when the case was "
                 "saved (its SHA-256 changed): the case's expectations are the old adapter's; restore it, or save "
                 "the case again"
             )
     return LoRARequest(record["name"], DEBUG_LORA_ID, str(directory))
-
-
-def _sha256(path: Path) -> str:
-    with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()

@@ -56,7 +56,7 @@ from torch import nn
 
 from kiln.compile.compiler import PieceCompiler
 from kiln.kernels.compute_forms import Bf16Form, FormMemo, bf16_form_bytes, brgemm_bf16_op
-from kiln.kernels.native.build import AMX_INT8_FLAGS, cpu_flags, native_op, runnable_tiers
+from kiln.kernels.native.build import amx_int8_present, native_op, runnable_tiers
 from kiln.kernels.product import shared_compile
 from kiln.kernels.torch_kernels import TILE_ROWS, Int4Packed, Tiled, Weight, dequantizer, layer_weight
 from kiln.quant.linear import PackedLinear
@@ -273,7 +273,7 @@ class NativeInt8Amx(PackedCandidate):
         # a group's codes in whole 16-byte runs, at most one tile row (nibbles: 32 or 64 values, int8: 16 to 64)
         code_bytes = layer.group // 2 if layer.codes.dtype == torch.uint8 else layer.group
         fits = layer.group <= AMX_MAX_GROUP and code_bytes % 16 == 0 and layer.scale.dtype == torch.float32
-        runs = cpu_flags() >= AMX_INT8_FLAGS and native_op("avx512", AMX_OPS[self.activations]) is not None
+        runs = amx_int8_present() and native_op("avx512", AMX_OPS[self.activations]) is not None
         return GEMV_ROWS < rows <= AMX_MAX_ROWS and on_cpu and fits and runs
 
     def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:

@@ -21,6 +21,7 @@ in cache when they run, are timed over MAX_COPIES copies).
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -50,7 +51,12 @@ MAX_COPIES = 512
 
 def cpu_info() -> dict[str, str]:
     """The first processor's fields of /proc/cpuinfo ("model name", "flags": the ISA extensions the CPU has and
-    the kernel enabled); empty where there is no /proc/cpuinfo."""
+    the kernel enabled); empty where there is no /proc/cpuinfo. Read once per process (a copy each call)."""
+    return dict(_read_cpu_info())
+
+
+@functools.cache
+def _read_cpu_info() -> tuple[tuple[str, str], ...]:
     info: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -58,7 +64,7 @@ def cpu_info() -> dict[str, str]:
             info.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return info
+    return tuple(info.items())
 
 
 def machine_fingerprint() -> dict[str, Any]:

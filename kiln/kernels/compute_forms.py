@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 
 from kiln.kernels.choices import KernelChoiceCache
-from kiln.kernels.native.build import AMX_INT8_FLAGS, cpu_flags, native_op, source_hash
+from kiln.kernels.native.build import amx_int8_present, native_op, source_hash
 from kiln.kernels.native.reference import q8_linear
 from kiln.quant.ops import dequantize_codes
 
@@ -186,7 +186,7 @@ def probe_amx_int8() -> dict[str, object]:
 def amx_int8_works(cache: KernelChoiceCache) -> bool:
     """Whether kiln's AMX-INT8 products compute correctly here: probed once per machine, native sources and torch in
     a child process (a fault there, a refused tile state or a wrong sum says no), then read from the cache."""
-    if not cpu_flags() >= AMX_INT8_FLAGS:  # no tiles to probe: a child would only die of SIGILL
+    if not amx_int8_present():  # no tiles to probe: a child would only die of SIGILL
         return False
     if any(native_op("avx512", name) is None for name in AMX_INT8_OPS.values()):
         return False

@@ -15,14 +15,14 @@ import torch
 from kiln.kernels import compute_forms
 from kiln.kernels.candidates import AMX_MAX_GROUP, AMX_MAX_ROWS, CANDIDATES, NATIVE_INT8_AMX, NATIVE_INT8X2_AMX
 from kiln.kernels.choices import KernelChoiceCache, forget_process_choices
-from kiln.kernels.native.build import AMX_INT8_FLAGS, cpu_flags, native_op
+from kiln.kernels.native.build import amx_int8_present, native_op
 from kiln.kernels.native.reference import q8_linear
 from kiln.quant.linear import PackedLinear
 from tests.quant.test_native_int8 import WEIGHTS, assert_within
 
 AMX_OPS = {"packed_linear_q8_amx": 1, "packed_linear_q8x2_amx": 2}  # op -> int8 digits of x
 ROWS = (1, 2, 5, 7, 32, 100)
-HAS_AMX = cpu_flags() >= AMX_INT8_FLAGS and native_op("avx512", "packed_linear_q8_amx") is not None
+HAS_AMX = amx_int8_present() and native_op("avx512", "packed_linear_q8_amx") is not None
 
 
 def refused_here() -> bool:
@@ -95,7 +95,7 @@ def test_the_amx_probe_runs_once_in_a_child_and_is_cached(tmp_path: Path, monkey
         return real(probe)
 
     monkeypatch.setattr(compute_forms, "_probe_in_child", counted)
-    if not cpu_flags() >= AMX_INT8_FLAGS:  # no tiles: no, without a child (it would only die of SIGILL)
+    if not amx_int8_present():  # no tiles: no, without a child (it would only die of SIGILL)
         assert not compute_forms.amx_int8_works(KernelChoiceCache(tmp_path)) and children == []
         return
     if not HAS_AMX:  # the avx512 tier did not load: no, without a child

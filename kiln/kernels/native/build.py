@@ -91,6 +91,11 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(cpu_info().get("flags", "").split())
 
 
+def amx_int8_present() -> bool:
+    """Whether cpuid says this CPU has the tiles and int8 tile products the `_amx` ops run on."""
+    return cpu_flags() >= AMX_INT8_FLAGS
+
+
 def runnable_tiers() -> list[Tier]:
     """The tiers whose instructions this CPU has, widest first."""
     flags = cpu_flags()
