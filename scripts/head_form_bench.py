@@ -1,8 +1,9 @@
-"""The W4A16 checkpoint's unquantized head, float32 as loaded against its bf16 second form (kiln.kernels.head_forms),
-beside the Q4_1 GGUF default model: three engines' worth of work in ONE process, interleaved round by round (a shared
-machine slows all three alike), medians reported: batch 1 (a 16-token prompt) and 32 requests (128-token prompts),
-output tokens per second. The W4A16 engine runs both heads: its logits head is switched
-between the bound form and the float32 head (with the column-major one-row copy the plan makes without the form).
+"""The W4A16 checkpoint's unquantized head, float32 as loaded against the second forms the kernel plan bound to it
+(kiln.kernels.head_forms: a bf16 copy, an int8 Q8_0 copy, by row class), beside the Q4_1 GGUF default model: three
+engines' worth of work in ONE process, interleaved round by round (a shared machine slows all three alike), medians
+reported: batch 1 (a 16-token prompt) and 32 requests (128-token prompts), output tokens per second. The W4A16 engine
+runs both heads: its logits head is switched between the bound forms and the float32 head (with the column-major
+one-row copy the plan makes without a form).
 
     .venv/bin/python scripts/compress_w4a16.py --out /tmp/ckx/smol-w4a16
     .venv/bin/python scripts/head_form_bench.py --model /tmp/ckx/smol-w4a16 [--rounds 5] [--num-threads 1]
@@ -43,7 +44,8 @@ def main() -> None:
     float_head_t = with_layout(weight.detach(), COLUMN_MAJOR).t()  # what the plan keeps without the form
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 40000, (128,), generator=generator).tolist() for _ in range(32)]
-    systems = {"Q4_1 GGUF": (gguf, None), "W4A16 float32 head": (w4a16, False), "W4A16 bf16 head": (w4a16, True)}
+    print(f"W4A16 logits head: {forms.summary()}")
+    systems = {"Q4_1 GGUF": (gguf, None), "W4A16 float32 head": (w4a16, False), "W4A16 head forms": (w4a16, True)}
     results: dict[str, dict[str, list[float]]] = {name: {"bs1": [], "bs32": []} for name in systems}
     for _ in range(args.rounds):
         for name, (llm, bound) in systems.items():

@@ -64,8 +64,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             results.append(run_kiln(llm=llm, mode=mode, prompts=batch, output_len=args.output_len, batch_size=bs))
         if roofline is None:
             # NOTE: measured after the engine has set torch's thread count, with the thread count kiln ran with.
-            second_forms = llm.engine.executor.plan.second_form_bytes
-            roofline = Roofline.measure(llm.engine.model, model_path, read_bandwidth_gbs(), second_forms)
+            plan = llm.engine.executor.plan
+            head_form = None if plan.head_forms is None else plan.head_forms.one_row_bytes()
+            replaced = {} if head_form is None else {plan.head_forms.weight.data_ptr(): head_form}
+            roofline = Roofline.measure(
+                llm.engine.model, model_path, read_bandwidth_gbs(), plan.second_form_bytes, replaced=replaced
+            )
         del llm
         gc.collect()
     assert roofline is not None  # the parser gives at least one mode

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,14 +33,21 @@ def read_bandwidth_gbs(num_bytes: int = 1 << 30, repeats: int = 7) -> float:
     return num_bytes / sorted(times)[len(times) // 2] / 1e9
 
 
-def streamed_weight_bytes(model: nn.Module) -> int:
+def streamed_weight_bytes(model: nn.Module, replaced: Mapping[int, int] | None = None) -> int:
     """Weight bytes one decode step reads: the resident weights less every embedding table (plain or packed) that is
     only gathered, one row per token. A table tied to the logits head shares its storage with the head, so it is read
-    in full and counts."""
+    in full and counts. `replaced`: the data pointer of a weight that a decode step reads in another form (a float
+    logits head's one-row second form, kiln.kernels.head_forms) -> the bytes of that form, read instead."""
+    replaced = replaced or {}
     tables = [m for m in model.modules() if isinstance(m, (nn.Embedding, PackedEmbedding))]
-    elsewhere = {t.data_ptr() for m in model.modules() if m not in tables for t in _own_tensors(m)}
+    others = {
+        t.data_ptr(): t.numel() * t.element_size() for m in model.modules() if m not in tables for t in _own_tensors(m)
+    }
     gathered = {t.data_ptr(): t.numel() * t.element_size() for m in tables for t in _own_tensors(m)}
-    return resident_weight_bytes(model) - sum(n for ptr, n in gathered.items() if ptr not in elsewhere)
+    read_elsewhere = {ptr for ptr in others if ptr not in replaced}
+    only_gathered = sum(n for ptr, n in gathered.items() if ptr not in read_elsewhere)
+    replaced_weights = sum(n for ptr, n in others.items() if ptr in replaced and ptr not in gathered)
+    return resident_weight_bytes(model) - only_gathered - replaced_weights + sum(replaced.values())
 
 
 def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
@@ -59,11 +67,19 @@ class Roofline:
     process_rss_bytes: int = 0  # the whole process's resident memory once the engine is ready
 
     @classmethod
-    def measure(cls, model: nn.Module, model_path: str, read_gbs: float, second_form_bytes: int = 0) -> Roofline:
+    def measure(
+        cls,
+        model: nn.Module,
+        model_path: str,
+        read_gbs: float,
+        second_form_bytes: int = 0,
+        replaced: Mapping[int, int] | None = None,
+    ) -> Roofline:
+        """`replaced`: weights a decode step reads in another form (streamed_weight_bytes)."""
         is_gguf = os.path.isfile(model_path) and model_path.endswith(".gguf")
         return cls(
             resident_weight_bytes=resident_weight_bytes(model),
-            streamed_bytes_per_token=streamed_weight_bytes(model),
+            streamed_bytes_per_token=streamed_weight_bytes(model, replaced),
             read_bandwidth_gbs=read_gbs,
             gguf_file_bytes=os.path.getsize(model_path) if is_gguf else None,
             second_form_bytes=second_form_bytes,

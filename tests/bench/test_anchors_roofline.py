@@ -134,6 +134,15 @@ def test_streamed_bytes_leave_out_an_untied_embedding_only() -> None:
     assert resident_weight_bytes(packed) > head_bytes and streamed_weight_bytes(packed) == head_bytes
 
 
+def test_a_head_read_in_a_second_form_counts_the_forms_bytes() -> None:
+    """A float head whose one-row product reads a copy (kiln.kernels.head_forms): the copy's bytes replace the
+    head's, and a table tied to it is then only gathered."""
+    for tied in (False, True):
+        model = _TinyLM(tied=tied)
+        assert streamed_weight_bytes(model, {model.head.weight.data_ptr(): 100}) == 100, tied
+        assert streamed_weight_bytes(model, {}) == streamed_weight_bytes(model)
+
+
 def _run(system: str, mode: str, batch_size: int, wall_s: float) -> RunResult:
     return RunResult(system, mode, batch_size, 8, 4, wall_s, 0.5, [0.1, 0.3], [0.2, 0.2], [[1, 2, 3, 4]] * 2)
 

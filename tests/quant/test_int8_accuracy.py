@@ -3,7 +3,8 @@ packed weights, over 1,200 tokens of fixed text (the source of Python's difflib,
 mean KL divergence of the next-token distributions and top-1 agreement. Two digits (int8x2, the default) pass the
 bar (mean KL <= 1e-3, top-1 >= 99 %); one digit (int8, llama.cpp's q8 arithmetic) is reported, and must be the
 less exact of the two. Greedy tokens with int8x2 equal the float32 ones on the parity prompts except at near-ties.
-The bf16 second form (kiln.kernels.compute_forms, the matrix unit's product) passes the same bar.
+The bf16 second form (kiln.kernels.compute_forms, the matrix unit's product) passes the same bar, and so does the int8
+(Q8_0) copy of an unquantized float32 logits head (kiln.kernels.head_forms) against that head.
 Every layer is bound the kernel under test at every row class, so the numbers do not depend on what timing picked."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from kiln import LLM, SamplingParams
 from kiln.kernels.candidates import native_int8_linear
 from kiln.kernels.compute_forms import Bf16Form, brgemm_bf16_op
+from kiln.kernels.head_forms import HEAD_CANDIDATES, Q8_GROUP, Forms
 from kiln.kernels.packed import packed_layers
 from kiln.quant.ops import LARGE, ROW_CLASSES, Kernel, dequant_blas
 from tests.engine.test_parity_hf import PROMPTS, kiln_prompt_logits
@@ -31,13 +33,34 @@ def llm() -> LLM:
 
 
 @pytest.fixture(scope="module")
-def reference(llm: LLM) -> torch.Tensor:
-    return log_probs(llm, dequant_blas)
+def hidden(llm: LLM) -> list[torch.Tensor]:
+    """Each segment's final hidden states, float32 activations and weights dequantized by torch ops."""
+    bind(llm, dequant_blas)
+    with torch.inference_mode():
+        return [final_hidden(llm, ids) for ids in segments(llm)]
+
+
+@pytest.fixture(scope="module")
+def reference(llm: LLM, hidden: list[torch.Tensor]) -> torch.Tensor:
+    bind(llm, dequant_blas)
+    with torch.inference_mode():
+        return torch.cat([llm.engine.model.compute_logits(h).double().log_softmax(-1) for h in hidden])
 
 
 def bind(llm: LLM, kernel: Kernel) -> None:
     for layer in packed_layers(llm.engine.model):
         layer.use_kernels({rows: kernel for rows in (*ROW_CLASSES, LARGE)})
+
+
+def final_hidden(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """The last layer's normed hidden states of a prompt: what the logits head multiplies."""
+    engine = llm.engine
+    engine.add_request("hidden", ids, SamplingParams(max_tokens=1, temperature=0))
+    try:
+        inputs = engine.runner.prepare(engine.scheduler.schedule())
+        return engine.runner.forward(inputs)[: len(ids)].float().clone()
+    finally:
+        engine.abort("hidden")
 
 
 def segments(llm: LLM) -> list[list[int]]:
@@ -96,3 +119,25 @@ def test_greedy_tokens_equal_float32_except_at_near_ties(llm: LLM) -> None:
             logits = kiln_prompt_logits(llm, ids + theirs[:first])[-1]
         gap = (logits.topk(2).values[0] - logits.topk(2).values[1]).item()
         assert gap < NEAR_TIE, f"int8x2 diverged from float32 at token {first} (float32 top-2 gap {gap:.2e})"
+
+
+def test_the_int8_head_copy_against_a_float32_head_on_1200_tokens(llm: LLM, hidden: list[torch.Tensor]) -> None:
+    """The default model's head is dequantized Q8_0, which an int8 copy would read back exactly: each weight is moved
+    off that grid by up to half a step (uniform), a float32 head at the same scale, then copied as the W4A16
+    checkpoint's head is (group 32, x to two int8 digits, the engine's default)."""
+    head = llm.engine.model.lm_head.dequantized().float()
+    groups = head.view(head.shape[0], -1, Q8_GROUP)
+    step = groups.abs().amax(-1, keepdim=True) / 127
+    noise = torch.rand(groups.shape, generator=torch.Generator().manual_seed(0)) - 0.5
+    weight = (groups + noise * step).view_as(head).contiguous()
+    names = ("q8-native-int8x2-blocked", "q8-native-int8x2")  # one arithmetic; the blocked form is the fast one
+    candidate = next((HEAD_CANDIDATES[n] for n in names if HEAD_CANDIDATES[n].runs(weight)), None)
+    assert candidate is not None, "kiln's native kernels build on this machine"
+    kernel = Forms([weight]).kernel(candidate, SEGMENT, column_major=False)
+    with torch.inference_mode():
+        reference = torch.cat([(h @ weight.t()).double().log_softmax(-1) for h in hidden])
+        copied = torch.cat([kernel(h, weight).double().log_softmax(-1) for h in hidden])
+    kl, top = agreement(reference, copied)
+    print(f"int8 head copy: mean KL {kl:.2e}, top-1 {top:.2%}")
+    assert kl <= 1e-3 and top >= 0.99
+    assert kl > 0  # the copy is not the float32 head under another name
