@@ -21,8 +21,9 @@ race.py          a race of candidates at one row count: turns, floors (a candida
 product.py       small functions traced and compiled for static shapes (the timed product, compiled candidates)
 attention.py     decode attention's kernel (the torch form or the native paged one), timed; its graph op
 head.py          `LogitsHead`: one-row logits the fastest way the plan found
-head_forms.py    an unquantized float32 head's second forms (a bf16 copy on oneDNN's brgemm, an int8 Q8_0 copy on the
-                 packed int8 kernels), timed against it as loaded
+head_kernels.py  the ways to compute an unquantized float32 head's product: as loaded, a bf16 copy on oneDNN's
+                 brgemm, an int8 Q8_0 copy on the packed int8 kernels
+head_forms.py    those ways timed per row class against the head as loaded; the winners' copies within the budget
 inductor_isa.py  inductor's vector-ISA probe, run at install and trusted at start-up where it still holds
 native/          kiln's own C++ kernels, one object per ISA tier, built here and loaded where cpuid allows
 cli.py           the `kiln kernels` parser; commands.py its handler: `kiln kernels build` (at install, make setup)

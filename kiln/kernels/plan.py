@@ -33,7 +33,8 @@ from kiln.kernels.attention import TORCH, choose_decode_attention, decode_kernel
 from kiln.kernels.candidates import FLOAT32
 from kiln.kernels.choices import KernelChoiceCache
 from kiln.kernels.dense import DenseKernelTable, dense_layers, prepacking_runs
-from kiln.kernels.head_forms import AS_LOADED, HeadFormTable, float_head, head_candidates
+from kiln.kernels.head_forms import HeadFormTable, float_head, head_candidates
+from kiln.kernels.head_kernels import AS_LOADED
 from kiln.kernels.inductor_isa import trust_recorded_probe
 from kiln.kernels.layout import (
     ROW_MAJOR,

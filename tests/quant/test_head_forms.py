@@ -24,16 +24,15 @@ from kiln import LLM, SamplingParams
 from kiln.kernels.candidates import NATIVE_INT8X2, native_int8_linear
 from kiln.kernels.choices import KernelChoiceCache
 from kiln.kernels.compute_forms import PROBE_TOLERANCE, bf16_form_bytes, brgemm_bf16_op, reference_bf16
-from kiln.kernels.head_forms import (
+from kiln.kernels.head_forms import HeadFormTable, head_candidates
+from kiln.kernels.head_kernels import (
     AS_LOADED,
     BRGEMM_BF16_HEAD,
     HEAD_CANDIDATES,
     Q8_GROUP,
     Bf16Head,
     Forms,
-    HeadFormTable,
     Q8Product,
-    head_candidates,
     q8_copy,
 )
 from kiln.kernels.native.reference import q8_linear

@@ -18,7 +18,7 @@ import torch
 from kiln import LLM, SamplingParams
 from kiln.kernels.candidates import native_int8_linear
 from kiln.kernels.compute_forms import Bf16Form, brgemm_bf16_op
-from kiln.kernels.head_forms import HEAD_CANDIDATES, Q8_GROUP, Forms
+from kiln.kernels.head_kernels import HEAD_CANDIDATES, Q8_GROUP, Forms
 from kiln.kernels.packed import packed_layers
 from kiln.quant.ops import LARGE, ROW_CLASSES, Kernel, dequant_blas
 from tests.engine.test_parity_hf import PROMPTS, kiln_prompt_logits
