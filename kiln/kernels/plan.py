@@ -8,7 +8,8 @@ A plan holds every kernel choice that makes the same model compute the same numb
 - the packed products' kernel table (kiln.kernels.packed), one winner per layout and row count;
 - bf16 decoder layers' products: `F.linear` or oneDNN on a prepacked copy, per layout and row count
   (kiln.kernels.dense);
-- decode attention's kernel (kiln.kernels.attention): the traced torch form or kiln's native paged kernel.
+- decode attention's kernel (kiln.kernels.attention): the traced torch form or kiln's native paged kernel;
+- the LoRA products of few rows, per adapted layer's geometry (kiln.kernels.lora): gathered torch or native.
 
 Every choice is timed here and cached per machine and process (kiln.kernels.choices): two engines over one model
 make the same plan. `plan.install(model)` lays the weights out and binds the packed winners to the layers; the
@@ -43,6 +44,7 @@ from kiln.kernels.layout import (
     one_row_head,
     set_layer_weight_layout,
 )
+from kiln.kernels.lora import LoRAKernelPlan
 from kiln.kernels.packed import ROWS, PackedKernelTable, packed_layers, timed_rows
 from kiln.kernels.static_sizes import choose_static_sizes
 from kiln.model.forward_context import DecodeKernel
@@ -65,6 +67,7 @@ class KernelPlan:
     dense: DenseKernelTable | None = None  # bf16 decoder layers' prepacked oneDNN products, where they run
     head_forms: HeadFormTable | None = None  # a float32 head's timed second form, where one was a candidate
     decode_attention: str = TORCH  # its kernel's name: the torch form or a native one (kiln.kernels.attention)
+    lora: LoRAKernelPlan | None = None  # the few-row LoRA forms, where the model has LoRA layers and a native kernel
     # the most memory second forms of packed weights may take (kiln.kernels.compute_forms); None: SECOND_FORM_SHARE
     # of the memory free when the plan is installed (after the weights and the KV cache)
     second_form_gb: float | None = None
@@ -99,6 +102,9 @@ class KernelPlan:
                     budget / 2**20,
                     self._budget_source(),
                 )
+        if self.lora is not None:
+            self.lora.install(model)
+            logger.info("LoRA products of few rows: %s", self.lora.summary())
         if self.head_forms is not None:
             spent = self.head_forms.install(budget - self.second_form_bytes)
             self.second_form_bytes += spent
@@ -170,6 +176,9 @@ def plan_kernels(
         plan.decode_attention, plan.choices["decode_attention"] = choose_decode_attention(
             held, num_heads, cache, traced_decode_attention
         )
+    plan.lora = LoRAKernelPlan.choose(model, cache)
+    if plan.lora is not None:
+        plan.choices["lora_few_rows"] = {"records": list(plan.lora.records.values())}
     if weight is None:
         plan.decoder_layout = PACKED
     elif plan.gemv_sizes:

@@ -6,7 +6,8 @@
 - targets.py: `lora_targets`, each HF linear layer an adapter may target -> the part of kiln's (fused) module.
 - validate.py: `check_adapter`, an adapter against the model's targets and the limits (AdapterError otherwise).
 - forms.py: `FORMS`, the ways the products run over the buffers: `stacked` (every slot, masked; many rows) and
-  `gathered` (each token's own slot, Punica's bgmv; few rows).
+  `gathered` (each token's own slot, Punica's bgmv; few rows). kiln's native kernel of the gathered arithmetic is a
+  timed candidate for few rows (kiln.kernels.lora, chosen by the engine's kernel plan).
 - layer.py: `LoRALinear` (base + batched per-slot products over static buffers, the form its rows take) and
   `TokenSlots` (slot per token).
 - slots.py: `attach_lora(model, limits) -> LoRASlots`: load / clear adapters in slots, set the step's token slots.

@@ -29,8 +29,9 @@ class TokenSlots(Protocol):
 
 
 class LoRALinear(Protocol):
-    """What a form reads of its layer (kiln.lora.layer.LoRALinear): the static buffers and their shape."""
+    """What a form reads of its layer (kiln.lora.layer.LoRALinear): its base, the static buffers and their shape."""
 
+    base: torch.nn.Module
     tokens: TokenSlots
     in_features: int
     out_features: int
@@ -45,12 +46,16 @@ class LoRALinear(Protocol):
 
 class LoRAForm(ABC):
     """`delta(layer, x)`: the adapters' output [rows, out_features] for `x` [rows, in_features] (in x's dtype), each
-    token through the slot `layer.tokens.index` gives it."""
+    token through the slot `layer.tokens.index` gives it; `forward(layer, x)`: the layer's output, its base's plus
+    that (a form may compute both at once)."""
 
     name: ClassVar[str]
 
     @abstractmethod
     def delta(self, layer: LoRALinear, x: torch.Tensor) -> torch.Tensor: ...
+
+    def forward(self, layer: LoRALinear, x: torch.Tensor) -> torch.Tensor:
+        return layer.base(x) + self.delta(layer, x)
 
 
 class StackedForm(LoRAForm):
@@ -61,9 +66,9 @@ class StackedForm(LoRAForm):
         shrunk = F.linear(x.to(layer.lora_a.dtype), layer.lora_a)
         shrunk = shrunk * (layer.tokens.index[:n, None] == layer.column_slot).to(shrunk.dtype)
         if len(layer.parts) == 1:
-            return F.linear(shrunk, layer.lora_b).to(x.dtype)
+            return (shrunk @ layer.lora_b).to(x.dtype)
         expanded = [
-            F.linear(shrunk[:, i * layer.block : (i + 1) * layer.block], layer.lora_b[offset : offset + rows])
+            shrunk[:, i * layer.block : (i + 1) * layer.block] @ layer.lora_b[:, offset : offset + rows]
             for i, (offset, rows) in enumerate(layer.parts)
         ]
         return torch.cat(expanded, dim=-1).to(x.dtype)
@@ -80,11 +85,12 @@ class GatheredForm(LoRAForm):
         # A's rows are (part, slot, rank): each token's own [parts, rank, in] block
         a = layer.lora_a.view(parts, layer.max_loras, rank, layer.in_features)[:, own].to(torch.float32)
         shrunk = (x.to(torch.float32)[None, :, None, :] * a).sum(-1) * keep[None, :, None]  # [parts, n, rank]
-        b = layer.lora_b.view(layer.out_features, layer.max_loras, rank)[:, own].to(torch.float32)  # [out, n, rank]
+        b = layer.lora_b.view(layer.max_loras, rank, layer.out_features)[own].to(torch.float32)  # [n, rank, out]
         expanded = [
-            (shrunk[i][None] * b[offset : offset + rows]).sum(-1) for i, (offset, rows) in enumerate(layer.parts)
+            (shrunk[i][:, :, None] * b[:, :, offset : offset + rows]).sum(1)
+            for i, (offset, rows) in enumerate(layer.parts)
         ]
-        return torch.cat(expanded, dim=0).t().to(x.dtype)
+        return torch.cat(expanded, dim=-1).to(x.dtype)
 
 
 FORMS: dict[str, LoRAForm] = {f.name: f for f in (StackedForm(), GatheredForm())}

@@ -6,16 +6,18 @@ B matrices in another), so a step multiplies by every slot at once and keeps, pe
 
     shrunk = x @ A_all^T                    [tokens, parts * slots * rank]
     shrunk *= (slot[token] == column_slot)  zero but the token's own slot (-1: none, the base alone)
-    out = base(x) + shrunk @ B_all^T        B_all [out, slots * rank] holds each slot's B * scale
+    out = base(x) + shrunk @ Bt_all         Bt_all [slots * rank, out] holds each slot's (B * scale)^T
 
 A fused module (qkv_proj, gate_up_proj) has one block of A rows per part, and each part's output rows take the
 product of their own block only (one expand per part, concatenated): B is never stored block-diagonal.
 That is the `stacked` form (kiln.lora.forms); few rows run the `gathered` form instead (Punica's bgmv: each token
-reads its own slot's A and B only), over the same buffers. The forms read buffers that the compiled pieces take as
-inputs by reference (kiln.compile never freezes them), so loading an adapter is a copy into the buffers: nothing
-recompiles or recaptures. Which form a step runs (`form_for`) follows its rows: an eager step or a graph traced for
-a static row count gathers up to GATHERED_MAX_ROWS rows; a full decode graph (decode steps only, a symbolic row
-count up to its largest capture size) gathers; pieces traced for a symbolic row count (prefill chunks) stack.
+reads its own slot's A and B only), or kiln's native kernel of the same arithmetic where the kernel plan timed it
+faster (kiln.kernels.lora sets `few_rows`), over the same buffers. The forms read buffers that the compiled pieces
+take as inputs by reference (kiln.compile never freezes them), so loading an adapter is a copy into the buffers:
+nothing recompiles or recaptures. Which form a step runs (`form_for`) follows its rows: an eager step or a graph
+traced for a static row count runs `few_rows` up to GATHERED_MAX_ROWS rows; a full decode graph (decode steps only,
+a symbolic row count up to its largest capture size) runs `few_rows`; pieces traced for a symbolic row count
+(prefill chunks) stack.
 """
 
 from __future__ import annotations
@@ -77,22 +79,25 @@ class LoRALinear(nn.Module):
         width = len(parts) * self.block
         device = tokens.index.device
         self.register_buffer("lora_a", torch.zeros(width, self.in_features, dtype=dtype, device=device), False)
-        self.register_buffer("lora_b", torch.zeros(self.out_features, self.block, dtype=dtype, device=device), False)
+        # B transposed: a slot's rank rows over every output column (a token's expand adds `rank` scaled rows)
+        self.register_buffer("lora_b", torch.zeros(self.block, self.out_features, dtype=dtype, device=device), False)
         column_slot = torch.arange(width, device=device) // self.max_rank % self.max_loras
         self.register_buffer("column_slot", column_slot, persistent=False)
+        # the form few rows run: gathered, or what the kernel plan timed faster here (kiln.kernels.lora)
+        self.few_rows: LoRAForm = FORMS[GATHERED]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + self.form_for(x.shape[0]).delta(self, x)
+        return self.form_for(x.shape[0]).forward(self, x)
 
     def form_for(self, rows: int | torch.SymInt) -> LoRAForm:
         """The form a step of `rows` rows runs (module docstring): decided while tracing, never guarded on."""
         if not isinstance(rows, torch.SymInt):  # eager, or traced for a static row count
-            return FORMS[GATHERED if rows <= GATHERED_MAX_ROWS else STACKED]
+            return self.few_rows if rows <= GATHERED_MAX_ROWS else FORMS[STACKED]
         # NOTE: a full decode graph runs decode steps only (one row per sequence, up to its largest capture size)
-        return FORMS[GATHERED if get_forward_context().decode is not None else STACKED]
+        return self.few_rows if get_forward_context().decode is not None else FORMS[STACKED]
 
     def rows(self, slot: int, part: int) -> slice:
-        """Slot `slot`'s rows of A for part `part` (its columns of B are `rows(slot, 0)`)."""
+        """Slot `slot`'s rows of A for part `part` (its rows of the transposed B are `rows(slot, 0)`)."""
         start = part * self.block + slot * self.max_rank
         return slice(start, start + self.max_rank)
 
@@ -100,14 +105,14 @@ class LoRALinear(nn.Module):
     def load_part(self, slot: int, part: int, layer: LoRALayer) -> None:
         """Slot `slot`'s adapter for part `part` (its scale folded into B); ranks below max_rank stay zero-padded."""
         offset, rows = self.parts[part]
-        a, b = self.lora_a[self.rows(slot, part)], self.lora_b[offset : offset + rows, self.rows(slot, 0)]
+        a, b = self.lora_a[self.rows(slot, part)], self.lora_b[self.rows(slot, 0), offset : offset + rows]
         a.zero_()
         b.zero_()
         a[: layer.rank].copy_(layer.a)
-        b[:, : layer.rank].copy_(layer.b * layer.scale)
+        b[: layer.rank].copy_((layer.b * layer.scale).t())
 
     @torch.no_grad()
     def clear(self, slot: int) -> None:
         for part in range(len(self.parts)):
             self.lora_a[self.rows(slot, part)].zero_()
-        self.lora_b[:, self.rows(slot, 0)].zero_()
+        self.lora_b[self.rows(slot, 0)].zero_()

@@ -185,14 +185,23 @@ class PackedLinear(_Packed):
         flat = x.reshape(-1, self.in_features)
         if self.input_order is not None:
             flat = flat.index_select(1, self.input_order)
-        rows = flat.shape[0]
-        # NOTE: through row_class: a symbolic row count is compared (a guard), never hashed (which specialises it)
-        if torch.compiler.is_compiling() and isinstance(rows, int) and row_class(rows) in self.inline_rows:
+        if self.inline(flat.shape[0]):
             out = reduction(flat, self.codes, self.scale, self.offset)
         else:
             out = torch.ops.kiln.packed_linear(flat, self.codes, self.scale, self.offset)
         out = out.view(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
+
+    def inline(self, rows: int | torch.SymInt) -> bool:
+        """Whether a product of `rows` rows is written inline in the graph being traced (not the op)."""
+        # NOTE: through row_class: a symbolic row count is compared (a guard), never hashed (which specialises it)
+        return torch.compiler.is_compiling() and isinstance(rows, int) and row_class(rows) in self.inline_rows
+
+    def plain_op(self, x: torch.Tensor) -> bool:
+        """Whether `forward(x)` is exactly `kiln::packed_linear(x, codes, scale, offset)`: x of [rows, in_features],
+        no input order, no bias, not inline (what an op fusing more work after the product may stand in for)."""
+        plain = self.input_order is None and self.bias is None and x.dim() == 2
+        return plain and not self.inline(x.shape[0])
 
 
 class PackedEmbedding(_Packed):

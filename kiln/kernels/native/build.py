@@ -16,7 +16,10 @@ avx512 only; their `_amx` forms, avx512 tier: the same arithmetic with a group's
 matrix unit (packed_q8_amx.cpp; callable only where the CPU has AMX-INT8 and Linux grants the tiles);
 `paged_decode_attention`: decode attention over the paged KV cache; `brgemm_bf16_linear`, avx512 tier: a bf16 copy
 of a weight times x on oneDNN's brgemm ukernel (the matrix unit where there is one, dense_brgemm.cpp);
-`prompt_row_scores`: the numbers prompt logprobs keep of each row of logits (row_scores.cpp);
+`prompt_row_scores`: the numbers prompt logprobs keep of each row of logits (row_scores.cpp); `lora_delta`:
+the LoRA adapters' products of a decode step's few rows, each token through its own slot (lora.cpp);
+`install_lora_dispatch` / `bind_lora`: the C++ CPU kernel of `kiln::packed_linear_lora`, a packed product and the
+adapters' products of the LoRA buffers bound to its weight in one call (dispatch.cpp);
 `bind_packed` / `install_packed_dispatch`: the C++ CPU kernel of `kiln::packed_linear`, dispatch.cpp, installed by
 `install_native_dispatch`; `bind_dense` / `install_dense_dispatch`: that of `kiln::dense_linear`, by
 `native_dense_binder`), or None where the CPU lacks the tier, the tier has no such op, or the build failed (no
@@ -56,10 +59,11 @@ SOURCES = tuple(
         "dispatch.cpp",
         "dense_brgemm.cpp",
         "row_scores.cpp",
+        "lora.cpp",
     )
 )
 # included by the sources: part of their hash
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("packed_operands.h", "q8_activations.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("packed_operands.h", "q8_activations.h", "lora.h"))
 # -ffp-contract=off: no fused multiply-add the source does not write (the reference rounds op by op)
 COMMON_FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off")
 
@@ -149,6 +153,9 @@ OPS = (
     "install_dense_dispatch",
     "brgemm_bf16_linear",
     "prompt_row_scores",
+    "lora_delta",
+    "install_lora_dispatch",
+    "bind_lora",
 )
 # ops only some tiers define (the blocked and streamed products: zmm and ymm forms, none in the plain tier) or run
 # (oneDNN's bf16 brgemm needs AVX-512: every tier's object has the op, the avx512 tier's alone is looked up)

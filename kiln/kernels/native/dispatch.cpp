@@ -25,6 +25,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "lora.h"
+
 #ifndef KILN_TIER_NS
 #error "KILN_TIER_NS (the op namespace of this tier) must be defined"
 #endif
@@ -151,6 +153,51 @@ void install_packed_dispatch(std::vector<int64_t> tops) {
   install_cpu_kernel<&packed_linear_cpu>("packed_linear");
 }
 
+// `kiln::packed_linear_lora(x, codes, scale, offset, slots)` (kiln/kernels/lora.py): a packed layer's product as
+// `kiln::packed_linear` computes it, and the products of the LoRA adapters bound to the same codes (`bind_lora`: the
+// layer's static A and B buffers, which loading an adapter copies into, never replaces) added in place for each
+// token's slot (lora.cpp). One call from the graph with one more operand, the step's slots, where a product and a
+// separate LoRA op with the buffers as operands measured ~1 ms more a batch-1 decode token (120 adapted products:
+// the graph's Python wrapper passes every operand of every call).
+struct LoRABinding {
+  c10::weak_intrusive_ptr<c10::StorageImpl> storage;  // the codes'
+  at::Tensor a, b;
+  std::vector<int64_t> part_rows;
+  int64_t max_loras, rank;
+};
+
+std::unordered_map<const void*, LoRABinding> lora_registry;  // under registry_mutex
+
+at::Tensor packed_linear_lora_cpu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                  const at::Tensor& offset, const at::Tensor& slots) {
+  std::optional<LoRABinding> lora;
+  {
+    std::shared_lock<std::shared_mutex> lock(registry_mutex);
+    const auto found = lora_registry.find(codes.data_ptr());
+    if (found != lora_registry.end() && same_storage(found->second, codes)) lora = found->second;
+  }
+  at::Tensor y = packed_linear_cpu(x, codes, scale, offset);
+  // a weight with no buffers bound: the product alone. Only the compile cache's check of a loaded graph calls the op
+  // so, on weights of its own making (the graph and the compiled code then agree); a layer's form takes this op only
+  // for the codes it bound (kiln/kernels/lora.py)
+  if (!lora) return y;
+  const bool in_place = y.scalar_type() == at::kFloat && y.is_contiguous();
+  at::Tensor sums = in_place ? y : y.to(at::kFloat).contiguous();
+  KILN_TIER_NS::lora_accumulate(sums, x.to(at::kFloat), lora->a, lora->b, slots, lora->part_rows, lora->max_loras,
+                                lora->rank);
+  return in_place ? sums : sums.to(y.scalar_type());
+}
+
+// Bind a layer's LoRA buffers to its packed codes, in place of any bound before.
+void bind_lora(const at::Tensor& codes, const at::Tensor& a, const at::Tensor& b, std::vector<int64_t> part_rows,
+               int64_t max_loras, int64_t rank) {
+  store(lora_registry, codes.data_ptr(),
+        LoRABinding{codes.storage().getWeakStorageImpl(), a, b, std::move(part_rows), max_loras, rank});
+}
+
+// Register the CPU kernel of kiln::packed_linear_lora (once per process; the op is defined in Python).
+void install_lora_dispatch() { install_cpu_kernel<&packed_linear_lora_cpu>("packed_linear_lora"); }
+
 // `kiln::dense_linear` (kiln/kernels/dense.py) the same way: each weight's prepacked oneDNN copy by row class is
 // kept here, and the op's CPU kernel calls `mkldnn::_linear_pointwise` on it (boxed: its C++ signature is
 // torch's own business), and a row class bound to no kernel `at::linear`; a kernel of Python's own, or a weight
@@ -222,4 +269,7 @@ TORCH_LIBRARY_FRAGMENT(KILN_TIER_NS, m) {
   m.def("install_packed_dispatch(int[] row_classes) -> ()", TORCH_FN(install_packed_dispatch));
   m.def("bind_dense(Tensor weight, Tensor?[] packed, bool[] python) -> ()", TORCH_FN(bind_dense));
   m.def("install_dense_dispatch(int[] row_classes) -> ()", TORCH_FN(install_dense_dispatch));
+  m.def("bind_lora(Tensor codes, Tensor a, Tensor b, int[] part_rows, int max_loras, int rank) -> ()",
+        TORCH_FN(bind_lora));
+  m.def("install_lora_dispatch() -> ()", TORCH_FN(install_lora_dispatch));
 }

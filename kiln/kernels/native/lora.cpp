@@ -1,0 +1,275 @@
+// `lora_delta(x, a, b, slots, part_rows, max_loras, rank)`: each token's adapter product B[slot] @ (A[slot] @ x) over
+// kiln's static LoRA buffers (kiln/lora/layer.py), for the few rows of a decode step: Punica's bgmv (shrink, then
+// expand) as one op, over every part of a fused layer (qkv, gate_up) in one call.
+//
+//   x          [n, in] float32
+//   a          [parts * max_loras * rank, in] float32 or bf16, rows (part, slot, rank)
+//   b          [out, max_loras * rank] float32 or bf16, columns (slot, rank); a slot's scale is folded in
+//   slots      [>= n] int64: token i's slot (-1: the base alone, its row of the result is zero)
+//   part_rows  each part's output rows, in order (they tile `out`)
+//   returns    [n, out] float32
+//
+// `lora_accumulate` (lora.h) adds the same products into a product's output in place: dispatch.cpp's
+// `kiln::packed_linear_lora`, a packed layer's product and its adapters' in one call from the graph.
+//
+// A token without a slot costs nothing: a step where no token has one returns zeros without reading A or B (the
+// inductor forms read slot 0 and multiply by zero). The shrink splits the parts' rank rows across torch's threads
+// and reads each A row once for every token of its slot; the expand splits the output rows, each reading its slot's
+// `rank` contiguous B values. Sums keep LANES partial results, one per vector lane, so the compiler vectorizes them
+// at the tier's width without reordering what the source does not (no -ffast-math); bf16 is widened in registers.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "lora.h"
+
+#ifndef KILN_TIER_NS
+#error "KILN_TIER_NS (the op namespace of this tier) must be defined"
+#endif
+
+namespace {
+
+constexpr int64_t LANES = 16;
+// the multiply-adds one thread's share should hold at least (smaller work stays on fewer threads)
+constexpr int64_t GRAIN_MACS = 16384;
+
+inline float widen(float v) { return v; }
+
+inline float widen(at::BFloat16 v) {
+  const uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p, __mmask16 m = 0xFFFF) { return _mm512_maskz_loadu_ps(m, p); }
+
+inline __m512 load16(const at::BFloat16* p, __mmask16 m = 0xFFFF) {
+  const __m256i half = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+inline __mmask16 lanes_below(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
+// x . w over n, four accumulators (a long shrink row is not one chain of dependent adds), reduced in registers
+template <typename W>
+inline float dot(const float* x, const W* w, int64_t n) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  int64_t j = 0;
+  for (; j + 64 <= n; j += 64) {
+    for (int u = 0; u < 4; ++u) acc[u] = _mm512_fmadd_ps(load16(x + j + 16 * u), load16(w + j + 16 * u), acc[u]);
+  }
+  for (; j < n; j += 16) {
+    const __mmask16 m = lanes_below(n - j);
+    acc[0] = _mm512_fmadd_ps(load16(x + j, m), load16(w + j, m), acc[0]);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+
+// x[t] . w over n for four tokens at once: each 16 weights loaded once for the four
+template <typename W>
+inline void dot4(const float* const* x, const W* w, int64_t n, float* out) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = lanes_below(n - j);
+    const __m512 weights = load16(w + j, m);
+    for (int t = 0; t < 4; ++t) acc[t] = _mm512_fmadd_ps(load16(x[t] + j, m), weights, acc[t]);
+  }
+  for (int t = 0; t < 4; ++t) out[t] = _mm512_reduce_add_ps(acc[t]);
+}
+
+// dst[first, last) += sum over r of coef[r] * rows[r * out + (first, last)], 64 columns held in registers across
+// the rank's rows (one load and one store of dst a block)
+template <typename W>
+inline void expand(float* dst, const float* coef, const W* rows, int64_t out, int64_t rank, int64_t first,
+                   int64_t last) {
+  for (int64_t o = first; o < last; o += 64) {
+    __mmask16 m[4];
+    __m512 acc[4];
+    for (int u = 0; u < 4; ++u) {
+      m[u] = lanes_below(std::max<int64_t>(0, last - o - 16 * u));
+      acc[u] = load16(dst + o + 16 * u, m[u]);
+    }
+    for (int64_t r = 0; r < rank; ++r) {
+      const __m512 c = _mm512_set1_ps(coef[r]);
+      const W* row = rows + r * out + o;
+      for (int u = 0; u < 4; ++u) acc[u] = _mm512_fmadd_ps(c, load16(row + 16 * u, m[u]), acc[u]);
+    }
+    for (int u = 0; u < 4; ++u) _mm512_mask_storeu_ps(dst + o + 16 * u, m[u], acc[u]);
+  }
+}
+#else
+template <typename W>
+inline float dot(const float* x, const W* w, int64_t n) {
+  float sums[LANES] = {};
+  const int64_t whole = n - n % LANES;
+  for (int64_t j = 0; j < whole; j += LANES) {
+    for (int64_t l = 0; l < LANES; ++l) sums[l] += x[j + l] * widen(w[j + l]);
+  }
+  // a tree over the lanes (halves added lane-wise), not a chain of LANES scalar adds
+  for (int64_t half = LANES / 2; half > 0; half /= 2) {
+    for (int64_t l = 0; l < half; ++l) sums[l] += sums[l + half];
+  }
+  float sum = sums[0];
+  for (int64_t j = whole; j < n; ++j) sum += x[j] * widen(w[j]);
+  return sum;
+}
+
+template <typename W>
+inline void dot4(const float* const* x, const W* w, int64_t n, float* out) {
+  for (int t = 0; t < 4; ++t) out[t] = dot(x[t], w, n);
+}
+
+template <typename W>
+inline void expand(float* dst, const float* coef, const W* rows, int64_t out, int64_t rank, int64_t first,
+                   int64_t last) {
+  for (int64_t r = 0; r < rank; ++r) {
+    const float c = coef[r];
+    const W* row = rows + r * out;
+    for (int64_t o = first; o < last; ++o) dst[o] += c * widen(row[o]);
+  }
+}
+#endif
+
+int64_t grain(int64_t macs_per_item) { return std::max<int64_t>(1, GRAIN_MACS / std::max<int64_t>(1, macs_per_item)); }
+
+// columns of the result one thread's share of the expand is cut in (a multiple of every tier's vector width)
+constexpr int64_t COLUMN_BLOCK = 64;
+
+// `tokens` (the rows of y that have a slot) in slot order, and where each slot's run of them starts and ends
+struct SlotRuns {
+  std::vector<int64_t> tokens;
+  std::vector<int64_t> starts;  // run g: tokens[starts[g] .. starts[g + 1]), all of slot slot[tokens[starts[g]]]
+};
+
+SlotRuns slot_runs(const std::vector<int64_t>& active, const int64_t* slot) {
+  SlotRuns runs{active, {}};
+  std::stable_sort(runs.tokens.begin(), runs.tokens.end(), [slot](int64_t i, int64_t j) { return slot[i] < slot[j]; });
+  for (size_t k = 0; k < runs.tokens.size(); ++k) {
+    if (k == 0 || slot[runs.tokens[k]] != slot[runs.tokens[k - 1]]) runs.starts.push_back(static_cast<int64_t>(k));
+  }
+  runs.starts.push_back(static_cast<int64_t>(runs.tokens.size()));
+  return runs;
+}
+
+template <typename W>
+void lora_rows(const float* x, const W* a, const W* b, const std::vector<int64_t>& active, const int64_t* slot,
+               const std::vector<int64_t>& part_start, int64_t max_loras, int64_t rank, int64_t in, int64_t out,
+               float* result) {
+  const int64_t parts = static_cast<int64_t>(part_start.size()) - 1;
+  const int64_t count = static_cast<int64_t>(active.size());
+  const int64_t width = parts * rank;  // a token's shrunk values: (part, rank), by its place in `runs.tokens`
+  const SlotRuns runs = slot_runs(active, slot);
+  std::vector<float> shrunk(count * width);
+  // the shrink: each A row read once for every token of its slot, four tokens at a time
+  at::parallel_for(0, width, grain(count * in), [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t part = j / rank, r = j % rank;
+      for (size_t g = 0; g + 1 < runs.starts.size(); ++g) {
+        const int64_t first = runs.starts[g], last = runs.starts[g + 1];
+        const W* row = a + ((part * max_loras + slot[runs.tokens[first]]) * rank + r) * in;
+        int64_t k = first;
+        for (; k + 4 <= last; k += 4) {
+          const float* xs[4];
+          float sums[4];
+          for (int t = 0; t < 4; ++t) xs[t] = x + runs.tokens[k + t] * in;
+          dot4(xs, row, in, sums);
+          for (int t = 0; t < 4; ++t) shrunk[(k + t) * width + j] = sums[t];
+        }
+        for (; k < last; ++k) shrunk[k * width + j] = dot(x + runs.tokens[k] * in, row, in);
+      }
+    }
+  });
+  // the expand: B's rows are (slot, rank) over every output column; a token's columns of one part add `rank`
+  // scaled rows of its slot
+  const int64_t blocks = (out + COLUMN_BLOCK - 1) / COLUMN_BLOCK;
+  at::parallel_for(0, blocks, grain(count * rank * COLUMN_BLOCK), [&](int64_t begin, int64_t end) {
+    for (int64_t part = 0; part < parts; ++part) {
+      const int64_t first = std::max(begin * COLUMN_BLOCK, part_start[part]);
+      const int64_t last = std::min(end * COLUMN_BLOCK, part_start[part + 1]);
+      if (first >= last) continue;
+      for (int64_t k = 0; k < count; ++k) {
+        const int64_t i = runs.tokens[k];
+        expand(result + i * out, shrunk.data() + k * width + part * rank, b + slot[i] * rank * out, out, rank, first,
+               last);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+namespace KILN_TIER_NS {
+
+void lora_accumulate(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b,
+                     const at::Tensor& slots, at::IntArrayRef part_rows, int64_t max_loras, int64_t rank) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "lora_delta: x must be float32 [rows, in], got ",
+              x.scalar_type(), " of ", x.sizes());
+  const int64_t n = x.size(0), in = x.size(1), parts = static_cast<int64_t>(part_rows.size());
+  TORCH_CHECK(parts > 0 && max_loras > 0 && rank > 0, "lora_delta: needs parts, slots and a rank");
+  TORCH_CHECK(a.scalar_type() == b.scalar_type() && (a.scalar_type() == at::kFloat || a.scalar_type() == at::kBFloat16),
+              "lora_delta: A and B must both be float32 or both bfloat16, got ", a.scalar_type(), " and ",
+              b.scalar_type());
+  TORCH_CHECK(a.dim() == 2 && a.size(0) == parts * max_loras * rank && a.size(1) == in, "lora_delta: A must be [",
+              parts * max_loras * rank, ", ", in, "], got ", a.sizes());
+  std::vector<int64_t> part_start{0};  // part p's output columns: part_start[p] .. part_start[p + 1]
+  for (int64_t p = 0; p < parts; ++p) {
+    TORCH_CHECK(part_rows[p] > 0, "lora_delta: part ", p, " has no rows");
+    part_start.push_back(part_start.back() + part_rows[p]);
+  }
+  const int64_t out = part_start.back();
+  TORCH_CHECK(b.dim() == 2 && b.size(0) == max_loras * rank && b.size(1) == out, "lora_delta: B must be [",
+              max_loras * rank, ", ", out, "], got ", b.sizes());
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == n && y.size(1) == out && y.scalar_type() == at::kFloat && y.is_contiguous(),
+              "lora_delta: the output must be contiguous float32 [", n, ", ", out, "], got ", y.scalar_type(), " of ",
+              y.sizes());
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.size(0) >= n,
+              "lora_delta: slots must be int64 with at least ", n, " entries, got ", slots.scalar_type(), " of ",
+              slots.sizes());
+  const at::Tensor ss = slots.contiguous();
+  const int64_t* slot = ss.data_ptr<int64_t>();
+  std::vector<int64_t> active;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(slot[i] >= -1 && slot[i] < max_loras, "lora_delta: token ", i, " has slot ", slot[i],
+                "; the buffers hold slots 0 to ", max_loras - 1, " (-1: none)");
+    if (slot[i] >= 0) active.push_back(i);
+  }
+  if (active.empty()) return;  // nothing read: a step without adapters costs these checks
+  const at::Tensor xs = x.contiguous(), as = a.contiguous(), bs = b.contiguous();
+  if (as.scalar_type() == at::kFloat) {
+    lora_rows(xs.data_ptr<float>(), as.data_ptr<float>(), bs.data_ptr<float>(), active, slot, part_start, max_loras,
+              rank, in, out, y.data_ptr<float>());
+  } else {
+    lora_rows(xs.data_ptr<float>(), as.data_ptr<at::BFloat16>(), bs.data_ptr<at::BFloat16>(), active, slot,
+              part_start, max_loras, rank, in, out, y.data_ptr<float>());
+  }
+}
+
+}  // namespace KILN_TIER_NS
+
+namespace {
+
+at::Tensor lora_delta(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& slots,
+                      at::IntArrayRef part_rows, int64_t max_loras, int64_t rank) {
+  int64_t out = 0;
+  for (const int64_t rows : part_rows) out += rows;
+  at::Tensor result = at::zeros({x.dim() == 2 ? x.size(0) : 0, out}, x.options().dtype(at::kFloat));
+  KILN_TIER_NS::lora_accumulate(result, x, a, b, slots, part_rows, max_loras, rank);
+  return result;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(KILN_TIER_NS, m) {
+  m.def("lora_delta(Tensor x, Tensor a, Tensor b, Tensor slots, int[] part_rows, int max_loras, int rank) -> Tensor");
+  m.impl("lora_delta", c10::DispatchKey::CPU, TORCH_FN(lora_delta));
+}
