@@ -75,16 +75,23 @@ inline float dot(const float* x, const W* w, int64_t n) {
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
 }
 
-// x[t] . w over n for four tokens at once: each 16 weights loaded once for the four
+// x[t] . w[r] over n for four tokens and four A rows: sixteen sums, each 16 values of x and of w loaded once
 template <typename W>
-inline void dot4(const float* const* x, const W* w, int64_t n, float* out) {
-  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+inline void dot4x4(const float* const* x, const W* const* w, int64_t n, float out[4][4]) {
+  __m512 acc[4][4];
+  for (int t = 0; t < 4; ++t)
+    for (int r = 0; r < 4; ++r) acc[t][r] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; j += 16) {
     const __mmask16 m = lanes_below(n - j);
-    const __m512 weights = load16(w + j, m);
-    for (int t = 0; t < 4; ++t) acc[t] = _mm512_fmadd_ps(load16(x[t] + j, m), weights, acc[t]);
+    __m512 weights[4];
+    for (int r = 0; r < 4; ++r) weights[r] = load16(w[r] + j, m);
+    for (int t = 0; t < 4; ++t) {
+      const __m512 xs = load16(x[t] + j, m);
+      for (int r = 0; r < 4; ++r) acc[t][r] = _mm512_fmadd_ps(xs, weights[r], acc[t][r]);
+    }
   }
-  for (int t = 0; t < 4; ++t) out[t] = _mm512_reduce_add_ps(acc[t]);
+  for (int t = 0; t < 4; ++t)
+    for (int r = 0; r < 4; ++r) out[t][r] = _mm512_reduce_add_ps(acc[t][r]);
 }
 
 // dst[first, last) += sum over r of coef[r] * rows[r * out + (first, last)], 64 columns held in registers across
@@ -107,6 +114,31 @@ inline void expand(float* dst, const float* coef, const W* rows, int64_t out, in
     for (int u = 0; u < 4; ++u) _mm512_mask_storeu_ps(dst + o + 16 * u, m[u], acc[u]);
   }
 }
+
+// `expand` for four tokens of one slot at once (the same B rows): each 16 values of B loaded once for the four
+template <typename W>
+inline void expand4(float* const* dst, const float* const* coef, const W* rows, int64_t out, int64_t rank,
+                    int64_t first, int64_t last) {
+  for (int64_t o = first; o < last; o += 64) {
+    __mmask16 m[4];
+    __m512 acc[4][4];
+    for (int u = 0; u < 4; ++u) {
+      m[u] = lanes_below(std::max<int64_t>(0, last - o - 16 * u));
+      for (int t = 0; t < 4; ++t) acc[t][u] = load16(dst[t] + o + 16 * u, m[u]);
+    }
+    for (int64_t r = 0; r < rank; ++r) {
+      const W* row = rows + r * out + o;
+      __m512 values[4];
+      for (int u = 0; u < 4; ++u) values[u] = load16(row + 16 * u, m[u]);
+      for (int t = 0; t < 4; ++t) {
+        const __m512 c = _mm512_set1_ps(coef[t][r]);
+        for (int u = 0; u < 4; ++u) acc[t][u] = _mm512_fmadd_ps(c, values[u], acc[t][u]);
+      }
+    }
+    for (int t = 0; t < 4; ++t)
+      for (int u = 0; u < 4; ++u) _mm512_mask_storeu_ps(dst[t] + o + 16 * u, m[u], acc[t][u]);
+  }
+}
 #else
 template <typename W>
 inline float dot(const float* x, const W* w, int64_t n) {
@@ -125,8 +157,9 @@ inline float dot(const float* x, const W* w, int64_t n) {
 }
 
 template <typename W>
-inline void dot4(const float* const* x, const W* w, int64_t n, float* out) {
-  for (int t = 0; t < 4; ++t) out[t] = dot(x[t], w, n);
+inline void dot4x4(const float* const* x, const W* const* w, int64_t n, float out[4][4]) {
+  for (int t = 0; t < 4; ++t)
+    for (int r = 0; r < 4; ++r) out[t][r] = dot(x[t], w[r], n);
 }
 
 template <typename W>
@@ -137,6 +170,12 @@ inline void expand(float* dst, const float* coef, const W* rows, int64_t out, in
     const W* row = rows + r * out;
     for (int64_t o = first; o < last; ++o) dst[o] += c * widen(row[o]);
   }
+}
+
+template <typename W>
+inline void expand4(float* const* dst, const float* const* coef, const W* rows, int64_t out, int64_t rank,
+                    int64_t first, int64_t last) {
+  for (int t = 0; t < 4; ++t) expand(dst[t], coef[t], rows, out, rank, first, last);
 }
 #endif
 
@@ -170,22 +209,31 @@ void lora_rows(const float* x, const W* a, const W* b, const std::vector<int64_t
   const int64_t width = parts * rank;  // a token's shrunk values: (part, rank), by its place in `runs.tokens`
   const SlotRuns runs = slot_runs(active, slot);
   std::vector<float> shrunk(count * width);
-  // the shrink: each A row read once for every token of its slot, four tokens at a time
-  at::parallel_for(0, width, grain(count * in), [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const int64_t part = j / rank, r = j % rank;
+  // the shrink: four A rows at a time (a block), each block read once for every token of a slot, four tokens at a
+  // time (sixteen sums in registers)
+  const int64_t row_blocks = (width + 3) / 4;
+  at::parallel_for(0, row_blocks, grain(4 * count * in), [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t j0 = block * 4, rows = std::min<int64_t>(4, width - j0);
       for (size_t g = 0; g + 1 < runs.starts.size(); ++g) {
-        const int64_t first = runs.starts[g], last = runs.starts[g + 1];
-        const W* row = a + ((part * max_loras + slot[runs.tokens[first]]) * rank + r) * in;
+        const int64_t first = runs.starts[g], last = runs.starts[g + 1], s = slot[runs.tokens[first]];
+        const W* w[4];
+        for (int64_t q = 0; q < 4; ++q) {
+          const int64_t j = j0 + std::min(q, rows - 1), part = j / rank, r = j % rank;  // a short block repeats
+          w[q] = a + ((part * max_loras + s) * rank + r) * in;
+        }
         int64_t k = first;
         for (; k + 4 <= last; k += 4) {
           const float* xs[4];
-          float sums[4];
+          float sums[4][4];
           for (int t = 0; t < 4; ++t) xs[t] = x + runs.tokens[k + t] * in;
-          dot4(xs, row, in, sums);
-          for (int t = 0; t < 4; ++t) shrunk[(k + t) * width + j] = sums[t];
+          dot4x4(xs, w, in, sums);
+          for (int t = 0; t < 4; ++t)
+            for (int64_t q = 0; q < rows; ++q) shrunk[(k + t) * width + j0 + q] = sums[t][q];
         }
-        for (; k < last; ++k) shrunk[k * width + j] = dot(x + runs.tokens[k] * in, row, in);
+        for (; k < last; ++k) {
+          for (int64_t q = 0; q < rows; ++q) shrunk[k * width + j0 + q] = dot(x + runs.tokens[k] * in, w[q], in);
+        }
       }
     }
   });
@@ -197,10 +245,22 @@ void lora_rows(const float* x, const W* a, const W* b, const std::vector<int64_t
       const int64_t first = std::max(begin * COLUMN_BLOCK, part_start[part]);
       const int64_t last = std::min(end * COLUMN_BLOCK, part_start[part + 1]);
       if (first >= last) continue;
-      for (int64_t k = 0; k < count; ++k) {
-        const int64_t i = runs.tokens[k];
-        expand(result + i * out, shrunk.data() + k * width + part * rank, b + slot[i] * rank * out, out, rank, first,
-               last);
+      for (size_t g = 0; g + 1 < runs.starts.size(); ++g) {
+        const int64_t from = runs.starts[g], to = runs.starts[g + 1];
+        const W* rows = b + slot[runs.tokens[from]] * rank * out;  // the run's slot's B rows
+        int64_t k = from;
+        for (; k + 4 <= to; k += 4) {
+          float* dst[4];
+          const float* coef[4];
+          for (int t = 0; t < 4; ++t) {
+            dst[t] = result + runs.tokens[k + t] * out;
+            coef[t] = shrunk.data() + (k + t) * width + part * rank;
+          }
+          expand4(dst, coef, rows, out, rank, first, last);
+        }
+        for (; k < to; ++k) {
+          expand(result + runs.tokens[k] * out, shrunk.data() + k * width + part * rank, rows, out, rank, first, last);
+        }
       }
     }
   });
