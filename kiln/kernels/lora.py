@@ -84,6 +84,7 @@ class NativeForm(LoRAForm):
     `kiln::packed_linear_lora`. The ops are looked up before, never while a graph is traced."""
 
     name = NATIVE
+    any_rows = True  # four tokens of a slot by four A rows at a time: a 2,048-row chunk at 2x the stacked form's speed
 
     def __init__(self, kernels: NativeLoRA, bound: int | None = None) -> None:
         self.kernels = kernels

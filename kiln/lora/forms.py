@@ -50,6 +50,9 @@ class LoRAForm(ABC):
     that (a form may compute both at once)."""
 
     name: ClassVar[str]
+    # whether the form's work grows with the rows times one slot's weights at any row count (a prefill chunk too),
+    # not only where few rows make that small
+    any_rows: ClassVar[bool] = False
 
     @abstractmethod
     def delta(self, layer: LoRALinear, x: torch.Tensor) -> torch.Tensor: ...

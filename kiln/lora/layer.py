@@ -14,10 +14,10 @@ That is the `stacked` form (kiln.lora.forms); few rows run the `gathered` form i
 reads its own slot's A and B only), or kiln's native kernel of the same arithmetic where the kernel plan timed it
 faster (kiln.kernels.lora sets `few_rows`), over the same buffers. The forms read buffers that the compiled pieces
 take as inputs by reference (kiln.compile never freezes them), so loading an adapter is a copy into the buffers:
-nothing recompiles or recaptures. Which form a step runs (`form_for`) follows its rows: an eager step or a graph
-traced for a static row count runs `few_rows` up to GATHERED_MAX_ROWS rows; a full decode graph (decode steps only,
-a symbolic row count up to its largest capture size) runs `few_rows`; pieces traced for a symbolic row count
-(prefill chunks) stack.
+nothing recompiles or recaptures. Which form a step runs (`form_for`) follows its rows: an eager step runs
+`few_rows` up to GATHERED_MAX_ROWS rows, a full decode graph (decode steps only) runs `few_rows`, and more rows (the
+graph pieces, which serve prefill chunks) stack, unless `few_rows` is a form whose work follows the rows at any count
+(the native kernel's: `LoRAForm.any_rows`).
 """
 
 from __future__ import annotations
@@ -91,10 +91,13 @@ class LoRALinear(nn.Module):
 
     def form_for(self, rows: int | torch.SymInt) -> LoRAForm:
         """The form a step of `rows` rows runs (module docstring): decided while tracing, never guarded on."""
-        if not isinstance(rows, torch.SymInt):  # eager, or traced for a static row count
-            return self.few_rows if rows <= GATHERED_MAX_ROWS else FORMS[STACKED]
-        # NOTE: a full decode graph runs decode steps only (one row per sequence, up to its largest capture size)
-        return self.few_rows if get_forward_context().decode is not None else FORMS[STACKED]
+        many = FORMS[STACKED] if not self.few_rows.any_rows else self.few_rows
+        if torch.compiler.is_compiling():
+            # NOTE: dynamo shows a symbolic row count as an int, and comparing it would be a guard kiln never checks:
+            # a traced graph takes the form of the steps it serves. A full decode graph runs decode steps only (one
+            # row per sequence, up to its largest capture size); pieces serve prefill chunks too.
+            return self.few_rows if get_forward_context().decode is not None else many
+        return self.few_rows if rows <= GATHERED_MAX_ROWS else many
 
     def rows(self, slot: int, part: int) -> slice:
         """Slot `slot`'s rows of A for part `part` (its rows of the transposed B are `rows(slot, 0)`)."""

@@ -20,13 +20,17 @@ from kiln.kernels import lora as lora_kernels
 from kiln.kernels.choices import KernelChoiceCache
 from kiln.kernels.lora import NATIVE, LoRAKernelPlan, NativeForm, lora_layers, native_lora
 from kiln.lora import BASE_ONLY, LoRALimits, attach_lora, read_adapter
-from kiln.lora.forms import FORMS, GATHERED
+from kiln.lora.forms import FORMS, GATHERED, STACKED
+from kiln.lora.layer import GATHERED_MAX_ROWS
 from kiln.model.build import build_model
 from kiln.model.loader.hf_loader import HFCheckpoint
 from tests.lora.adapters import MAX_POSITIONS, reference, reference_greedy
 
 MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 NATIVE_RUNS = native_lora() is not None
+NEEDS_NATIVE = pytest.mark.skipif(
+    not NATIVE_RUNS, reason="no native tier loads here (test_the_plan_refuses_without_a_native_tier)"
+)
 
 
 def _model(lora_dir: Path, adapters: dict[str, Path], dtype: str):
@@ -37,7 +41,7 @@ def _model(lora_dir: Path, adapters: dict[str, Path], dtype: str):
     return model, slots
 
 
-@pytest.mark.skipif(not NATIVE_RUNS, reason="no native tier loads here (test_the_plan_refuses_without_a_native_tier)")
+@NEEDS_NATIVE
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_native_kernel_equals_the_gathered_form(dtype: str, lora_dir: Path, adapters: dict[str, Path]) -> None:
     model, slots = _model(lora_dir, adapters, dtype)
@@ -57,7 +61,7 @@ def test_the_native_kernel_equals_the_gathered_form(dtype: str, lora_dir: Path, 
             assert not got[empty].any()
 
 
-@pytest.mark.skipif(not NATIVE_RUNS, reason="no native tier loads here (test_the_plan_refuses_without_a_native_tier)")
+@NEEDS_NATIVE
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_over_a_packed_base_one_op_computes_the_product_and_the_adapters(
     dtype: str, lora_dir: Path, adapters: dict[str, Path]
@@ -112,7 +116,7 @@ def _counting(calls: list[str]):
         yield
 
 
-@pytest.mark.skipif(not NATIVE_RUNS, reason="no native tier loads here (test_the_plan_refuses_without_a_native_tier)")
+@NEEDS_NATIVE
 def test_tokens_without_an_adapter_read_nothing(lora_dir: Path) -> None:
     """Buffers of NaN: the gathered form multiplies them by zero (NaN), the native kernel never reads them."""
     op = native_lora().delta
@@ -123,7 +127,7 @@ def test_tokens_without_an_adapter_read_nothing(lora_dir: Path) -> None:
     assert op(x, a, b, torch.tensor([BASE_ONLY, 1, BASE_ONLY]), [32, 16], 4, 8)[1].isnan().all()
 
 
-@pytest.mark.skipif(not NATIVE_RUNS, reason="no native tier loads here (test_the_plan_refuses_without_a_native_tier)")
+@NEEDS_NATIVE
 def test_bad_operands_are_refused_with_what_was_expected() -> None:
     op = native_lora().delta
     x, a, b = torch.randn(2, 64), torch.zeros(4 * 8, 64), torch.zeros(4 * 8, 48)
@@ -155,8 +159,10 @@ def test_the_plan_binds_each_geometrys_winner(
     shapes = {repr(lora_kernels.geometry(layer)) for layer in lora_layers(model)}
     assert len(shapes) == 4 and sorted(map(repr, raced)) == sorted(shapes)  # each geometry once, of 16 layers
     plan.install(model)
+    many = NATIVE if winner == NATIVE else STACKED  # the native kernel serves a prefill chunk too
     for layer in lora_layers(model):
         assert layer.form_for(1).name == layer.form_for(8).name == winner
+        assert layer.form_for(GATHERED_MAX_ROWS + 1).name == many
     assert plan.summary().count(winner) == 4
 
 
@@ -169,24 +175,34 @@ def test_the_plan_refuses_without_a_native_tier(
     assert all(layer.form_for(1).name == GATHERED for layer in lora_layers(model))
 
 
-@pytest.mark.skipif(not NATIVE_RUNS, reason="no native tier loads here (test_the_plan_refuses_without_a_native_tier)")
-@pytest.mark.parametrize(("quantization", "op"), [("none", "lora_delta"), ("int8", "packed_linear_lora")])
-def test_the_full_decode_graph_holds_the_native_kernel(
+@pytest.mark.parametrize(
+    ("winner", "quantization", "op"),
+    [
+        pytest.param(NATIVE, "none", "lora_delta", marks=NEEDS_NATIVE),
+        pytest.param(NATIVE, "int8", "packed_linear_lora", marks=NEEDS_NATIVE),
+        (GATHERED, "none", None),
+    ],
+)
+def test_the_graphs_run_the_bound_form(
+    winner: str,
     quantization: str,
-    op: str,
+    op: str | None,
     base_dir: Path,
     adapters: dict[str, Path],
     hf_base: transformers.PreTrainedModel,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The native form bound (whatever the timing chose), decode steps replay a graph holding its op (over a packed
-    base, the product and the adapters' in one), and the tokens equal HF + PEFT (a float base) or the gathered form
-    in eager mode over the same packed weights."""
-    monkeypatch.setattr(LoRAKernelPlan, "winner", lambda self, layer: NATIVE)
+    """Either form bound (whatever the timing chose): decode steps replay a graph holding the native op (over a packed
+    base, the product and the adapters' in one) or the gathered form's, prefill pieces the native op or the stacked
+    form, and the tokens equal HF + PEFT (a float base) or the gathered form in eager mode over the same packed
+    weights."""
+    monkeypatch.setattr(LoRAKernelPlan, "winner", lambda self, layer: winner)
     llm = _llm(base_dir, "full_and_piecewise", quantization, tmp_path)
     full = llm.engine.executor.full
-    assert full is not None and any(op in str(code.graph.code) for code in full.checked_code())
+    assert full is not None
+    code = "".join(str(c.graph.code) for c in full.checked_code())
+    assert all((name == op) == (name in code) for name in ("lora_delta", "packed_linear_lora"))
     prompts, names = [[3, 17, 5, 99, 42, 7], [11, 2]], ["all7-r4", "qv-r8-rslora"]
     requests = [LoRARequest(n, i + 1, str(adapters[n])) for i, n in enumerate(names)]
     params = SamplingParams(max_tokens=5, temperature=0)
