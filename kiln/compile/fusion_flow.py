@@ -13,7 +13,8 @@ from torch.fx import Graph, Node
 from kiln.compile.fusion_match import node_kind
 from kiln.compile.kernels import Kernel
 
-MATMULS = {"linear", "mm", "addmm", "bmm", "matmul", "packed_linear"}  # packed_linear: kiln.quant.ops
+# packed_linear: kiln.quant.ops; packed_linear_lora: the same product and its LoRA adapters' (kiln.kernels.lora)
+MATMULS = {"linear", "mm", "addmm", "bmm", "matmul", "packed_linear", "packed_linear_lora"}
 # FX op kind -> the aten op inductor names a kernel after; other kinds (views, casts, splits) compute nothing
 CODES = (torch.int8, torch.uint8)  # dtypes of a packed weight's codes (kiln.quant)
 TOKENS = {k: k for k in ("silu", "mul", "add", "sub", "div", "neg", "pow", "mean", "rsqrt", "cat", "exp", "sum")}

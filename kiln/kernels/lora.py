@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -143,55 +144,28 @@ def geometry(layer: LoRALinear) -> dict[str, Any]:
     }
 
 
-@dataclass
-class _Timed:
-    """A layer's shape over one copy of its buffers and a step's slots (what a form reads: kiln.lora.forms)."""
-
-    tokens: Any
-    in_features: int
-    out_features: int
-    max_loras: int
-    max_rank: int
-    parts: tuple[tuple[int, int], ...]
-    block: int
-    lora_a: torch.Tensor
-    lora_b: torch.Tensor
-    column_slot: torch.Tensor
+# what a form reads of its layer besides the buffers and the step's slots (kiln.lora.forms.LoRALinear)
+SHAPE_FIELDS = ("in_features", "out_features", "max_loras", "max_rank", "parts", "block", "column_slot")
 
 
-@dataclass
-class _Slots:
-    index: torch.Tensor
-
-
-def _entrant(form: LoRAForm, timed: _Timed) -> Entrant:
-    """`form` over `timed`'s shape, called as a race calls a kernel: (x, A copy, B copy)."""
-    return Entrant(lambda: lambda x, a, b: form.delta(replace(timed, lora_a=a, lora_b=b), x))
+def _view(layer: LoRALinear, slots: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> SimpleNamespace:
+    """`layer` as a form reads it, over buffer copies `a` and `b` and a step's `slots`."""
+    shape = {name: getattr(layer, name) for name in SHAPE_FIELDS}
+    return SimpleNamespace(**shape, base=layer.base, tokens=SimpleNamespace(index=slots), lora_a=a, lora_b=b)
 
 
 def _race(layer: LoRALinear) -> dict[str, Any]:
     """The gathered and native forms' times (µs) for `layer`'s geometry, summed over TIMED_ROWS."""
     nbytes = layer.lora_a.nbytes + layer.lora_b.nbytes
     copies = [(layer.lora_a.clone().fill_(0.01), layer.lora_b.clone().fill_(0.01)) for _ in range(stream_count(nbytes))]
-    shape = _Timed(
-        _Slots(layer.tokens.index),
-        layer.in_features,
-        layer.out_features,
-        layer.max_loras,
-        layer.max_rank,
-        layer.parts,
-        layer.block,
-        layer.lora_a,
-        layer.lora_b,
-        layer.column_slot,
-    )
     totals: dict[str, float] = {GATHERED: 0.0, NATIVE: 0.0}
     for rows in TIMED_ROWS:
-        slots = _Slots(torch.arange(rows) % layer.max_loras)  # every slot in use
-        timed = replace(shape, tokens=slots)
-
-        entrants = {name: _entrant(form, timed) for name, form in _forms().items()}
-        race = time_candidates(entrants, torch.randn(rows, layer.in_features), copies)
+        slots = torch.arange(rows) % layer.max_loras  # every slot in use
+        views = [(_view(layer, slots, a, b),) for a, b in copies]
+        entrants = {
+            name: Entrant(lambda form=form: lambda x, view: form.delta(view, x)) for name, form in _forms().items()
+        }
+        race = time_candidates(entrants, torch.randn(rows, layer.in_features), views)
         for name, us in race.times.items():
             totals[name] += us
     return {"times_us": {k: round(v, 1) for k, v in totals.items()}, "rows": list(TIMED_ROWS)}
