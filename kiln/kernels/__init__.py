@@ -20,6 +20,8 @@ dense.py         bf16 decoder products: F.linear or oneDNN on prepacked weights 
 race.py          a race of candidates at one row count: turns, floors (a candidate that cannot win is never built)
 product.py       small functions traced and compiled for static shapes (the timed product, compiled candidates)
 attention.py     decode attention's kernel (the torch form or the native paged one), timed; its graph op
+lora.py          the LoRA products of few rows: the gathered torch form or the native kernel, timed per layer
+                 geometry; over a packed base one op for the product and the adapters' (`kiln::packed_linear_lora`)
 head.py          `LogitsHead`: one-row logits the fastest way the plan found
 head_kernels.py  the ways to compute an unquantized float32 head's product: as loaded, a bf16 copy on oneDNN's
                  brgemm, an int8 Q8_0 copy on the packed int8 kernels

@@ -120,7 +120,9 @@ class NativeForm(LoRAForm):
         if not plain or layer.lora_a.dtype not in NATIVE_DTYPES or layer.lora_a.device.type != "cpu":
             return self
         rows = [rows for _, rows in layer.parts]
-        self.kernels.bind(base.codes, layer.lora_a, layer.lora_b, rows, layer.max_loras, layer.max_rank)
+        self.kernels.bind(
+            base.codes, layer.lora_a, layer.lora_b, part_rows=rows, max_loras=layer.max_loras, rank=layer.max_rank
+        )
         return NativeForm(self.kernels, bound=base.codes.data_ptr())
 
 
