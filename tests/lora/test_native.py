@@ -18,7 +18,8 @@ from kiln import LLM, LoRARequest, SamplingParams
 from kiln.kernels import choices
 from kiln.kernels import lora as lora_kernels
 from kiln.kernels.choices import KernelChoiceCache
-from kiln.kernels.lora import NATIVE, LoRAKernelPlan, NativeForm, lora_layers, native_lora
+from kiln.kernels.lora import NATIVE, LoRAKernelPlan, NativeForm, NativeLoRA, lora_layers, native_lora
+from kiln.kernels.native.build import native_op, runnable_tiers
 from kiln.lora import BASE_ONLY, LoRALimits, attach_lora, read_adapter
 from kiln.lora.forms import FORMS, GATHERED, STACKED
 from kiln.lora.layer import GATHERED_MAX_ROWS
@@ -27,10 +28,15 @@ from kiln.model.loader.hf_loader import HFCheckpoint
 from tests.lora.adapters import MAX_POSITIONS, reference, reference_greedy
 
 MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-NATIVE_RUNS = native_lora() is not None
-NEEDS_NATIVE = pytest.mark.skipif(
-    not NATIVE_RUNS, reason="no native tier loads here (test_the_plan_refuses_without_a_native_tier)"
-)
+
+
+def native_or_refused() -> NativeLoRA | None:
+    """The native LoRA ops; where none loads here, asserts that no tier this CPU runs offers them (the caller then
+    returns: there is nothing native to check, and the plan's refusal has its own test)."""
+    kernels = native_lora()
+    if kernels is None:
+        assert all(native_op(tier.name, "lora_delta") is None for tier in runnable_tiers())
+    return kernels
 
 
 def _model(lora_dir: Path, adapters: dict[str, Path], dtype: str):
@@ -41,11 +47,13 @@ def _model(lora_dir: Path, adapters: dict[str, Path], dtype: str):
     return model, slots
 
 
-@NEEDS_NATIVE
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_native_kernel_equals_the_gathered_form(dtype: str, lora_dir: Path, adapters: dict[str, Path]) -> None:
+    kernels = native_or_refused()
+    if kernels is None:
+        return
     model, slots = _model(lora_dir, adapters, dtype)
-    native = NativeForm(native_lora())
+    native = NativeForm(kernels)
     x = torch.randn(16, 96)
     # runs of one slot of four tokens and more (their shrink and expand four tokens at a time) and shorter ones
     many = [0, 2, 0, 0, 2, 2, BASE_ONLY, 0, 2, 0, 2, 1, 2, 0, BASE_ONLY, 2]
@@ -61,13 +69,15 @@ def test_the_native_kernel_equals_the_gathered_form(dtype: str, lora_dir: Path, 
             assert not got[empty].any()
 
 
-@NEEDS_NATIVE
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_over_a_packed_base_one_op_computes_the_product_and_the_adapters(
     dtype: str, lora_dir: Path, adapters: dict[str, Path]
 ) -> None:
     """`kiln::packed_linear_lora` (the base's packed product and the adapters' added in place, one call) equals the
     base's output plus the gathered form's products."""
+    kernels = native_or_refused()
+    if kernels is None:
+        return
     model = build_model(HFCheckpoint(str(lora_dir / "base")), torch.float32, MAX_POSITIONS, quantization="int8")
     slots = attach_lora(model, LoRALimits(max_loras=3, max_rank=8, max_num_tokens=16, dtype=dtype))
     slots.load(0, read_adapter(adapters["all7-r4"]))
@@ -78,7 +88,7 @@ def test_over_a_packed_base_one_op_computes_the_product_and_the_adapters(
     with torch.inference_mode(), _counting(calls):
         for module in MODULES:
             layer = model.get_submodule(f"model.layers.2.{module}")
-            native = layer.few_rows = NativeForm(native_lora()).bind(layer)
+            native = layer.few_rows = NativeForm(kernels).bind(layer)
             assert native.fused
             inputs = x[:, : layer.in_features]
             got = native.forward(layer, inputs)
@@ -99,7 +109,7 @@ def test_over_a_packed_base_one_op_computes_the_product_and_the_adapters(
     plain = build_model(HFCheckpoint(str(lora_dir / "base")), torch.float32, MAX_POSITIONS)
     attach_lora(plain, LoRALimits(max_loras=3, max_rank=8, max_num_tokens=16))
     layer = plain.get_submodule("model.layers.2.mlp.down_proj")
-    assert not NativeForm(native_lora()).bind(layer).fused  # a float base: the product, then the native delta
+    assert not NativeForm(kernels).bind(layer).fused  # a float base: the product, then the native delta
 
 
 @contextmanager
@@ -116,10 +126,12 @@ def _counting(calls: list[str]):
         yield
 
 
-@NEEDS_NATIVE
 def test_tokens_without_an_adapter_read_nothing(lora_dir: Path) -> None:
     """Buffers of NaN: the gathered form multiplies them by zero (NaN), the native kernel never reads them."""
-    op = native_lora().delta
+    kernels = native_or_refused()
+    if kernels is None:
+        return
+    op = kernels.delta
     a, b = torch.full((2 * 4 * 8, 64), float("nan")), torch.full((4 * 8, 48), float("nan"))
     x = torch.randn(3, 64)
     out = op(x, a, b, torch.full((3,), BASE_ONLY), [32, 16], 4, 8)
@@ -127,9 +139,11 @@ def test_tokens_without_an_adapter_read_nothing(lora_dir: Path) -> None:
     assert op(x, a, b, torch.tensor([BASE_ONLY, 1, BASE_ONLY]), [32, 16], 4, 8)[1].isnan().all()
 
 
-@NEEDS_NATIVE
 def test_bad_operands_are_refused_with_what_was_expected() -> None:
-    op = native_lora().delta
+    kernels = native_or_refused()
+    if kernels is None:
+        return
+    op = kernels.delta
     x, a, b = torch.randn(2, 64), torch.zeros(4 * 8, 64), torch.zeros(4 * 8, 48)
     with pytest.raises(RuntimeError, match=r"token 1 has slot 4; the buffers hold slots 0 to 3"):
         op(x, a, b, torch.tensor([0, 4]), [48], 4, 8)
@@ -143,8 +157,8 @@ def test_bad_operands_are_refused_with_what_was_expected() -> None:
 def test_the_plan_binds_each_geometrys_winner(
     winner: str, lora_dir: Path, adapters: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if not NATIVE_RUNS:
-        pytest.skip("no native tier loads here (test_the_plan_refuses_without_a_native_tier)")
+    if native_or_refused() is None:
+        return
     model, _ = _model(lora_dir, adapters, "float32")
     raced = []
 
@@ -178,8 +192,8 @@ def test_the_plan_refuses_without_a_native_tier(
 @pytest.mark.parametrize(
     ("winner", "quantization", "op"),
     [
-        pytest.param(NATIVE, "none", "lora_delta", marks=NEEDS_NATIVE),
-        pytest.param(NATIVE, "int8", "packed_linear_lora", marks=NEEDS_NATIVE),
+        (NATIVE, "none", "lora_delta"),
+        (NATIVE, "int8", "packed_linear_lora"),
         (GATHERED, "none", None),
     ],
 )
@@ -196,7 +210,9 @@ def test_the_graphs_run_the_bound_form(
     """Either form bound (whatever the timing chose): decode steps replay a graph holding the native op (over a packed
     base, the product and the adapters' in one) or the gathered form's, prefill pieces the native op or the stacked
     form, and the tokens equal HF + PEFT (a float base) or the gathered form in eager mode over the same packed
-    weights."""
+    weights. Where no native tier loads, the plan binds nothing and the graphs run the torch forms."""
+    if native_or_refused() is None:
+        op = None
     monkeypatch.setattr(LoRAKernelPlan, "winner", lambda self, layer: winner)
     llm = _llm(base_dir, "full_and_piecewise", quantization, tmp_path)
     full = llm.engine.executor.full
