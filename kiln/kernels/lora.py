@@ -114,10 +114,9 @@ class NativeForm(LoRAForm):
 
     def bind(self, layer: LoRALinear) -> NativeForm:
         """The form of `layer` as `install` binds it: fused where its base is packed with no input order or bias
-        (PackedLinear.plain_op) and its buffers are the kernel's dtype, else this one."""
+        (PackedLinear.plain) and its buffers are the kernel's dtype, else this one."""
         base = layer.base
-        plain = isinstance(base, PackedLinear) and base.input_order is None and base.bias is None
-        if not plain or layer.lora_a.dtype not in NATIVE_DTYPES or layer.lora_a.device.type != "cpu":
+        if not (isinstance(base, PackedLinear) and base.plain and _takes(layer.lora_a)):
             return self
         rows = [rows for _, rows in layer.parts]
         self.kernels.bind(
@@ -126,9 +125,14 @@ class NativeForm(LoRAForm):
         return NativeForm(self.kernels, bound=base.codes.data_ptr())
 
 
+def _takes(tensor: torch.Tensor) -> bool:
+    """Whether the native kernel reads a tensor of this dtype and device."""
+    return tensor.dtype in NATIVE_DTYPES and tensor.device.type == "cpu"
+
+
 def _runs(layer: Any, x: torch.Tensor) -> bool:
     """Whether the native kernel takes this layer's buffers and these activations."""
-    return layer.lora_a.dtype in NATIVE_DTYPES and x.dtype in NATIVE_DTYPES and x.device.type == "cpu"
+    return _takes(layer.lora_a) and _takes(x)
 
 
 def lora_layers(model: nn.Module) -> list[LoRALinear]:

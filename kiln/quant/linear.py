@@ -197,11 +197,16 @@ class PackedLinear(_Packed):
         # NOTE: through row_class: a symbolic row count is compared (a guard), never hashed (which specialises it)
         return torch.compiler.is_compiling() and isinstance(rows, int) and row_class(rows) in self.inline_rows
 
+    @property
+    def plain(self) -> bool:
+        """No input order and no bias: the product is `kiln::packed_linear` alone (what an op fusing more work after
+        the product may stand in for)."""
+        return self.input_order is None and self.bias is None
+
     def plain_op(self, x: torch.Tensor) -> bool:
-        """Whether `forward(x)` is exactly `kiln::packed_linear(x, codes, scale, offset)`: x of [rows, in_features],
-        no input order, no bias, not inline (what an op fusing more work after the product may stand in for)."""
-        plain = self.input_order is None and self.bias is None and x.dim() == 2
-        return plain and not self.inline(x.shape[0])
+        """Whether `forward(x)` is exactly `kiln::packed_linear(x, codes, scale, offset)`: a plain layer, x of
+        [rows, in_features], not inline."""
+        return self.plain and x.dim() == 2 and not self.inline(x.shape[0])
 
 
 class PackedEmbedding(_Packed):

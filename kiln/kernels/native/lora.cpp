@@ -1,22 +1,24 @@
 // `lora_delta(x, a, b, slots, part_rows, max_loras, rank)`: each token's adapter product B[slot] @ (A[slot] @ x) over
-// kiln's static LoRA buffers (kiln/lora/layer.py), for the few rows of a decode step: Punica's bgmv (shrink, then
-// expand) as one op, over every part of a fused layer (qkv, gate_up) in one call.
+// kiln's static LoRA buffers (kiln/lora/layer.py): Punica's bgmv (shrink, then expand) as one op, over every part of
+// a fused layer (qkv, gate_up) in one call, at any row count.
 //
 //   x          [n, in] float32
 //   a          [parts * max_loras * rank, in] float32 or bf16, rows (part, slot, rank)
-//   b          [out, max_loras * rank] float32 or bf16, columns (slot, rank); a slot's scale is folded in
+//   b          [max_loras * rank, out] float32 or bf16, rows (slot, rank): each slot's B transposed, its scale in
 //   slots      [>= n] int64: token i's slot (-1: the base alone, its row of the result is zero)
-//   part_rows  each part's output rows, in order (they tile `out`)
+//   part_rows  each part's output columns, in order (they tile `out`)
 //   returns    [n, out] float32
 //
 // `lora_accumulate` (lora.h) adds the same products into a product's output in place: dispatch.cpp's
 // `kiln::packed_linear_lora`, a packed layer's product and its adapters' in one call from the graph.
 //
-// A token without a slot costs nothing: a step where no token has one returns zeros without reading A or B (the
-// inductor forms read slot 0 and multiply by zero). The shrink splits the parts' rank rows across torch's threads
-// and reads each A row once for every token of its slot; the expand splits the output rows, each reading its slot's
-// `rank` contiguous B values. Sums keep LANES partial results, one per vector lane, so the compiler vectorizes them
-// at the tier's width without reordering what the source does not (no -ffast-math); bf16 is widened in registers.
+// A token without a slot costs nothing: a step where no token has one reads neither A nor B (the inductor forms read
+// slot 0 and multiply by zero). The tokens are sorted into runs of one slot. The shrink splits blocks of four A rows
+// across torch's threads and multiplies each block by four tokens of a run at a time (sixteen sums in registers);
+// the expand splits the output columns and adds, for four tokens of a run at a time, their `rank` scaled rows of the
+// slot's B. The AVX-512 tier writes both with intrinsics (bf16 widened in registers); the other tiers' loops keep
+// LANES partial sums, so the compiler vectorizes them at the tier's width without reordering what the source does
+// not (no -ffast-math).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
