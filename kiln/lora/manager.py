@@ -5,6 +5,12 @@ Per step `step_slots` gives each sequence's slot from its adapter id: an adapter
 is copied into a free slot or the least recently used one this step does not need (read again from its path when
 its host copy was dropped). A step may name at most `max_loras` adapters (the scheduler's bound). Everything it does
 is counted (`LoRACounters`), as the compiler's work is.
+
+On several devices rank 0 decides and the other ranks copy: each slot load is numbered (`SlotLoad`), the step's
+plan carries the loads made while it was planned (`take_loads`), and every rank runs `follow` on them before the
+step's forward, reading the adapter from its path into the same slot (its part of it: kiln.lora.targets), as vLLM's
+workers read an adapter themselves. A rank that made the load itself (rank 0; every rank when each plans the same
+steps) finds the number it already holds and does nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +26,15 @@ from kiln.lora.layer import BASE_ONLY
 from kiln.lora.request import LoRARequest
 from kiln.lora.slots import LoRASlots
 from kiln.lora.validate import check_adapter
+
+
+@dataclass(frozen=True)
+class SlotLoad:
+    """Adapter `path` copied into `slot`, the engine's `number`-th slot load (what the other ranks repeat)."""
+
+    slot: int
+    number: int
+    path: str
 
 
 @dataclass
@@ -53,6 +68,8 @@ class LoRAManager:
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # read adapters, least recently used first
         self.active: OrderedDict[int, int] = OrderedDict()  # adapter id -> its slot, least recently used first
         self.counters = LoRACounters()
+        self.held: dict[int, int] = {}  # slot -> the number of the load it holds
+        self.planned: list[SlotLoad] = []  # the loads since the last take_loads
 
     def add(self, request: LoRARequest) -> None:
         """Register the adapter, read and checked against the model now (AdapterError naming the file and field;
@@ -79,6 +96,7 @@ class LoRAManager:
         slot = self.active.pop(lora_id, None)
         if slot is not None:
             self.slots.clear(slot)
+            self.held.pop(slot, None)
 
     def step_slots(self, lora_ids: Sequence[int | None]) -> list[int]:
         """Each sequence's slot (BASE_ONLY for None), copying adapters into slots as needed."""
@@ -109,8 +127,27 @@ class LoRAManager:
         self._keep(lora_id, adapter)
         self.slots.load(slot, adapter)
         self.counters.slot_loads += 1
+        self.held[slot] = self.counters.slot_loads
+        self.planned.append(SlotLoad(slot, self.counters.slot_loads, adapter.path))
         self.active[lora_id] = slot
         return slot
+
+    def take_loads(self) -> list[SlotLoad]:
+        """The slot loads made since the last call (a step's, for its plan)."""
+        loads, self.planned = self.planned, []
+        return loads
+
+    def follow(self, loads: Sequence[SlotLoad]) -> None:
+        """Make each load another rank made (module docstring): the adapter read from its path again, checked (an
+        AdapterError when the file changed under it) and copied into its slot; a load this rank holds is skipped."""
+        for load in loads:
+            if self.held.get(load.slot) == load.number:
+                continue
+            adapter = self.read(load.path)
+            self.counters.host_reads += 1
+            self.slots.load(load.slot, adapter)
+            self.counters.slot_loads += 1
+            self.held[load.slot] = load.number
 
     def _read(self, request: LoRARequest) -> LoRAAdapter:
         adapter = self.read(request.lora_path)

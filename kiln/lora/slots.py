@@ -42,7 +42,8 @@ class LoRASlots:
         self.clear(slot)
         for module, layer in adapter.layers.items():
             target = self.targets[module]
-            self.layers[target.module].load_part(slot, target.part, layer)
+            if target.here:  # else another pipeline stage loads it
+                self.layers[target.module].load_part(slot, target.part, target.take(layer))
         self.loaded[slot] = adapter.path
 
     def clear(self, slot: int) -> None:

@@ -41,19 +41,20 @@ def check_adapter(
                 "r",
                 f"rank {layer.rank} (layer {module}) is above the engine's limit, --max-lora-rank {max_rank}",
             )
-        if layer.a.shape[1] != target.in_features:
+        rows, columns = target.shape  # the whole base layer's, on any rank (kiln.lora.targets)
+        if layer.a.shape[1] != columns:
             raise AdapterError(
                 adapter.weights_file,
                 a_name,
-                f"shape {tuple(layer.a.shape)}: the base layer takes {target.in_features} inputs, so expected "
-                f"({layer.rank}, {target.in_features}) (an adapter for a different base model?)",
+                f"shape {tuple(layer.a.shape)}: the base layer takes {columns} inputs, so expected "
+                f"({layer.rank}, {columns}) (an adapter for a different base model?)",
             )
-        if layer.b.shape[0] != target.rows:
+        if layer.b.shape[0] != rows:
             raise AdapterError(
                 adapter.weights_file,
                 b_name,
-                f"shape {tuple(layer.b.shape)}: the base layer gives {target.rows} outputs, so expected "
-                f"({target.rows}, {layer.rank}) (an adapter for a different base model?)",
+                f"shape {tuple(layer.b.shape)}: the base layer gives {rows} outputs, so expected "
+                f"({rows}, {layer.rank}) (an adapter for a different base model?)",
             )
     if adapter.other_tensors:
         raise AdapterError(

@@ -1,6 +1,7 @@
-"""The recipe's `lora` section against the rest: the placement (adapters run on one device), the checkpoint's
-layers (every target module one the model has), the memory budget (the adapters' static buffers beside the weights
-and the KV cache) and, through the solver's bounds, the batch (more slots than sequences a step can hold)."""
+"""The recipe's `lora` section against the rest: the checkpoint's layers (every target module one the model has),
+the memory budget (the adapters' static buffers beside the weights and the KV cache) and, through the solver's
+bounds, the batch (more slots than sequences a step can hold). Any placement takes adapters: they are split over
+the devices as their base layers are (kiln.lora.targets)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from kiln.recipe.capacity import bounded_by
 from kiln.recipe.diagnostics import Diagnostic
 from kiln.recipe.schema import RecipeSpec
 from kiln.recipe.source import SourceDoc
-from kiln.recipe.stages import pipeline_size
 
 GB = 1e9
 
@@ -19,18 +19,6 @@ GB = 1e9
 def has_lora(spec: RecipeSpec) -> bool:
     """Whether the recipe turns adapters on: it writes a `lora` section."""
     return "lora" in spec.model_fields_set
-
-
-def check_lora_placement(doc: SourceDoc, spec: RecipeSpec) -> list[Diagnostic]:
-    """Adapters are not sharded: a lora section with more than one device is refused (as --enable-lora is)."""
-    devices = spec.parallel.tensor * pipeline_size(spec)
-    if not has_lora(spec) or devices == 1:
-        return []
-    message = (
-        f"lora: LoRA adapters run on one device for now, but the recipe places the model on {devices} "
-        f"(parallel.tensor {spec.parallel.tensor} x {pipeline_size(spec)} pipeline stages); remove one or the other"
-    )
-    return [doc.diagnostic("error", message, ("lora",), key=True)]
 
 
 def check_lora_targets(doc: SourceDoc, spec: RecipeSpec, modules: set[str]) -> list[Diagnostic]:

@@ -29,7 +29,6 @@ from kiln.recipe.contract import check_hardware, check_identity, check_inert, ch
 from kiln.recipe.diagnostics import Diagnostic, RecipeError, has_errors, sort_diagnostics
 from kiln.recipe.guards import RecipeGuards
 from kiln.recipe.lora_checks import (
-    check_lora_placement,
     check_lora_rank,
     check_lora_slots,
     check_lora_targets,
@@ -233,7 +232,6 @@ def load_recipe_text(
     broken = _sections_of(doc, schema_diagnostics)
     if not broken & {"parallel", "device_affinity"}:
         diagnostics += check_parallel(doc, spec, header.config.num_layers if header else None)
-        diagnostics += check_lora_placement(doc, spec)
     if header is not None:
         diagnostics += check_weights(doc, spec, header) + check_model_constraints(doc, constraints, values, header)
         diagnostics += check_identity(doc, spec, header)

@@ -70,10 +70,9 @@ def test_a_repeated_target_module_is_refused(header, write, only_error) -> None:
     assert err.message == "lora.target_modules lists q_proj twice"
 
 
-def test_adapters_on_several_devices_are_refused(header, write, only_error) -> None:
-    err = only_error(write(header + BOUNDS + "parallel: {tensor: 2}\nlora: {max_loras: 1}\n"))
-    assert err.line == 6 and "LoRA adapters run on one device for now" in err.message, err.format()
-    assert "parallel.tensor 2" in err.message
+def test_adapters_on_several_devices_are_accepted(header, write) -> None:
+    recipe = load_recipe(write(header + BOUNDS + "parallel: {tensor: 2}\nlora: {max_loras: 1}\n"))
+    assert recipe.lora is not None and recipe.lora.max_loras == 1  # split as their layers (tests/lora/test_parallel.py)
 
 
 def test_the_lora_buffers_count_against_the_memory_budget(header, write, only_error) -> None:

@@ -193,6 +193,7 @@ class ModelRunner:
             prompt_rows=prompt_rows,
             pool_rows=pool_rows,
             lora_slots=self._lora_slots(sched, token_counts),
+            lora_loads=self.lora.take_loads() if self.lora is not None else [],
         )
 
     def _lora_slots(self, sched: SchedulerOutput, token_counts: list[int]) -> list[int]:
@@ -265,6 +266,8 @@ class ModelRunner:
         """Run one step's forward and its logits head: the sampled rows' fp32 logits on the host (None on a rank
         that does not sample, or when no row samples), and the scores of the prompt rows the plan lists. Every rank
         of a multi-device engine runs each plan."""
+        if self.lora is not None:
+            self.lora.follow(plan.lora_loads)  # the adapters rank 0 copied into slots planning this step
         if self.micro_batches > 1 and len(plan.seq_lens) > 1:
             return StepLogits(self._heads(self._forwards(plan)))
         self.copy_blocks(plan.block_copies)

@@ -14,6 +14,8 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kiln.lora.manager import SlotLoad
+
 
 @dataclass
 class PromptRows:
@@ -68,6 +70,8 @@ class StepPlan:
     pool_rows: list[PoolRows] = field(default_factory=list)
     # each token's LoRA slot (kiln.lora; -1: the base model), when the engine serves adapters; empty otherwise
     lora_slots: list[int] = field(default_factory=list)
+    # the adapters rank 0 copied into slots for this step, which every other rank copies before it runs the step
+    lora_loads: list[SlotLoad] = field(default_factory=list)
 
 
 def split_plan(plan: StepPlan, parts: int, pad_to: Callable[[int], int]) -> list[StepPlan]:

@@ -23,7 +23,7 @@ from kiln.distributed.workers import Workers, follow, start_ranks
 from kiln.engine.core import EngineCore, MakeSpeculator
 from kiln.engine.running.model_runner import StepObserver
 from kiln.engine.running.rank_role import RankRole, rank_role
-from kiln.engine.setup.resolve import refuse_lora_on_several_devices, resolve_for_model
+from kiln.engine.setup.resolve import resolve_for_model
 from kiln.engine.speculation.draft import DraftModel, draft_engine_config
 from kiln.engine.speculation.speculation import Speculator
 from kiln.errors import ConfigError
@@ -226,7 +226,6 @@ def lora_manager(config: EngineConfig, model: nn.Module) -> LoRAManager | None:
     lora = config.lora
     if not lora.enabled:
         return None
-    refuse_lora_on_several_devices(config)
     # NOTE: a step's padded size: its token budget, or a capture size above it
     max_tokens = config.scheduler.max_num_batched_tokens + max(config.graph.capture_sizes, default=0)
     limits = LoRALimits(

@@ -94,25 +94,10 @@ def resolve_engine_config(args: EngineArgs, refuse_inert_options: bool = True, e
         config = overlay_recipe(config, recipe)
     if config.speculative.is_enabled and config.parallel.is_distributed:
         raise ConfigError("speculative decoding runs on one device for now: drop it or the parallel layout")
-    refuse_lora_on_several_devices(config)
     if refuse_inert_options:
         config = replace(config, must_act=frozenset(args.given()))
         refuse_inert(config.must_act, config)
     return config
-
-
-def refuse_lora_on_several_devices(config: EngineConfig) -> None:
-    """LoRA adapters are not sharded yet: adapters with a tensor- or pipeline-parallel layout are refused, naming the
-    layout found, before any model is loaded (kiln.engine.setup.build checks again for a config built directly)."""
-    parallel = config.parallel
-    if not config.lora.enabled or not parallel.is_distributed:
-        return
-    raise ConfigError(
-        "--enable-lora: LoRA adapters run on one device for now (tensor and pipeline parallel size 1), but the "
-        f"engine is laid out over {parallel.world_size} devices (--tensor-parallel-size {parallel.tensor}, "
-        f"--pipeline-parallel-size {parallel.pipeline}); drop --enable-lora (or the recipe's lora: section) or the "
-        "parallel layout"
-    )
 
 
 def no_checkpoint(asked: str) -> str:
