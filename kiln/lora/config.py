@@ -10,7 +10,8 @@ from kiln.config import LORA_DTYPE_NAMES
 from kiln.errors import ConfigError
 
 # the dtype of each of LORA_DTYPE_NAMES; auto: the model's (float32 keeps HF + PEFT's numbers, bfloat16 halves what
-# the products read, computed in float32 where the form allows: kiln.lora.forms)
+# the products read, computed in float32 where the form allows: kiln.lora.forms), bfloat16 over a packed base
+# (`buffer_dtype`)
 LORA_DTYPES = dict(zip(LORA_DTYPE_NAMES, (None, torch.float32, torch.bfloat16), strict=True))
 
 
@@ -36,6 +37,12 @@ class LoRALimits:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"LoRA {name} = {value!r}: expected a positive whole number")
 
-    def buffer_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """The dtype of the adapters' buffers in a model of `model_dtype` floats."""
-        return LORA_DTYPES[self.dtype] or model_dtype
+    def buffer_dtype(self, model_dtype: torch.dtype, packed: bool = False) -> torch.dtype:
+        """The dtype of the adapters' buffers in a model of `model_dtype` floats; `packed`: the adapted layers' weights
+        are packed codes (int8 or int4, kiln.quant), where auto is bfloat16: the base's product already rounds its
+        weights to 4 or 8 bits and its activations to int8, far coarser than bfloat16's 8 bits of an adapter's much
+        smaller product, and a decode token reads half the bytes of adapter (kiln.kernels.lora)."""
+        chosen = LORA_DTYPES[self.dtype]
+        if chosen is not None:
+            return chosen
+        return torch.bfloat16 if packed else model_dtype

@@ -20,6 +20,7 @@ from kiln.lora.layer import BASE_ONLY, LoRALinear, TokenSlots
 from kiln.lora.targets import LoRATarget, lora_targets, parts_by_module
 from kiln.lora.validate import check_adapter
 from kiln.model.causal_lm import CausalLM
+from kiln.quant.linear import PackedLinear
 
 
 class LoRASlots:
@@ -80,7 +81,8 @@ def attach_lora(model: CausalLM, limits: LoRALimits) -> LoRASlots:
     if not targets:
         raise ConfigError(f"{model.config.architecture}: the model has no layer kiln can adapt with LoRA")
     floats = [p for p in model.parameters() if p.is_floating_point()]
-    device, dtype = floats[0].device, limits.buffer_dtype(floats[0].dtype)
+    packed = any(isinstance(model.get_submodule(module), PackedLinear) for module in parts_by_module(targets))
+    device, dtype = floats[0].device, limits.buffer_dtype(floats[0].dtype, packed=packed)
     tokens = TokenSlots(limits.max_num_tokens, device)
     layers: dict[str, LoRALinear] = {}
     for module, parts in parts_by_module(targets).items():

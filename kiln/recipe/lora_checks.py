@@ -53,11 +53,13 @@ LORA_DIMS = {
 
 def lora_buffer_bytes(spec: RecipeSpec, config: ModelConfig, modules: set[str]) -> int:
     """Bytes of the adapters' static buffers: per adapted layer max_loras x max_rank x (inputs + outputs) in the
-    section's dtype (auto: the weights'; kiln.lora.layer.LoRALinear's A and B)."""
+    section's dtype (kiln.lora.layer.LoRALinear's A and B; auto: bfloat16 over int8/int4 weights, else the weights'
+    dtype, an upper bound for a checkpoint whose quantized layers kiln packs as they load)."""
     lora = spec.lora
     names = modules & set(lora.target_modules if lora.target_modules is not None else LORA_DIMS)
     widths = sum(sum(LORA_DIMS[name](config)) for name in names)
-    itemsize = parse_dtype(spec.weights.dtype if lora.dtype == "auto" else lora.dtype).itemsize
+    auto = "bfloat16" if spec.quantization.weights != "none" else spec.weights.dtype
+    itemsize = parse_dtype(auto if lora.dtype == "auto" else lora.dtype).itemsize
     return config.num_layers * lora.max_loras * lora.max_rank * widths * itemsize
 
 

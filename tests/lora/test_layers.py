@@ -29,7 +29,8 @@ FUSED = {
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_each_part_adds_its_own_product(quantization: str, lora_dir: Path, adapters: dict[str, Path]) -> None:
     model = build_model(HFCheckpoint(str(lora_dir / "base")), torch.float32, MAX_POSITIONS, quantization=quantization)
-    slots = attach_lora(model, LoRALimits(max_loras=3, max_rank=8, max_num_tokens=16))
+    # float32 buffers asked for: auto would be bfloat16 over the int8 base (test_lora_dtype_...)
+    slots = attach_lora(model, LoRALimits(max_loras=3, max_rank=8, max_num_tokens=16, dtype="float32"))
     first, second = read_adapter(adapters["all7-r4"]), read_adapter(adapters["kod-r2"])
     slots.load(2, first)
     slots.load(0, second)
@@ -79,11 +80,17 @@ def test_a_step_runs_the_form_of_its_rows(lora_dir: Path) -> None:
     assert layer.form_for(GATHERED_MAX_ROWS + 1).name == STACKED
 
 
-def test_lora_dtype_is_checked_and_auto_keeps_the_models() -> None:
+def test_lora_dtype_is_checked_and_auto_keeps_the_models_over_float_weights(lora_dir: Path) -> None:
     with pytest.raises(ConfigError, match="LoRA dtype 'float16'"):
         LoRALimits(dtype="float16")
     assert LoRALimits().buffer_dtype(torch.float32) is torch.float32
+    assert LoRALimits().buffer_dtype(torch.float32, packed=True) is torch.bfloat16
     assert LoRALimits(dtype="bfloat16").buffer_dtype(torch.float32) is torch.bfloat16
+    assert LoRALimits(dtype="float32").buffer_dtype(torch.float32, packed=True) is torch.float32
+    for quantization, dtype in (("none", torch.float32), ("int8", torch.bfloat16)):
+        model = build_model(HFCheckpoint(str(lora_dir / "base")), torch.float32, MAX_POSITIONS, quantization=quantization)
+        slots = attach_lora(model, LoRALimits(max_loras=1, max_rank=4, max_num_tokens=8))
+        assert {(layer.lora_a.dtype, layer.lora_b.dtype) for layer in slots.layers.values()} == {(dtype, dtype)}
 
 
 def _product(adapter: LoRAAdapter, slots: LoRASlots, module: str, x: torch.Tensor) -> torch.Tensor:

@@ -232,7 +232,8 @@ class EngineArgs:
     )
     lora_dtype: str = option(
         "auto",
-        "the adapters' buffers: auto (the model's dtype), float32, or bfloat16 (half the bytes; products in float32)",
+        "the adapters' buffers: auto (the model's dtype; bfloat16 over int8/int4 weights), float32, or bfloat16 "
+        "(half the bytes; products in float32)",
         "LoRA",
         choices=LORA_DTYPE_NAMES,
     )

@@ -16,7 +16,8 @@
 // slot 0 and multiply by zero). The tokens are sorted into runs of one slot. The shrink splits blocks of four A rows
 // across torch's threads and multiplies each block by four tokens of a run at a time (sixteen sums in registers);
 // the expand splits the output columns and adds, for four tokens of a run at a time, their `rank` scaled rows of the
-// slot's B. The AVX-512 tier writes both with intrinsics (bf16 widened in registers); the other tiers' loops keep
+// slot's B; a token left over from the fours (a decode step's lone token) shares its x loads across four A rows and
+// streams its slot's B rows four at a time, front to back. The AVX-512 tier writes both with intrinsics (bf16 widened in registers); the other tiers' loops keep
 // LANES partial sums, so the compiler vectorizes them at the tier's width without reordering what the source does
 // not (no -ffast-math).
 
@@ -40,8 +41,11 @@
 namespace {
 
 constexpr int64_t LANES = 16;
-// the multiply-adds one thread's share should hold at least (smaller work stays on fewer threads)
-constexpr int64_t GRAIN_MACS = 16384;
+// the multiply-adds one thread's share should hold at least (smaller work stays on fewer threads): a fork and join
+// of the thread pool costs about what this many multiply-adds over memory do, so a decode token's products (18k to
+// 50k a layer for a rank-16 adapter of the default model) run on the calling thread; 16k measured 0.04-0.07 ms a
+// batch-1 token slower there (bfloat16 buffers, 120 adapted products)
+constexpr int64_t GRAIN_MACS = 65536;
 
 inline float widen(float v) { return v; }
 
@@ -141,6 +145,41 @@ inline void expand4(float* const* dst, const float* const* coef, const W* rows, 
       for (int u = 0; u < 4; ++u) _mm512_mask_storeu_ps(dst[t] + o + 16 * u, m[u], acc[t][u]);
   }
 }
+
+// x . w[r] for one token and four A rows: each 16 values of x loaded once for the four
+template <typename W>
+inline void dot1x4(const float* x, const W* const* w, int64_t n, float out[4]) {
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = lanes_below(n - j);
+    const __m512 xs = load16(x + j, m);
+    for (int r = 0; r < 4; ++r) acc[r] = _mm512_fmadd_ps(xs, load16(w[r] + j, m), acc[r]);
+  }
+  for (int r = 0; r < 4; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// `expand` for one token, B's rows streamed: four rows at a time, each read once front to back over the columns
+// (four sequential streams the prefetchers follow, where `expand` walks `rank` rows a block of columns at a time)
+template <typename W>
+inline void expand_rows(float* dst, const float* coef, const W* rows, int64_t out, int64_t rank, int64_t first,
+                        int64_t last) {
+  int64_t r = 0;
+  for (; r + 4 <= rank; r += 4) {
+    __m512 c[4];
+    const W* row[4];
+    for (int q = 0; q < 4; ++q) {
+      c[q] = _mm512_set1_ps(coef[r + q]);
+      row[q] = rows + (r + q) * out;
+    }
+    for (int64_t o = first; o < last; o += 16) {
+      const __mmask16 m = lanes_below(last - o);
+      __m512 acc = load16(dst + o, m);
+      for (int q = 0; q < 4; ++q) acc = _mm512_fmadd_ps(c[q], load16(row[q] + o, m), acc);
+      _mm512_mask_storeu_ps(dst + o, m, acc);
+    }
+  }
+  if (r < rank) expand(dst, coef + r, rows + r * out, out, rank - r, first, last);
+}
 #else
 template <typename W>
 inline float dot(const float* x, const W* w, int64_t n) {
@@ -178,6 +217,17 @@ template <typename W>
 inline void expand4(float* const* dst, const float* const* coef, const W* rows, int64_t out, int64_t rank,
                     int64_t first, int64_t last) {
   for (int t = 0; t < 4; ++t) expand(dst[t], coef[t], rows, out, rank, first, last);
+}
+
+template <typename W>
+inline void dot1x4(const float* x, const W* const* w, int64_t n, float out[4]) {
+  for (int r = 0; r < 4; ++r) out[r] = dot(x, w[r], n);
+}
+
+template <typename W>
+inline void expand_rows(float* dst, const float* coef, const W* rows, int64_t out, int64_t rank, int64_t first,
+                        int64_t last) {
+  expand(dst, coef, rows, out, rank, first, last);  // already row by row
 }
 #endif
 
@@ -234,7 +284,9 @@ void lora_rows(const float* x, const W* a, const W* b, const std::vector<int64_t
             for (int64_t q = 0; q < rows; ++q) shrunk[(k + t) * width + j0 + q] = sums[t][q];
         }
         for (; k < last; ++k) {
-          for (int64_t q = 0; q < rows; ++q) shrunk[k * width + j0 + q] = dot(x + runs.tokens[k] * in, w[q], in);
+          float sums[4];
+          dot1x4(x + runs.tokens[k] * in, w, in, sums);
+          for (int64_t q = 0; q < rows; ++q) shrunk[k * width + j0 + q] = sums[q];
         }
       }
     }
@@ -261,7 +313,8 @@ void lora_rows(const float* x, const W* a, const W* b, const std::vector<int64_t
           expand4(dst, coef, rows, out, rank, first, last);
         }
         for (; k < to; ++k) {
-          expand(result + runs.tokens[k] * out, shrunk.data() + k * width + part * rank, rows, out, rank, first, last);
+          expand_rows(result + runs.tokens[k] * out, shrunk.data() + k * width + part * rank, rows, out, rank, first,
+                      last);
         }
       }
     }
