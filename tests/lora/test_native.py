@@ -55,9 +55,10 @@ def test_the_native_kernel_equals_the_gathered_form(dtype: str, lora_dir: Path, 
     model, slots = _model(lora_dir, adapters, dtype)
     native = NativeForm(kernels)
     x = torch.randn(16, 96)
-    # runs of one slot of four tokens and more (their shrink and expand four tokens at a time) and shorter ones
+    # runs of one slot of four tokens and more (their shrink and expand four tokens at a time) and shorter ones;
+    # fewer than four adapted tokens (of one slot or several) take the one-pass path for a decode step's few
     many = [0, 2, 0, 0, 2, 2, BASE_ONLY, 0, 2, 0, 2, 1, 2, 0, BASE_ONLY, 2]
-    for tokens in ([2, BASE_ONLY, 0, 1, 0, 2], [0], [BASE_ONLY, BASE_ONLY], many):
+    for tokens in ([2, BASE_ONLY, 0, 1, 0, 2], [0], [2, BASE_ONLY, 0, 1], [BASE_ONLY, BASE_ONLY], many):
         slots.set_token_slots(tokens)
         for module in MODULES:
             layer = model.get_submodule(f"model.layers.1.{module}")

@@ -233,6 +233,9 @@ inline void expand_rows(float* dst, const float* coef, const W* rows, int64_t ou
 
 int64_t grain(int64_t macs_per_item) { return std::max<int64_t>(1, GRAIN_MACS / std::max<int64_t>(1, macs_per_item)); }
 
+// tokens the shrink and the expand take at a time (dot4x4, expand4); a step with fewer adapted tokens runs `lora_few`
+constexpr int64_t TILE_TOKENS = 4;
+
 // columns of the result one thread's share of the expand is cut in (a multiple of every tier's vector width)
 constexpr int64_t COLUMN_BLOCK = 64;
 
@@ -321,6 +324,43 @@ void lora_rows(const float* x, const W* a, const W* b, const std::vector<int64_t
   });
 }
 
+// Fewer tokens than a tile (a batch-1 decode step's one): one pass of the thread pool, each thread owning a share of
+// the output columns. For each token a thread shrinks only the parts whose columns it owns (a part straddling two
+// shares is shrunk by both: a few kB of A read twice) and adds each part's expand over its own columns right after:
+// no second fork and join, no sorting, A's and then B's rows of a part streamed front to back. On the default model
+// (120 adapted products a token, rank 16) this took 0.42-0.47 ms a batch-1 token against 0.57-0.63 for the tiled
+// path (bfloat16 buffers; float32 0.63 against 0.84).
+template <typename W>
+void lora_few(const float* x, const W* a, const W* b, const std::vector<int64_t>& active, const int64_t* slot,
+              const std::vector<int64_t>& part_start, int64_t max_loras, int64_t rank, int64_t in, int64_t out,
+              float* result) {
+  const int64_t parts = static_cast<int64_t>(part_start.size()) - 1;
+  const int64_t blocks = (out + COLUMN_BLOCK - 1) / COLUMN_BLOCK;
+  const int64_t count = static_cast<int64_t>(active.size());
+  // a share's work: its columns' expand and its parts' shrink, about a part's shrink per share
+  const int64_t macs_per_block = count * rank * COLUMN_BLOCK + count * rank * in * parts / blocks;
+  at::parallel_for(0, blocks, grain(macs_per_block), [&](int64_t begin, int64_t end) {
+    const int64_t c0 = begin * COLUMN_BLOCK, c1 = std::min(out, end * COLUMN_BLOCK);
+    std::vector<float> shrunk(rank + 4);
+    for (int64_t part = 0; part < parts; ++part) {
+      const int64_t first = std::max(c0, part_start[part]), last = std::min(c1, part_start[part + 1]);
+      if (first >= last) continue;
+      for (const int64_t token : active) {
+        const int64_t s = slot[token];
+        const W* rows = a + (part * max_loras + s) * rank * in;
+        for (int64_t r = 0; r < rank; r += 4) {
+          const W* w[4];
+          for (int64_t q = 0; q < 4; ++q) w[q] = rows + std::min(r + q, rank - 1) * in;
+          float sums[4];
+          dot1x4(x + token * in, w, in, sums);
+          for (int64_t q = 0; q < 4 && r + q < rank; ++q) shrunk[r + q] = sums[q];
+        }
+        expand_rows(result + token * out, shrunk.data(), b + s * rank * out, out, rank, first, last);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 namespace KILN_TIER_NS {
@@ -360,6 +400,16 @@ void lora_accumulate(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, co
   }
   if (active.empty()) return;  // nothing read: a step without adapters costs these checks
   const at::Tensor xs = x.contiguous(), as = a.contiguous(), bs = b.contiguous();
+  if (static_cast<int64_t>(active.size()) < TILE_TOKENS) {
+    if (as.scalar_type() == at::kFloat) {
+      lora_few(xs.data_ptr<float>(), as.data_ptr<float>(), bs.data_ptr<float>(), active, slot, part_start, max_loras,
+               rank, in, out, y.data_ptr<float>());
+    } else {
+      lora_few(xs.data_ptr<float>(), as.data_ptr<at::BFloat16>(), bs.data_ptr<at::BFloat16>(), active, slot,
+               part_start, max_loras, rank, in, out, y.data_ptr<float>());
+    }
+    return;
+  }
   if (as.scalar_type() == at::kFloat) {
     lora_rows(xs.data_ptr<float>(), as.data_ptr<float>(), bs.data_ptr<float>(), active, slot, part_start, max_loras,
               rank, in, out, y.data_ptr<float>());
