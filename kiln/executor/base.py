@@ -10,7 +10,8 @@ Rules:
 - `pad_to(n)` says how many tokens the runner must feed for `n` real ones; `forward` gets exactly that many,
   under a forward context whose metadata covers the real tokens (attention ignores the padding).
 - `forward(batch)` returns hidden states for every fed token: [padded_num_tokens, hidden].
-- `compute_logits(hidden, rows)` returns fp32 logits for `hidden[rows]`.
+- `compute_logits(hidden, rows)` returns fp32 logits for `hidden[rows]`; `score_rows(hidden, targets, timed_rows)`
+  what prompt logprobs keep of each row of `hidden`'s logits without making them, where the head can (else None).
 - `plan` is the kernel plan `prepare` made and installed (kiln.kernels.plan; empty before it).
 """
 
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from kiln.compile.counters import CompileCounters
+from kiln.kernels.head import RowScores
 from kiln.kernels.plan import KernelPlan
 from kiln.model.forward_context import ModelInputs
 
@@ -45,3 +47,8 @@ class Executor(ABC):
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor: ...
+
+    def score_rows(self, hidden: torch.Tensor, targets: torch.Tensor, timed_rows: int) -> RowScores | None:
+        """Each row of `hidden`'s logsumexp, target logit and rank, largest logit and index (kiln.kernels.head's
+        `LogitsHead.score_rows`); None where this executor's head has no such path."""
+        return None

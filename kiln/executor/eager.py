@@ -19,7 +19,7 @@ from torch import nn
 
 from kiln.config import DEFAULT_ACTIVATIONS, default_cache_dir
 from kiln.executor.base import Executor
-from kiln.kernels.head import LogitsHead
+from kiln.kernels.head import LogitsHead, RowScores
 from kiln.kernels.plan import KernelPlan, plan_kernels
 from kiln.model.forward_context import ModelInputs
 
@@ -69,6 +69,9 @@ class EagerExecutor(Executor):
     def forward(self, batch: ModelInputs) -> torch.Tensor:
         assert self._model is not None, "EagerExecutor.prepare was not called"
         return self._model(batch.input_ids, batch.positions)
+
+    def score_rows(self, hidden: torch.Tensor, targets: torch.Tensor, timed_rows: int) -> RowScores | None:
+        return None if self._head is None else self._head.score_rows(hidden, targets, timed_rows)
 
     def compute_logits(self, hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
         assert self._head is not None, "EagerExecutor.prepare was not called"

@@ -41,7 +41,7 @@ from kiln.distributed.ops import local_collectives
 from kiln.errors import ConfigError
 from kiln.executor.base import Executor
 from kiln.graph_mode import GraphMode
-from kiln.kernels.head import LogitsHead
+from kiln.kernels.head import LogitsHead, RowScores
 from kiln.kernels.plan import KernelPlan, plan_kernels
 from kiln.kernels.product import CompiledProduct, product_graph
 from kiln.model.forward_context import ModelInputs
@@ -279,6 +279,9 @@ class GraphExecutor(Executor):
     def kernel_choices(self) -> dict[str, dict[str, object]]:
         """What the kernel plan timed (or read from the cache) at prepare."""
         return self.plan.choices
+
+    def score_rows(self, hidden: torch.Tensor, targets: torch.Tensor, timed_rows: int) -> RowScores | None:
+        return self.logits_head.score_rows(hidden, targets, timed_rows)
 
     def compute_logits(self, hidden: torch.Tensor, rows: Sequence[int]) -> torch.Tensor:
         """fp32 logits for `hidden[rows]` (kiln.kernels.head: one row the fastest way the plan found)."""

@@ -43,7 +43,15 @@ from torch import nn
 from kiln.kernels.candidates import ADMITS, BF16, FLOAT32
 from kiln.kernels.choices import KernelChoiceCache, stream_count
 from kiln.kernels.compute_forms import amx_int8_works, matrix_unit_works
-from kiln.kernels.head_kernels import AS_LOADED, HEAD_CANDIDATES, Q8_AMX_HEADS, Forms, HeadCandidate, HeadKernel
+from kiln.kernels.head_kernels import (
+    AS_LOADED,
+    HEAD_CANDIDATES,
+    Q8_AMX_HEADS,
+    Bf16Head,
+    Forms,
+    HeadCandidate,
+    HeadKernel,
+)
 from kiln.kernels.native.build import source_hash
 from kiln.kernels.race import RULES, Entrant, time_candidates
 from kiln.quant.ops import row_class, rows_label
@@ -159,6 +167,11 @@ class HeadFormTable:
         """The bound form's product for `rows` rows (None: the head as loaded runs)."""
         kernel = self.kernels.get(row_class(rows))
         return None if kernel is None else partial(kernel, weight=self.weight)
+
+    def bf16_copy(self, rows: int) -> torch.Tensor | None:
+        """The head's bf16 copy in oneDNN's VNNI order where `rows` rows run the bf16 brgemm form (None otherwise)."""
+        kernel = self.kernels.get(row_class(rows))
+        return kernel.copies[self.weight.data_ptr()] if isinstance(kernel, Bf16Head) else None
 
     def summary(self) -> str:
         """Which form runs which row classes of the head, and its bytes, for the start-up log."""

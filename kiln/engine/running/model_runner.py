@@ -23,6 +23,7 @@ from kiln.distributed.ops import local_collectives
 from kiln.engine.request import PooledSum
 from kiln.engine.running.pooling import pool_rows_of, pool_step_rows
 from kiln.engine.running.prompt_logprobs import SLICE_ROWS, PromptScores, prompt_rows_of, score_prompt_rows
+from kiln.kernels.head import RowScores
 from kiln.engine.running.rank_role import SINGLE_DEVICE, RankRole
 from kiln.engine.running.step_plan import PoolRows, PromptRows, StepPlan, kv_slots, padded_tables, split_plan
 from kiln.engine.running.step_sample import DraftProbs, ModelRunnerOutput, sample_step
@@ -245,6 +246,11 @@ class ModelRunner:
         """fp32 logits of `hidden[rows]` over the whole vocabulary (None on a rank that does not sample)."""
         return self.head(hidden, rows)
 
+    def fused_scores(self, hidden: torch.Tensor, targets: torch.Tensor) -> RowScores | None:
+        """Prompt logprobs' numbers of these hidden rows from the executor's head without their logits, where it can
+        (None: `logits` then `row_scores`)."""
+        return self.executor.score_rows(hidden, targets, self.head_rows)
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy each (source, copy) pair of KV blocks in every layer's cache (copy on write of a shared block)."""
         if not copies:
@@ -281,7 +287,11 @@ class ModelRunner:
         logits = logits.cpu() if logits is not None else None
         if self.observer is not None:
             self.observer.end_step(logits)
-        prompt = score_prompt_rows(self.logits, hidden, plan.prompt_rows, self.head_rows) if plan.prompt_rows else {}
+        prompt = (
+            score_prompt_rows(self.logits, hidden, plan.prompt_rows, self.head_rows, fused=self.fused_scores)
+            if plan.prompt_rows
+            else {}
+        )
         pooled = pool_step_rows(hidden, plan.pool_rows) if plan.pool_rows else {}
         return StepLogits(logits, prompt, pooled)
 

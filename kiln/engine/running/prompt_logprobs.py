@@ -14,12 +14,17 @@ tensor is made (a row's logsumexp is subtracted from the few logits it keeps), a
 the host. A slice's logsumexps, target logits, ranks and largest logits come from kiln's native kernel in two passes
 over each row (`row_scores`; torch ops, where it does not build, take 5-10 passes and ran 20-40x slower: the
 scoring cost 1.5x a plain prefill with them); a top-k runs only for requests that ask for more than one alternative.
+
+Where the head multiplies the scored rows on its bf16 brgemm form, the logits are not made at all: `fused` (the
+executor's `score_rows`, kiln.kernels.head) folds each tile of them into the same numbers as oneDNN makes it, in
+slices of FUSED_SLICE_ROWS rows that each read the head once (the logits of 64-row slices, written and read back,
+left the cache and cost more than their product).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -27,10 +32,12 @@ import torch
 from kiln.engine.request import Logprob, PromptLogprobs, Request
 from kiln.engine.running.step_plan import PromptRows
 from kiln.kernels.candidates import widest_native
+from kiln.kernels.head import RowScores
 
 SLICE_ROWS = 256  # prompt rows whose logits exist at once
-# per row: logsumexp, the target's logit, its rank, the largest logit and its first index (`row_scores`)
-RowScores = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+FUSED_SLICE_ROWS = 256  # prompt rows a fused scorer takes at once: their bf16 inputs stay in L2 beside the head's block
+# the numbers of each row the fused path gives without logits (None: the logits are made and scored here)
+FusedScores = Callable[[torch.Tensor, torch.Tensor], "RowScores | None"]
 
 
 @dataclass
@@ -64,25 +71,26 @@ def score_prompt_rows(
     hidden: torch.Tensor,
     chunks: list[PromptRows],
     slice_rows: int = SLICE_ROWS,
+    fused: FusedScores | None = None,
 ) -> dict[str, PromptScores]:
     """Each chunk's prompt positions scored from `hidden` (the step's hidden states) by `head` (fp32 logits of the
-    rows asked), by request id."""
+    rows asked), or by `fused` (hidden rows, targets) where it can and no request asks for more than one
+    alternative (a top-k needs the logits), by request id."""
     rows = [row for c in chunks for row in range(c.first_row, c.first_row + len(c.targets))]
-    targets = [t for c in chunks for t in c.targets]
+    targets = torch.tensor([t for c in chunks for t in c.targets], dtype=torch.long)
     num_top = max(c.num_top for c in chunks)
     picked, ranks, top_lp, top_ids = [], [], [], []
-    step = max(1, min(slice_rows, SLICE_ROWS))
-    for at in range(0, len(rows), step):
-        logits = head(hidden, rows[at : at + step])
-        assert logits is not None, "prompt logprobs are computed on a single device"
-        logits = logits.float()
-        lse, chosen, rank, top_value, top_index = row_scores(logits, torch.tensor(targets[at : at + step]))
+    slices = _scored_slices(
+        head, hidden, rows=rows, targets=targets, slice_rows=slice_rows, fused=fused if num_top <= 1 else None
+    )
+    for (lse, chosen, rank, top_value, top_index), logits in slices:
         picked.append((chosen - lse).cpu())
         ranks.append(rank.cpu())
         if num_top == 1:
             top_lp.append((top_value - lse).unsqueeze(1).cpu())
             top_ids.append(top_index.unsqueeze(1).cpu())
         elif num_top > 1:
+            assert logits is not None, "a top-k is taken of logits: the fused path makes none"
             top = logits.topk(num_top, dim=1)
             top_lp.append((top.values - lse.unsqueeze(1)).cpu())
             top_ids.append(top.indices.cpu())
@@ -93,6 +101,35 @@ def score_prompt_rows(
         top_lp=torch.cat(top_lp).tolist() if num_top else [],
         top_ids=torch.cat(top_ids).tolist() if num_top else [],
     )
+
+
+def _scored_slices(
+    head: Callable[[torch.Tensor, list[int]], torch.Tensor | None],
+    hidden: torch.Tensor,
+    *,
+    rows: list[int],
+    targets: torch.Tensor,
+    slice_rows: int,
+    fused: FusedScores | None,
+) -> Iterator[tuple[RowScores, torch.Tensor | None]]:
+    """Each slice's row scores, with its logits where they were made: FUSED_SLICE_ROWS rows at a time by `fused`
+    where it scores the first slice (it then scores every one: the same head), else slices of the rows the head's
+    kernels were timed for (`slice_rows`, at most SLICE_ROWS) through `head` and `row_scores`."""
+    if fused is not None:
+        first = fused(hidden[rows[:FUSED_SLICE_ROWS]], targets[:FUSED_SLICE_ROWS])
+        if first is not None:
+            yield first, None
+            for at in range(FUSED_SLICE_ROWS, len(rows), FUSED_SLICE_ROWS):
+                scores = fused(hidden[rows[at : at + FUSED_SLICE_ROWS]], targets[at : at + FUSED_SLICE_ROWS])
+                assert scores is not None, "the head scored the first slice"
+                yield scores, None
+            return
+    step = max(1, min(slice_rows, SLICE_ROWS))
+    for at in range(0, len(rows), step):
+        logits = head(hidden, rows[at : at + step])
+        assert logits is not None, "prompt logprobs are computed on a single device"
+        logits = logits.float()
+        yield row_scores(logits, targets[at : at + step]), logits
 
 
 def row_scores(logits: torch.Tensor, targets: torch.Tensor) -> RowScores:

@@ -23,6 +23,8 @@ dense_brgemm.cpp   `brgemm_bf16_linear`: x times a bf16 copy of a weight in oneD
                    `cpublas::brgemm` (oneDNN's ukernel: AMX tiles where the CPU has them), float32 sums and output
 row_scores.cpp     `prompt_row_scores`: a row of float32 logits' logsumexp, its target's logit and rank, and its largest
                    logit with its index, in two vectorized passes (prompt logprobs, kiln.engine.running.prompt_logprobs)
+head_scores.cpp    `head_row_scores`: the same numbers from a bf16 head's brgemm tiles folded as they are made (an
+                   online softmax), the head read once a call and the logits never written
 lora.cpp           `lora_delta`: each token's LoRA adapter product of its own slot (shrink, then expand; a fused
                    layer's parts in one call), nothing read for tokens without one; `lora_accumulate` (lora.h), the
                    same added into a product's output
@@ -31,6 +33,7 @@ dispatch.cpp       the C++ CPU kernels of `kiln::packed_linear` (native bindings
                    `kiln::dense_linear`
 packed_operands.h  the operand checks every product shares, and the prefetch of the next outputs' rows
 lora.h             `lora_accumulate`, for dispatch.cpp
+row_math.h         the vectorizable exp both row scorers share
 q8_activations.h   what the int8-activation products share: x quantized per group, the scalar (row, output) dot
 reference.py       the int8 arithmetic in plain torch: what every tier must equal
 """

@@ -16,7 +16,8 @@ avx512 only; their `_amx` forms, avx512 tier: the same arithmetic with a group's
 matrix unit (packed_q8_amx.cpp; callable only where the CPU has AMX-INT8 and Linux grants the tiles);
 `paged_decode_attention`: decode attention over the paged KV cache; `brgemm_bf16_linear`, avx512 tier: a bf16 copy
 of a weight times x on oneDNN's brgemm ukernel (the matrix unit where there is one, dense_brgemm.cpp);
-`prompt_row_scores`: the numbers prompt logprobs keep of each row of logits (row_scores.cpp); `lora_delta`:
+`prompt_row_scores`: the numbers prompt logprobs keep of each row of logits (row_scores.cpp); `head_row_scores`,
+avx512 tier: the same numbers from a bf16 head's brgemm tiles, never writing the logits (head_scores.cpp); `lora_delta`:
 the LoRA adapters' products of a decode step's few rows, each token through its own slot (lora.cpp);
 `install_lora_dispatch` / `bind_lora`: the C++ CPU kernel of `kiln::packed_linear_lora`, a packed product and the
 adapters' products of the LoRA buffers bound to its weight in one call (dispatch.cpp);
@@ -59,11 +60,12 @@ SOURCES = tuple(
         "dispatch.cpp",
         "dense_brgemm.cpp",
         "row_scores.cpp",
+        "head_scores.cpp",
         "lora.cpp",
     )
 )
 # included by the sources: part of their hash
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("packed_operands.h", "q8_activations.h", "lora.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("packed_operands.h", "q8_activations.h", "lora.h", "row_math.h"))
 # -ffp-contract=off: no fused multiply-add the source does not write (the reference rounds op by op)
 COMMON_FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off")
 
@@ -153,6 +155,7 @@ OPS = (
     "install_dense_dispatch",
     "brgemm_bf16_linear",
     "prompt_row_scores",
+    "head_row_scores",
     "lora_delta",
     "install_lora_dispatch",
     "bind_lora",
@@ -160,7 +163,7 @@ OPS = (
 # ops only some tiers define (the blocked and streamed products: zmm and ymm forms, none in the plain tier) or run
 # (oneDNN's bf16 brgemm needs AVX-512: every tier's object has the op, the avx512 tier's alone is looked up)
 TIER_OPS = {name: ("avx512", "avx2") for name in OPS if name.endswith(("_blocked", "_streamed"))}
-TIER_OPS["brgemm_bf16_linear"] = ("avx512",)
+TIER_OPS["brgemm_bf16_linear"] = TIER_OPS["head_row_scores"] = ("avx512",)
 TIER_OPS |= {"packed_linear_q8_amx": ("avx512",), "packed_linear_q8x2_amx": ("avx512",)}  # AMX-INT8 tiles
 
 

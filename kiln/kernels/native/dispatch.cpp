@@ -168,8 +168,18 @@ struct LoRABinding {
 
 std::unordered_map<const void*, LoRABinding> lora_registry;  // under registry_mutex
 
+// Whether any of a step's first `n` tokens has an adapter slot (a step of the base alone: the product only, with no
+// registry lookup and no operand check: what a LoRA engine's steps without adapters cost over a plain one's).
+bool any_adapted(const at::Tensor& slots, int64_t n) {
+  if (!(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) >= n))
+    return true;  // let lora_accumulate refuse it, naming what it expected
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  return std::any_of(slot, slot + n, [](int64_t s) { return s != -1; });
+}
+
 at::Tensor packed_linear_lora_cpu(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                   const at::Tensor& offset, const at::Tensor& slots) {
+  if (x.dim() == 2 && !any_adapted(slots, x.size(0))) return packed_linear_cpu(x, codes, scale, offset);
   std::optional<LoRABinding> lora;
   {
     std::shared_lock<std::shared_mutex> lock(registry_mutex);
@@ -183,8 +193,8 @@ at::Tensor packed_linear_lora_cpu(const at::Tensor& x, const at::Tensor& codes, 
   if (!lora) return y;
   const bool in_place = y.scalar_type() == at::kFloat && y.is_contiguous();
   at::Tensor sums = in_place ? y : y.to(at::kFloat).contiguous();
-  KILN_TIER_NS::lora_accumulate(sums, x.to(at::kFloat), lora->a, lora->b, slots, lora->part_rows, lora->max_loras,
-                                lora->rank);
+  const at::Tensor xf = x.scalar_type() == at::kFloat ? x : x.to(at::kFloat);  // no dispatch where it is float
+  KILN_TIER_NS::lora_accumulate(sums, xf, lora->a, lora->b, slots, lora->part_rows, lora->max_loras, lora->rank);
   return in_place ? sums : sums.to(y.scalar_type());
 }
 
