@@ -82,6 +82,15 @@ class CpuPlatform(Platform):
     def available_memory_gb(self, device: torch.device) -> float:
         return psutil.virtual_memory().available / 1e9
 
+    def cache_name(self, device: torch.device) -> str:
+        """The vector ISA inductor writes C++ for and the threads it splits loops for, beside the device: code for
+        AVX-512 must not load on a CPU without it, and inductor decides at compile time which loops run in parallel
+        from the thread count (a piece compiled by a one-thread tensor-parallel rank runs serial loops, one compiled
+        with two threads forks for a 576-wide RoPE: both were loaded by the other before the threads were keyed)."""
+        from torch._inductor import cpu_vec_isa  # here: inductor is heavy to import, and a key is made only to compile
+
+        return f"cpu:{cpu_vec_isa.pick_vec_isa()}:{torch.get_num_threads()}-threads"
+
 
 class CudaPlatform(Platform):
     name = "cuda"

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
+from torch._inductor import cpu_vec_isa
 
-from kiln.compile.cache import ARTIFACT, CacheKey, CompileCache
+from kiln.compile.cache import ARTIFACT, CacheKey, CompileCache, make_key
 from kiln.compile.counters import CompileCounters
 
 if TYPE_CHECKING:
@@ -224,3 +225,18 @@ def test_cache_folder_of_another_user_is_refused(
     assert cache.lookup(KEY) is None
     assert cache.store(KEY, lambda p: p.write_bytes(b"other code")) is None
     assert (cache.entry_dir(KEY) / ARTIFACT).read_bytes() == b"code"
+
+
+def test_a_cpu_key_names_the_vector_isa_and_the_threads_the_code_was_split_for() -> None:
+    """Inductor writes C++ for one vector ISA and decides at compile time which loops fork, from the thread count: a
+    piece compiled by a one-thread rank (serial loops) is not the one a two-thread engine loads."""
+    before = torch.get_num_threads()
+    keys = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            keys.append(make_key("piece", "inductor", {}, "abc", torch.device("cpu")))
+    finally:
+        torch.set_num_threads(before)
+    assert keys[0].digest != keys[1].digest
+    assert keys[0].device == f"cpu:{cpu_vec_isa.pick_vec_isa()}:1-threads" and keys[1].device.endswith(":2-threads")

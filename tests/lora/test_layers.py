@@ -88,7 +88,9 @@ def test_lora_dtype_is_checked_and_auto_keeps_the_models_over_float_weights(lora
     assert LoRALimits(dtype="bfloat16").buffer_dtype(torch.float32) is torch.bfloat16
     assert LoRALimits(dtype="float32").buffer_dtype(torch.float32, packed=True) is torch.float32
     for quantization, dtype in (("none", torch.float32), ("int8", torch.bfloat16)):
-        model = build_model(HFCheckpoint(str(lora_dir / "base")), torch.float32, MAX_POSITIONS, quantization=quantization)
+        model = build_model(
+            HFCheckpoint(str(lora_dir / "base")), torch.float32, MAX_POSITIONS, quantization=quantization
+        )
         slots = attach_lora(model, LoRALimits(max_loras=1, max_rank=4, max_num_tokens=8))
         assert {(layer.lora_a.dtype, layer.lora_b.dtype) for layer in slots.layers.values()} == {(dtype, dtype)}
 

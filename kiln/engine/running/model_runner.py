@@ -23,7 +23,6 @@ from kiln.distributed.ops import local_collectives
 from kiln.engine.request import PooledSum
 from kiln.engine.running.pooling import pool_rows_of, pool_step_rows
 from kiln.engine.running.prompt_logprobs import SLICE_ROWS, PromptScores, prompt_rows_of, score_prompt_rows
-from kiln.kernels.head import RowScores
 from kiln.engine.running.rank_role import SINGLE_DEVICE, RankRole
 from kiln.engine.running.step_plan import PoolRows, PromptRows, StepPlan, kv_slots, padded_tables, split_plan
 from kiln.engine.running.step_sample import DraftProbs, ModelRunnerOutput, sample_step
@@ -31,6 +30,7 @@ from kiln.engine.sampling.sampler import Sampler
 from kiln.engine.scheduling.scheduler_output import SchedulerOutput
 from kiln.engine.scheduling.step_shape import StepShaper
 from kiln.executor.base import Executor
+from kiln.kernels.head import RowScores
 from kiln.lora.manager import LoRAManager
 from kiln.model.attention import allocate_kv_caches, kv_cache_block_size
 from kiln.model.forward_context import AttentionMetadata, ForwardContext, ModelInputs, set_forward_context
