@@ -87,7 +87,7 @@ class CpuPlatform(Platform):
         AVX-512 must not load on a CPU without it, and inductor decides at compile time which loops run in parallel
         from the thread count (a piece compiled by a one-thread tensor-parallel rank runs serial loops, one compiled
         with two threads forks for a 576-wide RoPE: both were loaded by the other before the threads were keyed)."""
-        from torch._inductor import cpu_vec_isa  # here: inductor is heavy to import, and a key is made only to compile
+        from torch._inductor import cpu_vec_isa
 
         return f"cpu:{cpu_vec_isa.pick_vec_isa()}:{torch.get_num_threads()}-threads"
 

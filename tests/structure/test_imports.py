@@ -21,6 +21,7 @@ LAZY_IMPORTS = {
     ("kiln/engine/setup/resolve.py", "kiln.engine.setup.recipe_config"): "same: the recipe overlay imports kiln.recipe",
     ("kiln/compile/compiler.py", "torch._inductor"): "importing inductor takes ~1 s; eager engines never need it",
     ("kiln/compile/compiler.py", "torch._inductor.codecache"): "same",
+    ("kiln/platforms.py", "torch._inductor"): "same: only a compile-cache key of a CPU piece names inductor's ISA",
     ("kiln/kernels/native/build.py", "torch.utils"): "cpp_extension imports setuptools; only a first build needs it",
     ("kiln/bench/hf_runner.py", "transformers"): "optional dependency (the hf extra), for --compare hf",
     ("kiln/bench/llamacpp_runner.py", "llama_cpp"): "optional dependency (the llamacpp extra), for --compare llama.cpp",

@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from torch._inductor import cpu_vec_isa
 
 from kiln.compile.capture import CpuCapture, make_capture
 from kiln.compile.decode_buffers import DecodeBuffers
@@ -45,7 +46,9 @@ def test_the_cpu_platform() -> None:
     platform = platform_of(cpu)
     assert (platform.records_graphs, platform.separate_memory, platform.collective_backend) == (False, False, "gloo")
     assert platform.new_graph_pool() is None and not platform.is_capturing()
-    assert platform.cache_name(cpu) == "cpu" and platform.bind_rank(3) == cpu
+    # inductor's vector ISA and the threads it split loops for: code for one must not load under the other
+    assert platform.cache_name(cpu) == f"cpu:{cpu_vec_isa.pick_vec_isa()}:{torch.get_num_threads()}-threads"
+    assert platform.bind_rank(3) == cpu
     assert platform.capability() == (None, "")
     assert 0 < platform.available_memory_gb(cpu) < 1e6
     capture = make_capture(cpu, lambda x: (x * 2,), [torch.ones(4)], [0], set(), platform.new_graph_pool())

@@ -96,6 +96,7 @@ class ModelRunner:
         # the logits of the sampled rows (a multi-device engine's head gathers them across ranks and stages), and
         # the other ranks, which rank 0 sends each step's plan
         self.head: Callable[[torch.Tensor, list[int]], torch.Tensor | None] = role.head or executor.compute_logits
+        self.whole_head = role.head is None  # this rank's head gives the whole vocabulary's logits
         self.peers: StepPeers | None = role.workers.channel if role.workers is not None else None
         # a pipeline stage splits each step into this many parts (kiln.engine.running.step_plan), and the last stage
         # runs each part's head right after its forward
@@ -248,8 +249,8 @@ class ModelRunner:
 
     def fused_scores(self, hidden: torch.Tensor, targets: torch.Tensor) -> RowScores | None:
         """Prompt logprobs' numbers of these hidden rows from the executor's head without their logits, where it can
-        (None: `logits` then `row_scores`)."""
-        return self.executor.score_rows(hidden, targets, self.head_rows)
+        (None: `logits` then `row_scores`; always on a multi-device engine, whose ranks hold vocabulary slices)."""
+        return self.executor.score_rows(hidden, targets, self.head_rows) if self.whole_head else None
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy each (source, copy) pair of KV blocks in every layer's cache (copy on write of a shared block)."""
