@@ -16,6 +16,7 @@ second thread). Signals arrive on the main thread and are handed to uvicorn.
 from __future__ import annotations
 
 import argparse
+import gc
 import contextlib
 import ipaddress
 import logging
@@ -112,6 +113,11 @@ def run_server(args: argparse.Namespace) -> int:
     core = build_engine(config)
     app = build_app(core, args, api_key)
     engine: AsyncEngine = app.state.engine
+    # NOTE: what start-up made (torch, the model, compiled graphs: millions of objects) lives as long as the server,
+    # so it leaves the collector's generations (as vLLM freezes its heap): a full collection walked it all, a 250 ms
+    # pause of every stream, set off by whatever allocates (a third adapter loaded while a stream ran, here)
+    gc.collect()
+    gc.freeze()
     server = http_server(app, args)
     failure: list[SystemExit] = []
 
