@@ -16,8 +16,8 @@ second thread). Signals arrive on the main thread and are handed to uvicorn.
 from __future__ import annotations
 
 import argparse
-import gc
 import contextlib
+import gc
 import ipaddress
 import logging
 import signal

@@ -33,6 +33,7 @@ dispatch.cpp       the C++ CPU kernels of `kiln::packed_linear` (native bindings
                    `kiln::dense_linear`
 packed_operands.h  the operand checks every product shares, and the prefetch of the next outputs' rows
 lora.h             `lora_accumulate`, for dispatch.cpp
+lora_vectors.h     lora.cpp's per-tier vector arithmetic: the shrink's dot products and the expand's scaled rows
 row_math.h         the vectorizable exp both row scorers share
 q8_activations.h   what the int8-activation products share: x quantized per group, the scalar (row, output) dot
 reference.py       the int8 arithmetic in plain torch: what every tier must equal
