@@ -11,7 +11,8 @@
    `--repeats N` times each side N times, base and LoRA in turn, and reports the medians (a shared machine).
 2. A running server (`kiln serve --enable-lora --allow-runtime-lora-updating`) streams one request while a rank-16
    adapter is loaded through POST /v1/load_lora_adapter: the load's latency (bar: <= 1 s) and the stream's largest
-   gap between tokens against its median and against the same stream's with no load beside it (bar: no pause longer than one step).
+   gap between tokens against its median and against the same stream's with no load beside it (bar: no pause
+   longer than one step).
 3. `--vllm`: vLLM's CPU build (.venv-vllm, `make vllm`, or $KILN_VLLM_PYTHON) runs the same four timings on the same
    adapters and prompts with its LoRA support (`enable_lora`, one `LoRARequest` per adapter: scripts/lora_vllm_worker.py
    in vLLM's own environment), on its bf16 HF copy of the default model (kiln.bench.vllm_runner.hf_dir_for), bound to
