@@ -35,6 +35,7 @@ packed_operands.h  the operand checks every product shares, and the prefetch of 
 lora.h             `lora_accumulate`, for dispatch.cpp
 lora_vectors.h     lora.cpp's per-tier vector arithmetic: the shrink's dot products and the expand's scaled rows
 row_math.h         the vectorizable exp both row scorers share
+bf16_form.h        the layout and operand checks of a weight's bf16 VNNI copy (dense_brgemm.cpp, head_scores.cpp)
 q8_activations.h   what the int8-activation products share: x quantized per group, the scalar (row, output) dot
 reference.py       the int8 arithmetic in plain torch: what every tier must equal
 """

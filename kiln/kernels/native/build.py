@@ -67,7 +67,7 @@ SOURCES = tuple(
 # included by the sources: part of their hash
 HEADERS = tuple(
     Path(__file__).with_name(name)
-    for name in ("packed_operands.h", "q8_activations.h", "lora.h", "lora_vectors.h", "row_math.h")
+    for name in ("packed_operands.h", "q8_activations.h", "lora.h", "lora_vectors.h", "row_math.h", "bf16_form.h")
 )
 # -ffp-contract=off: no fused multiply-add the source does not write (the reference rounds op by op)
 COMMON_FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off")

@@ -21,26 +21,20 @@
 
 #include <algorithm>
 
+#include "bf16_form.h"
+
 #ifndef KILN_TIER_NS
 #error "KILN_TIER_NS (the op namespace of this tier) must be defined"
 #endif
 
 namespace {
 
-constexpr int64_t BLOCK_N = 32;                // outputs per packed block (kiln/kernels/compute_forms.py BLOCK_N)
-constexpr int64_t BLOCK_M = 64;                // rows of x per brgemm call
-constexpr int64_t GROUP_BYTES = int64_t{1} << 20;  // weight bytes a thread walks before its next row block
+constexpr int64_t BLOCK_N = FORM_BLOCK_N;
+constexpr int64_t BLOCK_M = 64;  // rows of x per brgemm call
 
 at::Tensor brgemm_bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "brgemm_bf16_linear: x must be a float32 matrix, got ",
-              x.scalar_type(), " of ", x.dim(), " dims");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == BLOCK_N &&
-                  packed.size(3) == 2 && packed.is_contiguous(),
-              "brgemm_bf16_linear: the weight must be a contiguous bf16 [blocks, in/2, ", BLOCK_N, ", 2] copy");
+  check_form_operands("brgemm_bf16_linear", "weight", x, packed, n);
   const int64_t rows = x.size(0), in = x.size(1), blocks = packed.size(0);
-  TORCH_CHECK(packed.size(1) * 2 == in, "brgemm_bf16_linear: x has ", in, " inputs, the weight ", packed.size(1) * 2);
-  TORCH_CHECK(n > (blocks - 1) * BLOCK_N && n <= blocks * BLOCK_N, "brgemm_bf16_linear: ", n,
-              " outputs do not fill ", blocks, " blocks of ", BLOCK_N);
   at::Tensor out = at::empty({rows, n}, x.options());
   if (rows == 0) return out;
 #ifdef CPUBLAS_BRGEMM_BF16BF16F32
@@ -48,7 +42,7 @@ at::Tensor brgemm_bf16_linear(const at::Tensor& x, const at::Tensor& packed, int
   const at::BFloat16* a = xb.data_ptr<at::BFloat16>();
   const at::BFloat16* w = packed.data_ptr<at::BFloat16>();
   float* c = out.data_ptr<float>();
-  const int64_t group = std::max<int64_t>(1, GROUP_BYTES / (in * BLOCK_N * 2));
+  const int64_t group = std::max<int64_t>(1, FORM_GROUP_BYTES / (in * BLOCK_N * 2));
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g0 = begin; g0 < end; g0 += group) {
       const int64_t g1 = std::min(end, g0 + group);

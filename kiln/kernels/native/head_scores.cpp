@@ -33,6 +33,7 @@
 #include <tuple>
 #include <vector>
 
+#include "bf16_form.h"
 #include "row_math.h"
 
 #ifndef KILN_TIER_NS
@@ -41,10 +42,9 @@
 
 namespace {
 
-constexpr int64_t BLOCK_N = 32;                    // outputs per packed block (kiln/kernels/compute_forms.py BLOCK_N)
-constexpr int64_t BLOCK_M = 32;                    // rows of x per brgemm call
-constexpr int64_t GROUP_BYTES = int64_t{1} << 20;  // weight bytes a thread walks before its next row block
-constexpr int64_t TILE_BLOCKS = 4;                 // blocks whose logits are made (a 16 KB tile) before the fold
+constexpr int64_t BLOCK_N = FORM_BLOCK_N;
+constexpr int64_t BLOCK_M = 32;      // rows of x per brgemm call
+constexpr int64_t TILE_BLOCKS = 4;  // blocks whose logits are made (a 16 KB tile) before the fold
 constexpr int64_t TILE_COLS = TILE_BLOCKS * BLOCK_N;
 
 constexpr int64_t LANES = 16;  // running results per row: one per vector lane, merged at the end
@@ -142,15 +142,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> head_row_
                                                                                        const at::Tensor& packed,
                                                                                        int64_t n,
                                                                                        const at::Tensor& targets) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "head_row_scores: x must be a float32 matrix, got ",
-              x.scalar_type(), " of ", x.dim(), " dims");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.size(2) == BLOCK_N &&
-                  packed.size(3) == 2 && packed.is_contiguous(),
-              "head_row_scores: the head must be a contiguous bf16 [blocks, in/2, ", BLOCK_N, ", 2] copy");
+  check_form_operands("head_row_scores", "head", x, packed, n);
   const int64_t rows = x.size(0), in = x.size(1), blocks = packed.size(0);
-  TORCH_CHECK(packed.size(1) * 2 == in, "head_row_scores: x has ", in, " inputs, the head ", packed.size(1) * 2);
-  TORCH_CHECK(n > (blocks - 1) * BLOCK_N && n <= blocks * BLOCK_N, "head_row_scores: ", n, " outputs do not fill ",
-              blocks, " blocks of ", BLOCK_N);
   TORCH_CHECK(n < std::numeric_limits<int32_t>::max(), "head_row_scores: a vocabulary of ", n, " is too large");
   TORCH_CHECK(targets.dim() == 1 && targets.scalar_type() == at::kLong && targets.size(0) == rows,
               "head_row_scores: targets must be int64 [", rows, "], got ", targets.scalar_type(), " of ",
@@ -194,7 +187,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> head_row_
   std::vector<Partial> partials;
   partials.reserve(threads);
   for (int64_t t = 0; t < threads; ++t) partials.emplace_back(rows);
-  const int64_t group = std::max<int64_t>(1, GROUP_BYTES / (in * BLOCK_N * 2));
+  const int64_t group = std::max<int64_t>(1, FORM_GROUP_BYTES / (in * BLOCK_N * 2));
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     Partial& p = partials[at::get_thread_num()];
     float tile[BLOCK_M * TILE_COLS];
