@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "lora.h"
@@ -212,22 +213,17 @@ void lora_accumulate(at::Tensor& y, const at::Tensor& x, const at::Tensor& a, co
   }
   if (active.empty()) return;  // nothing read: a step without adapters costs these checks
   const at::Tensor xs = x.contiguous(), as = a.contiguous(), bs = b.contiguous();
-  if (static_cast<int64_t>(active.size()) < TILE_TOKENS) {
-    if (as.scalar_type() == at::kFloat) {
-      lora_few(xs.data_ptr<float>(), as.data_ptr<float>(), bs.data_ptr<float>(), active, slot, part_start, max_loras,
-               rank, in, out, y.data_ptr<float>());
-    } else {
-      lora_few(xs.data_ptr<float>(), as.data_ptr<at::BFloat16>(), bs.data_ptr<at::BFloat16>(), active, slot,
-               part_start, max_loras, rank, in, out, y.data_ptr<float>());
-    }
-    return;
-  }
+  // fewer adapted tokens than a tile: one pass of the pool (`lora_few`); else the tokens' runs of a slot, tiled
+  const bool few = static_cast<int64_t>(active.size()) < TILE_TOKENS;
+  const auto run = [&](auto* a_data, auto* b_data) {
+    using W = std::remove_const_t<std::remove_pointer_t<decltype(a_data)>>;
+    (few ? lora_few<W> : lora_rows<W>)(xs.data_ptr<float>(), a_data, b_data, active, slot, part_start, max_loras, rank,
+                                       in, out, y.data_ptr<float>());
+  };
   if (as.scalar_type() == at::kFloat) {
-    lora_rows(xs.data_ptr<float>(), as.data_ptr<float>(), bs.data_ptr<float>(), active, slot, part_start, max_loras,
-              rank, in, out, y.data_ptr<float>());
+    run(as.data_ptr<float>(), bs.data_ptr<float>());
   } else {
-    lora_rows(xs.data_ptr<float>(), as.data_ptr<at::BFloat16>(), bs.data_ptr<at::BFloat16>(), active, slot,
-              part_start, max_loras, rank, in, out, y.data_ptr<float>());
+    run(as.data_ptr<at::BFloat16>(), bs.data_ptr<at::BFloat16>());
   }
 }
 
