@@ -16,6 +16,7 @@ of the bindings kept there, oneDNN called without a hop through Python); elsewhe
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from functools import partial
@@ -90,13 +91,22 @@ class Prepacked:
 
 
 def prepacking_runs(weight: torch.Tensor) -> bool:
-    """oneDNN's prepacked product runs here for this weight: a CPU tensor of a timed dtype, mkldnn built in."""
+    """oneDNN's prepacked product runs here for this weight: a CPU tensor of a timed dtype, mkldnn built in, and a
+    CPU oneDNN's bf16 path runs on (AVX512 BW/VL/DQ or AVX-NE-CONVERT: on an AVX2-only CPU the reorder raises)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype in DTYPES
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and onednn_bf16_runs()
     )
+
+
+@functools.cache
+def onednn_bf16_runs() -> bool:
+    """Whether oneDNN's bf16 kernels run on this CPU (torch's own cpuid check, the one the reorder makes)."""
+    probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(probe()) if probe is not None else False
 
 
 def dense_layers(model: nn.Module) -> list[nn.Linear]:
