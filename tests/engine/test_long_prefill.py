@@ -25,8 +25,12 @@ def run_step(scheduler: Scheduler) -> dict[str, int]:
     return {s.request.request_id: s.num_new_tokens for s in out.scheduled}
 
 
+TOKENS_ONLY = dict(long_prefill_step_seconds=0.0)  # the token threshold alone (steps here are not timed)
+
+
 def test_a_long_prompt_is_chunked_while_a_stream_decodes() -> None:
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048), BlockPool(512, 16))
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048, **TOKENS_ONLY)
+    scheduler = Scheduler(config, BlockPool(512, 16))
     scheduler.add(request("stream", 8))
     assert run_step(scheduler) == {"stream": 8}
     scheduler.add(request("long", 2040))
@@ -39,7 +43,8 @@ def test_alone_a_prompt_takes_the_whole_budget_and_zero_turns_the_cap_off() -> N
     alone = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2048), BlockPool(512, 16))
     alone.add(request("long", 2040))
     assert run_step(alone) == {"long": 2040}
-    off = Scheduler(SchedulerConfig(max_num_batched_tokens=2048, long_prefill_token_threshold=0), BlockPool(512, 16))
+    off_config = SchedulerConfig(max_num_batched_tokens=2048, long_prefill_token_threshold=0, **TOKENS_ONLY)
+    off = Scheduler(off_config, BlockPool(512, 16))
     off.add(request("stream", 8))
     run_step(off)
     off.add(request("long", 2040))

@@ -11,7 +11,7 @@ import pytest
 
 from kiln.config import SchedulerConfig
 from kiln.engine.scheduling.kv_cache import BlockPool
-from kiln.engine.scheduling.prefill_budget import MIN_TIMED_COST, PrefillBudget, attention_tokens_of
+from kiln.engine.scheduling.prefill_budget import MIN_TIMED_COST, PROBE_TOKENS, PrefillBudget, attention_tokens_of
 from kiln.engine.scheduling.scheduler import Scheduler
 from kiln.model.loader import open_checkpoint
 from tests.engine.test_long_prefill import request, run_step
@@ -35,7 +35,8 @@ def long_prompt_beside_a_stream(config: SchedulerConfig) -> tuple[Scheduler, lis
 
 
 def test_a_chunk_shrinks_as_its_context_grows() -> None:
-    scheduler, steps = long_prompt_beside_a_stream(SchedulerConfig(max_num_batched_tokens=2048))
+    untimed = SchedulerConfig(max_num_batched_tokens=2048, long_prefill_step_seconds=0.0)  # the cost alone
+    scheduler, steps = long_prompt_beside_a_stream(untimed)
     chunks = [s["long"] for s in steps if "long" in s]
     assert sum(chunks) == 8000 and all(s.get("stream") == 1 for s in steps)  # the stream: a token every step
     assert chunks[0] == 512 and chunks[-2] < 160  # the last full chunk is under a third of the first
@@ -49,7 +50,8 @@ def test_a_chunk_shrinks_as_its_context_grows() -> None:
 
 def test_a_measured_step_time_over_the_target_shrinks_the_chunk() -> None:
     budget = PrefillBudget(max_tokens=512, attention_tokens=SMOLLM2_ATTENTION_TOKENS, step_seconds=0.5)
-    assert budget.chunk(2000, 0) == 512  # nothing measured yet: the token threshold's cost
+    assert budget.chunk(2000, 0) == PROBE_TOKENS  # nothing measured yet: a probe, whose step is timed
+    assert budget.cost(PROBE_TOKENS, 0) >= MIN_TIMED_COST
     budget.observe(cost=512.0, seconds=1.0)  # a 512-token chunk took a second here
     chunk = budget.chunk(2000, 0)
     assert budget.cost(chunk, 0) <= 256 + 1 and chunk > 200  # half a second's worth
@@ -75,3 +77,16 @@ def test_alone_a_prompt_still_takes_the_whole_budget(seconds: float) -> None:
     alone.prefill.observe(cost=512.0, seconds=5.0)
     alone.add(request("long", 2040))
     assert run_step(alone) == {"long": 2040}
+
+
+def test_a_first_chunk_beside_a_stream_is_a_probe_until_a_step_is_timed() -> None:
+    """Untimed, the token threshold made a first chunk of 1.8 s on a 2-core AVX2 machine (the stream's gap): now
+    the first is a probe, and the budget takes over once its step is timed. A pipeline's loop times no step: its
+    budget is the cost alone, never a probe."""
+    config = SchedulerConfig(max_num_batched_tokens=2048, long_prefill_step_seconds=0.5)
+    scheduler, steps = long_prompt_beside_a_stream(config)
+    assert [s["long"] for s in steps[:3]] == [PROBE_TOKENS] * 3  # nothing times these bookkeeping steps
+    scheduler.prefill.observe(cost=scheduler.prefill.cost(PROBE_TOKENS, 0), seconds=0.1)  # 64 tokens in 0.1 s
+    assert scheduler.prefill.chunk(2000, 0) > PROBE_TOKENS
+    pipelined = Scheduler(config, BlockPool(1024, 16), attention_tokens=SMOLLM2_ATTENTION_TOKENS, steps_in_flight=2)
+    assert pipelined.prefill.chunk(2000, 0) == 512

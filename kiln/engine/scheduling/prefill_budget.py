@@ -11,9 +11,12 @@ The budget is `long_prefill_token_threshold` tokens at context 0, and, once step
 `long_prefill_step_seconds` of measured time. A step takes a fixed time (its decode rows, the weights read once),
 averaged over the steps that prefill nothing, plus its chunks' cost times the seconds per unit of cost, averaged
 over the steps that prefill (their time less the fixed part: counting it per unit would shrink small chunks
-further and further). The chunk is the largest whose cost fits the smaller budget, so it shrinks as its context
-grows and as the machine is slower, but never below a step's fixed time (where the target cannot be met, a
-prompt still prefills at half speed or better). Counted: `num_shrunk` chunks cut below the threshold.
+further and further). Until a step with a chunk has been timed, a chunk beside others is a probe of
+`PROBE_TOKENS`, the fewest a timed step needs: an untimed budget of 512 tokens made a first chunk of 1.8 s on a
+2-core AVX2 machine, every stream's gap. The chunk is the largest whose cost fits the smaller budget, so it
+shrinks as its context grows and as the machine is slower, but never below a step's fixed time (where the target
+cannot be met, a prompt still prefills at half speed or better). Counted: `num_shrunk` chunks cut below the
+threshold.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from kiln.config import ModelConfig
 COST_EMA = 0.2  # weight of the newest step in the seconds-per-cost average
 MIN_TIMED_COST = 64.0  # steps cheaper than this are not timed: their fixed overheads would dominate
 MIN_CHUNK = 16  # the smallest chunk, so a prompt always advances by something
+PROBE_TOKENS = int(MIN_TIMED_COST)  # a chunk before any was timed: its step is timed (its cost is at least that)
 
 
 def attention_tokens_of(model: ModelConfig) -> float:
@@ -40,7 +44,7 @@ class PrefillBudget:
     def __init__(self, max_tokens: int, attention_tokens: float | None, step_seconds: float) -> None:
         """`max_tokens`: the most tokens a chunk takes (0: no cap); `attention_tokens`: see the module docstring
         (None: attention is free, the budget is in tokens); `step_seconds`: the longest a step with a chunk should
-        take, once measured (0: not timed)."""
+        take, once measured (0: steps are not timed: a pipeline's loop, which launches steps without waiting)."""
         self.max_tokens, self.attention_tokens, self.step_seconds = max_tokens, attention_tokens, step_seconds
         self.seconds_per_cost: float | None = None
         self.base_seconds = 0.0  # a step's time without a chunk
@@ -55,6 +59,8 @@ class PrefillBudget:
     def chunk(self, wanted: int, start: int) -> int:
         """The tokens of `wanted` a request with `start` tokens computed prefills this step."""
         budget = self.cost(self.max_tokens, 0) if self.max_tokens else math.inf
+        if self.step_seconds and self.seconds_per_cost is None:
+            return min(wanted, max(PROBE_TOKENS, MIN_CHUNK))
         if self.step_seconds and self.seconds_per_cost:
             # NOTE: a chunk gets at least a step's fixed time: below it the fixed part dominates and the prompt's
             # prefill slows down more than the others' gaps shrink (where the target cannot be met at all)

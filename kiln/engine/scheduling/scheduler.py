@@ -92,9 +92,9 @@ class Scheduler:
         if prefix_keys is not None and window:
             raise KilnError("prefix caching needs every layer to keep its whole context (this model slides)")
         self.prefix = PrefixSharing(block_pool, prefix_keys, steps_in_flight == 1) if prefix_keys else None
-        self.prefill = PrefillBudget(
-            config.long_prefill_token_threshold, attention_tokens, config.long_prefill_step_seconds
-        )
+        # NOTE: a pipeline's loop launches steps without timing them: its budget is in cost alone
+        step_seconds = config.long_prefill_step_seconds if steps_in_flight == 1 else 0.0
+        self.prefill = PrefillBudget(config.long_prefill_token_threshold, attention_tokens, step_seconds)
 
     @property
     def has_unfinished(self) -> bool:
