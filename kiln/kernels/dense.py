@@ -16,10 +16,9 @@ of the bindings kept there, oneDNN called without a hop through Python); elsewhe
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -102,7 +101,7 @@ def prepacking_runs(weight: torch.Tensor) -> bool:
     )
 
 
-@functools.cache
+@cache
 def onednn_bf16_runs() -> bool:
     """Whether oneDNN's bf16 kernels run on this CPU (torch's own cpuid check, the one the reorder makes)."""
     probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)

@@ -60,7 +60,7 @@ class PrefillBudget:
         """The tokens of `wanted` a request with `start` tokens computed prefills this step."""
         budget = self.cost(self.max_tokens, 0) if self.max_tokens else math.inf
         if self.step_seconds and self.seconds_per_cost is None:
-            return min(wanted, max(PROBE_TOKENS, MIN_CHUNK))
+            return min(wanted, PROBE_TOKENS)
         if self.step_seconds and self.seconds_per_cost:
             # NOTE: a chunk gets at least a step's fixed time: below it the fixed part dominates and the prompt's
             # prefill slows down more than the others' gaps shrink (where the target cannot be met at all)
