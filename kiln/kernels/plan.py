@@ -8,7 +8,7 @@ A plan holds every kernel choice that makes the same model compute the same numb
 - the packed products' kernel table (kiln.kernels.packed), one winner per layout and row count;
 - bf16 decoder layers' products: `F.linear` or oneDNN on a prepacked copy, per layout and row count
   (kiln.kernels.dense);
-- decode attention's kernel (kiln.kernels.attention): the traced torch form or kiln's native paged kernel;
+- decode and prefill attention's kernels (kiln.kernels.attention): the torch forms or kiln's native paged kernels;
 - the LoRA products of few rows, per adapted layer's geometry (kiln.kernels.lora): gathered torch or native.
 
 Every choice is timed here and cached per machine and process (kiln.kernels.choices): two engines over one model
@@ -30,7 +30,13 @@ from torch import nn
 from kiln.compile.compiler import PieceCompiler, make_compiler
 from kiln.compile.passes import GEMV_MAX_ROWS
 from kiln.config import DEFAULT_ACTIVATIONS
-from kiln.kernels.attention import TORCH, choose_decode_attention, decode_kernel
+from kiln.kernels.attention import (
+    TORCH,
+    choose_decode_attention,
+    choose_prefill_attention,
+    decode_kernel,
+    prefill_kernel,
+)
 from kiln.kernels.candidates import FLOAT32
 from kiln.kernels.choices import KernelChoiceCache
 from kiln.kernels.dense import DenseKernelTable, dense_layers, prepacking_runs
@@ -47,8 +53,9 @@ from kiln.kernels.layout import (
 from kiln.kernels.lora import LoRAKernelPlan
 from kiln.kernels.packed import ROWS, PackedKernelTable, packed_layers, timed_rows
 from kiln.kernels.static_sizes import choose_static_sizes
-from kiln.model.forward_context import DecodeKernel
+from kiln.model.forward_context import DecodeKernel, PrefillKernel
 from kiln.model.graph_attention import traced_decode_attention
+from kiln.model.prefill_attention import grouped_prefill_attention
 from kiln.platforms import platform_of
 from kiln.quant.ops import rows_label
 
@@ -67,6 +74,7 @@ class KernelPlan:
     dense: DenseKernelTable | None = None  # bf16 decoder layers' prepacked oneDNN products, where they run
     head_forms: HeadFormTable | None = None  # a float32 head's timed second form, where one was a candidate
     decode_attention: str = TORCH  # its kernel's name: the torch form or a native one (kiln.kernels.attention)
+    prefill_attention: str = TORCH  # the prompts' attention kernel's name, likewise
     lora: LoRAKernelPlan | None = None  # the few-row LoRA forms, where the model has LoRA layers and a native kernel
     # the most memory second forms of packed weights may take (kiln.kernels.compute_forms); None: SECOND_FORM_SHARE
     # of the memory free when the plan is installed (after the weights and the KV cache)
@@ -79,6 +87,11 @@ class KernelPlan:
     def decode_kernel(self) -> DecodeKernel | None:
         """What the step's forward context hands to attention (None: the torch form)."""
         return decode_kernel(self.decode_attention)
+
+    @property
+    def prefill_kernel(self) -> PrefillKernel | None:
+        """What the step's forward context hands to attention for prompts (None: the grouped torch form)."""
+        return prefill_kernel(self.prefill_attention)
 
     @property
     def gemv_sizes(self) -> list[int]:
@@ -176,6 +189,9 @@ def plan_kernels(
         plan.decode_attention, plan.choices["decode_attention"] = choose_decode_attention(
             held, num_heads, cache, traced_decode_attention
         )
+        plan.prefill_attention, plan.choices["prefill_attention"] = choose_prefill_attention(
+            held, num_heads, cache, grouped_prefill_attention
+        )
     plan.lora = LoRAKernelPlan.choose(model, cache)
     if plan.lora is not None:
         plan.choices["lora_few_rows"] = {"records": list(plan.lora.records.values())}
@@ -235,13 +251,14 @@ def _log(plan: KernelPlan, linear_head: bool) -> None:
         head = "column-major copy" if plan.head_t is not None else "compiled" if 1 in plan.static_sizes else "as loaded"
     logger.info(
         "Kernel plan (%s): static compile sizes %s (GEMV reductions for %s rows), decoder weights %s, one-row "
-        "logits head %s, decode attention %s",
+        "logits head %s, decode attention %s, prefill attention %s",
         how,
         list(plan.static_sizes) or "none",
         plan.gemv_sizes or "no",
         plan.decoder_layout,
         head,
         plan.decode_attention,
+        plan.prefill_attention,
     )
     if plan.packed is not None:
         logger.info(

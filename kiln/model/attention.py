@@ -2,7 +2,8 @@
 
 It writes the new K/V into the layer's paged cache at `slot_mapping`, then attends each query over its
 sequence's blocks. Decodes (one query each) run batched over gathered blocks; prompts and chunks of prompts run
-together, a few masked SDPA calls a step (kiln.model.prefill_attention), causal from each one's cached context.
+together, in one native call or a few masked SDPA calls a step (kiln.model.prefill_attention), causal from each
+one's cached context.
 Padding rows (past `num_actual_tokens`)
 produce zeros and never touch the cache.
 
@@ -21,7 +22,8 @@ prefill too (its new K/V read back as stored), so a prompt's outputs do not depe
 the prefix cache, an earlier chunk or this step.
 
 Decode rows run on the kernel the engine's plan chose (`ForwardContext.decode_kernel`, kiln.kernels.attention):
-kiln's native paged kernel, which reads the blocks where they lie, or the batched torch form below.
+kiln's native paged kernel, which reads the blocks where they lie, or the batched torch form below; prompts on the
+plan's prefill kernel (`ForwardContext.prefill_kernel`): the native one, or the grouped SDPA form.
 
 Cache layout per layer: [2 (K, V), num_kv_heads, num_blocks, block_size, row] (row: head_dim, plus the scale's
 bytes for int8 and fp8_e4m3). Heads come first so that gathered blocks are already [kv_heads, tokens, head_dim] per
@@ -37,7 +39,7 @@ from collections.abc import Collection
 import torch
 
 from kiln.config import ModelConfig
-from kiln.model.forward_context import AttentionMetadata, DecodeKernel, get_forward_context
+from kiln.model.forward_context import AttentionMetadata, DecodeKernel, PrefillKernel, get_forward_context
 from kiln.model.kv_format import cache_head_dim, row_width, store, unpack_rows
 from kiln.model.prefill_attention import prefill_attention
 
@@ -165,6 +167,7 @@ def paged_attention(
     window: int = 0,
     softcap: float = 0.0,
     kernel: DecodeKernel | None = None,
+    prefill_kernel: PrefillKernel | None = None,
 ) -> torch.Tensor:
     head_dim = cache_head_dim(kv_cache)
     num_heads = q.shape[1] // head_dim
@@ -179,7 +182,9 @@ def paged_attention(
     if nd:
         out[:nd] = decodes(q=qh[:nd], kv_cache=kv_cache, meta=meta, window=window, softcap=softcap, kernel=kernel)
     # every prompt and chunk: a few calls, not one each
-    prefill_attention(qh=qh, kv_cache=kv_cache, meta=meta, out=out, window=window, softcap=softcap)
+    prefill_attention(
+        qh=qh, kv_cache=kv_cache, meta=meta, out=out, window=window, softcap=softcap, kernel=prefill_kernel
+    )
     return out
 
 
@@ -203,6 +208,7 @@ def attention(
         window=window,
         softcap=softcap,
         kernel=ctx.decode_kernel,
+        prefill_kernel=ctx.prefill_kernel,
     )
 
 

@@ -80,6 +80,13 @@ class AttentionMetadata:
         mask = torch.zeros(hidden.shape, device=hidden.device).masked_fill_(hidden, float("-inf"))
         return table, mask[None, :, None, :]
 
+    @cached_property
+    def prefill_query_start(self) -> torch.Tensor:
+        """[prompts + 1] int64: where each sequence after the decodes starts among the prompts' rows (the first at
+        0), as a prefill kernel reads it; built once per step, shared by every layer of this view."""
+        first = self.query_start_loc[self.num_decodes]
+        return torch.tensor([s - first for s in self.query_start_loc[self.num_decodes :]], dtype=torch.long)
+
 
 @dataclass
 class ModelInputs:
@@ -121,12 +128,25 @@ class DecodeKernel:
     run: Callable[..., torch.Tensor]
 
 
+@dataclass(frozen=True)
+class PrefillKernel:
+    """A prefill-attention kernel in place of the grouped torch form (kiln.kernels.attention makes them from the
+    engine's plan): `run(q, kv_cache, block_table, seq_lens, query_start, window, softcap)`, called by keyword, with
+    q [tokens, heads*head_dim] the prompts' rows (sequence i's are [query_start[i], query_start[i + 1]), the last of
+    its seq_lens[i] tokens), block_table [sequences, blocks] and the cache already holding the new K/V,
+    -> [tokens, heads*head_dim]."""
+
+    name: str
+    run: Callable[..., torch.Tensor]
+
+
 @dataclass
 class ForwardContext:
     attn_metadata: AttentionMetadata
     kv_caches: list[torch.Tensor]  # per layer: [2, num_kv_heads, num_blocks + 1, block_size, head_dim]
     decode: DecodeInputs | None = None  # set while a full decode graph runs (or is traced): attention is traced
     decode_kernel: DecodeKernel | None = None  # decode attention's kernel, the engine's plan's; None: the torch form
+    prefill_kernel: PrefillKernel | None = None  # prompts' attention kernel, the plan's; None: the grouped torch form
 
 
 _current: ForwardContext | None = None

@@ -1,12 +1,14 @@
-"""Prefill attention for a whole step: the step's prompts and chunks of prompts attend in as few SDPA calls as
-their lengths allow, not one call per sequence (kiln.model.attention calls it for every row after the decodes).
+"""Prefill attention for a whole step: the step's prompts and chunks of prompts attend in one call of the plan's
+native kernel (`PrefillKernel`, kiln.kernels.attention: it reads the keys where they lie in the paged cache), or in
+as few SDPA calls as their lengths allow, not one call per sequence (kiln.model.attention calls it for every row
+after the decodes).
 
-The sequences are sorted by length and cut into groups whose padded work (rows x keys of the longest) stays
-within PAD_COST of their own; each group gathers its keys and values from the paged cache through its block
-tables (a whole prompt's were written there this step, so every sequence reads what is stored: the same values
-whether a prefix came from the prefix cache, an earlier chunk or this step), pads queries and keys to the group's
-longest, and runs one masked SDPA (causal from each sequence's context length, its sliding window; padded query
-rows see one key and are dropped). With a soft-cap the scores take an explicit matmul-softmax path, as one
+The grouped torch form: the sequences are sorted by length and cut into groups whose padded work (rows x keys of
+the longest) stays within PAD_COST of their own; each group gathers its keys and values from the paged cache through
+its block tables (a whole prompt's were written there this step, so every sequence reads what is stored: the same
+values whether a prefix came from the prefix cache, an earlier chunk or this step), pads queries and keys to the
+group's longest, and runs one masked SDPA (causal from each sequence's context length, its sliding window; padded
+query rows see one key and are dropped). With a soft-cap the scores take an explicit matmul-softmax path, as one
 sequence's would.
 
 Measured (16 prompts of 128 tokens, 9 heads over 3 KV heads of 64, one loaded core of a 2-vCPU Xeon): one call
@@ -20,8 +22,8 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from kiln.model.forward_context import AttentionMetadata
-from kiln.model.kv_format import unpack_rows
+from kiln.model.forward_context import AttentionMetadata, PrefillKernel
+from kiln.model.kv_format import cache_head_dim, unpack_rows
 
 PAD_COST = 1.5  # a group's padded work (sequences x longest rows x longest keys) over its sequences' own, at most
 
@@ -52,16 +54,59 @@ def prefill_attention(
     out: torch.Tensor,
     window: int = 0,
     softcap: float = 0.0,
+    kernel: PrefillKernel | None = None,
 ) -> None:
     """Attention of every sequence after the decodes (`meta.num_decodes` on), its K/V already in `kv_cache`:
-    qh [tokens, heads, head_dim]; each sequence's rows of `out` [tokens, heads * head_dim] written."""
+    qh [tokens, heads, head_dim]; each sequence's rows of `out` [tokens, heads * head_dim] written, by `kernel`
+    (None: the grouped torch form)."""
     first = meta.num_decodes
+    if first == meta.num_seqs:  # a decode-only step (padded to its graph's size)
+        return
+    if kernel is not None:
+        rows = slice(meta.query_start_loc[first], meta.query_start_loc[-1])
+        out[rows] = kernel.run(
+            q=qh[rows].flatten(1),
+            kv_cache=kv_cache,
+            block_table=meta.block_tables[first:],
+            seq_lens=meta.seq_lens_tensor[first:],
+            query_start=meta.prefill_query_start,
+            window=window,
+            softcap=softcap,
+        )
+        return
     starts = meta.query_start_loc[first:]
     q_lens = [end - start for start, end in itertools.pairwise(starts)]
     seq_lens = list(meta.seq_lens[first:])
     for group in group_prefills(q_lens, seq_lens):
         seqs = [first + i for i in group]
         _attend(qh=qh, kv_cache=kv_cache, meta=meta, seqs=seqs, out=out, window=window, softcap=softcap)
+
+
+def grouped_prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    window: int,
+    softcap: float,
+) -> torch.Tensor:
+    """The grouped torch form called as a `PrefillKernel` is (q [tokens, heads * head_dim] -> the same shape): what
+    the plan times the native kernel against, and the tests' reference."""
+    tokens, head_dim = q.shape[0], cache_head_dim(kv_cache)
+    meta = AttentionMetadata(
+        num_actual_tokens=tokens,
+        num_decodes=0,
+        slot_mapping=torch.empty(0, dtype=torch.long),
+        query_start_loc=query_start.tolist(),
+        seq_lens=seq_lens.tolist(),
+        seq_lens_tensor=seq_lens,
+        block_tables=block_table,
+        block_size=kv_cache.shape[3],
+    )
+    out = q.new_zeros(q.shape)
+    prefill_attention(q.view(tokens, -1, head_dim), kv_cache, meta, out, window=window, softcap=softcap)
+    return out
 
 
 def _attend(

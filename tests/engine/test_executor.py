@@ -43,7 +43,7 @@ def test_eager_keeps_the_layout_its_timing_chose(monkeypatch: pytest.MonkeyPatch
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
     torch.testing.assert_close(executor.compute_logits(hidden, [1]), want[1:2], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(executor.compute_logits(hidden, [0, 2]), want_two, rtol=0, atol=0)
-    assert set(executor.kernel_choices) == {"decoder_layout", "lm_head", "decode_attention"}
+    assert set(executor.kernel_choices) == {"decoder_layout", "lm_head", "decode_attention", "prefill_attention"}
 
 
 @pytest.mark.usefixtures("fresh_kernel_choices")
@@ -57,10 +57,12 @@ def test_eager_timing_runs_on_this_machine(tmp_path: Path) -> None:
         times = record["times_us"]
         assert record["source"] == "timed" and set(times) == {ROW_MAJOR, COLUMN_MAJOR}
         assert all(t > 0 for t in times.values()) and record["winner"] == min(times, key=times.__getitem__)
-    attention = executor.kernel_choices["decode_attention"]  # timed too where a native kernel runs (the torch form)
-    assert set(executor.kernel_choices) == {*layouts, "decode_attention"}
-    assert executor.plan.decode_attention == attention["winner"]
-    assert attention["source"] == "timed" if native_kernels(torch.float32) else "no native kernel" in attention["why"]
+    assert set(executor.kernel_choices) == {*layouts, "decode_attention", "prefill_attention"}
+    for kind in ("decode", "prefill"):  # timed too where a native kernel runs (the torch form)
+        attention = executor.kernel_choices[f"{kind}_attention"]
+        assert getattr(executor.plan, f"{kind}_attention") == attention["winner"]
+        runs = native_kernels(torch.float32, f"paged_{kind}_attention")
+        assert attention["source"] == "timed" if runs else "no native kernel" in attention["why"]
     column_major = executor.kernel_choices["decoder_layout"]["winner"] == COLUMN_MAJOR
     assert all(is_column_major(w) == column_major for w in _layer_weights(model))
 

@@ -94,7 +94,7 @@ def test_bad_operands_are_refused_with_what_was_expected(tier: str) -> None:
         op(q.view(len(LENGTHS), 9, 64), codes, table, seq_lens, 0, 0.0)
     with pytest.raises(RuntimeError, match="reads block 999 of a cache of 201"):
         op(q.view(len(LENGTHS), 9, 64), cache, table.index_fill(1, torch.tensor([0]), 999), seq_lens, 0, 0.0)
-    with pytest.raises(RuntimeError, match="has 1500 tokens, its block table 10 blocks"):
+    with pytest.raises(RuntimeError, match="sequence 4 reads 1500 tokens, its block table 10 blocks of 16"):
         op(q.view(len(LENGTHS), 9, 64), cache, table[:, :10], seq_lens, 0, 0.0)
     with pytest.raises(RuntimeError, match="do not group over"):
         op(q.view(len(LENGTHS), 8, 72)[:, :, :64].contiguous(), cache, table, seq_lens, 0, 0.0)

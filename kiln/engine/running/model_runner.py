@@ -264,7 +264,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Hidden states of every fed token (padding included): [padded_num_tokens, hidden]."""
-        ctx = ForwardContext(inputs.metadata, self.kv_caches, decode_kernel=self.executor.plan.decode_kernel)
+        plan = self.executor.plan
+        ctx = ForwardContext(
+            inputs.metadata, self.kv_caches, decode_kernel=plan.decode_kernel, prefill_kernel=plan.prefill_kernel
+        )
         with set_forward_context(ctx):
             return self.executor.forward(inputs)
 

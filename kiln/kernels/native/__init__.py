@@ -17,8 +17,10 @@ packed_q8_amx.cpp  `packed_linear_q8_amx` / `packed_linear_q8x2_amx` (avx512 tie
                    arithmetic, a group's integer sums of every row and digit by one tile multiply, for a few rows
                    (a speculative verification step); asks Linux for the tile state, probed in a child first
 paged_attention.cpp
-                   `paged_decode_attention`: decode attention over the paged KV cache where the blocks lie, GQA
-                   heads together, keys split across threads and merged (flash-decoding); float32 or bf16 KV
+                   `paged_decode_attention` and `paged_prefill_attention`: decode rows' and a step's prompts'
+                   attention over the paged KV cache where the blocks lie (a prompt causal from its cached
+                   context), GQA heads and a block of a prompt's tokens together, keys split across threads and
+                   merged (flash-decoding); every KV cache dtype
 dense_brgemm.cpp   `brgemm_bf16_linear`: x times a bf16 copy of a weight in oneDNN's VNNI order on ATen's
                    `cpublas::brgemm` (oneDNN's ukernel: AMX tiles where the CPU has them), float32 sums and output
 row_scores.cpp     `prompt_row_scores`: a row of float32 logits' logsumexp, its target's logit and rank, and its largest
@@ -35,6 +37,8 @@ packed_operands.h  the operand checks every product shares, and the prefetch of 
 lora.h             `lora_accumulate`, for dispatch.cpp
 lora_vectors.h     lora.cpp's per-tier vector arithmetic: the shrink's dot products and the expand's scaled rows
 row_math.h         the vectorizable exp both row scorers share
+kv_rows.h          paged_attention.cpp's row arithmetic: a cache row's stored forms widened, softmax's exp, the
+                   per-tier products of a run of keys (q . k) and values (p v)
 bf16_form.h        the layout and operand checks of a weight's bf16 VNNI copy (dense_brgemm.cpp, head_scores.cpp)
 q8_activations.h   what the int8-activation products share: x quantized per group, the scalar (row, output) dot
 reference.py       the int8 arithmetic in plain torch: what every tier must equal

@@ -67,7 +67,15 @@ SOURCES = tuple(
 # included by the sources: part of their hash
 HEADERS = tuple(
     Path(__file__).with_name(name)
-    for name in ("packed_operands.h", "q8_activations.h", "lora.h", "lora_vectors.h", "row_math.h", "bf16_form.h")
+    for name in (
+        "packed_operands.h",
+        "q8_activations.h",
+        "lora.h",
+        "lora_vectors.h",
+        "row_math.h",
+        "bf16_form.h",
+        "kv_rows.h",
+    )
 )
 # -ffp-contract=off: no fused multiply-add the source does not write (the reference rounds op by op)
 COMMON_FLAGS = ("-O3", "-fopenmp", "-std=c++17", "-ffp-contract=off")
@@ -152,6 +160,7 @@ OPS = (
     "packed_linear_q8_amx",
     "packed_linear_q8x2_amx",
     "paged_decode_attention",
+    "paged_prefill_attention",
     "bind_packed",
     "install_packed_dispatch",
     "bind_dense",
