@@ -2,8 +2,9 @@
 (kiln.model.graph_attention.traced_decode_attention), on every ISA tier this CPU runs: every KV cache dtype
 (float32, bfloat16, float16, and int8 and fp8_e4m3 codes with their scales: the traced form reads them dequantized),
 GQA groups, head dims with and without a vector path, sliding windows, soft-caps, padding rows on the null block,
-sequences long enough to be split across threads; the engine's three ways to reach it (the paged-attention op of
-eager and piecewise steps, the full decode graph's node) give the torch form's tokens; the plan's timed choice."""
+sequences long enough to be split across threads, a verification's rows read as one block of queries; the engine's
+three ways to reach it (the paged-attention op of eager and piecewise steps, the full decode graph's node) give the
+torch form's tokens; the plan's timed choice."""
 
 from __future__ import annotations
 
@@ -69,6 +70,30 @@ def test_native_decode_equals_the_traced_form(
     if window:  # the window hides keys: the answer differs from global attention's where rows are longer
         wide = traced_decode_attention(q, cache, table, seq_lens, 0, softcap)
         assert (wide[4] - want[4]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8], ids=["float32", "int8"])
+def test_verification_rows_attend_as_one_block_with_the_same_numbers(tier: str, dtype: torch.dtype) -> None:
+    """A verification's rows (one block table, consecutive lengths: read as one block of queries) give what each row
+    gives alone and what the traced form gives, beside rows that only look alike (another table, a repeated length)."""
+    q, cache, table, _ = _case(9, 3, 64, dtype, seed=3)
+    base = table[4]  # the 1500-token row's blocks
+    verify = [1200, 1201, 1202, 1203, 1204]
+    rows = torch.stack([base] * 5 + [table[3], base, base])
+    seq_lens = torch.tensor([*verify, 1205, 1205, 1205])  # another table at the next length; a repeated length
+    q = torch.randn(len(rows), 9 * 64, generator=torch.Generator().manual_seed(4)) * 2
+    together = NativeDecode(tier)(q, cache, rows, seq_lens, 0, 0.0)
+    alone = torch.cat(
+        [
+            NativeDecode(tier)(q[i : i + 1], cache, rows[i : i + 1], seq_lens[i : i + 1], 0, 0.0)
+            for i in range(len(rows))
+        ]
+    )
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+    want = traced_decode_attention(q, cache, rows, seq_lens, 0, 0.0)
+    torch.testing.assert_close(together, want, rtol=1e-5, atol=1e-5)
+    assert (together[4] - together[0]).abs().max() > 1e-3  # each row sees its own keys
 
 
 @pytest.mark.parametrize("tier", TIERS)

@@ -2,7 +2,8 @@
 // blocks where they lie (no gather into a contiguous copy, no score matrix padded to the longest sequence). Two ops
 // share one walk:
 // - paged_decode_attention, kiln.model.graph_attention's traced decode attention: row i has seq_lens[i] = L tokens
-//   (its query is the last, at position L - 1; L < 1 counts as 1);
+//   (its query is the last, at position L - 1; L < 1 counts as 1); rows over one block table at consecutive
+//   lengths (a speculative verification's) attend as one block of queries;
 // - paged_prefill_attention, a whole step's prompts and chunks of prompts (kiln.model.prefill_attention's grouped
 //   form): sequence i's queries are q's rows [query_start[i], query_start[i + 1]), the last of its L = seq_lens[i]
 //   tokens (a cached prefix, earlier chunks and this step's, all already in the cache), causal from its context.
@@ -350,10 +351,25 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& kv_cach
   const Layout s = check_layout(op, q, kv_cache, block_table, n, window, softcap);
   TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == n && seq_lens.scalar_type() == at::kLong, "kiln native ",
               op, ": seq_lens must be [rows] int64, one per query");
-  const at::Tensor lens = seq_lens.contiguous();
-  std::vector<QueryBlock> qb(n);
-  for (int64_t i = 0; i < n; ++i) qb[i] = {i, i, 1, std::max<int64_t>(lens.data_ptr<int64_t>()[i], 1)};
-  return run(op, s, q, kv_cache, block_table.contiguous(), qb);
+  const at::Tensor lens = seq_lens.contiguous(), table = block_table.contiguous();
+  const int64_t* L = lens.data_ptr<int64_t>();
+  const int64_t* rows = table.data_ptr<int64_t>();
+  const int64_t per_block = std::max<int64_t>(1, BLOCK_QUERIES / s.group), W = s.table_width;
+  // Rows over one block table at consecutive lengths (a speculative verification's, one sequence's draft tokens)
+  // attend as a block of queries, which reads the keys once for all of them: the same numbers a row at a time.
+  std::vector<QueryBlock> qb;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t len = std::max<int64_t>(L[i], 1);
+    QueryBlock* last = qb.empty() ? nullptr : &qb.back();
+    if (last != nullptr && last->count < per_block && len == last->end + 1 &&
+        std::equal(rows + i * W, rows + (i + 1) * W, rows + last->seq * W)) {
+      ++last->count;
+      last->end = len;
+    } else {
+      qb.push_back({i, i, 1, len});
+    }
+  }
+  return run(op, s, q, kv_cache, table, qb);
 }
 
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
