@@ -71,8 +71,9 @@ struct Chunk {  // one (query block, KV head) pair's keys [begin, end)
   int64_t block, head, begin, end;
 };
 
-struct Scratch {  // a thread's: a span's scores (queries x keys), a run's rows widened to float
-  std::vector<float> scores, rows;
+struct Scratch {  // a thread's: a span's scores, rows widened to float, a block's queries transposed, row pointers
+  std::vector<float> scores, rows, queries_t;
+  std::vector<const float*> key_rows, value_rows;
 };
 
 // The keys [first, end) that query r of block b sees.
@@ -190,6 +191,207 @@ void attend_chunk(const Layout& s, const float* qv, const T* kv, const int64_t* 
   }
 }
 
+#ifdef KILN_ATTN_YMM
+// The vector form of a block of queries (a prompt's tokens x the group's heads, D a multiple of 8): the products
+// as an sgemm's microkernels instead of dot products. The block's queries are transposed once (qt[d][g], padded to
+// a multiple of 8 with zeros), a span's scores kept keys-major (S[j][g]), so
+// - q . k: 6 keys x 16 queries a tile, 12 accumulators, each key element broadcast against 16 queries;
+// - the softmax runs across 8 queries a register, each with its own visible keys (a lane mask);
+// - p v: 6 queries x 16 dims a tile, each value vector loaded once for the six, 16 keys at a time.
+
+// S[j][g0 .. g0 + W) for the keys k[0 .. nk) (nk <= 6; the missing ones repeat the last), W = 8 * NW queries. Its
+// loops are unrolled and not inlined, so GCC keeps the accumulators in registers (it spilled them every step).
+template <int NW>
+__attribute__((noinline)) void score_tile(const float* const* k, int64_t nk, const float* qt, int64_t NQP, int64_t D, float scale,
+                       float* S) {
+  __m256 a[6][NW];
+#pragma GCC unroll 8
+  for (int i = 0; i < 6; ++i)
+#pragma GCC unroll 8
+    for (int w = 0; w < NW; ++w) a[i][w] = _mm256_setzero_ps();
+  const float* kp[6];
+#pragma GCC unroll 8
+  for (int i = 0; i < 6; ++i) kp[i] = k[std::min<int64_t>(i, nk - 1)];
+  for (int64_t d = 0; d < D; ++d) {
+    __m256 x[NW];
+#pragma GCC unroll 8
+    for (int w = 0; w < NW; ++w) x[w] = _mm256_loadu_ps(qt + d * NQP + 8 * w);
+#pragma GCC unroll 8
+    for (int i = 0; i < 6; ++i) {
+      const __m256 key = _mm256_broadcast_ss(kp[i] + d);
+#pragma GCC unroll 8
+      for (int w = 0; w < NW; ++w) a[i][w] = _mm256_fmadd_ps(key, x[w], a[i][w]);
+    }
+  }
+  const __m256 sv = _mm256_set1_ps(scale);
+#pragma GCC unroll 8
+  for (int i = 0; i < 6; ++i)  // a constant index: a runtime one would keep the accumulators in memory
+#pragma GCC unroll 8
+    for (int w = 0; w < NW; ++w)
+      if (i < nk) _mm256_storeu_ps(S + i * NQP + 8 * w, _mm256_mul_ps(a[i][w], sv));
+}
+
+// acc[g0 + i][d0 .. d0 + 8 NV) += sum over j < len of S[j][g0 + i] * v[j][d0 ..], for NG queries i.
+template <int NG, int NV>
+inline void weigh_tile(const float* S, int64_t NQP, const float* const* v, int64_t len, int64_t d0, float* acc,
+                       int64_t D) {
+  __m256 a[NG][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < NG; ++i)
+#pragma GCC unroll 8
+    for (int u = 0; u < NV; ++u) a[i][u] = _mm256_loadu_ps(acc + i * D + d0 + 8 * u);
+  for (int64_t j = 0; j < len; ++j) {
+    __m256 x[NV];
+#pragma GCC unroll 8
+    for (int u = 0; u < NV; ++u) x[u] = _mm256_loadu_ps(v[j] + d0 + 8 * u);
+#pragma GCC unroll 8
+    for (int i = 0; i < NG; ++i) {
+      const __m256 p = _mm256_broadcast_ss(S + j * NQP + i);
+#pragma GCC unroll 8
+      for (int u = 0; u < NV; ++u) a[i][u] = _mm256_fmadd_ps(p, x[u], a[i][u]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < NG; ++i)
+#pragma GCC unroll 8
+    for (int u = 0; u < NV; ++u) _mm256_storeu_ps(acc + i * D + d0 + 8 * u, a[i][u]);
+}
+
+// acc += S v over a span, 16 keys at a time (their value rows and scores stay in L1 for every tile of queries).
+template <int NV>
+void weigh_span(const float* S, int64_t NQP, int64_t NQ, const float* const* v, int64_t len, int64_t D, float* acc) {
+  for (int64_t j = 0; j < len; j += 16) {
+    const int64_t keys = std::min<int64_t>(16, len - j);
+    for (int64_t g = 0; g < NQ; g += 6)
+      for (int64_t d0 = 0; d0 < D; d0 += 8 * NV) {
+        const float* Sg = S + j * NQP + g;
+        float* ag = acc + g * D;
+        switch (std::min<int64_t>(6, NQ - g)) {
+          case 6: weigh_tile<6, NV>(Sg, NQP, v + j, keys, d0, ag, D); break;
+          case 5: weigh_tile<5, NV>(Sg, NQP, v + j, keys, d0, ag, D); break;
+          case 4: weigh_tile<4, NV>(Sg, NQP, v + j, keys, d0, ag, D); break;
+          case 3: weigh_tile<3, NV>(Sg, NQP, v + j, keys, d0, ag, D); break;
+          case 2: weigh_tile<2, NV>(Sg, NQP, v + j, keys, d0, ag, D); break;
+          default: weigh_tile<1, NV>(Sg, NQP, v + j, keys, d0, ag, D); break;
+        }
+      }
+  }
+}
+
+// The running max m, sum l and weighted values acc of 8 queries from g0 on over a span's scores S (keys-major, len
+// keys from w0 on): each lane's visible keys exponentiated against its new max, the others set to 0; where the max
+// grew, the lane's earlier sum and values rescaled.
+inline void softmax_lanes(const Layout& s, const QueryBlock& b, int64_t g0, int64_t NQ, int64_t w0, int64_t len,
+                          int64_t NQP, float* S, float* m, float* l, float* acc) {
+  alignas(32) int32_t lo[8], hi[8];
+  alignas(32) float old_max[8], new_max[8], sums[8];
+  for (int i = 0; i < 8; ++i) {
+    const int64_t g = g0 + i;
+    lo[i] = hi[i] = 0;
+    if (g < NQ) {
+      const auto [first, end] = visible(s, b, g / s.group);
+      lo[i] = static_cast<int32_t>(std::clamp<int64_t>(first - w0, 0, len));
+      hi[i] = static_cast<int32_t>(std::clamp<int64_t>(end - w0, 0, len));
+    }
+    old_max[i] = g < NQ ? m[g] : -INFINITY;
+  }
+  const __m256i lo_v = _mm256_load_si256(reinterpret_cast<const __m256i*>(lo));
+  const __m256i hi_v = _mm256_load_si256(reinterpret_cast<const __m256i*>(hi));
+  const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
+  const auto seen = [&](int64_t j) {  // the lanes that see key j of the span
+    const __m256i jv = _mm256_set1_epi32(static_cast<int32_t>(j));
+    return _mm256_castsi256_ps(_mm256_andnot_si256(_mm256_cmpgt_epi32(lo_v, jv), _mm256_cmpgt_epi32(hi_v, jv)));
+  };
+  __m256 mx = _mm256_load_ps(old_max);
+  for (int64_t j = 0; j < len; ++j)
+    mx = _mm256_max_ps(mx, _mm256_blendv_ps(minus_inf, _mm256_loadu_ps(S + j * NQP + g0), seen(j)));
+  _mm256_store_ps(new_max, mx);
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    float* row = S + j * NQP + g0;
+    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(row), mx));
+    const __m256 kept = _mm256_and_ps(e, seen(j));  // unseen lanes (an empty lane's NaN too) weigh 0
+    _mm256_storeu_ps(row, kept);
+    total = _mm256_add_ps(total, kept);
+  }
+  _mm256_store_ps(sums, total);
+  for (int i = 0; i < 8 && g0 + i < NQ; ++i) {
+    const int64_t g = g0 + i;
+    if (new_max[i] == -INFINITY) continue;  // nothing seen yet
+    if (old_max[i] != -INFINITY && new_max[i] > old_max[i]) {
+      const float alpha = exp_nonpositive(old_max[i] - new_max[i]);
+      l[g] *= alpha;
+      for (int64_t d = 0; d < s.head_dim; ++d) acc[g * s.head_dim + d] *= alpha;
+    }
+    m[g] = new_max[i];
+    l[g] += sums[i];
+  }
+}
+
+// attend_chunk for a block of queries in the vector form (see above).
+template <typename T>
+void attend_block_chunk(const Layout& s, const float* qv, const T* kv, const int64_t* blocks, const QueryBlock& b,
+                        const Chunk& c, Scratch& scratch, float* m, float* l, float* acc) {
+  const int64_t D = s.head_dim, R = s.row, BS = s.block_size, NQ = b.count * s.group, NQP = (NQ + 7) / 8 * 8;
+  const int64_t head_stride = s.blocks * BS * R;
+  const T* keys = kv + c.head * head_stride;
+  const T* values = kv + (s.kv_heads + c.head) * head_stride;
+  std::vector<float>& qt = scratch.queries_t;
+  qt.assign(D * NQP, 0.f);
+  for (int64_t g = 0; g < NQ; ++g)
+    for (int64_t d = 0; d < D; ++d) qt[d * NQP + g] = qv[g * D + d];
+  std::fill(m, m + NQ, -INFINITY);
+  std::fill(l, l + NQ, 0.f);
+  std::fill(acc, acc + NQ * D, 0.f);
+  for (int64_t w0 = c.begin; w0 < c.end; w0 += MAX_BLOCK_KEYS) {
+    const int64_t w1 = std::min(c.end, w0 + MAX_BLOCK_KEYS), len = w1 - w0;
+    // the span's key and value rows as floats: in the cache (float32) or widened run by run (scale applied)
+    std::vector<const float*>& krow = scratch.key_rows;
+    std::vector<const float*>& vrow = scratch.value_rows;
+    krow.resize(len);
+    vrow.resize(len);
+    if constexpr (!std::is_same_v<T, float>) {
+      scratch.rows.resize(2 * len * D);
+    }
+    for (int64_t t = w0; t < w1;) {
+      const int64_t first = t % BS, run = std::min(BS - first, w1 - t);
+      const int64_t at = (blocks[t / BS] * BS + first) * R;
+      if constexpr (std::is_same_v<T, float>) {
+        for (int64_t j = 0; j < run; ++j) {
+          krow[t - w0 + j] = keys + at + j * R;
+          vrow[t - w0 + j] = values + at + j * R;
+        }
+      } else {
+        float* kw = scratch.rows.data() + (t - w0) * D;
+        float* vw = scratch.rows.data() + (len + t - w0) * D;
+        widen_rows(keys + at, run, D, R, kw);
+        widen_rows(values + at, run, D, R, vw);
+        for (int64_t j = 0; j < run; ++j) {
+          krow[t - w0 + j] = kw + j * D;
+          vrow[t - w0 + j] = vw + j * D;
+        }
+      }
+      t += run;
+    }
+    scratch.scores.resize(len * NQP);
+    float* S = scratch.scores.data();
+    for (int64_t j = 0; j < len; j += 6) {
+      const int64_t nk = std::min<int64_t>(6, len - j);
+      int64_t g = 0;
+      for (; g + 16 <= NQP; g += 16) score_tile<2>(krow.data() + j, nk, qt.data() + g, NQP, D, s.scale, S + j * NQP + g);
+      if (g < NQP) score_tile<1>(krow.data() + j, nk, qt.data() + g, NQP, D, s.scale, S + j * NQP + g);
+    }
+    if (s.softcap > 0.f)
+      for (int64_t i = 0; i < len * NQP; ++i) S[i] = std::tanh(S[i] / s.softcap) * s.softcap;
+    for (int64_t g0 = 0; g0 < NQ; g0 += 8) softmax_lanes(s, b, g0, NQ, w0, len, NQP, S, m, l, acc);
+    if (D % 16 == 0)
+      weigh_span<2>(S, NQP, NQ, vrow.data(), len, D, acc);
+    else
+      weigh_span<1>(S, NQP, NQ, vrow.data(), len, D, acc);
+  }
+}
+#endif
+
 // The order chunks are handed to threads: longest first, dealt round-robin, so each thread's contiguous share of a
 // prompt's triangle of work (short early blocks, long late ones) costs about the same.
 std::vector<int64_t> balanced_order(const std::vector<Chunk>& chunks, const std::vector<QueryBlock>& blocks) {
@@ -249,6 +451,12 @@ void attend(const Layout& s, const float* q, const T* kv, const int64_t* table, 
       const int64_t* blocks = table + b.seq * s.table_width;
       float* p = partial.data() + c * per_chunk;
       float *m = p, *l = p + NQ, *acc = p + 2 * NQ;
+#ifdef KILN_ATTN_YMM
+      if (b.count > 1 && D % 8 == 0) {
+        attend_block_chunk<T>(s, qv, kv, blocks, b, chunk, scratch, m, l, acc);
+        continue;
+      }
+#endif
       if (D == 64)
         attend_chunk<T, 64>(s, qv, kv, blocks, b, chunk, scratch, m, l, acc);
       else if (D == 128)
