@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.kernels.attention import NATIVE_PREFIX, TORCH, NativeDecode, NativePrefill
+from kiln.kernels.attention import NATIVE_PREFIX, TORCH, NativeDecode, NativePrefill, best_time_us
 from kiln.kernels.native.build import runnable_tiers
 from kiln.model.kv_format import pack_rows
 from kiln.model.prefill_attention import grouped_prefill_attention
@@ -41,13 +41,7 @@ PREFILL_CASES = [
 
 
 def best_ms(call: Callable[[], object], reps: int = 5) -> float:
-    call()
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        call()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
+    return best_time_us(call, reps) / 1e3
 
 
 def cache_of(blocks: int, dtype: torch.dtype) -> torch.Tensor:

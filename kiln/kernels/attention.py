@@ -152,7 +152,8 @@ def _inputs(shape: tuple[int, int], num_heads: int, cache: torch.Tensor) -> tupl
     return torch.randn(rows, num_heads * head_dim, generator=generator), table, seq_lens
 
 
-def _time_us(call: Callable[[], object], reps: int = 5) -> float:
+def best_time_us(call: Callable[[], object], reps: int = 5) -> float:
+    """The fastest of `reps` calls of `call` after a warm-up call, in microseconds."""
     call()
     best = float("inf")
     for _ in range(reps):
@@ -217,7 +218,7 @@ def choose_decode_attention(
         total = 0.0
         for shape in TIMED_SHAPES:
             q, table, seq_lens = _inputs(shape, num_heads, sample)
-            total += _time_us(partial(form, q, sample, table, seq_lens, window=0, softcap=0.0))
+            total += best_time_us(partial(form, q, sample, table, seq_lens, window=0, softcap=0.0))
         return total
 
     kernels = native_kernels(kv_cache.dtype)
@@ -254,7 +255,7 @@ def choose_prefill_attention(
         for shape in PREFILL_SHAPES:
             q, table, seq_lens, query_start = _prefill_inputs(shape, num_heads, sample)
             call = partial(form, q, sample, table, seq_lens, query_start=query_start, window=0, softcap=0.0)
-            total += _time_us(call, reps=3)
+            total += best_time_us(call, reps=3)
         return total
 
     kernels = native_kernels(kv_cache.dtype, "paged_prefill_attention")
