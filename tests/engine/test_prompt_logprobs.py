@@ -13,6 +13,7 @@ import torch
 
 from kiln import LLM, SamplingParams
 from kiln.engine.request import Logprob
+from tests.engine.hf_ranks import assert_rank_as_hf
 from tests.engine.tiny_models import write_hf_model
 
 BLOCK = 4
@@ -43,7 +44,7 @@ def assert_hf_prompt_logprobs(hf: torch.nn.Module, prompt: list[int], got: list[
         token = prompt[q]
         assert next(iter(entry)) == token  # the actual token first
         assert abs(entry[token].logprob - row[token].item()) < 1e-4, (prompt, q)
-        assert entry[token].rank == int((row > row[token]).sum()) + 1
+        assert_rank_as_hf(entry[token].rank, row, token)
         top = row.topk(TOP)
         ranked = sorted((lp.rank, t) for t, lp in entry.items() if t != token or lp.rank <= TOP)
         assert [t for _, t in ranked][:TOP] == top.indices.tolist()

@@ -20,6 +20,7 @@ from kiln.engine.sampling.sampling_params import SamplingParams
 from kiln.engine.scheduling.admission import Admission
 from kiln.engine.scheduling.step_shape import StepShaper
 from kiln.errors import RequestError
+from tests.engine.hf_ranks import assert_rank_as_hf
 from tests.engine.tiny_models import write_hf_model
 from tests.server.app_harness import openai_error, serve_engine
 
@@ -155,7 +156,7 @@ def assert_vllm_prompt_logprobs(got: list[Any], ids: list[int], hf: torch.nn.Mod
         entry = got[q]
         actual = entry[str(ids[q])]
         assert abs(actual["logprob"] - expected[q - 1, ids[q]].item()) < 1e-4
-        assert actual["rank"] == int((expected[q - 1] > expected[q - 1, ids[q]]).sum()) + 1
+        assert_rank_as_hf(actual["rank"], expected[q - 1], ids[q])
         assert set(actual) == {"logprob", "rank", "decoded_token"}
         ranks = sorted(v["rank"] for k, v in entry.items() if k != str(ids[q]) or v["rank"] <= top)
         assert ranks[:top] == list(range(1, top + 1))
