@@ -169,11 +169,13 @@ def _timed_choice(
     num_heads: int,
     cache: KernelChoiceCache,
     kernels: list[str],
-    time_kernel: Callable[[str], float],
+    blocks: int,
+    time_kernel: Callable[[str, torch.Tensor], float],
 ) -> tuple[str, dict[str, Any]]:
-    """(the faster of the torch form and `kernels` by `time_kernel(name)` microseconds, its record) for attention
-    `what` over caches like `kv_cache` with `num_heads` query heads; the torch form where no native kernel runs. The
-    key holds the native sources' hash: a changed kernel is timed again."""
+    """(the faster of the torch form and `kernels` by `time_kernel(name, sample)` microseconds, its record) for
+    attention `what` over caches like `kv_cache` with `num_heads` query heads, each timed over one sample cache of
+    `blocks` random blocks; the torch form where no native kernel runs. The key holds the native sources' hash: a
+    changed kernel is timed again."""
     _, kv_heads, _, block_size, _ = kv_cache.shape
     if not kernels or kv_cache.device.type != "cpu" or kv_heads == 0:
         return TORCH, {"winner": TORCH, "why": "no native kernel runs here for this cache"}
@@ -187,7 +189,8 @@ def _timed_choice(
     }
 
     def measure() -> dict[str, Any]:
-        times = {kernel: round(time_kernel(kernel), 1) for kernel in [TORCH, *kernels]}
+        sample = _sample_cache(kv_cache, blocks)
+        times = {kernel: round(time_kernel(kernel, sample), 1) for kernel in [TORCH, *kernels]}
         return {"times_us": times, "winner": min(times, key=times.__getitem__)}
 
     record = cache.choose(what, applies_to, measure)
@@ -211,8 +214,7 @@ def choose_decode_attention(
     0.55-1.0x its time here (docs/benchmarks.md), so one choice serves both."""
     block_size = kv_cache.shape[3]
 
-    def time_kernel(kernel: str) -> float:
-        sample = _sample_cache(kv_cache, max(-(-t // block_size) * r for r, t in TIMED_SHAPES))
+    def time_kernel(kernel: str, sample: torch.Tensor) -> float:
         tier = native_tier(kernel)
         form = torch_form if tier is None else NativeDecode(tier)
         total = 0.0
@@ -221,9 +223,14 @@ def choose_decode_attention(
             total += best_time_us(partial(form, q, sample, table, seq_lens, window=0, softcap=0.0))
         return total
 
-    kernels = native_kernels(kv_cache.dtype)
     return _timed_choice(
-        "decode_attention", kv_cache, num_heads=num_heads, cache=cache, kernels=kernels, time_kernel=time_kernel
+        "decode_attention",
+        kv_cache,
+        num_heads=num_heads,
+        cache=cache,
+        kernels=native_kernels(kv_cache.dtype),
+        blocks=max(-(-t // block_size) * r for r, t in TIMED_SHAPES),
+        time_kernel=time_kernel,
     )
 
 
@@ -247,8 +254,7 @@ def choose_prefill_attention(
     softcap)` (kiln.model.prefill_attention's grouped form) and the native kernel."""
     block_size = kv_cache.shape[3]
 
-    def time_kernel(kernel: str) -> float:
-        sample = _sample_cache(kv_cache, max(-(-(n + c) // block_size) * s for s, n, c in PREFILL_SHAPES))
+    def time_kernel(kernel: str, sample: torch.Tensor) -> float:
         tier = native_tier(kernel)
         form = torch_form if tier is None else NativePrefill(tier)
         total = 0.0
@@ -258,7 +264,12 @@ def choose_prefill_attention(
             total += best_time_us(call, reps=3)
         return total
 
-    kernels = native_kernels(kv_cache.dtype, "paged_prefill_attention")
     return _timed_choice(
-        "prefill_attention", kv_cache, num_heads=num_heads, cache=cache, kernels=kernels, time_kernel=time_kernel
+        "prefill_attention",
+        kv_cache,
+        num_heads=num_heads,
+        cache=cache,
+        kernels=native_kernels(kv_cache.dtype, "paged_prefill_attention"),
+        blocks=max(-(-(n + c) // block_size) * s for s, n, c in PREFILL_SHAPES),
+        time_kernel=time_kernel,
     )
