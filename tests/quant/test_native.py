@@ -38,8 +38,9 @@ def built_library(tier: str) -> Path:
 def test_this_cpu_runs_the_plain_tier_and_avx2_and_avx512_where_cpuid_says_so() -> None:
     flags = build.cpu_flags()
     assert "plain" in RUNNABLE
-    assert ("avx2" in RUNNABLE) == ({"avx2", "fma"} <= flags)
-    assert ("avx512" in RUNNABLE) == ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma"} <= flags)
+    assert ("avx2" in RUNNABLE) == ({"avx2", "fma", "f16c"} <= flags)
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c"}
+    assert ("avx512" in RUNNABLE) == (avx512 <= flags)
 
 
 @pytest.mark.parametrize("tier", RUNNABLE)

@@ -92,10 +92,16 @@ class Tier:
         return f"kiln_native_{self.name}"
 
 
-AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx2", "-mfma")
+# F16C (every AVX2 CPU has it; GCC's -mavx2 and -mavx512f do not imply it): float16 and fp8 KV rows widen 8 at a time
+AVX2_FLAGS = ("-mavx2", "-mfma", "-mf16c")
+AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", *AVX2_FLAGS)
 TIERS = (
-    Tier("avx512", AVX512_FLAGS, frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma"})),
-    Tier("avx2", ("-mavx2", "-mfma"), frozenset({"avx2", "fma"})),
+    Tier(
+        "avx512",
+        AVX512_FLAGS,
+        frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "fma", "f16c"}),
+    ),
+    Tier("avx2", AVX2_FLAGS, frozenset({"avx2", "fma", "f16c"})),
     Tier("plain", (), frozenset()),  # the compiler's baseline for the platform (x86-64: SSE2)
 )
 TIER_NAMES = tuple(t.name for t in TIERS)
