@@ -71,5 +71,6 @@ def test_an_n_64_request_leaves_room_for_a_short_request_and_a_canary(server: Li
     # the baseline: one step of this batch, on this load (the canary's median gap); a request left waiting for a
     # batch slot waits out the n=64 request's 2,000 tokens, thousands of steps
     step = sorted(gaps)[len(gaps) // 2]
-    assert len(canary) >= 24 and ttft < 10 * step + 1.0 and max(gaps) < 5 * step + 0.5, (step, ttft, max(gaps))
+    # its 24 tokens arrived: a token that completes no text rides the next event (kiln/server/formats.py)
+    assert len(canary) >= 20 and ttft < 10 * step + 1.0 and max(gaps) < 5 * step + 0.5, (step, ttft, max(gaps))
     assert server.wait_idle()["kiln_kv_cache_used_blocks"] == 0  # the aborted n=64 request left nothing behind
