@@ -46,14 +46,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 # how an embedding request's final hidden states become one vector (kiln.engine.running.pooling): the last prompt
 # token's (vLLM's default for decoder models), the mean over the prompt's tokens, or the first token's
 POOLING_NAMES = ("last", "mean", "cls")
-# NOTE: float32, the model's own dtype. bfloat16 passes the accuracy bar on the default model (mean KL 3.9e-5 against
-# float32 KV over 1,200 tokens, tests/engine/test_kv_dtype_accuracy.py) at half the bytes and decodes 1.0-1.3x
-# float32's speed on an AVX2 EPYC (scripts/kv_dtype_bench.py), but rounding a row to bfloat16 turns float32's
-# last-bit differences into 4e-3 ones: a fp32 model's logits move by that much from HF's and from one process's
-# under tensor or pipeline parallelism, and a row written by a 5-row verification rounds apart from the same row
-# written by a 1-row decode, so a seeded request's text changes with speculation (26 tests failed with bfloat16 as
-# auto, docs/benchmarks.md "Thirteenth session"). bfloat16 stays opt-in (--kv-cache-dtype bfloat16): the default
-# keeps those promises.
+# NOTE: float32, the model's own dtype. bfloat16 passes the KL bar at half the bytes and decodes 1.0-1.3x faster,
+# but rounds float32's last-bit differences into 4e-3 ones: HF's logits, one process's against its ranks, and a
+# seeded request's text with and without speculation move apart (docs/benchmarks.md, "Thirteenth session"). Opt-in.
 AUTO_KV_CACHE_DTYPE = "float32"
 # int8 and fp8_e4m3 rows carry their float32 scale after the head_dim codes (kiln.model.kv_format)
 KV_SCALE_BYTES = 4
