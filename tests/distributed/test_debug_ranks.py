@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kiln.cli import main
 from tests.engine.tiny_models import write_hf_model
 
 COMMON = ["--quantization", "none", "--prompt-ids", "5,17,42,7", "--num-decode", "2", "--capture-sizes", "1,2"]
@@ -83,8 +84,15 @@ def test_pipeline_bisect_finds_the_piece_on_its_stage(tiny: Path) -> None:
     assert stage0.count("Bisect done in") == stage1.count("Bisect done in") == 1
 
 
-def test_cases_stay_single_device_with_one_line(tiny: Path, tmp_path: Path) -> None:
-    saved = debug(tiny, "save-case", "--tensor-parallel-size", "2", "--out", str(tmp_path / "case"))
-    assert saved.returncode == 1 and "diff and bisect start the ranks themselves" in saved.stderr
-    replay = debug(tiny, "diff", "--tensor-parallel-size", "2", "--case", str(tmp_path / "missing"))
-    assert replay.returncode == 1 and "--case and --check are single-device" in replay.stderr
+def test_cases_stay_single_device_with_one_line(tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Refused before any rank starts or any model loads: run in this process (`kiln.cli.main`, as the command)."""
+
+    def refusal(*args: str) -> str:
+        capsys.readouterr()
+        assert main(["debug", *args, "--model", str(tiny), *COMMON, "--tensor-parallel-size", "2"]) == 1
+        lines = capsys.readouterr().err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("kiln: error: "), lines
+        return lines[0]
+
+    assert "diff and bisect start the ranks themselves" in refusal("save-case", "--out", str(tmp_path / "case"))
+    assert "--case and --check are single-device" in refusal("diff", "--case", str(tmp_path / "missing"))

@@ -6,12 +6,17 @@
   vocabulary and merges (98,000 strings in SmolLM2's file) took 4.0 s of every start here. A little-endian array of
   strings or numbers is read here with the same parts (a length and a byte view per string, a one-element view per
   number) sliced from a plain array over the same memory: 0.28 s. Other arrays are gguf's own path.
+- A process that builds several engines of one file (the debugger's reference and graph engines, a model drafting
+  for itself, the bench's modes) parses its header once: `read_header` keeps the last few readers, each while its
+  file's size and modification time are unchanged (~0.5 s a start for the default model).
 `_build_tensors` and `_get_field_parts` are private hooks of the pinned gguf version (pyproject.toml); tests
 compare every field with GGUFReader's.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any
 
 import numpy as np
@@ -20,7 +25,20 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 
 from kiln.errors import ModelLoadError
 
+READERS_KEPT = 4  # files whose parsed headers a process keeps (each maps its file read-only)
 _LITTLE_ENDIAN_FILE = "I"  # GGUFReader.byte_order of a file in this machine's (little-endian) order
+
+
+def read_header(path: str) -> CheckedReader:
+    """The file's reader, shared within the process while the file is unchanged (readers are read-only)."""
+    stat = os.stat(path)
+    return _reader(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=READERS_KEPT)
+def _reader(path: str, size: int, mtime_ns: int) -> CheckedReader:
+    """A parsed header per file version (`size` and `mtime_ns` name the version; a file that fails is not kept)."""
+    return CheckedReader(path)
 
 
 class CheckedReader(GGUFReader):
