@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kiln import LLM
-from kiln.engine.sampling.sampler import Sampler, SamplingRow, filter_batch
+from kiln.engine.sampling.sampler import Sampler, SamplingRow, filter_batch, row_max
 from kiln.engine.sampling.sampling_params import SamplingParams
 from kiln.errors import RequestError
 
@@ -61,3 +61,27 @@ def test_logit_bias_through_the_llm_api(llm: LLM) -> None:
     assert out[0].token_ids == [token] * 3
     (outside,) = llm.generate("x", SamplingParams(logit_bias={10**6: 1.0}))  # refused alone, named
     assert outside.finish_reason == "error" and "logit_bias token id 1000000 is outside" in (outside.error or "")
+
+
+@pytest.mark.parametrize("width", [49152, 49152 + 77, 300, 100])
+def test_row_max_is_torchs_max_with_the_first_index(width: int) -> None:
+    """row_max (chunked amax) gives torch.max(dim=-1)'s values and first indices: ties inside a chunk, across chunks
+    and with the columns past the last whole chunk, rows masked to -inf, and the value NaN where a row holds one."""
+    generator = torch.Generator().manual_seed(width)
+    logits = torch.randn(12, width, generator=generator).round(decimals=1)  # many equal values
+    logits[1, [3, width - 1]] = 50.0  # the first column wins a tie with the last (in the tail where there is one)
+    logits[2, [width - 1, width - 2]] = 60.0
+    logits[3] = float("-inf")
+    logits[4, width // 2] = float("nan")
+    logits[5, width - 1] = float("nan")
+    logits[6, :] = 7.0  # every column ties
+    logits[7, [0, min(130, width - 1)]] = 9.0  # a tie across chunks
+    best, tokens = row_max(logits)
+    expected_best, expected_tokens = logits.max(dim=-1)
+    assert torch.equal(best.isnan(), expected_best.isnan())
+    finite = ~expected_best.isnan()
+    assert torch.equal(best[finite], expected_best[finite])
+    assert torch.equal(tokens[finite], expected_tokens[finite])
+    assert tokens[1] == 3 and tokens[6] == 0 and tokens[7] == 0 and tokens[3] == 0
+    wider = torch.cat([logits, torch.full((12, 5), -1e9)], dim=1)
+    assert torch.equal(row_max(wider[:, :width])[1][finite], tokens[finite])  # rows that are a view read the same

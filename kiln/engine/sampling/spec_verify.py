@@ -29,6 +29,7 @@ from kiln.engine.sampling.sampler import (
     adjusted_logits,
     draw,
     filter_batch,
+    row_max,
     token_logprobs,
     unsampleable,
 )
@@ -60,7 +61,7 @@ def verify(
     is kept whatever the target says (a teacher-forced request's drafts are the tokens it is given)."""
     adjusted = adjusted_logits(logits, rows)
     params = rows[0].params
-    best, greedy = adjusted.max(-1)
+    best, greedy = row_max(adjusted)
     if not bool(torch.isfinite(best).all()):
         return Verified([], [], unsampleable(logits))
     if params.is_greedy:
