@@ -23,11 +23,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--dtype", default="bfloat16", help="bfloat16 (kiln bench's anchor) | float32")
     args = ap.parse_args()
     from torch.profiler import profile
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=args.model_dir, dtype="bfloat16", max_model_len=1024, max_num_seqs=args.batch, seed=0)
+    llm = LLM(model=args.model_dir, dtype=args.dtype, max_model_len=1024, max_num_seqs=args.batch, seed=0)
     engine = llm.llm_engine
     params = SamplingParams(max_tokens=args.steps * 3 + 10, temperature=0.0, ignore_eos=True)
     for i in range(args.batch):
