@@ -27,11 +27,19 @@ from kiln.bench.metrics import RunResult, compute_ratios, random_prompts
 from kiln.bench.modes import engine_args_for_mode
 from kiln.bench.report import print_report
 from kiln.bench.roofline import Roofline, read_bandwidth_gbs
+from kiln.config import EngineConfig
 from kiln.engine.serving.llm import LLM
 from kiln.engine.setup.resolve import resolve_engine_config
 from kiln.errors import ConfigError, KilnError
+from kiln.model.loader import open_checkpoint
 
 logger = logging.getLogger("kiln")
+
+
+def _mode_config(args: argparse.Namespace, mode: str) -> EngineConfig:
+    # NOTE: the graph options act in the graph modes: an eager mode beside them is not refused for them
+    checked = mode != "eager" or all(m == "eager" for m in args.modes)
+    return resolve_engine_config(engine_args_for_mode(args, mode), refuse_inert_options=checked)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -44,15 +52,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     roofline: Roofline | None = None
     model_path = ""
     device = "cpu"
-    for mode in args.modes:
-        # NOTE: the graph options act in the graph modes: an eager mode beside them is not refused for them
-        checked = mode != "eager" or all(m == "eager" for m in args.modes)
-        llm = LLM(config=resolve_engine_config(engine_args_for_mode(args, mode), refuse_inert_options=checked))
+    configs = {mode: _mode_config(args, mode) for mode in args.modes}
+    if anchors:  # every anchor's own checks before any engine is built (a missing anchor fails in a second)
+        model_path = open_checkpoint(configs[args.modes[0]].model).path
+        for anchor in anchors.values():
+            anchor.check(model_path)
+    for mode, config in configs.items():
+        llm = LLM(config=config)
         model_path = llm.engine.checkpoint_path
         device = str(next(llm.engine.model.parameters()).device)
         if not prompts:
-            for anchor in anchors.values():
-                anchor.check(model_path)
             vocab = llm.engine.model_config.vocab_size
             prompts = random_prompts(args.num_requests, args.input_len, vocab, _prompt_seed(args))
             if args.shared_prefix_len > 0:

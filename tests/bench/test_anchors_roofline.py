@@ -11,6 +11,7 @@ import pytest
 from rich.console import Console
 from torch import nn
 
+import kiln.bench.commands as bench_commands
 import kiln.cli as kiln_cli
 from kiln.bench.anchors import ANCHORS
 from kiln.bench.cli import ANCHOR_NAMES
@@ -49,13 +50,19 @@ def test_missing_llama_cpp_says_how_to_install_it(monkeypatch: pytest.MonkeyPatc
 def test_missing_llama_cpp_fails_the_bench_before_any_timing(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    """Refused before any engine is built (the anchors are checked on the model's path first)."""
     monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    monkeypatch.setattr(bench_commands, "LLM", _no_engine)
     out = tmp_path / "bench.json"
     assert kiln_cli.main(["bench", *SMALL, "--compare", "llama.cpp", "--json", str(out)]) == 1
     captured = capsys.readouterr()
     assert "kiln: error: --compare llama.cpp needs llama-cpp-python" in captured.err
     assert "make llamacpp" in captured.err
     assert "kiln bench" not in captured.out and not out.exists()  # no table, no report
+
+
+def _no_engine(*args: object, **kwargs: object) -> None:
+    raise AssertionError("an engine was built before the anchors were checked")
 
 
 def test_llama_cpp_needs_a_gguf_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
