@@ -28,6 +28,7 @@ from kiln.bench.metrics import RunResult
 from kiln.env import read_env
 from kiln.errors import KilnError
 from kiln.model.dtypes import parse_dtype
+from kiln.model.loader.base import file_version
 
 logger = logging.getLogger("kiln")
 
@@ -64,8 +65,8 @@ def hf_dir_for(model_path: str) -> Path:
     into bf16 safetensors and its tokenizer (cached by the file's path, size and mtime)."""
     if os.path.isdir(model_path):
         return Path(model_path)
-    stat = os.stat(model_path)
-    key = hashlib.sha256(f"{os.path.abspath(model_path)}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    version = file_version(model_path)
+    key = hashlib.sha256(f"{os.path.abspath(model_path)}|{version.size}|{version.mtime_ns}".encode()).hexdigest()[:16]
     out = read_env().cache_dir / "vllm-models" / f"{Path(model_path).stem}-{key}"
     if (out / "config.json").exists():
         return out

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from kiln.errors import ConfigError, ModelLoadError
 from kiln.model.causal_lm import CausalLM, WeightMismatch
 from kiln.model.loader import Checkpoint, GGUFCheckpoint, HFCheckpoint
+from kiln.model.loader.base import FileVersion, file_version
 from kiln.model.loader.families import family_of
 from kiln.model.tokenizer import KilnTokenizer
 from kiln.quant.gguf_blocks import GROUP, PACKED_TYPES
@@ -165,14 +166,13 @@ TOKENIZERS_KEPT = 4
 
 
 @functools.lru_cache(maxsize=TOKENIZERS_KEPT)
-def _tokenizer(path: str, gguf: bool, versions: tuple[tuple[int, int] | None, ...]) -> KilnTokenizer:
-    """A tokenizer per version of its files (`versions`: each file's size and modification time)."""
+def _tokenizer(path: str, gguf: bool, versions: tuple[FileVersion | None, ...]) -> KilnTokenizer:
+    """A tokenizer per version of its files."""
     return KilnTokenizer.from_gguf(GGUFCheckpoint(path)) if gguf else KilnTokenizer.from_hf_dir(path)
 
 
-def _file_version(path: str) -> tuple[int, int] | None:
+def _file_version(path: str) -> FileVersion | None:
     try:
-        stat = os.stat(path)
+        return file_version(path)
     except OSError:
         return None  # missing: the tokenizer's own reading says so
-    return stat.st_size, stat.st_mtime_ns

@@ -9,6 +9,7 @@ from functools import lru_cache
 from kiln.config import ModelConfig
 from kiln.errors import KilnError
 from kiln.model.loader import CheckpointHeader, read_checkpoint_header, resolve_model_path
+from kiln.model.loader.base import FileVersion, file_version
 from kiln.model.loader.families import gguf_layout
 from kiln.model.loader.gguf_layout import hf_tensors
 from kiln.recipe.constraints import Constraint
@@ -54,12 +55,11 @@ def open_header(doc: SourceDoc, spec: RecipeSpec, override: str | None) -> tuple
 def read_header(model: str | None) -> CheckpointHeader:
     """`read_checkpoint_header`, cached while the file's size and mtime stay the same."""
     path = resolve_model_path(model)
-    stat = os.stat(path)
-    return _read_header(path, stat.st_mtime_ns, stat.st_size)
+    return _read_header(path, file_version(path))
 
 
 @lru_cache(maxsize=8)
-def _read_header(path: str, mtime_ns: int, size: int) -> CheckpointHeader:
+def _read_header(path: str, version: FileVersion) -> CheckpointHeader:
     return read_checkpoint_header(path)
 
 

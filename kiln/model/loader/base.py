@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from kiln.config import ModelConfig
 from kiln.errors import ModelLoadError
@@ -36,6 +37,19 @@ def resolve_model_path(model: str | None) -> str:
     if not path.exists():
         raise ModelLoadError(str(model), "no such file or directory (expected a .gguf file or an HF model directory)")
     return str(path)
+
+
+class FileVersion(NamedTuple):
+    """Which version of a file a process read: its size and modification time (a rewrite changes one of them).
+    Memos of parsed files (GGUF headers, tokenizers, dequantized copies) are keyed on it with the path."""
+
+    size: int
+    mtime_ns: int
+
+
+def file_version(path: str | os.PathLike[str]) -> FileVersion:
+    stat = os.stat(path)
+    return FileVersion(stat.st_size, stat.st_mtime_ns)
 
 
 @dataclass(frozen=True)

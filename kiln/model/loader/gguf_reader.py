@@ -24,6 +24,7 @@ import numpy.typing as npt
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
 
 from kiln.errors import ModelLoadError
+from kiln.model.loader.base import FileVersion, file_version
 
 READERS_KEPT = 4  # files whose parsed headers a process keeps (each maps its file read-only)
 _LITTLE_ENDIAN_FILE = "I"  # GGUFReader.byte_order of a file in this machine's (little-endian) order
@@ -31,13 +32,12 @@ _LITTLE_ENDIAN_FILE = "I"  # GGUFReader.byte_order of a file in this machine's (
 
 def read_header(path: str) -> CheckedReader:
     """The file's reader, shared within the process while the file is unchanged (readers are read-only)."""
-    stat = os.stat(path)
-    return _reader(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)
+    return _reader(os.path.realpath(path), file_version(path))
 
 
 @functools.lru_cache(maxsize=READERS_KEPT)
-def _reader(path: str, size: int, mtime_ns: int) -> CheckedReader:
-    """A parsed header per file version (`size` and `mtime_ns` name the version; a file that fails is not kept)."""
+def _reader(path: str, version: FileVersion) -> CheckedReader:
+    """A parsed header per file version (a file that fails is not kept)."""
     return CheckedReader(path)
 
 
