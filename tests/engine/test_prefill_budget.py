@@ -11,7 +11,13 @@ import pytest
 
 from kiln.config import SchedulerConfig
 from kiln.engine.scheduling.kv_cache import BlockPool
-from kiln.engine.scheduling.prefill_budget import MIN_TIMED_COST, PROBE_TOKENS, PrefillBudget, attention_tokens_of
+from kiln.engine.scheduling.prefill_budget import (
+    GROWTH,
+    MIN_TIMED_COST,
+    PROBE_TOKENS,
+    PrefillBudget,
+    attention_tokens_of,
+)
 from kiln.engine.scheduling.scheduler import Scheduler
 from kiln.model.loader import open_checkpoint
 from tests.engine.test_long_prefill import request, run_step
@@ -90,3 +96,43 @@ def test_a_first_chunk_beside_a_stream_is_a_probe_until_a_step_is_timed() -> Non
     assert scheduler.prefill.chunk(2000, 0) > PROBE_TOKENS
     pipelined = Scheduler(config, BlockPool(1024, 16), attention_tokens=SMOLLM2_ATTENTION_TOKENS, steps_in_flight=2)
     assert pipelined.prefill.chunk(2000, 0) == 512
+
+
+def test_after_the_probe_chunks_grow_by_doubling_so_one_lucky_sample_sizes_no_big_chunk() -> None:
+    """A probe of 64 tokens took 0.3-0.5 s beside a stream on a 2-core AVX2 machine (target 0.2 s), and a probe
+    timed fast by chance sized the next chunk from that one sample: now the probe is the smallest chunk and each
+    chunk costs at most twice the costliest step timed so far."""
+    budget = PrefillBudget(max_tokens=2048, attention_tokens=SMOLLM2_ATTENTION_TOKENS, step_seconds=0.2)
+    budget.observe(cost=0.0, seconds=0.04)  # the stream's decode steps
+    assert budget.chunk(8000, 0) == PROBE_TOKENS
+    budget.observe(cost=budget.cost(PROBE_TOKENS, 0), seconds=0.041)  # lucky: 16 tokens in a millisecond
+    costs = []
+    start = PROBE_TOKENS
+    for _ in range(8):  # each step then runs at 1 ms per unit of cost (0.16 s of chunk: ~155 tokens)
+        chunk = budget.chunk(8000 - start, start)
+        costs.append(budget.cost(chunk, start))
+        budget.observe(cost=costs[-1], seconds=0.04 + costs[-1] / 1000)
+        start += chunk
+    assert costs[0] <= GROWTH * budget.cost(PROBE_TOKENS, 0) + 1e-9  # not the 0.16 s / 1 us a unit it "measured"
+    assert all(b <= GROWTH * a + 1e-9 for a, b in itertools.pairwise(costs[:3]))
+    assert 0.12 <= costs[-1] / 1000 <= 0.2  # settled near the target's chunk time
+
+
+def test_a_steps_cost_is_its_chunks_alone() -> None:
+    """The fixed part (decode-only steps, timed) holds the decode rows: counting them again per unit of cost
+    would make chunks beside many streams too large."""
+    config = SchedulerConfig(max_num_batched_tokens=2048, long_prefill_step_seconds=0.0)
+    scheduler = Scheduler(config, BlockPool(1024, 16), attention_tokens=SMOLLM2_ATTENTION_TOKENS)
+    for i in range(4):
+        scheduler.add(request(f"stream{i}", 8))
+    run_step(scheduler)
+    decodes = scheduler.schedule()
+    assert decodes.decode_rows == 4 and scheduler.step_cost(decodes) == 0.0
+    for s in decodes.scheduled:
+        scheduler.advance(s.request, s.num_new_tokens)
+        s.request.output_token_ids.append(5)
+    scheduler.add(request("long", 8000))
+    mixed = scheduler.schedule()
+    chunk = next(s for s in mixed.scheduled if s.request.request_id == "long")
+    assert len(mixed.scheduled) == 5
+    assert scheduler.step_cost(mixed) == scheduler.prefill.cost(chunk.num_new_tokens, 0)

@@ -11,12 +11,14 @@ The budget is `long_prefill_token_threshold` tokens at context 0, and, once step
 `long_prefill_step_seconds` of measured time. A step takes a fixed time (its decode rows, the weights read once),
 averaged over the steps that prefill nothing, plus its chunks' cost times the seconds per unit of cost, averaged
 over the steps that prefill (their time less the fixed part: counting it per unit would shrink small chunks
-further and further). Until a step with a chunk has been timed, a chunk beside others is a probe of
-`PROBE_TOKENS`, the fewest a timed step needs: an untimed budget of 512 tokens made a first chunk of 1.8 s on a
-2-core AVX2 machine, every stream's gap. The chunk is the largest whose cost fits the smaller budget, so it
-shrinks as its context grows and as the machine is slower, but never below a step's fixed time (where the target
-cannot be met, a prompt still prefills at half speed or better). Counted: `num_shrunk` chunks cut below the
-threshold.
+further and further; a step's cost is its chunks' alone, the fixed part holding its decode rows). Until a step
+with a chunk has been timed, a chunk beside others is a probe of `PROBE_TOKENS`, the smallest chunk: an untimed
+budget of 512 tokens made a first chunk of 1.8 s on a 2-core AVX2 machine, and a probe of 64 tokens still took
+0.3-0.5 s there, every stream's gap. From the probe on, a chunk costs at most `GROWTH` times the costliest step
+timed so far, so one noisy early sample cannot size a chunk far past what was seen (chunks double to the
+budget in a few steps). The chunk is the largest whose cost fits the smallest budget, so it shrinks as its
+context grows and as the machine is slower, but never below a step's fixed time (where the target cannot be met,
+a prompt still prefills at half speed or better). Counted: `num_shrunk` chunks cut below the threshold.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import math
 from kiln.config import ModelConfig
 
 COST_EMA = 0.2  # weight of the newest step in the seconds-per-cost average
-MIN_TIMED_COST = 64.0  # steps cheaper than this are not timed: their fixed overheads would dominate
 MIN_CHUNK = 16  # the smallest chunk, so a prompt always advances by something
-PROBE_TOKENS = int(MIN_TIMED_COST)  # a chunk before any was timed: its step is timed (its cost is at least that)
+MIN_TIMED_COST = float(MIN_CHUNK)  # steps cheaper than this (a short prompt's few tokens) are not timed
+PROBE_TOKENS = MIN_CHUNK  # a chunk before any was timed: its step is timed (its cost is at least MIN_TIMED_COST)
+GROWTH = 2.0  # a chunk costs at most this many times the costliest step timed so far
 
 
 def attention_tokens_of(model: ModelConfig) -> float:
@@ -48,6 +51,7 @@ class PrefillBudget:
         self.max_tokens, self.attention_tokens, self.step_seconds = max_tokens, attention_tokens, step_seconds
         self.seconds_per_cost: float | None = None
         self.base_seconds = 0.0  # a step's time without a chunk
+        self.largest_timed = 0.0  # the costliest step timed so far
         self.num_shrunk = 0
 
     def cost(self, num_new: int, start: int) -> float:
@@ -65,7 +69,7 @@ class PrefillBudget:
             # NOTE: a chunk gets at least a step's fixed time: below it the fixed part dominates and the prompt's
             # prefill slows down more than the others' gaps shrink (where the target cannot be met at all)
             chunk_seconds = max(self.step_seconds - self.base_seconds, self.base_seconds)
-            budget = min(budget, chunk_seconds / self.seconds_per_cost)
+            budget = min(budget, chunk_seconds / self.seconds_per_cost, GROWTH * self.largest_timed)
         if self.cost(wanted, start) <= budget:
             return wanted
         chunk = max(MIN_CHUNK, self._largest_within(budget, start))
@@ -74,7 +78,7 @@ class PrefillBudget:
         return min(chunk, wanted)
 
     def observe(self, cost: float, seconds: float) -> None:
-        """A step of `cost` (its chunks' and its decode rows'; 0: it prefilled nothing) took `seconds`."""
+        """A step whose chunks cost `cost` (0: it prefilled nothing) took `seconds`."""
         if seconds <= 0:
             return
         if cost == 0:
@@ -82,6 +86,7 @@ class PrefillBudget:
             return
         if cost < MIN_TIMED_COST:
             return
+        self.largest_timed = max(self.largest_timed, cost)
         rate = max(seconds - self.base_seconds, seconds / 4) / cost
         old = self.seconds_per_cost
         self.seconds_per_cost = rate if old is None else old + COST_EMA * (rate - old)

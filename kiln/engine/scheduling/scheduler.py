@@ -197,11 +197,11 @@ class Scheduler:
         return self.prefill.chunk(wanted, start)
 
     def step_cost(self, sched: SchedulerOutput) -> float:
-        """What `sched` costs in the prefill budget's units (call before the step advances its requests); 0 when it
-        prefills nothing (only steps with a chunk are timed)."""
-        if all(s.num_new_tokens == s.num_rows for s in sched.scheduled):
-            return 0.0
-        return sum(self.prefill.cost(s.num_new_tokens, s.request.num_computed_tokens) for s in sched.scheduled)
+        """What `sched`'s prefill chunks cost in the prefill budget's units (call before the step advances its
+        requests); 0 when it prefills nothing (only steps with a chunk are timed). Its decode rows are left out:
+        the budget's fixed part, timed on steps without a chunk, holds them."""
+        chunks = [s for s in sched.scheduled if s.num_new_tokens != s.num_rows]
+        return sum(self.prefill.cost(s.num_new_tokens, s.request.num_computed_tokens) for s in chunks)
 
     def _fit(self, scheduled: list[ScheduledRequest], wanted: int) -> int:
         """How many of `wanted` new tokens one more sequence may bring to the step under the recipe's shapes."""
