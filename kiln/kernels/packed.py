@@ -5,10 +5,16 @@ timed on this machine, over copies of the weight streamed from DRAM, and the win
 the box the code was written on. The engine's activations (int8x2 | int8 | float32) say which candidates are timed.
 
 Rows timed: the largest row count of each row class (kiln.quant.ops.ROW_CLASSES, which says what each class
-serves) and LARGE_ROWS for more (prefill chunks), one entry each (kiln.quant.ops.row_class). The logits head runs on the
-sampled rows alone (a step's sequences, times k + 1 where k drafts are verified): its layout is timed up to the row
-class of `head_rows`, the most the engine can ask of it; above that class (no engine path reaches it) the reference
-runs. Racing the 49152-row head at 256 and 1,024 rows took about half of its 15 s table on a 2-core EPYC.
+serves) and LARGE_ROWS for more (prefill chunks), one entry each (kiln.quant.ops.row_class); a class of several row
+counts below LARGE_ROWS is raced at its middle too (`class_points`), and its entry goes to the candidate fastest
+across both (`class_winner`). Timed at its top alone, the 65-256 class of the 576x576 layout went to
+dequantize-then-BLAS, which pays its dequantization whatever the rows: 2,718 vs 3,028 us for `native` at 256 rows,
+but 1,794 vs 1,441 us at 128 (2-core AVX2 EPYC), where the prefill budget's chunks beside streams fall.
+
+The logits head runs on the sampled rows alone (a step's sequences, times k + 1 where k drafts are verified): its
+layout is timed up to the row class of `head_rows`, the most the engine can ask of it; above that class (no engine
+path reaches it) the reference runs. Racing the 49152-row head at 256 and 1,024 rows took about half of its 15 s
+table on a 2-core EPYC.
 
 Row counts are raced fewest first: a candidate's time at fewer rows is its floor at more (kiln.kernels.race). One
 that sat out a row count keeps the floor of an earlier, smaller one; where that floor would let it in, it is first
@@ -18,6 +24,7 @@ measured at the row count it sat out (one call on each of two copies), which cos
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
@@ -46,7 +53,7 @@ from kiln.kernels.native.build import install_native_dispatch, source_hash
 from kiln.kernels.race import RULES, Entrant, time_candidates, time_us
 from kiln.kernels.torch_kernels import layer_weight
 from kiln.quant.linear import PackedLinear
-from kiln.quant.ops import ROW_CLASSES, Kernel, dequantize_codes, row_class
+from kiln.quant.ops import LARGE, ROW_CLASSES, Kernel, dequantize_codes, row_class
 
 logger = logging.getLogger("kiln")
 
@@ -54,6 +61,44 @@ LARGE_ROWS = 1024  # prefill chunks of up to --max-num-batched-tokens (2048 by d
 STREAM_BYTES = 96 << 20  # copies of a layer that add up to more than a last-level cache
 ROWS = (*ROW_CLASSES, LARGE_ROWS)
 TIMED_ROWS = {row_class(rows): rows for rows in ROWS}  # row class -> the row count timed for it
+
+
+def class_points(timed: int) -> tuple[int, ...]:
+    """The row counts raced for the row class timed at `timed` rows: its top, after its middle (the power of two
+    nearest the geometric mean of its bounds: 4, 8, 32, 128) where the class holds several row counts below the
+    LARGE one (whose dequantization is paid once for all rows, a kernel that scales with them loses more above)."""
+    below = [top for top in ROW_CLASSES if top < timed]
+    if not below or row_class(timed) == LARGE:
+        return (timed,)
+    low = below[-1] + 1
+    middle = 2 ** round(math.log2(math.sqrt(low * timed)))
+    return (middle, timed) if low <= middle < timed else (timed,)
+
+
+def raced_rows(rows_timed: Iterable[int]) -> tuple[int, ...]:
+    """Every row count raced for these row classes (by the rows each is timed at), fewest first."""
+    return tuple(sorted({point for timed in rows_timed for point in class_points(timed)}))
+
+
+def class_winner(record: dict[str, Any], timed: int, allowed: Callable[[str], bool] = lambda name: True) -> str | None:
+    """The `allowed` candidate that serves the row class timed at `timed` rows fastest across its points: the least
+    mean, over the points, of its time over the fastest time there (ties: the faster at the top). It must have been
+    timed at the top; at the middle a candidate ruled out unbuilt counts its floor (at or above the lead's time).
+    None where no allowed candidate was timed at the top."""
+    seen = []
+    for point in class_points(timed):
+        times = {**record["ruled_out_us"].get(str(point), {}), **record["times_us"].get(str(point), {})}
+        seen.append({name: us for name, us in times.items() if allowed(name)})
+    top_times = {name: us for name, us in record["times_us"].get(str(timed), {}).items() if allowed(name)}
+    names = set(top_times).intersection(*seen)
+    if not names:
+        return None
+    fastest = [min(times[name] for name in names) for times in seen]
+
+    def score(name: str) -> tuple[float, float]:
+        return sum(times[name] / best for times, best in zip(seen, fastest, strict=True)), top_times[name]
+
+    return min(sorted(names), key=score)
 
 
 def packed_layers(model: nn.Module) -> list[PackedLinear]:
@@ -68,7 +113,7 @@ def timed_rows(most: int | None) -> tuple[int, ...]:
 def layer_key(
     layer: PackedLinear, activations: str, rows: tuple[int, ...] = ROWS, candidates: Iterable[str] | None = None
 ) -> dict[str, object]:
-    """What a timed choice is for: the layout, the rows timed, the activations and the candidates they allow (a
+    """What a timed choice is for: the layout, the rows raced, the activations and the candidates they allow (a
     new candidate, row class, race rules, or native sources that changed or now build, time the layout again);
     `candidates`: the names raced (default: all the activations allow)."""
     dtype = str(layer.scale.dtype).removeprefix("torch.")
@@ -80,7 +125,7 @@ def layer_key(
         "dtype": dtype,
         "activations": activations,
         "candidates": sorted(candidates_for(activations) if candidates is None else candidates),
-        "rows": list(rows),
+        "rows": list(raced_rows(rows)),
         "native": native,
         "race": RULES,
     }
@@ -183,9 +228,9 @@ class PackedKernelTable:
     def without_second_form(self, layer: PackedLinear, rows: int) -> str:
         """The fastest candidate timed for `rows` rows of this layer that holds no second form (the reference
         where none was timed)."""
-        times = self.records[label(layer)]["times_us"].get(str(TIMED_ROWS[row_class(rows)]), {})
-        light = {name: us for name, us in times.items() if name in CANDIDATES and not CANDIDATES[name].second_form}
-        return min(light, key=light.__getitem__) if light else DEQUANT_BLAS
+        record = self.records[label(layer)]
+        light = class_winner(record, TIMED_ROWS[row_class(rows)], lambda name: not _holds_second_form(name))
+        return light or DEQUANT_BLAS
 
     def second_form_summary(self) -> str:
         """Which layouts keep a second form and its bytes, for the start-up log."""
@@ -201,11 +246,10 @@ class PackedKernelTable:
         copies = [tuple(t.clone() for t in (layer.codes, layer.scale, layer.offset)) for _ in range(count)]
         dequant_us = time_us(lambda x, *weight: dequantize_codes(*weight), torch.empty(0), copies)
         times: dict[str, dict[str, float]] = {}
-        winners: dict[str, str] = {}
         ruled_out: dict[str, dict[str, float]] = {}
         floors: dict[str, float] = {}  # each candidate's time (or floor) at the most rows raced so far
         fewer: int | None = None  # the row count raced before
-        for rows in rows_timed:
+        for rows in raced_rows(rows_timed):
             x = torch.randn(rows, layer.in_features, dtype=layer.scale.dtype)
             applying = sorted(
                 ((n, c) for n, c in self.candidates.items() if c.applies(layer, rows)), key=lambda nc: nc[1].builds
@@ -220,12 +264,14 @@ class PackedKernelTable:
                     floor=partial(_floor, c, floors.get(name, 0.0), dequant_us, probe),
                 )
             race = time_candidates(entrants, x, copies)
-            times[str(rows)], winners[str(rows)] = race.times, race.winner
+            times[str(rows)] = race.times
             if race.ruled_out:
                 ruled_out[str(rows)] = race.ruled_out
             floors |= race.ruled_out | race.times
             fewer = rows
-        return {"winners": winners, "times_us": times, "ruled_out_us": ruled_out}
+        record = {"times_us": times, "ruled_out_us": ruled_out}
+        winners = {str(timed): class_winner(record, timed) for timed in rows_timed}
+        return {"winners": winners, **record}
 
     def _probe(
         self, candidate: PackedCandidate, layer: PackedLinear, rows: int, copies: list[tuple]
@@ -243,6 +289,10 @@ class PackedKernelTable:
             return min(first, time_us(kernel, x, copies[1:2], budget_s=0.0))
 
         return measure
+
+
+def _holds_second_form(name: str) -> bool:
+    return name not in CANDIDATES or CANDIDATES[name].second_form
 
 
 def _floor(

@@ -94,6 +94,24 @@ def test_a_candidate_whose_floor_reaches_the_lead_is_never_built(monkeypatch: py
     assert result.winner == "hopeful"
 
 
+def test_a_close_call_is_swept_again_until_the_best_of_more_sweeps_decides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`a` and `b` are within CLOSE_CALL after three rounds (b's 100 vs a's 104): both are swept again, and `a`'s
+    quiet fifth sweep (80) shows it is the faster: it wins, and the extra rounds stop, the two no longer close;
+    `far` (1.5x) is not swept again."""
+    given = {"a": [110.0, 104.0, 108.0, 105.0, 80.0], "b": [100.0, 103.0, 101.0, 102.0, 104.0], "far": [150.0] * 3}
+    sweeps = fake_clock(monkeypatch, given)
+    result = race.time_candidates({n: Named.entrant(n) for n in given}, torch.zeros(1, 4), [()], rounds=3)
+    assert sweeps == {"a": 5, "b": 5, "far": 3}
+    assert result.winner == "a" and result.times == {"a": 80.0, "b": 100.0, "far": 150.0}
+
+
+def test_a_close_call_is_swept_at_most_close_rounds_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    given = {"a": [10.0] * 20, "b": [10.5] * 20}
+    sweeps = fake_clock(monkeypatch, given)
+    race.time_candidates({n: Named.entrant(n) for n in given}, torch.zeros(1, 4), [()], rounds=3)
+    assert sweeps == {"a": 3 + race.CLOSE_ROUNDS, "b": 3 + race.CLOSE_ROUNDS}
+
+
 def test_a_race_over_its_time_budget_keeps_its_first_round(monkeypatch: pytest.MonkeyPatch) -> None:
     given = {"a": [10.0, 1.0], "b": [12.0, 1.0]}
     sweeps = fake_clock(monkeypatch, given)
@@ -147,10 +165,10 @@ class PerRow(PackedCandidate):
 def test_a_candidate_that_sat_out_is_probed_at_fewer_rows_before_it_is_built(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """`slow` (100 µs a row) sits out at one row and after; at 256 rows its one-row floor (100) is under the lead
-    (`fast`: 266), so it is measured at 64 rows (6,400), which rules it out unbuilt at 256 rows (without the probe it
-    was built and run there). `late` (500 + 0.1 a row) is probed at 256 rows before 1,024 (525.6, under the lead's
-    1,034): it enters, is built, and wins there."""
+    """`slow` (100 µs a row) sits out at one row and after; at 128 rows (the 65-256 class's middle) its one-row floor
+    (100) is under the lead (`fast`: 138), so it is measured at 64 rows (6,400), which rules it out unbuilt at 128
+    and 256 rows (without the probe it was built and run there). `late` (500 + 0.1 a row) is probed at 256 rows
+    before 1,024 (525.6, under the lead's 1,034): it enters, is built, and wins there."""
     fast, slow, late = PerRow("fast", 10.0, 1.0), PerRow("slow", 0.0, 100.0), PerRow("late", 500.0, 0.1)
     fast.builds = False  # type: ignore[misc]  # raced first: the lead is known before the others' turns
     candidates = {c.name: c for c in (fast, slow, late)}
@@ -170,6 +188,7 @@ def test_a_candidate_that_sat_out_is_probed_at_fewer_rows_before_it_is_built(
         "1024": "late",
     }
     assert slow.built_for == [1, 64] and "slow" not in record["times_us"]["256"]
+    assert record["ruled_out_us"]["128"]["slow"] == 6400.0
     assert record["ruled_out_us"]["256"]["slow"] == 6400.0 and record["ruled_out_us"]["1024"]["slow"] == 6400.0
     assert late.built_for == [1, 256, 1024] and record["times_us"]["1024"]["late"] == pytest.approx(602.4)
 
@@ -217,3 +236,34 @@ def test_the_one_row_reduction_compiles_once_per_weight_form() -> None:
     shared_compile(reduction, once, x2, *layouts[0])
     shared_compile(reduction, once, torch.randn(1, 96), *weight(8, 3))
     assert len(inner.calls) == 3
+
+
+@pytest.mark.usefixtures("fresh_kernel_choices")
+def test_a_row_class_goes_to_the_kernel_fastest_across_it_not_at_its_top_alone(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`flat` takes 1,850 µs at any row count (a kernel padding rows to a block), `linear` 30 µs a row: at 64 rows
+    `flat` is faster (1,850 vs 1,920), but the 17-64 class serves 32-row decode steps too, where `linear` takes half
+    of `flat`'s time; timed at its top alone the class went to `flat`. At 65-256 rows `flat` wins throughout."""
+    flat, linear = PerRow("flat", 1850.0, 0.0), PerRow("linear", 0.0, 30.0)
+    linear.builds = False  # type: ignore[misc]
+    candidates = {c.name: c for c in (flat, linear)}
+    monkeypatch.setattr(packed, "candidates_for", lambda activations, second_forms=True: candidates)
+    fake_us = lambda kernel, x, copies, budget_s=0.0: kernel(x) if x.numel() else 1.0  # noqa: E731
+    monkeypatch.setattr(packed, "time_us", fake_us)
+    monkeypatch.setattr(race, "time_us", fake_us)
+    layer = PackedLinear(64, 96, bits=4)
+    record = packed.PackedKernelTable(layer, EagerCompiler(), KernelChoiceCache(tmp_path)).records[packed.label(layer)]
+    assert record["times_us"]["64"] == {"flat": 1850.0, "linear": 1920.0}  # the top alone favours `flat`
+    assert record["times_us"]["32"]["linear"] == 960.0 and record["ruled_out_us"]["32"]["flat"] == 1850.0
+    assert record["winners"] == {
+        "1": "linear",
+        "2": "linear",
+        "6": "linear",
+        "16": "linear",
+        "64": "linear",
+        "256": "flat",
+        "1024": "flat",
+    }
+    assert packed.class_winner(record, 64, allowed=lambda name: name != "linear") == "flat"
+    assert packed.class_winner(record, 64, allowed=lambda name: False) is None

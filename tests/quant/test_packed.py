@@ -33,7 +33,7 @@ from kiln.kernels.candidates import (
 from kiln.kernels.choices import KernelChoiceCache
 from kiln.kernels.compute_forms import Bf16Form, reference_bf16
 from kiln.kernels.native.reference import q8_linear
-from kiln.kernels.packed import LARGE_ROWS, ROWS, TIMED_ROWS, PackedKernelTable, label
+from kiln.kernels.packed import LARGE_ROWS, ROWS, TIMED_ROWS, PackedKernelTable, class_points, label, raced_rows
 from kiln.model.build import resident_weight_bytes
 from kiln.model.loader import resolve_model_path
 from kiln.quant.gguf_blocks import PACKED_TYPES, decode_blocks, layout_of
@@ -308,15 +308,21 @@ def test_the_table_times_each_shape_once_picks_the_fastest_and_is_cached(tmp_pat
     first = PackedKernelTable(model, make_compiler("inductor"), KernelChoiceCache(tmp_path), "float32")
     assert len(first.records) == 2  # two layers of one shape share an entry
     four = first.records["96x64 4-bit/32 float32"]
-    assert four["source"] == "timed" and set(four["times_us"]) == {"1", "2", "6", "16", "64", "256", "1024"}
+    assert four["source"] == "timed" and set(four["winners"]) == {"1", "2", "6", "16", "64", "256", "1024"}
+    assert set(four["times_us"]) == {"1", "2", "4", "6", "8", "16", "32", "64", "128", "256", "1024"}  # + middles
     native = {NATIVE} if native_packed_linear() is not None else set()  # where kiln's C++ kernels build here
     assert raced(four, "1") == {DEQUANT_BLAS, COMPILED_DEQUANT, FUSED, INT4PACK, *native}
     assert raced(first.records["64x96 8-bit/32 float32"], "64") == {DEQUANT_BLAS, COMPILED_DEQUANT, *native}
     assert FUSED not in raced(four, "16") and FUSED not in raced(four, "256")
     assert INT4PACK not in str(first.records["64x96 8-bit/32 float32"])
     for record in first.records.values():
+        for top, winner in record["winners"].items():
+            at_top = record["times_us"][top]
+            assert winner in at_top  # a class's winner was timed at its top
+            if len(class_points(int(top))) == 1:
+                assert winner == min(at_top, key=at_top.__getitem__)
         for rows, times in record["times_us"].items():
-            assert record["winners"][rows] == min(times, key=times.__getitem__) and min(times.values()) > 0
+            assert min(times.values()) > 0
             # a candidate left unbuilt could not have won: its floor was at or above a time measured in its race
             assert all(floor >= min(times.values()) for floor in record["ruled_out_us"].get(rows, {}).values())
             assert not set(times) & set(record["ruled_out_us"].get(rows, {}))
@@ -348,8 +354,8 @@ def test_the_head_is_timed_only_at_the_rows_a_step_samples(tmp_path: Path) -> No
     model = _HeadedModel()
     table = PackedKernelTable(model, make_compiler("inductor"), KernelChoiceCache(tmp_path), "float32", head_rows=16)
     head, layer = table.records["64x96 8-bit/32 float32"], table.records["96x64 4-bit/32 float32"]
-    assert set(head["times_us"]) == set(head["winners"]) == {"1", "2", "6", "16"}
-    assert set(layer["times_us"]) == {str(r) for r in ROWS}
+    assert set(head["winners"]) == {"1", "2", "6", "16"} and set(head["times_us"]) == {"1", "2", "4", "6", "8", "16"}
+    assert set(layer["times_us"]) == {str(r) for r in raced_rows(ROWS)}
     table.install()
     for rows in (1, 16, 300):
         x = torch.randn(rows, 96)
