@@ -44,7 +44,7 @@ def main() -> None:
     first = timings[0][1]
     flips, total = [], 0
     for layout, record in first.items():
-        for rows, winner in record["winners"].items():
+        for rows in record["winners"]:
             total += 1
             seen = [records[layout]["winners"].get(rows) for _, records in timings]
             if len(set(seen)) > 1:
