@@ -7,7 +7,7 @@ the box the code was written on. The engine's activations (int8x2 | int8 | float
 Rows timed: the largest row count of each row class (kiln.quant.ops.ROW_CLASSES, which says what each class
 serves) and LARGE_ROWS for more (prefill chunks), one entry each (kiln.quant.ops.row_class); a class of several row
 counts below LARGE_ROWS is raced at its middle too (`class_points`), and its entry goes to the candidate fastest
-across both (`class_winner`). Timed at its top alone, the 65-256 class of the 576x576 layout went to
+across both (`class_winner`). Timed at its top alone, the class up to 256 rows of the 576x576 layout went to
 dequantize-then-BLAS, which pays its dequantization whatever the rows: 2,718 vs 3,028 us for `native` at 256 rows,
 but 1,794 vs 1,441 us at 128 (2-core AVX2 EPYC), where the prefill budget's chunks beside streams fall.
 

@@ -17,7 +17,7 @@ all of a candidate's sweeps. What keeps a race short, without ever guessing whic
   other work moves it little.
 - **close calls get more sweeps**: after the rounds, entrants within CLOSE_CALL of the lead run up to CLOSE_ROUNDS
   more rounds among themselves (within the time budget), so the best of more sweeps decides between them. With
-  three sweeps, the 3072x576 layout's 17-64 class went to one kernel or the other from run to run on a 2-core
+  three sweeps, the 3072x576 layout's class up to 64 rows went to one kernel or the other from run to run on a 2-core
   EPYC VM (3,368 vs 3,535 us in one table, the other order in another).
 """
 
