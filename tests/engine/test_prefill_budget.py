@@ -136,3 +136,17 @@ def test_a_steps_cost_is_its_chunks_alone() -> None:
     chunk = next(s for s in mixed.scheduled if s.request.request_id == "long")
     assert len(mixed.scheduled) == 5
     assert scheduler.step_cost(mixed) == scheduler.prefill.cost(chunk.num_new_tokens, 0)
+
+
+def test_prompts_that_arrive_together_with_none_decoding_are_not_probed() -> None:
+    """The measured step time (and its probe) keeps a decoding sequence's gaps short: with none decoding, prompts
+    that arrive together take the token threshold's cost alone (a 16-token probe of each of 32 prompts made the
+    first step a quarter of the token budget)."""
+    config = SchedulerConfig(max_num_batched_tokens=2048, long_prefill_step_seconds=0.5)
+    scheduler = Scheduler(config, BlockPool(1024, 16), attention_tokens=SMOLLM2_ATTENTION_TOKENS)
+    scheduler.add(request("a", 20))
+    scheduler.add(request("b", 7))
+    scheduler.add(request("long", 2000))
+    assert run_step(scheduler) == {"a": 20, "b": 7, "long": 512}  # the threshold alone, no probe
+    scheduler.add(request("late", 100))
+    assert run_step(scheduler)["late"] == PROBE_TOKENS  # a and b decode now: the step time bounds chunks

@@ -11,8 +11,10 @@ The budget is `long_prefill_token_threshold` tokens at context 0, and, once step
 `long_prefill_step_seconds` of measured time. A step takes a fixed time (its decode rows, the weights read once),
 averaged over the steps that prefill nothing, plus its chunks' cost times the seconds per unit of cost, averaged
 over the steps that prefill (their time less the fixed part: counting it per unit would shrink small chunks
-further and further; a step's cost is its chunks' alone, the fixed part holding its decode rows). Until a step
-with a chunk has been timed, a chunk beside others is a probe of `PROBE_TOKENS`, the smallest chunk: an untimed
+further and further; a step's cost is its chunks' alone, the fixed part holding its decode rows). The measured
+time bounds a chunk only while a sequence decodes beside it (prompts that arrive together, none decoding, take the
+token threshold: no stream's gap to keep short). Until a step with a chunk has been timed, a chunk beside a
+decoding sequence is a probe of `PROBE_TOKENS`, the smallest chunk: an untimed
 budget of 512 tokens made a first chunk of 1.8 s on a 2-core AVX2 machine, and a probe of 64 tokens still took
 0.3-0.5 s there, every stream's gap. From the probe on, a chunk costs at most `GROWTH` times the costliest step
 timed so far, so one noisy early sample cannot size a chunk far past what was seen (chunks double to the
@@ -60,12 +62,14 @@ class PrefillBudget:
             return float(num_new)
         return num_new * (1 + (start + num_new / 2) / self.attention_tokens)
 
-    def chunk(self, wanted: int, start: int) -> int:
-        """The tokens of `wanted` a request with `start` tokens computed prefills this step."""
+    def chunk(self, wanted: int, start: int, timed: bool = True) -> int:
+        """The tokens of `wanted` a request with `start` tokens computed prefills this step; `timed`: the measured
+        step time bounds it too (while a sequence decodes beside it; else the token threshold's cost alone)."""
         budget = self.cost(self.max_tokens, 0) if self.max_tokens else math.inf
-        if self.step_seconds and self.seconds_per_cost is None:
+        timed = timed and bool(self.step_seconds)
+        if timed and self.seconds_per_cost is None:
             return min(wanted, PROBE_TOKENS)
-        if self.step_seconds and self.seconds_per_cost:
+        if timed and self.seconds_per_cost:
             # NOTE: a chunk gets at least a step's fixed time: below it the fixed part dominates and the prompt's
             # prefill slows down more than the others' gaps shrink (where the target cannot be met at all)
             chunk_seconds = max(self.step_seconds - self.base_seconds, self.base_seconds)

@@ -1,19 +1,20 @@
 """Continuous batching with a token budget, chunked prefill and preemption by recompute.
 
-Each step: running requests first (decodes and unfinished prefill chunks), then waiting requests while
-the token budget, the sequence limit and free KV blocks allow. While more than one request is unfinished, one
-request prefills a chunk of at most `long_prefill_token_threshold` tokens' cost a step, and of at most
-`long_prefill_step_seconds` once timed (the chunk shrinks as its context grows, kiln.engine.scheduling.prefill_budget),
-and one client request (prompts x n) runs at most `running_per_request` sequences, so the others keep getting tokens
-and batch slots. When blocks run out, the most recently admitted running request is preempted: its blocks are
-freed and it rejoins the front of the waiting queue to be recomputed from its prompt and the tokens it has already
-produced. Under the priority policy (vLLM's) both queues are kept in `priority_order` instead: the waiting are
-admitted lowest priority value first and the running are preempted from the other end. Under a
-recipe's step constraints a request joins a step only with as many tokens as keep the step paddable to an
-allowed shape (kiln.engine.scheduling.step_shape). The scheduler never runs a model and never touches tensors. With
-speculative decoding, the step's proposer (kiln.engine.speculation) runs first, over the sequences `decoding()` names,
-and `schedule` receives its draft tokens as plain data: each one more decode row of its sequence, as many as the
-budget, a window and the step shapes allow; `trim_rejected` frees the blocks only rejected drafts held.
+Each step: running requests first (decodes and unfinished prefill chunks), then waiting requests while the token
+budget, the sequence limit and free KV blocks allow. While more than one request is unfinished, one request prefills
+a chunk of at most `long_prefill_token_threshold` tokens' cost a step, and, while a sequence decodes beside it, of
+at most `long_prefill_step_seconds` once timed (the chunk shrinks as its context grows,
+kiln.engine.scheduling.prefill_budget), and one client request (prompts x n) runs at most `running_per_request`
+sequences, so the others keep getting tokens and batch slots. When blocks run out, the most recently admitted
+running request is preempted: its blocks are freed and it rejoins the front of the waiting queue to be recomputed
+from its prompt and the tokens it has already produced. Under the priority policy (vLLM's) both queues are kept in
+`priority_order` instead: the waiting are admitted lowest priority value first and the running are preempted from
+the other end. Under a recipe's step constraints a request joins a step only with as many tokens as keep the step
+paddable to an allowed shape (kiln.engine.scheduling.step_shape). The scheduler never runs a model and never touches
+tensors. With speculative decoding, the step's proposer (kiln.engine.speculation) runs first, over the sequences
+`decoding()` names, and `schedule` receives its draft tokens as plain data: each one more decode row of its
+sequence, as many as the budget, a window and the step shapes allow; `trim_rejected` frees the blocks only rejected
+drafts held.
 
 With prefix caching (`self.prefix`, kiln.engine.scheduling.prefix_sharing) a waiting request is admitted at its longest
 cached prefix and prefills only the rest; it waits while a running request computes its next uncached block (so one
@@ -113,6 +114,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         share = -(-(len(self.running) + len(self.waiting)) // self.steps_in_flight)
+        streaming = any(r.output_token_ids for r in self.running)  # a sequence is decoding: its gaps count
         proposed = proposed or {}
         i = 0
         while i < len(self.running) and budget > 0 and len(scheduled) < share:
@@ -125,7 +127,7 @@ class Scheduler:
             else:
                 num_new = self._fit(
                     scheduled,
-                    window_cap(self.groups, req, self._chunk(req, req.num_computed_tokens, budget)),
+                    window_cap(self.groups, req, self._chunk(req, req.num_computed_tokens, budget, streaming)),
                 )
             if num_new == 0:  # no allowed step shape holds it next to the others: it runs in a later step
                 i += 1
@@ -145,7 +147,7 @@ class Scheduler:
             num_new = req.num_tokens - start
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = self._chunk(req, start, budget)
+            num_new = self._chunk(req, start, budget, streaming)
             fitted = self._fit(scheduled, window_cap(self.groups, req, num_new))
             if fitted == 0 or (fitted < num_new and not self.config.enable_chunked_prefill):
                 break
@@ -187,14 +189,15 @@ class Scheduler:
                 return r
         return None
 
-    def _chunk(self, req: Request, start: int, budget: int) -> int:
+    def _chunk(self, req: Request, start: int, budget: int, streaming: bool) -> int:
         """The tokens `req` computes this step from `start` on, within `budget`: while others run or wait (with
         chunked prefill) a chunk of at most the prefill budget's cost (kiln.engine.scheduling.prefill_budget), so a long
-        prompt no longer holds every other stream for its whole prefill, nor for one costly chunk."""
+        prompt no longer holds every other stream for its whole prefill, nor for one costly chunk; its measured
+        step time bounds the chunk only while a sequence is `streaming` (none decodes: no gap to keep short)."""
         wanted = min(req.num_tokens - start, budget)
         if not self.config.enable_chunked_prefill or len(self.running) + len(self.waiting) < 2:
             return wanted
-        return self.prefill.chunk(wanted, start)
+        return self.prefill.chunk(wanted, start, timed=streaming)
 
     def step_cost(self, sched: SchedulerOutput) -> float:
         """What `sched`'s prefill chunks cost in the prefill budget's units (call before the step advances its
