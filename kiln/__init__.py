@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from kiln.engine.request import RequestOutput
     from kiln.engine.sampling.sampling_params import SamplingParams
     from kiln.engine.serving.llm import LLM
-    from kiln.engine.structured.structured_output import StructuredOutput
+    from kiln.engine.structured.constraint import StructuredOutput
     from kiln.lora.request import LoRARequest
 
 _LAZY = {
@@ -19,7 +19,7 @@ _LAZY = {
     "LoRARequest": "kiln.lora.request",
     "RequestOutput": "kiln.engine.request",
     "SamplingParams": "kiln.engine.sampling.sampling_params",
-    "StructuredOutput": "kiln.engine.structured.structured_output",
+    "StructuredOutput": "kiln.engine.structured.constraint",
 }
 
 

@@ -20,6 +20,7 @@ llama.py            the Llama-shaped families (Llama 2/3, SmolLM2, Mistral, Qwen
 moe.py              `kiln::moe`: the mixture-of-experts custom op, the `FusedMoE` layer around it, its checkpoint names
 prefill_attention.py
                     prompts and chunks of a step attend in a few padded, masked SDPA calls, not one per sequence
+paths.py            how a model name becomes a path ("default": the bundled GGUF), without loading torch
 parallel.py         tensor-parallel pieces of the forward: the all-reduce after a row-parallel layer, the
                     vocab-parallel embedding
 tokenizer.py        tokenizer and chat template, from GGUF metadata or an HF directory, on the `tokenizers` library

@@ -15,7 +15,8 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from kiln.engine.structured.structured_output import Grammars, StructuredOutput
+from kiln.engine.structured.constraint import StructuredOutput
+from kiln.engine.structured.structured_output import Grammars
 from kiln.errors import RequestError
 from kiln.server.grammar_limits import GRAMMAR_COMPILE_THREADS, GrammarLimits
 from kiln.server.limits import LimitExceeded

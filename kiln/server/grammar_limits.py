@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kiln.server.limits import LimitExceeded
 
 if TYPE_CHECKING:
-    from kiln.engine.structured.structured_output import StructuredOutput
+    from kiln.engine.structured.constraint import StructuredOutput
 
 MAX_GRAMMAR_BYTES = 256 * 1024  # a constraint's text (a schema as JSON, a regex, a grammar, the choices as JSON)
 MAX_GRAMMAR_CHOICES = 5000  # a choice list's strings; in a schema, its enum values and anyOf/oneOf branches together

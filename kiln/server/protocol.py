@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from kiln.engine.sampling.sampling_params import SamplingParams
-from kiln.engine.structured.structured_output import StructuredOutput
+from kiln.engine.structured.constraint import StructuredOutput
 from kiln.errors import RequestError
 from kiln.model.tokenizer import TEMPLATE_RESERVED
 from kiln.server.request_fields import RequestPart

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from kiln.engine.structured.structured_output import ANY_JSON_OBJECT, StructuredOutput
+from kiln.engine.structured.constraint import ANY_JSON_OBJECT, StructuredOutput
 from kiln.errors import RequestError
 from kiln.server.request_fields import RequestPart
 

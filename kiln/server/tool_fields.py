@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from kiln.engine.structured.structured_output import StructuredOutput
+from kiln.engine.structured.constraint import StructuredOutput
 from kiln.errors import RequestError
 from kiln.server.request_fields import RequestPart
 from kiln.server.tool_parsers import NAME_PATTERN, TOOL_PARSERS, ToolParser

@@ -12,9 +12,10 @@ import os
 import pytest
 
 from kiln.engine.structured import structured_output
+from kiln.engine.structured.constraint import StructuredOutput
 from kiln.engine.structured.grammar_build import GrammarRefused, short_reason
 from kiln.engine.structured.grammar_cache import estimated_bytes
-from kiln.engine.structured.structured_output import Grammars, StructuredOutput
+from kiln.engine.structured.structured_output import Grammars
 from kiln.errors import RequestError
 from kiln.model.build import load_tokenizer
 from kiln.model.loader import open_checkpoint

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from kiln import LLM, SamplingParams
+from kiln.engine.structured.constraint import StructuredOutput
 from kiln.engine.structured.reasoning_gate import ReasoningGate
-from kiln.engine.structured.structured_output import Grammars, StructuredOutput
+from kiln.engine.structured.structured_output import Grammars
 from kiln.model.build import load_tokenizer
 from kiln.model.loader import open_checkpoint
 from kiln.model.tokenizer import KilnTokenizer

@@ -14,8 +14,7 @@ from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
 from kiln.errors import ModelLoadError
 from kiln.model.build import load_tokenizer
-from kiln.model.loader import open_checkpoint
-from kiln.model.loader.base import default_model_path
+from kiln.model.loader import default_model_path, open_checkpoint
 from kiln.model.loader.gguf_loader import GGUFCheckpoint
 from kiln.model.loader.gguf_reader import CheckedReader
 from tests.engine.tiny_models import write_gguf_file

@@ -13,9 +13,9 @@ import threading
 import pytest
 
 from kiln.engine.request import RequestOutput
+from kiln.engine.structured.constraint import StructuredOutput
 from kiln.engine.structured.grammar_build import GrammarRefused
 from kiln.engine.structured.grammar_cache import GrammarCache
-from kiln.engine.structured.structured_output import StructuredOutput
 from kiln.server.answers import raise_if_failed
 from kiln.server.errors import APIError
 from kiln.server.grammar_compiler import GrammarCompiler

@@ -32,6 +32,12 @@ LAZY_IMPORTS = {
         "llguidance",
     ): "only a constrained request needs it (a GPU box may lack it)",
     ("kiln/engine/structured/grammar_build.py", "llguidance.gbnf_to_lark"): "same",
+    ("kiln/engine/serving/commands.py", "kiln.engine.serving.llm"): "torch and inductor (~7 s) load once the flags, "
+    "the sampling parameters and the model's path are checked: a bad one is reported at once",
+    ("kiln/engine/serving/commands.py", "kiln.compile.artifacts"): "same, for `kiln compile`",
+    ("kiln/engine/serving/commands.py", "kiln.compile.diagnose"): "same",
+    ("kiln/engine/serving/commands.py", "kiln.engine.setup.build"): "same",
+    ("kiln/engine/serving/commands.py", "kiln.executor.graph"): "same",
     ("kiln/model/loader/hf_quant.py", "kiln.quant.compressed"): "compressed-tensors imports transformers (~3 s): "
     "only a compressed-tensors checkpoint pays it",
 }

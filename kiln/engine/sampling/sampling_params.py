@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from kiln.engine.structured.structured_output import StructuredOutput
+from kiln.engine.structured.constraint import StructuredOutput
 from kiln.errors import RequestError
 
 TEMPERATURE_EPS = 1e-5  # below this a temperature is greedy (vLLM's rule too)

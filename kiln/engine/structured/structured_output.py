@@ -1,6 +1,7 @@
 """Structured outputs: a request's output held to a JSON schema, a regex, a choice or a grammar.
 
-`StructuredOutput` is the request's constraint (a value on SamplingParams). `Grammars` compiles it once per
+`StructuredOutput` is the request's constraint (a value on SamplingParams, kiln.engine.structured.constraint).
+`Grammars` compiles it once per
 constraint with llguidance (chosen over xgrammar: one 3 MB wheel with no dependencies, where xgrammar needs
 triton and transformers at run time; its Earley parser over a token trie computes a mask in ~20 us on the default
 model's 49k vocabulary) and hands each sequence its own `GrammarState`. Each step, a constrained row's logits
@@ -32,15 +33,14 @@ bytes, failures remembered by key). kiln.engine.structured.grammar_build writes 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 
+from kiln.engine.structured.constraint import StructuredOutput
 from kiln.engine.structured.grammar_build import (
     MAX_REASON_CHARS,
     GrammarRefused,
@@ -48,52 +48,11 @@ from kiln.engine.structured.grammar_build import (
     llguidance_module,
     new_matcher,
 )
-from kiln.engine.structured.grammar_cache import GRAMMAR_CACHE_BYTES, GrammarCache, estimated_bytes, grammar_key
+from kiln.engine.structured.grammar_cache import GRAMMAR_CACHE_BYTES, GrammarCache, estimated_bytes
 from kiln.engine.structured.reasoning_gate import ReasoningGate
 from kiln.errors import RequestError
 
 logger = logging.getLogger("kiln")
-
-Kind = Literal["json", "regex", "choice", "grammar"]
-KINDS: tuple[str, ...] = ("json", "regex", "choice", "grammar")
-ANY_JSON_OBJECT = '{"type": "object"}'  # OpenAI's json_object mode
-
-
-@dataclass(frozen=True)
-class StructuredOutput:
-    """What the output must match. `kind` json: `spec` a JSON schema (text); regex: a regular expression (Rust
-    syntax, whole output); choice: a JSON list of strings, the output being one of them; grammar: a Lark or GBNF
-    grammar. `param`: the request field it came from, which errors name. `after_reasoning`: the output's reasoning
-    comes first, unconstrained (the grammar is the same: it is compiled and cached by kind and spec alone)."""
-
-    kind: Kind
-    spec: str
-    param: str = field(default="structured_output", compare=False)
-    after_reasoning: ReasoningGate | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise RequestError(
-                f"unknown structured output kind {self.kind!r}: expected one of {KINDS}", None, self.param
-            )
-        if not isinstance(self.spec, str):
-            raise RequestError(f"{self.param} must be given as text, got {type(self.spec).__name__}", None, self.param)
-
-    @functools.cached_property
-    def key(self) -> str:
-        """The grammar cache's key: a hash of the kind and text (logs name a grammar by its first 12 digits)."""
-        return grammar_key(self.kind, self.spec)
-
-    @classmethod
-    def json(cls, schema: dict[str, Any] | str, param: str = "json") -> StructuredOutput:
-        return cls("json", schema if isinstance(schema, str) else json.dumps(schema), param)
-
-    @classmethod
-    def choice(cls, choices: list[str], param: str = "choice") -> StructuredOutput:
-        if not choices or not all(isinstance(c, str) and c for c in choices):
-            raise RequestError(f"{param} must be a non-empty list of non-empty strings", None, param)
-        return cls("choice", json.dumps(choices), param)
-
 
 Phase = Literal["open", "reasoning", "grammar"]  # may open a reasoning / reasons / held to the grammar
 

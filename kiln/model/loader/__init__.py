@@ -4,8 +4,8 @@ A checkpoint (either class below) offers `config`, `header()`, `weight_shapes()`
 `weights()` (HF-named tensors, read lazily one at a time), `rope_freq_factors()`, `num_tensors`, and for messages
 `file_of(name)` and `tensor_label(name)`. Anything malformed it finds is a `ModelLoadError` naming the file.
 
-base.py           what every checkpoint loader returns, how a model name becomes a path, a file's version (size,
-                  mtime) that memos of parsed files key on, typed reads of config fields
+base.py           what every checkpoint loader returns, a file's version (size, mtime) that memos of parsed files
+                  key on, typed reads of config fields (how a model name becomes a path: kiln.model.paths)
 families.py       model families: one entry per family under its HF and GGUF names, with its model class, GGUF layout
                   and config reader
 config_view.py    a checkpoint's settings under config.json's names, from config.json or GGUF metadata alike
@@ -27,9 +27,10 @@ from __future__ import annotations
 import os
 
 from kiln.errors import ModelLoadError
-from kiln.model.loader.base import CheckpointHeader, default_model_path, resolve_model_path
+from kiln.model.loader.base import CheckpointHeader
 from kiln.model.loader.gguf_loader import GGUFCheckpoint
 from kiln.model.loader.hf_loader import HFCheckpoint
+from kiln.model.paths import default_model_path, resolve_model_path
 
 Checkpoint = GGUFCheckpoint | HFCheckpoint
 
