@@ -161,23 +161,28 @@ class PerRow(PackedCandidate):
         return lambda x, *weight: self.fixed + self.per_row * x.shape[0]
 
 
+def timed_record(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *candidates: PerRow) -> dict:
+    """The table's record of a 64x96 4-bit layout raced among `candidates` alone, on the faked clock."""
+    by_name = {c.name: c for c in candidates}
+    monkeypatch.setattr(packed, "candidates_for", lambda activations, second_forms=True: by_name)
+    fake_us = lambda kernel, x, copies, budget_s=0.0: kernel(x) if x.numel() else 1.0  # noqa: E731
+    monkeypatch.setattr(packed, "time_us", fake_us)
+    monkeypatch.setattr(race, "time_us", fake_us)
+    layer = PackedLinear(64, 96, bits=4)
+    return packed.PackedKernelTable(layer, EagerCompiler(), KernelChoiceCache(tmp_path)).records[packed.label(layer)]
+
+
 @pytest.mark.usefixtures("fresh_kernel_choices")
 def test_a_candidate_that_sat_out_is_probed_at_fewer_rows_before_it_is_built(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """`slow` (100 µs a row) sits out at one row and after; at 128 rows (the 65-256 class's middle) its one-row floor
+    """`slow` (100 µs a row) sits out at one row and after; at 128 rows (a class's middle) its one-row floor
     (100) is under the lead (`fast`: 138), so it is measured at 64 rows (6,400), which rules it out unbuilt at 128
     and 256 rows (without the probe it was built and run there). `late` (500 + 0.1 a row) is probed at 256 rows
     before 1,024 (525.6, under the lead's 1,034): it enters, is built, and wins there."""
     fast, slow, late = PerRow("fast", 10.0, 1.0), PerRow("slow", 0.0, 100.0), PerRow("late", 500.0, 0.1)
     fast.builds = False  # type: ignore[misc]  # raced first: the lead is known before the others' turns
-    candidates = {c.name: c for c in (fast, slow, late)}
-    monkeypatch.setattr(packed, "candidates_for", lambda activations, second_forms=True: candidates)
-    fake_us = lambda kernel, x, copies, budget_s=0.0: kernel(x) if x.numel() else 1.0  # noqa: E731
-    monkeypatch.setattr(packed, "time_us", fake_us)
-    monkeypatch.setattr(race, "time_us", fake_us)
-    layer = PackedLinear(64, 96, bits=4)
-    record = packed.PackedKernelTable(layer, EagerCompiler(), KernelChoiceCache(tmp_path)).records[packed.label(layer)]
+    record = timed_record(monkeypatch, tmp_path, fast, slow, late)
     assert record["winners"] == {
         "1": "fast",
         "2": "fast",
@@ -247,13 +252,7 @@ def test_a_row_class_goes_to_the_kernel_fastest_across_it_not_at_its_top_alone(
     of `flat`'s time; timed at its top alone the class went to `flat`. At 65-256 rows `flat` wins throughout."""
     flat, linear = PerRow("flat", 1850.0, 0.0), PerRow("linear", 0.0, 30.0)
     linear.builds = False  # type: ignore[misc]
-    candidates = {c.name: c for c in (flat, linear)}
-    monkeypatch.setattr(packed, "candidates_for", lambda activations, second_forms=True: candidates)
-    fake_us = lambda kernel, x, copies, budget_s=0.0: kernel(x) if x.numel() else 1.0  # noqa: E731
-    monkeypatch.setattr(packed, "time_us", fake_us)
-    monkeypatch.setattr(race, "time_us", fake_us)
-    layer = PackedLinear(64, 96, bits=4)
-    record = packed.PackedKernelTable(layer, EagerCompiler(), KernelChoiceCache(tmp_path)).records[packed.label(layer)]
+    record = timed_record(monkeypatch, tmp_path, flat, linear)
     assert record["times_us"]["64"] == {"flat": 1850.0, "linear": 1920.0}  # the top alone favours `flat`
     assert record["times_us"]["32"]["linear"] == 960.0 and record["ruled_out_us"]["32"]["flat"] == 1850.0
     assert record["winners"] == {
