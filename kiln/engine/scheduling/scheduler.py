@@ -170,7 +170,7 @@ class Scheduler:
                 self.running.append(req)
             scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
-        scheduled.sort(key=lambda s: s.num_rows != s.num_new_tokens)  # stable: decodes (and verifications) first
+        scheduled.sort(key=lambda s: s.is_chunk)  # stable: decodes (and verifications) first
         out.scheduled = scheduled
         return out
 
@@ -203,7 +203,7 @@ class Scheduler:
         """What `sched`'s prefill chunks cost in the prefill budget's units (call before the step advances its
         requests); 0 when it prefills nothing (only steps with a chunk are timed). Its decode rows are left out:
         the budget's fixed part, timed on steps without a chunk, holds them."""
-        chunks = [s for s in sched.scheduled if s.num_new_tokens != s.num_rows]
+        chunks = [s for s in sched.scheduled if s.is_chunk]
         return sum(self.prefill.cost(s.num_new_tokens, s.request.num_computed_tokens) for s in chunks)
 
     def _fit(self, scheduled: list[ScheduledRequest], wanted: int) -> int:

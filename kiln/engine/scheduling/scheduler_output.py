@@ -26,6 +26,12 @@ class ScheduledRequest:
         """Sequences of the step it counts as: one decode row per token when it verifies drafts."""
         return self.num_new_tokens if self.spec_token_ids else 1
 
+    @property
+    def is_chunk(self) -> bool:
+        """A prefill chunk: more new tokens than the decode rows it counts as (a decode or a verification has one
+        row per new token)."""
+        return self.num_rows != self.num_new_tokens
+
 
 @dataclass
 class SchedulerOutput:
@@ -47,6 +53,6 @@ class SchedulerOutput:
     @property
     def decode_rows(self) -> int:
         """Rows of a step of decodes (and verifications) alone; 0 when a prefill chunk is in it."""
-        if any(s.num_rows != s.num_new_tokens for s in self.scheduled):
+        if any(s.is_chunk for s in self.scheduled):
             return 0
         return sum(s.num_rows for s in self.scheduled)
