@@ -40,6 +40,8 @@ OPS = {
     "int8x2-blocked": "packed_linear_q8x2_blocked",
     "int8-streamed": "packed_linear_q8_streamed",
     "int8x2-streamed": "packed_linear_q8x2_streamed",
+    "int8-wide": "packed_linear_q8_wide",
+    "int8x2-wide": "packed_linear_q8x2_wide",
 }
 
 

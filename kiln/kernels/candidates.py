@@ -28,6 +28,9 @@ int8 / int8x2:
 - `native-int8-streamed` / `native-int8x2-streamed` (up to STREAMED_MAX_ROWS rows, where the blocked form runs): the
   blocked arithmetic with the codes transposed in registers as they are used, no scratch: the weight streams as
   the lane kernel streams it at one row, and one unpacking serves up to 8 rows;
+- `native-int8-wide` / `native-int8x2-wide` (up to WIDE_MAX_ROWS rows; AVX2 or AVX-512, any codes): the same
+  arithmetic with x's digits widened to one int16 each (two digits are 128 q + q2), so one `vpmaddwd` per 16
+  codes gives both digits' sums, each output's codes read in order with no lane work across outputs;
 - `native-int8-amx` / `native-int8x2-amx` (3 to AMX_MAX_ROWS rows, where the CPU's AMX-INT8 tiles passed their probe
   in a child process, kiln.kernels.compute_forms): the same arithmetic, each group's integer sums of every row and
   digit (up to 16 tile rows) by one tile multiply of the streamed form's transposed codes; the vector units keep the
@@ -69,6 +72,8 @@ STREAMED_MAX_ROWS = 16  # the streamed forms are timed up to this many rows (the
 BLOCKED_OPS = {INT8: "packed_linear_q8_blocked", INT8X2: "packed_linear_q8x2_blocked"}
 STREAMED_OPS = {INT8: "packed_linear_q8_streamed", INT8X2: "packed_linear_q8x2_streamed"}
 AMX_OPS = {INT8: "packed_linear_q8_amx", INT8X2: "packed_linear_q8x2_amx"}
+WIDE_OPS = {INT8: "packed_linear_q8_wide", INT8X2: "packed_linear_q8x2_wide"}
+WIDE_MAX_ROWS = 16  # the wide forms are timed up to this many rows (made for one or a few)
 AMX_MAX_ROWS = 16  # the AMX forms are timed up to this many rows (the scratch form and bf16 win more)
 AMX_MAX_GROUP = 64  # packed_q8_amx.cpp's AMX_MAX_K: a group's codes are one tile row of x's digits
 
@@ -262,6 +267,28 @@ class NativeInt8x2Streamed(NativeInt8Streamed):
     activations = INT8X2
 
 
+class NativeInt8Wide(PackedCandidate):
+    """x's digits widened to one int16 each (packed_q8_wide.cpp): the same arithmetic, for one or a few rows."""
+
+    name = "native-int8-wide"
+    activations = INT8
+
+    def applies(self, layer: PackedLinear, rows: int) -> bool:
+        on_cpu = layer.codes.device.type == "cpu"
+        fits = layer.group <= INT8_MAX_GROUP and layer.scale.dtype == torch.float32
+        op = widest_native(WIDE_OPS[self.activations])
+        return rows <= WIDE_MAX_ROWS and on_cpu and fits and op is not None
+
+    def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
+        # chosen on an earlier run but not built now: the float32 reference runs (the build logged why)
+        return widest_native(WIDE_OPS[self.activations]) or dequant_blas
+
+
+class NativeInt8x2Wide(NativeInt8Wide):
+    name = "native-int8x2-wide"
+    activations = INT8X2
+
+
 class NativeInt8Amx(PackedCandidate):
     name = "native-int8-amx"
     activations = INT8
@@ -327,6 +354,8 @@ CANDIDATES: dict[str, PackedCandidate] = {
         NativeInt8x2Blocked(),
         NativeInt8Streamed(),
         NativeInt8x2Streamed(),
+        NativeInt8Wide(),
+        NativeInt8x2Wide(),
         NativeInt8Amx(),
         NativeInt8x2Amx(),
     )
@@ -336,6 +365,7 @@ FUSED, INT4PACK, NATIVE, BRGEMM_BF16 = FusedReduction.name, Int4PackMM.name, Nat
 NATIVE_INT8, NATIVE_INT8X2 = NativeInt8.name, NativeInt8x2.name
 NATIVE_INT8_BLOCKED, NATIVE_INT8X2_BLOCKED = NativeInt8Blocked.name, NativeInt8x2Blocked.name
 NATIVE_INT8_STREAMED, NATIVE_INT8X2_STREAMED = NativeInt8Streamed.name, NativeInt8x2Streamed.name
+NATIVE_INT8_WIDE, NATIVE_INT8X2_WIDE = NativeInt8Wide.name, NativeInt8x2Wide.name
 NATIVE_INT8_AMX, NATIVE_INT8X2_AMX = NativeInt8Amx.name, NativeInt8x2Amx.name
 AMX_CANDIDATES = (NATIVE_INT8_AMX, NATIVE_INT8X2_AMX)
 

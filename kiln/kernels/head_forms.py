@@ -14,8 +14,8 @@ per row class (kiln.kernels.packed's ROWS up to the head's rows, fewest first, k
   and where the matrix unit's probe passed.
 - `q8-<packed candidate>`: an int8 copy of the weight (int8 codes per group of 32 inputs and a float32 scale per
   group, GGUF's Q8_0: 35 MB on the default model) multiplied by one of the packed layers' int8-activation kernels
-  (kiln.kernels.candidates: the lane, streamed, blocked and AMX-INT8 forms, each timed at the row counts it applies
-  to), x quantized to the engine's own int8 digits: the bytes and the arithmetic of the Q4_1 GGUF's Q8_0 head.
+  (kiln.kernels.candidates: the lane, streamed, wide, blocked and AMX-INT8 forms, each timed at the row counts it
+  applies to), x quantized to the engine's own int8 digits: the bytes and the arithmetic of the Q4_1 GGUF's Q8_0 head.
   Admitted as the packed candidates are (int8 or int8x2 engines, the AMX forms where their probe passed) and where
   second forms are allowed.
 Candidates of one form (the q8 ones) share one copy. The head weight itself is never changed: a tied embedding keeps

@@ -23,9 +23,11 @@ from kiln.kernels.candidates import (
     NATIVE_INT8,
     NATIVE_INT8_BLOCKED,
     NATIVE_INT8_STREAMED,
+    NATIVE_INT8_WIDE,
     NATIVE_INT8X2,
     NATIVE_INT8X2_BLOCKED,
     NATIVE_INT8X2_STREAMED,
+    NATIVE_INT8X2_WIDE,
     PackedCandidate,
 )
 from kiln.kernels.compute_forms import bf16_form_bytes, brgemm_bf16_op, pack_dense_bf16
@@ -196,6 +198,8 @@ Q8_PACKED = (
     NATIVE_INT8X2,
     NATIVE_INT8_STREAMED,
     NATIVE_INT8X2_STREAMED,
+    NATIVE_INT8_WIDE,
+    NATIVE_INT8X2_WIDE,
     NATIVE_INT8_BLOCKED,
     NATIVE_INT8X2_BLOCKED,
     *AMX_CANDIDATES,

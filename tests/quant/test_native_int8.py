@@ -18,10 +18,12 @@ from kiln.kernels.candidates import (
     NATIVE_INT8_AMX,
     NATIVE_INT8_BLOCKED,
     NATIVE_INT8_STREAMED,
+    NATIVE_INT8_WIDE,
     NATIVE_INT8X2,
     NATIVE_INT8X2_AMX,
     NATIVE_INT8X2_BLOCKED,
     NATIVE_INT8X2_STREAMED,
+    NATIVE_INT8X2_WIDE,
     candidates_for,
     native_blocked_linear,
 )
@@ -132,8 +134,8 @@ def test_bad_operands_are_clear_errors() -> None:
 
 def test_int8_candidates_are_timed_only_for_int8_activations(tmp_path) -> None:
     floats = set(candidates_for("float32"))
-    one = {NATIVE_INT8, NATIVE_INT8_BLOCKED, NATIVE_INT8_STREAMED}
-    two = {NATIVE_INT8X2, NATIVE_INT8X2_BLOCKED, NATIVE_INT8X2_STREAMED}
+    one = {NATIVE_INT8, NATIVE_INT8_BLOCKED, NATIVE_INT8_STREAMED, NATIVE_INT8_WIDE}
+    two = {NATIVE_INT8X2, NATIVE_INT8X2_BLOCKED, NATIVE_INT8X2_STREAMED, NATIVE_INT8X2_WIDE}
     bf16 = {BRGEMM_BF16}  # the second form for the matrix unit: admitted by int8 engines (test_compute_forms.py)
     one |= {NATIVE_INT8_AMX}  # the matrix unit's integer sums (test_native_amx.py)
     two |= {NATIVE_INT8X2_AMX}
@@ -150,10 +152,8 @@ def test_int8_candidates_are_timed_only_for_int8_activations(tmp_path) -> None:
         (record,) = table.records.values()
         timed = set().union(*(set(times) for times in record["times_us"].values()))
         assert timed & {NATIVE_INT8, NATIVE_INT8X2} == ({int8} if int8 else set())
-        # the blocked and streamed forms of the same digits, where a vector tier runs them
-        blocked = {f"{int8}-blocked", f"{int8}-streamed"} if int8 and native_blocked_linear(activations) else set()
-        assert (
-            timed & {NATIVE_INT8_BLOCKED, NATIVE_INT8X2_BLOCKED, NATIVE_INT8_STREAMED, NATIVE_INT8X2_STREAMED}
-            == blocked
-        )
+        # the blocked, streamed and wide forms of the same digits, where a vector tier runs them
+        forms = {f"{int8}-blocked", f"{int8}-streamed", f"{int8}-wide"}
+        vector_forms = (one | two) - {NATIVE_INT8, NATIVE_INT8X2, NATIVE_INT8_AMX, NATIVE_INT8X2_AMX}
+        assert timed & vector_forms == (forms if int8 and native_blocked_linear(activations) else set())
         assert table.int8_runs == (int8 is not None)

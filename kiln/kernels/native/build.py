@@ -12,10 +12,11 @@ make the next build wait forever, is removed under it.
 `native_op(tier, name)` is the tier's op `name` (`packed_linear`: float32 activations; `packed_linear_q8` and
 `packed_linear_q8x2`: one or two int8 digits; their `_blocked` and `_streamed` forms, avx512 and avx2 tiers: the
 same arithmetic with 16 or 8 outputs a vector (codes transposed into a scratch, or in registers), int8 codes on
-avx512 only; their `_amx` forms, avx512 tier: the same arithmetic with a group's integer sums of every row on the
-matrix unit (packed_q8_amx.cpp; callable only where the CPU has AMX-INT8 and Linux grants the tiles);
-`paged_decode_attention`: decode attention over the paged KV cache; `brgemm_bf16_linear`, avx512 tier: a bf16 copy
-of a weight times x on oneDNN's brgemm ukernel (the matrix unit where there is one, dense_brgemm.cpp);
+avx512 only; their `_wide` forms, avx512 and avx2 tiers: the same arithmetic with x's digits widened to one int16
+(packed_q8_wide.cpp, for one or a few rows); their `_amx` forms, avx512 tier: the same arithmetic with a group's
+integer sums of every row on the matrix unit (packed_q8_amx.cpp; callable only where the CPU has AMX-INT8 and Linux
+grants the tiles); `paged_decode_attention`: decode attention over the paged KV cache; `brgemm_bf16_linear`, avx512
+tier: a bf16 copy of a weight times x on oneDNN's brgemm ukernel (the matrix unit where there is one, dense_brgemm.cpp);
 `prompt_row_scores`: the numbers prompt logprobs keep of each row of logits (row_scores.cpp); `head_row_scores`,
 avx512 tier: the same numbers from a bf16 head's brgemm tiles, never writing the logits (head_scores.cpp); `lora_delta`:
 the LoRA adapters' products of a decode step's few rows, each token through its own slot (lora.cpp);
@@ -55,6 +56,7 @@ SOURCES = tuple(
         "packed_linear.cpp",
         "packed_q8.cpp",
         "packed_q8_blocked.cpp",
+        "packed_q8_wide.cpp",
         "packed_q8_amx.cpp",
         "paged_attention.cpp",
         "dispatch.cpp",
@@ -163,6 +165,8 @@ OPS = (
     "packed_linear_q8x2_blocked",
     "packed_linear_q8_streamed",
     "packed_linear_q8x2_streamed",
+    "packed_linear_q8_wide",
+    "packed_linear_q8x2_wide",
     "packed_linear_q8_amx",
     "packed_linear_q8x2_amx",
     "paged_decode_attention",
@@ -180,7 +184,7 @@ OPS = (
 )
 # ops only some tiers define (the blocked and streamed products: zmm and ymm forms, none in the plain tier) or run
 # (oneDNN's bf16 brgemm needs AVX-512: every tier's object has the op, the avx512 tier's alone is looked up)
-TIER_OPS = {name: ("avx512", "avx2") for name in OPS if name.endswith(("_blocked", "_streamed"))}
+TIER_OPS = {name: ("avx512", "avx2") for name in OPS if name.endswith(("_blocked", "_streamed", "_wide"))}
 TIER_OPS["brgemm_bf16_linear"] = TIER_OPS["head_row_scores"] = ("avx512",)
 TIER_OPS |= {"packed_linear_q8_amx": ("avx512",), "packed_linear_q8x2_amx": ("avx512",)}  # AMX-INT8 tiles
 
