@@ -69,6 +69,7 @@ FLOAT32, INT8, INT8X2, BF16 = "float32", "int8", "int8x2", "bf16"
 INT8_MAX_GROUP = 1024  # packed_q8.cpp's MAX_GROUP: two digits' integer sums of a larger group could pass int32
 BLOCKED_MAX_GROUP = 512  # packed_q8_blocked.cpp's MAX_SHIFTED_GROUP: the same for int8 codes shifted by 128
 STREAMED_MAX_ROWS = 16  # the streamed forms are timed up to this many rows (the scratch form wins many more)
+INT8_OPS = {INT8: "packed_linear_q8", INT8X2: "packed_linear_q8x2"}
 BLOCKED_OPS = {INT8: "packed_linear_q8_blocked", INT8X2: "packed_linear_q8x2_blocked"}
 STREAMED_OPS = {INT8: "packed_linear_q8_streamed", INT8X2: "packed_linear_q8x2_streamed"}
 AMX_OPS = {INT8: "packed_linear_q8_amx", INT8X2: "packed_linear_q8x2_amx"}
@@ -207,15 +208,18 @@ class NativePacked(PackedCandidate):
 class NativeInt8(PackedCandidate):
     name = "native-int8"
     activations = INT8
+    ops: ClassVar[dict[str, str]] = INT8_OPS  # the native op of each activations' digits
+    max_rows: ClassVar[int | None] = None  # timed up to this many rows (None: any)
 
     def applies(self, layer: PackedLinear, rows: int) -> bool:
         on_cpu = layer.codes.device.type == "cpu"
         fits = layer.group <= INT8_MAX_GROUP and layer.scale.dtype == torch.float32
-        return on_cpu and fits and native_int8_linear(self.activations) is not None
+        within = self.max_rows is None or rows <= self.max_rows
+        return within and on_cpu and fits and widest_native(self.ops[self.activations]) is not None
 
     def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
         # chosen on an earlier run but not built now: the float32 reference runs (the build logged why)
-        return native_int8_linear(self.activations) or dequant_blas
+        return widest_native(self.ops[self.activations]) or dequant_blas
 
 
 class NativeInt8x2(NativeInt8):
@@ -267,21 +271,12 @@ class NativeInt8x2Streamed(NativeInt8Streamed):
     activations = INT8X2
 
 
-class NativeInt8Wide(PackedCandidate):
+class NativeInt8Wide(NativeInt8):
     """x's digits widened to one int16 each (packed_q8_wide.cpp): the same arithmetic, for one or a few rows."""
 
     name = "native-int8-wide"
-    activations = INT8
-
-    def applies(self, layer: PackedLinear, rows: int) -> bool:
-        on_cpu = layer.codes.device.type == "cpu"
-        fits = layer.group <= INT8_MAX_GROUP and layer.scale.dtype == torch.float32
-        op = widest_native(WIDE_OPS[self.activations])
-        return rows <= WIDE_MAX_ROWS and on_cpu and fits and op is not None
-
-    def make(self, layer: PackedLinear, rows: int, compiler: PieceCompiler, weights: list[Weight]) -> Kernel:
-        # chosen on an earlier run but not built now: the float32 reference runs (the build logged why)
-        return widest_native(WIDE_OPS[self.activations]) or dequant_blas
+    ops = WIDE_OPS
+    max_rows = WIDE_MAX_ROWS
 
 
 class NativeInt8x2Wide(NativeInt8Wide):
@@ -322,9 +317,6 @@ def widest_native(name: str) -> Kernel | None:
 def native_packed_linear() -> Kernel | None:
     """The native float32-activation op (None where no tier builds)."""
     return widest_native("packed_linear")
-
-
-INT8_OPS = {INT8: "packed_linear_q8", INT8X2: "packed_linear_q8x2"}
 
 
 def native_int8_linear(activations: str = INT8) -> Kernel | None:
