@@ -9,18 +9,17 @@ waited for them (gaps of 13 s on a shared 2-core machine).
 
 The budget is `long_prefill_token_threshold` tokens at context 0, and, once steps have been timed, at most
 `long_prefill_step_seconds` of measured time. A step takes a fixed time (its decode rows, the weights read once),
-averaged over the steps that prefill nothing, plus its chunks' cost times the seconds per unit of cost, averaged
-over the steps that prefill (their time less the fixed part: counting it per unit would shrink small chunks
-further and further; a step's cost is its chunks' alone, the fixed part holding its decode rows). The measured
-time bounds a chunk only while a sequence decodes beside it (prompts that arrive together, none decoding, take the
-token threshold: no stream's gap to keep short). Until a step with a chunk has been timed, a chunk beside a
-decoding sequence is a probe of `PROBE_TOKENS`, the smallest chunk: an
-untimed budget of 512 tokens made a first chunk of 1.8 s on a 2-core AVX2 machine, and a probe of 64 tokens still
-took 0.3-0.5 s there, every stream's gap. From the probe on, a chunk costs at most `GROWTH` times the costliest step
-timed so far, so one noisy early sample cannot size a chunk far past what was seen (chunks double to the budget in
-a few steps). The chunk is the largest whose cost fits the smallest budget, so it shrinks as its
-context grows and as the machine is slower, but never below a step's fixed time (where the target cannot be met,
-a prompt still prefills at half speed or better). Counted: `num_shrunk` chunks cut below the threshold.
+averaged over the steps that prefill nothing, plus its chunks' cost times the seconds per unit of cost, averaged over
+the steps that prefill (their time less the fixed part: counting it per unit would shrink small chunks further and
+further; a step's cost is its chunks' alone, the fixed part holding its decode rows). The measured time bounds a chunk
+only while a sequence decodes beside it (prompts that arrive together, none decoding, take the token threshold: no
+stream's gap to keep short). Until a step with a chunk has been timed, a chunk beside a decoding sequence is a probe of
+`PROBE_TOKENS`, the smallest chunk: an untimed budget of 512 tokens made a first chunk of 1.8 s on a 2-core AVX2
+machine, and a probe of 64 tokens still took 0.3-0.5 s there, every stream's gap. From the probe on, a chunk costs at
+most `GROWTH` times the costliest step timed so far, so one noisy early sample cannot size a chunk far past what was
+seen (chunks double to the budget in a few steps). The chunk is the largest whose cost fits the smallest budget, so it
+shrinks as its context grows and as the machine is slower, but never below a step's fixed time (where the target cannot
+be met, a prompt still prefills at half speed or better). Counted: `num_shrunk` chunks cut below the threshold.
 """
 
 from __future__ import annotations
