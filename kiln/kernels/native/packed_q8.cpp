@@ -248,12 +248,13 @@ void outputs(const Weights& w, const Acts& a, int64_t rows, int64_t begin, int64
 at::Tensor product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
                    int digits) {
   const char* name = digits == 2 ? "packed_linear_q8x2" : "packed_linear_q8";
-  const PackedShape shape = check_q8_operands(name, x, codes, scale, offset);
-  const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous(), oc = offset.contiguous();
+  const Q8Operands operands(name, x, codes, scale, offset);
+  const PackedShape& shape = operands.shape;
+  const at::Tensor& xc = operands.x;
+  const Weights& w = operands.weights;
   const int64_t rows = xc.size(0), n = shape.n;
   const QuantizedX qx(xc, shape, digits);
   at::Tensor out = at::empty({rows, n}, xc.options());
-  const Weights w = weights_of(cc, sc, oc, shape);
   const Acts a = qx.acts();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, (n + OUT_CHUNK - 1) / OUT_CHUNK, 1, [&](int64_t c0, int64_t c1) {

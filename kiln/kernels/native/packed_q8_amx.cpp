@@ -199,14 +199,15 @@ void amx_rows(const Weights& w, const float* x, int64_t rows, int64_t in, int di
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
                       int digits) {
   const char* name = digits == 2 ? "packed_linear_q8x2_amx" : "packed_linear_q8_amx";
-  const PackedShape shape = check_q8_operands(name, x, codes, scale, offset);
-  const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous(), oc = offset.contiguous();
+  const Q8Operands operands(name, x, codes, scale, offset);
+  const PackedShape& shape = operands.shape;
+  const at::Tensor& xc = operands.x;
+  const Weights& w = operands.weights;
   TORCH_CHECK(shape.group <= AMX_MAX_K && shape.code_bytes % 16 == 0, "kiln native ", name,
               ": groups of at most ", AMX_MAX_K, " values in whole 16-byte runs of codes, got ", shape.group);
   TORCH_CHECK(tiles_granted(), "kiln native ", name, ": Linux refused this process the AMX tile state "
               "(arch_prctl ARCH_REQ_XCOMP_PERM)");
   const int64_t rows = xc.size(0), n = shape.n, in = xc.size(1), most = AMX_MAX_ROWS / digits;
-  const Weights w = weights_of(cc, sc, oc, shape);
   at::Tensor out = at::empty({rows, n}, xc.options());
   for (int64_t r0 = 0; r0 < rows; r0 += most)  // one A tile's rows at a time
     amx_rows(w, xc.data_ptr<float>() + r0 * in, std::min(most, rows - r0), in, digits, out.data_ptr<float>() + r0 * n,

@@ -314,15 +314,16 @@ at::Tensor blocked(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
                    int digits, bool streamed) {
   const char* name = streamed ? (digits == 2 ? "packed_linear_q8x2_streamed" : "packed_linear_q8_streamed")
                               : (digits == 2 ? "packed_linear_q8x2_blocked" : "packed_linear_q8_blocked");
-  const PackedShape shape = check_q8_operands(name, x, codes, scale, offset);
-  const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous(), oc = offset.contiguous();
+  const Q8Operands operands(name, x, codes, scale, offset);
+  const PackedShape& shape = operands.shape;
+  const at::Tensor& xc = operands.x;
+  const Weights& w = operands.weights;
   const int64_t rows = xc.size(0), n = shape.n;
   TORCH_CHECK(shape.nibbles || INT8_CODES, "kiln native ", name, ": int8 codes need the AVX-512 VNNI tier (this "
               "tier's vpmaddubsw would saturate on them); nibble codes only here");
   TORCH_CHECK(shape.nibbles || digits == 1 || shape.group <= MAX_SHIFTED_GROUP, "kiln native ", name, ": int8 codes "
               "in groups of at most ", MAX_SHIFTED_GROUP, " values, got ", shape.group);
   const QuantizedX qx(xc, shape, digits);
-  const Weights w = weights_of(cc, sc, oc, shape);
   const Acts a = qx.acts();
   const std::vector<int32_t> shift = w.nibbles ? std::vector<int32_t>() : digit_shifts(a, rows, w.group);
   const int32_t* sp = shift.empty() ? nullptr : shift.data();

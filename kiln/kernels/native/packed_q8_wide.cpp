@@ -181,12 +181,13 @@ void chunk_outputs(const Weights& w, const Acts& a, const int16_t* wide, int64_t
 at::Tensor wide_product(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                         const at::Tensor& offset, int digits) {
   const char* name = digits == 2 ? "packed_linear_q8x2_wide" : "packed_linear_q8_wide";
-  const PackedShape shape = check_q8_operands(name, x, codes, scale, offset);
-  const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous(), oc = offset.contiguous();
+  const Q8Operands operands(name, x, codes, scale, offset);
+  const PackedShape& shape = operands.shape;
+  const at::Tensor& xc = operands.x;
+  const Weights& w = operands.weights;
   const int64_t rows = xc.size(0), n = shape.n;
   const QuantizedX qx(xc, shape, digits);
   at::Tensor out = at::empty({rows, n}, xc.options());
-  const Weights w = weights_of(cc, sc, oc, shape);
   const Acts a = qx.acts();
   float* op = out.data_ptr<float>();
   if (w.code_bytes % 16 != 0) {  // codes in shorter runs: one (row, output) at a time, the same arithmetic

@@ -133,6 +133,21 @@ Weights weights_of(const at::Tensor& codes, const at::Tensor& scale, const at::T
           s.group, s.code_bytes, s.nibbles};
 }
 
+// The operands of an int8-activation product (`name`: the op, for its errors), checked (check_q8_operands) and
+// contiguous, with the weight's view over them (`weights`: valid while this holder lives; declared last, it is
+// initialized from the tensors above it).
+struct Q8Operands {
+  Q8Operands(const char* name, const at::Tensor& x_in, const at::Tensor& codes_in, const at::Tensor& scale_in,
+             const at::Tensor& offset_in)
+      : shape(check_q8_operands(name, x_in, codes_in, scale_in, offset_in)), x(x_in.contiguous()),
+        codes(codes_in.contiguous()), scale(scale_in.contiguous()), offset(offset_in.contiguous()),
+        weights(weights_of(codes, scale, offset, shape)) {}
+
+  const PackedShape shape;
+  const at::Tensor x, codes, scale, offset;
+  const Weights weights;
+};
+
 // x [rows, in] (contiguous float32) quantized per (row, group), rows in parallel; owns the digits and scales.
 class QuantizedX {
  public:
