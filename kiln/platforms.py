@@ -7,6 +7,8 @@ devices (kiln.compile.capture); what differs is stated here, once:
   host-side values and its inputs keep fixed shapes; on CPU a capture is the piece specialised to one size.
 - `separate_memory`: the device has memory of its own, so step inputs are staged in pinned host memory and
   uploaded once per step; on CPU the staging buffer is the input.
+- `kv_cache_zeros`: where a KV cache lies: on CPU on transparent huge pages where Linux gives them
+  (kiln.huge_pages), on CUDA in device memory.
 A new device type is one subclass and one `PLATFORMS` entry.
 """
 
@@ -18,6 +20,7 @@ from typing import Any, ClassVar
 import psutil
 import torch
 
+from kiln import huge_pages
 from kiln.errors import ConfigError
 
 
@@ -66,6 +69,10 @@ class Platform(ABC):
         """Set a group's communicators up before any capture (NCCL does it on first use, which a capture forbids)."""
         return None
 
+    def kv_cache_zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """A layer's zeroed KV cache, placed where its scattered blocks read fastest."""
+        return torch.zeros(shape, dtype=dtype, device=device)
+
 
 class CpuPlatform(Platform):
     name = "cpu"
@@ -90,6 +97,10 @@ class CpuPlatform(Platform):
         from torch._inductor import cpu_vec_isa
 
         return f"cpu:{cpu_vec_isa.pick_vec_isa()}:{torch.get_num_threads()}-threads"
+
+    def kv_cache_zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """On transparent huge pages where Linux gives them (kiln.huge_pages: one TLB entry covers 512 blocks)."""
+        return huge_pages.zeros(shape, dtype)
 
 
 class CudaPlatform(Platform):

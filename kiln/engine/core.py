@@ -111,6 +111,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             mc=mc,
             reason=budget_reason,
+            huge_bytes=self.runner.kv_cache_huge_bytes,
         )
         # speculative decoding's proposer (kiln.engine.speculation): it proposes before each step is scheduled
         make = make_speculator or self._ngram_speculator

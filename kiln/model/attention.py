@@ -42,6 +42,7 @@ from kiln.config import ModelConfig
 from kiln.model.forward_context import AttentionMetadata, DecodeKernel, PrefillKernel, get_forward_context
 from kiln.model.kv_format import cache_head_dim, row_width, store, unpack_rows
 from kiln.model.prefill_attention import prefill_attention
+from kiln.platforms import platform_of
 
 SPLITTING_OP = "kiln.attention"
 
@@ -65,7 +66,8 @@ def allocate_kv_caches(
     layers: Collection[int] | None = None,
     window_blocks: int = 0,
 ) -> list[torch.Tensor]:
-    """One zeroed cache per layer, laid out by `kv_cache_shape`, for `num_kv_heads` (default: all of the model's;
+    """One zeroed cache per layer, laid out by `kv_cache_shape` and placed by its device's platform (on CPU on
+    transparent huge pages where Linux gives them: kiln.huge_pages), for `num_kv_heads` (default: all of the model's;
     a tensor-parallel rank holds its own). A layer outside `layers` (another pipeline stage's) gets a cache of no
     heads: the same geometry, no memory. `window_blocks` > 0: the sliding-window layers of a model that mixes them
     with global ones hold that many blocks (their own pool, kiln.engine.scheduling.kv_window), the others
@@ -75,8 +77,9 @@ def allocate_kv_caches(
     def blocks(i: int) -> int:
         return window_blocks if window_blocks and config.layer_window(i) else num_blocks
 
+    platform = platform_of(device)
     return [
-        torch.zeros(
+        platform.kv_cache_zeros(
             kv_cache_shape(
                 num_blocks=blocks(i),
                 block_size=block_size,

@@ -78,17 +78,20 @@ def log_kv_cache(
     max_model_len: int,
     mc: ModelConfig,
     reason: str = "",
+    huge_bytes: int = 0,
 ) -> None:
-    """The start-up lines of the cache: its size, its dtype (and that `auto` chose it), and `reason`
-    (`kv_budget`'s); and how a sliding window uses it."""
+    """The start-up lines of the cache: its size, its dtype (and that `auto` chose it), how much of it lies on huge
+    pages (`huge_bytes`, kiln.huge_pages), and `reason` (`kv_budget`'s); and how a sliding window uses it."""
     num_blocks, window_blocks = blocks
+    pages = f", {min(1.0, huge_bytes / nbytes):.0%} on 2 MB pages" if huge_bytes and nbytes else ""
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens (%.2f GB %s), max_model_len=%d%s",
+        "KV cache: %d blocks x %d tokens = %d tokens (%.2f GB %s%s), max_model_len=%d%s",
         num_blocks,
         cc.block_size,
         num_blocks * cc.block_size,
         nbytes / 1e9,
         kv_dtype_name(kv_dtype) + (" (--kv-cache-dtype auto)" if cc.dtype == "auto" else ""),
+        pages,
         max_model_len,
         f" ({reason})" if reason else "",
     )

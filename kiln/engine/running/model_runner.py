@@ -30,6 +30,7 @@ from kiln.engine.sampling.sampler import Sampler
 from kiln.engine.scheduling.scheduler_output import SchedulerOutput
 from kiln.engine.scheduling.step_shape import StepShaper
 from kiln.executor.base import Executor
+from kiln.huge_pages import huge_page_bytes
 from kiln.kernels.head import RowScores
 from kiln.lora.manager import LoRAManager
 from kiln.model.attention import allocate_kv_caches, kv_cache_block_size
@@ -129,6 +130,11 @@ class ModelRunner:
     @property
     def kv_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.kv_caches)
+
+    @property
+    def kv_cache_huge_bytes(self) -> int:
+        """Bytes of the caches' mappings on huge pages now (kiln.huge_pages; 0 on CUDA)."""
+        return huge_page_bytes(self.kv_caches)
 
     def plan(self, sched: SchedulerOutput) -> StepPlan:
         """The step's inputs as plain lists: what a tensor- or pipeline-parallel driver sends its peers."""

@@ -1,0 +1,77 @@
+"""Large CPU buffers on transparent huge pages (Linux THP), so the TLB covers them.
+
+A paged KV cache is read a block at a time, and a float32 block of one KV head is 4 KB of the default model: one
+small page each, wherever the scheduler placed it. Decode attention over 32 sequences then misses the TLB at
+nearly every block, and the hardware prefetchers stop at each page's end. On 2 MB pages one TLB entry covers 512
+such blocks: the native decode attention read the same cache 9-24 % faster (sequential to shuffled block tables;
+docs/benchmarks.md, "Seventeenth session"). Weights are not placed here: each is read front to back, where small
+pages cost nothing measurable.
+
+Linux gives huge pages to anonymous memory when /sys/kernel/mm/transparent_hugepage/enabled says `always`, or says
+`madvise` and the range was advised MADV_HUGEPAGE (the usual default, which torch's allocator does not ask for). A
+buffer here is its own anonymous mapping, advised on its 2 MB-aligned part before the first touch, then zeroed so
+its memory is claimed at start as `torch.zeros` claims it. Where the kernel says `never`, has no THP, or Python's
+mmap has no MADV_HUGEPAGE (not Linux), the buffer is a plain `torch.zeros`.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+HUGE_PAGE = 2 << 20
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+SMAPS = Path("/proc/self/smaps")
+
+
+def thp_mode() -> str:
+    """The kernel's THP mode (`always`, `madvise` or `never`: the bracketed word of THP_ENABLED), "" where there is
+    none to read."""
+    try:
+        text = THP_ENABLED.read_text()
+    except OSError:
+        return ""
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else ""
+
+
+def huge_pages_available() -> bool:
+    return hasattr(mmap, "MADV_HUGEPAGE") and thp_mode() in ("always", "madvise")
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed, contiguous CPU tensor whose memory starts on a 2 MB boundary, advised for huge pages (a plain
+    `torch.zeros` where huge pages are unavailable or the tensor is under one)."""
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    if nbytes < HUGE_PAGE or not huge_pages_available():
+        return torch.zeros(shape, dtype=dtype)
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE  # room to start on a boundary
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
+    region.madvise(mmap.MADV_HUGEPAGE, start, (size - start) // HUGE_PAGE * HUGE_PAGE)
+    # the tensor holds `region` (frombuffer keeps its buffer alive), which unmaps when the last view is freed
+    flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=start)
+    tensor = flat.view(dtype).view(shape)
+    return tensor.zero_()
+
+
+def huge_page_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes the kernel backs with huge pages now in the memory mappings that hold `tensors` (each mapping's
+    AnonHugePages in /proc/self/smaps, counted once); 0 where that cannot be read."""
+    addresses = sorted(t.data_ptr() for t in tensors if t.device.type == "cpu" and t.numel())
+    try:
+        lines = SMAPS.read_text().splitlines()
+    except OSError:
+        return 0
+    total, holds = 0, False
+    for line in lines:
+        head = line.split(maxsplit=1)[0] if line else ""
+        if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms offset ..."
+            low, high = (int(part, 16) for part in head.split("-"))
+            holds = any(low <= a < high for a in addresses)
+        elif holds and head == "AnonHugePages:":
+            total += int(line.split()[1]) * 1024
+    return total
