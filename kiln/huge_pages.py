@@ -52,10 +52,11 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     start = -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
     region.madvise(mmap.MADV_HUGEPAGE, start, (size - start) // HUGE_PAGE * HUGE_PAGE)
-    # the tensor holds `region` (frombuffer keeps its buffer alive), which unmaps when the last view is freed
-    flat = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=start)
-    tensor = flat.view(dtype).view(shape)
-    return tensor.zero_()
+    # the storage holds `region` (frombuffer keeps its buffer alive), which unmaps when the last tensor on it goes;
+    # the cache is a tensor of its own on that storage, not a view of a flat one (graph inputs that are views take
+    # a view's path through the compiler)
+    storage = torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=start).untyped_storage()
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape).zero_()
 
 
 def huge_page_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -21,6 +21,7 @@ def test_zeros_is_a_zeroed_contiguous_tensor(dtype):
     shape = (2, 3, 700, 16, 64)  # 8.6 MB of float32, more than one huge page in every dtype here
     t = zeros(shape, dtype)
     assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and t.storage_offset() == 0
+    assert t._base is None  # a tensor of its own, as torch.zeros gives, not a view
     assert not t.any()
     if THP:
         assert t.data_ptr() % HUGE_PAGE == 0
