@@ -3,7 +3,7 @@
 A paged KV cache is read a block at a time, and a float32 block of one KV head is 4 KB of the default model: one
 small page each, wherever the scheduler placed it. Decode attention over 32 sequences then misses the TLB at
 nearly every block, and the hardware prefetchers stop at each page's end. On 2 MB pages one TLB entry covers 512
-such blocks: the native decode attention read the same cache 9-24 % faster (sequential to shuffled block tables;
+such blocks: the native decode attention took 9-24 % less time over the same cache (in-order to shuffled tables;
 docs/benchmarks.md, "Seventeenth session"). Weights are not placed here: each is read front to back, where small
 pages cost nothing measurable.
 
@@ -11,7 +11,7 @@ Linux gives huge pages to anonymous memory when /sys/kernel/mm/transparent_hugep
 `madvise` and the range was advised MADV_HUGEPAGE (the usual default, which torch's allocator does not ask for). A
 buffer here is its own anonymous mapping, advised on its 2 MB-aligned part before the first touch, then zeroed so
 its memory is claimed at start as `torch.zeros` claims it. Where the kernel says `never`, has no THP, or Python's
-mmap has no MADV_HUGEPAGE (not Linux), the buffer is a plain `torch.zeros`.
+mmap has no MADV_HUGEPAGE (not Linux), or the mapping or its advice is refused, the buffer is a plain `torch.zeros`.
 """
 
 from __future__ import annotations
@@ -49,9 +49,12 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if nbytes < HUGE_PAGE or not huge_pages_available():
         return torch.zeros(shape, dtype=dtype)
     size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE  # room to start on a boundary
-    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
-    region.madvise(mmap.MADV_HUGEPAGE, start, (size - start) // HUGE_PAGE * HUGE_PAGE)
+    try:
+        region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        start = -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
+        region.madvise(mmap.MADV_HUGEPAGE, start, (size - start) // HUGE_PAGE * HUGE_PAGE)
+    except OSError:  # a mapping limit, or a kernel that refuses the advice: torch's allocator, as before
+        return torch.zeros(shape, dtype=dtype)
     # the storage holds `region` (frombuffer keeps its buffer alive), which unmaps when the last tensor on it goes;
     # the cache is a tensor of its own on that storage, not a view of a flat one (graph inputs that are views take
     # a view's path through the compiler)

@@ -57,6 +57,15 @@ def test_without_thp_zeros_falls_back_to_torch(tmp_path, monkeypatch):
     assert t.shape == (3, HUGE_PAGE) and not t.any()
 
 
+def test_a_refused_mapping_falls_back_to_torch(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", refuse)
+    t = zeros((3, HUGE_PAGE), torch.float32)
+    assert t.shape == (3, HUGE_PAGE) and not t.any()
+
+
 def test_huge_page_bytes_counts_the_mappings_that_hold_the_tensors(tmp_path, monkeypatch):
     t = torch.zeros(16)
     ptr = t.data_ptr()
