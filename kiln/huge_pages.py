@@ -65,7 +65,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def huge_page_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes the kernel backs with huge pages now in the memory mappings that hold `tensors` (each mapping's
     AnonHugePages in /proc/self/smaps, counted once); 0 where that cannot be read."""
-    addresses = sorted(t.data_ptr() for t in tensors if t.device.type == "cpu" and t.numel())
+    addresses = [t.data_ptr() for t in tensors if t.device.type == "cpu" and t.numel()]
     try:
         lines = SMAPS.read_text().splitlines()
     except OSError:
@@ -74,8 +74,11 @@ def huge_page_bytes(tensors: Iterable[torch.Tensor]) -> int:
     for line in lines:
         head = line.split(maxsplit=1)[0] if line else ""
         if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms offset ..."
-            low, high = (int(part, 16) for part in head.split("-"))
-            holds = any(low <= a < high for a in addresses)
+            low, _, high = head.partition("-")
+            try:
+                holds = any(int(low, 16) <= a < int(high, 16) for a in addresses)
+            except ValueError:  # not an address range after all
+                holds = False
         elif holds and head == "AnonHugePages:":
             total += int(line.split()[1]) * 1024
     return total

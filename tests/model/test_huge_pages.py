@@ -77,9 +77,11 @@ def test_huge_page_bytes_counts_the_mappings_that_hold_the_tensors(tmp_path, mon
         "VmFlags: rd wr mr mw me ac hg\n"
         f"{ptr + 8192:x}-{ptr + 16384:x} rw-p 00000000 00:00 0\n"
         "AnonHugePages:     2048 kB\n"
+        "not-an-address range\n"
+        "AnonHugePages:     1024 kB\n"
     )
     monkeypatch.setattr(huge_pages, "SMAPS", smaps)
-    assert huge_page_bytes([t, t[4:]]) == 4096 * 1024  # the second mapping holds neither; the first counts once
+    assert huge_page_bytes([t, t[4:]]) == 4096 * 1024  # the others hold neither; the first counts once
     monkeypatch.setattr(huge_pages, "SMAPS", tmp_path / "missing")
     assert huge_page_bytes([t]) == 0
 
