@@ -85,7 +85,7 @@ def log_kv_cache(
     num_blocks, window_blocks = blocks
     pages = f", {min(1.0, huge_bytes / nbytes):.0%} on 2 MB pages" if huge_bytes and nbytes else ""
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens (%.2f GB %s%s), max_model_len=%d%s",
+        "KV cache: %d blocks x %d tokens = %d tokens (%.2f GB %s)%s, max_model_len=%d%s",
         num_blocks,
         cc.block_size,
         num_blocks * cc.block_size,
