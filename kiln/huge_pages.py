@@ -66,6 +66,8 @@ def huge_page_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes the kernel backs with huge pages now in the memory mappings that hold `tensors` (each mapping's
     AnonHugePages in /proc/self/smaps, counted once); 0 where that cannot be read."""
     addresses = [t.data_ptr() for t in tensors if t.device.type == "cpu" and t.numel()]
+    if not addresses:  # device caches, or no heads here: nothing to read smaps for
+        return 0
     try:
         lines = SMAPS.read_text().splitlines()
     except OSError:
